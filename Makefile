@@ -1,0 +1,34 @@
+# Two commands do everything (see README): `make train` and `make test`.
+# Each creates .venv idempotently (re-installs only when pyproject.toml or this file change).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: train test lint bench clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU build of torch first: it satisfies the project's torch range, so nothing bigger is pulled.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,parity]'
+	# torchrec names the CUDA fbgemm-gpu; the parity extra installed fbgemm-gpu-cpu instead.
+	$(PIP) install -q --no-deps torchrec==1.8.0
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m hybrid.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check sparse_jax dense_torch hybrid tests benchmarks
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.xla_vs_fbgemm
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,28 @@
+"""sparse_jax: jagged features, embedding tables, fused sparse optimizers and their sharding, in JAX.
+
+Never imports torch. Names follow TorchRec where the concept is the same.
+"""
+
+from sparse_jax._capacity import DEFAULT_LADDER, capacity_for, length_cap, make_ladder
+from sparse_jax._configs import (
+    DataType,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+)
+from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
+from sparse_jax._keyed_tensor import KeyedTensor
+
+__all__ = [
+    "DEFAULT_LADDER",
+    "DataType",
+    "EmbeddingBagConfig",
+    "EmbeddingConfig",
+    "JaggedTensor",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
+    "PoolingType",
+    "capacity_for",
+    "length_cap",
+    "make_ladder",
+]

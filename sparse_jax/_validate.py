@@ -1,0 +1,119 @@
+"""Input checks for jagged data, run eagerly on concrete arrays before any device work.
+
+Every message names the feature (key), the batch position and the value, and says how to
+fix it. Checks are skipped for traced arrays (inside `jit` the shapes were checked when the
+batch was built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+__all__ = ["is_concrete", "as_id_array", "check_lengths", "check_offsets", "check_weights", "locate"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+_INT32_MIN = np.iinfo(np.int32).min
+
+
+def is_concrete(*arrays) -> bool:
+    """True when no array is a tracer (so values can be read on the host)."""
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays if a is not None)
+
+
+def locate(index: int, lengths: np.ndarray, keys: Sequence[str] | None, stride: int) -> str:
+    """Describe where value `index` sits: feature, batch position, and index in the bag."""
+    ends = np.cumsum(lengths)
+    seg = int(np.searchsorted(ends, index, side="right"))
+    start = int(ends[seg - 1]) if seg > 0 else 0
+    if not keys:
+        return f"bag {seg}, index {index - start} in the bag"
+    return f"feature {keys[seg // stride]!r}, batch position {seg % stride}, index {index - start} in the bag"
+
+
+def as_id_array(values, *, what: str, where=None) -> jax.Array | np.ndarray:
+    """Integer ids as int32 (or int64 with x64 on). Never truncates: out-of-range ids raise.
+
+    `where(i)` turns a value index into a location string for the error message.
+    """
+    if not is_concrete(values):
+        if not np.issubdtype(values.dtype, np.integer):
+            raise ValueError(f"{what}: values must be integer ids, got dtype {values.dtype}")
+        return values
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: values must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(
+            f"{what}: values must be integer ids, got dtype {arr.dtype}; convert with "
+            "astype(int32) or hash strings to integers first"
+        )
+    if jax.config.jax_enable_x64:
+        return arr.astype(np.int64, copy=False)
+    if arr.size and (arr.dtype.itemsize > 4 or arr.dtype == np.uint32):
+        bad = np.flatnonzero((arr > _INT32_MAX) | (arr < _INT32_MIN))
+        if bad.size:
+            i = int(bad[0])
+            loc = where(i) if where is not None else f"index {i}"
+            raise ValueError(
+                f"{what}: id {int(arr[i])} at {loc} does not fit in int32 and jax x64 is off "
+                f"({bad.size} such ids); hash or remap ids into the table's range, or enable "
+                "jax.config.update('jax_enable_x64', True)"
+            )
+    return arr.astype(np.int32, copy=False)
+
+
+def check_lengths(lengths, num_values: int, *, what: str, keys=None, stride: int = 1, exact=True):
+    """Lengths are integers >= 0 summing to `num_values` (or at most it when `exact=False`)."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: lengths must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what}: lengths must be integers, got dtype {arr.dtype}")
+    neg = np.flatnonzero(arr < 0)
+    if neg.size:
+        i = int(neg[0])
+        where = (
+            f"feature {keys[i // stride]!r}, batch position {i % stride}" if keys else f"bag {i}"
+        )
+        raise ValueError(f"{what}: length {int(arr[i])} at {where} is negative; lengths count ids per bag")
+    total = int(arr.sum())
+    if (exact and total != num_values) or total > num_values:
+        raise ValueError(
+            f"{what}: sum(lengths)={total} but values holds {num_values} ids; every id belongs "
+            "to exactly one bag, so the two must match"
+        )
+    return arr
+
+
+def check_offsets(offsets, num_values: int, *, what: str) -> np.ndarray:
+    """Offsets start at 0, never decrease, and end at `num_values`; returns the lengths."""
+    arr = np.asarray(offsets)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{what}: offsets must be 1-D with at least one entry (0), got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what}: offsets must be integers, got dtype {arr.dtype}")
+    if int(arr[0]) != 0:
+        raise ValueError(f"{what}: offsets must start at 0, got {int(arr[0])}")
+    lengths = np.diff(arr)
+    down = np.flatnonzero(lengths < 0)
+    if down.size:
+        i = int(down[0])
+        raise ValueError(f"{what}: offsets decrease at bag {i} ({int(arr[i])} -> {int(arr[i + 1])})")
+    if int(arr[-1]) != num_values:
+        raise ValueError(f"{what}: offsets end at {int(arr[-1])} but values holds {num_values} ids")
+    return lengths
+
+
+def check_weights(weights, num_values: int, *, what: str) -> np.ndarray:
+    arr = np.asarray(weights)
+    if arr.shape != (num_values,):
+        raise ValueError(
+            f"{what}: weights has shape {arr.shape} but values holds {num_values} ids; "
+            "give one weight per id"
+        )
+    if arr.size and not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"{what}: weights must be floating point, got dtype {arr.dtype}")
+    return arr
