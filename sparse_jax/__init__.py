@@ -10,13 +10,16 @@ from sparse_jax._configs import (
     EmbeddingConfig,
     PoolingType,
 )
+from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 from sparse_jax._keyed_tensor import KeyedTensor
+from sparse_jax._update import make_update
 
 __all__ = [
     "DEFAULT_LADDER",
     "DataType",
     "EmbeddingBagConfig",
+    "EmbeddingBagCollection",
     "EmbeddingConfig",
     "JaggedTensor",
     "KeyedJaggedTensor",
@@ -25,4 +28,5 @@ __all__ = [
     "capacity_for",
     "length_cap",
     "make_ladder",
+    "make_update",
 ]

@@ -285,11 +285,22 @@ class KeyedJaggedTensor:
         return jnp.arange(self.capacity(), dtype=self._offsets.dtype) < self._offsets[-1]
 
     # -- static-shape form ----------------------------------------------------------------------
-    def pad(self, ladder: Sequence[int] | None = None, *, capacity: int | None = None) -> KeyedJaggedTensor:
+    def without_length_caps(self) -> KeyedJaggedTensor:
+        return self._replace(length_caps=None) if self._length_caps is not None else self
+
+    def pad(
+        self,
+        ladder: Sequence[int] | None = None,
+        *,
+        capacity: int | None = None,
+        length_caps: Sequence[int] | None = None,
+    ) -> KeyedJaggedTensor:
         """Pad `values` to a capacity rung and record power-of-two length caps (eager).
 
         Padding ids are 0 with weight 0, after the last bag: they belong to no bag and pool
-        to nothing. `capacity` forces a size instead of the ladder's rung.
+        to nothing. `capacity` forces a size instead of the ladder's rung. `length_caps`
+        (one per key) are floors for the caps: a loader that passes the same caps every
+        step keeps one compiled program; a longer bag still raises its feature's cap.
         """
         n = int(np.asarray(self._offsets)[-1])
         cap = _capacity.capacity_for(n, ladder, what="KeyedJaggedTensor.pad") if capacity is None else int(capacity)
@@ -304,6 +315,10 @@ class KeyedJaggedTensor:
             weights[:n] = np.asarray(self._weights)[:n]
         lengths = np.asarray(self._lengths).reshape(len(self._keys), self._stride)
         caps = tuple(_capacity.length_cap(int(row.max()) if row.size else 0) for row in lengths)
+        if length_caps is not None:
+            if len(length_caps) != len(self._keys):
+                raise ValueError(f"KeyedJaggedTensor.pad: {len(length_caps)} length caps for {len(self._keys)} keys")
+            caps = tuple(max(c, _capacity.length_cap(int(f))) for c, f in zip(caps, length_caps, strict=True))
         return self._replace(values=jnp.asarray(padded), weights=_to_device(weights), length_caps=caps)
 
     # -- eager reshaping ------------------------------------------------------------------------

@@ -39,3 +39,90 @@ def segment_ids(lengths, capacity):
         ids.extend([bag_index] * int(n))
     ids.extend([len(lengths)] * (capacity - len(ids)))
     return ids
+
+
+# ---------------------------------------------------------------- pooled lookup
+
+
+def pooled_lookup(weights, features, bag_ids, bag_weights=None):
+    """[B, sum dims] by loops.
+
+    weights: {table: [E, D] array}; features: list of (feature, table, pooling) in output
+    order; bag_ids: {feature: [[ids], ...]}; bag_weights: {feature: [[w], ...]} or None.
+    """
+    blocks = []
+    for feature, table, pooling in features:
+        w = np.asarray(weights[table], dtype=np.float64)
+        rows = []
+        for b, ids in enumerate(bag_ids[feature]):
+            acc = np.zeros(w.shape[1])
+            for j, i in enumerate(ids):
+                scale = 1.0 if bag_weights is None else float(bag_weights[feature][b][j])
+                acc = acc + scale * w[i]
+            if pooling == "MEAN" and ids:
+                acc = acc / len(ids)
+            rows.append(acc)
+        blocks.append(np.array(rows).reshape(len(bag_ids[feature]), w.shape[1]))
+    return np.concatenate(blocks, axis=1)
+
+
+def row_gradients(features, bag_ids, grad_blocks, bag_weights=None):
+    """{table: {row: summed grad}}: the deduplicated per-row gradient, by loops."""
+    out = {}
+    for feature, table, pooling in features:
+        for b, ids in enumerate(bag_ids[feature]):
+            for j, i in enumerate(ids):
+                scale = 1.0 if bag_weights is None else float(bag_weights[feature][b][j])
+                if pooling == "MEAN":
+                    scale /= len(ids)
+                g = scale * np.asarray(grad_blocks[feature][b], np.float64)
+                out.setdefault(table, {})
+                out[table][i] = out[table].get(i, 0.0) + g
+    return out
+
+
+# ---------------------------------------------------------------- row rules
+
+
+def rule_step(name, hp, row, state, grad, step):
+    """One row through one optimizer rule (FBGEMM's formulas). Returns (row, state)."""
+    row = np.asarray(row, np.float64)
+    grad = np.asarray(grad, np.float64)
+    if name == "sgd":
+        return row - hp["lr"] * grad, state
+    if name == "adagrad":
+        s = state["momentum1"] + grad * grad
+        return row - hp["lr"] * grad / (np.sqrt(s) + hp["eps"]), {"momentum1": s}
+    if name == "rowwise_adagrad":
+        s = state["momentum1"] + sum(g * g for g in grad) / len(grad)
+        return row - hp["lr"] * grad / (math.sqrt(s) + hp["eps"]), {"momentum1": s}
+    if name == "adam":
+        b1, b2 = hp["beta1"], hp["beta2"]
+        m = b1 * state["momentum1"] + (1 - b1) * grad
+        v = b2 * state["momentum2"] + (1 - b2) * grad * grad
+        m_hat, v_hat = m / (1 - b1**step), v / (1 - b2**step)
+        new = row - hp["lr"] * (m_hat / (np.sqrt(v_hat) + hp["eps"]) + hp["weight_decay"] * row)
+        return new, {"momentum1": m, "momentum2": v}
+    raise ValueError(name)
+
+
+def initial_row_state(name, dim):
+    if name == "sgd":
+        return {}
+    if name == "rowwise_adagrad":
+        return {"momentum1": 0.0}
+    if name == "adagrad":
+        return {"momentum1": np.zeros(dim)}
+    return {"momentum1": np.zeros(dim), "momentum2": np.zeros(dim)}
+
+
+def fused_step(name, hp, weights, states, row_grads, step):
+    """Apply `rule_step` to every touched row; weights/states are dicts updated in place.
+
+    weights: {table: [E, D] float64 array}; states: {table: {row: state}} (missing = fresh).
+    """
+    for table, grads in row_grads.items():
+        for i, g in grads.items():
+            dim = weights[table].shape[1]
+            state = states.setdefault(table, {}).get(i, initial_row_state(name, dim))
+            weights[table][i], states[table][i] = rule_step(name, hp, weights[table][i], state, g, step)

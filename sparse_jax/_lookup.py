@@ -1,0 +1,206 @@
+"""Pooled lookups over stacked tables: the fast per-position form and the reference form.
+
+Both read a KJT (padded or not) and a `TableLayout`, and return one `[B, dim]` block per
+feature. Ids are checked against their table's range by `check_ids` (eager) and, inside
+the traced code, handled by `bounds_check`:
+  "error": (default) `check_ids` raised before tracing; any id still out of range is skipped.
+  "clamp": ids are clamped into `[0, num_embeddings)`.
+  "skip":  out-of-range ids contribute nothing (MEAN still divides by the bag's length).
+
+* `pooled_per_position` (default, fast on CPU): the ids of each feature become a
+  `[B, cap]` matrix (cap = the KJT's power-of-two length cap for that feature), and the
+  pooled sum is `sum_l w[:, l] * table[ids[:, l]]`, unrolled over l, so XLA fuses gather
+  and add and never writes the gathered rows to memory.
+* `pooled_segment_sum` (reference): gather every id's row, then `segment_sum` per bag.
+
+`id_stream` gives the flat (row, bag, scale) triples the fused optimizer consumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax._configs import PoolingType
+from sparse_jax._jagged import KeyedJaggedTensor
+from sparse_jax._layout import FeatureSlot, TableLayout
+from sparse_jax._validate import is_concrete
+
+__all__ = ["BOUNDS_CHECKS", "check_ids", "id_stream", "pooled_per_position", "pooled_segment_sum"]
+
+BOUNDS_CHECKS = ("error", "clamp", "skip")
+_UNROLL_MAX = 64  # longer caps use a fori_loop over positions
+
+
+def check_bounds_mode(mode: str) -> str:
+    if mode not in BOUNDS_CHECKS:
+        raise ValueError(f"bounds_check={mode!r} is not one of {BOUNDS_CHECKS}")
+    return mode
+
+
+def check_ids(kjt: KeyedJaggedTensor, layout: TableLayout) -> None:
+    """Raise if any id is outside its table (eager; a no-op on traced arrays)."""
+    if not is_concrete(kjt.values(), kjt.offsets()):
+        return
+    values = np.asarray(kjt.values())
+    offsets = np.asarray(kjt.offsets())
+    stride = kjt.stride()
+    for slot, ki in zip(layout.features, layout.key_indices(kjt.keys()), strict=True):
+        a, b = int(offsets[ki * stride]), int(offsets[(ki + 1) * stride])
+        ids = values[a:b]
+        bad = np.flatnonzero((ids < 0) | (ids >= slot.num_rows))
+        if bad.size:
+            i = a + int(bad[0])
+            bag = int(np.searchsorted(offsets, i, side="right")) - 1
+            raise ValueError(
+                f"feature {slot.feature!r} (table {slot.table!r}, num_embeddings={slot.num_rows}): "
+                f"id {int(values[i])} at batch position {bag - ki * stride}, index {i - int(offsets[bag])} "
+                f"in the bag is outside [0, {slot.num_rows}) ({bad.size} such ids); fix the ids, or pass "
+                "bounds_check='clamp' or 'skip'"
+            )
+
+
+def _bounded(ids, valid, slot: FeatureSlot, bounds_check: str):
+    if bounds_check == "clamp":
+        return jnp.clip(ids, 0, slot.num_rows - 1), valid
+    inside = (ids >= 0) & (ids < slot.num_rows)
+    return jnp.where(inside, ids, 0), valid & inside
+
+
+def _bag_lengths(kjt: KeyedJaggedTensor, ki: int):
+    stride = kjt.stride()
+    return kjt.lengths()[ki * stride : (ki + 1) * stride]
+
+
+def _per_id_weights(kjt: KeyedJaggedTensor, weighted: bool, dtype=jnp.float32):
+    if weighted:
+        return kjt.weights().astype(dtype)
+    return jnp.ones(kjt.capacity(), dtype)
+
+
+def _position_matrix(kjt, ki: int, cap: int, slot: FeatureSlot, weighted: bool, bounds_check: str):
+    """[B, cap] rows (into the group buffer) and weights (0 on padding and skipped ids)."""
+    stride = kjt.stride()
+    start = kjt.offsets()[ki * stride : (ki + 1) * stride]
+    lengths = _bag_lengths(kjt, ki)
+    pos = jnp.arange(cap, dtype=start.dtype)
+    idx = jnp.minimum(start[:, None] + pos[None, :], max(kjt.capacity() - 1, 0))
+    valid = pos[None, :] < lengths[:, None]
+    ids, valid = _bounded(kjt.values()[idx], valid, slot, bounds_check)
+    w = jnp.where(valid, _per_id_weights(kjt, weighted)[idx], 0.0)
+    if slot.pooling is PoolingType.MEAN:
+        w = w / jnp.maximum(lengths, 1).astype(w.dtype)[:, None]
+    return ids + slot.row_offset, w
+
+
+def _sum_positions(table, rows, w):
+    """sum_l w[:, l] * table[rows[:, l]] in fp32, one fused gather+add per position."""
+    cap = rows.shape[1]
+    acc = jnp.zeros((rows.shape[0], table.shape[1]), jnp.float32)
+
+    def add(l, acc):
+        r = table.at[rows[:, l]].get(mode="promise_in_bounds").astype(jnp.float32)
+        return acc + w[:, l, None] * r
+
+    if cap <= _UNROLL_MAX:
+        for l in range(cap):
+            acc = add(l, acc)
+        return acc
+    return jax.lax.fori_loop(0, cap, add, acc)
+
+
+def _caps(kjt: KeyedJaggedTensor, key_indices: Sequence[int]) -> list[int]:
+    caps = kjt.length_caps()
+    if caps is not None:
+        return [caps[ki] for ki in key_indices]
+    if not is_concrete(kjt.lengths()):
+        raise ValueError(
+            "the per-position lookup needs static bag-length caps: call kjt.pad(...) before jit, "
+            "or use kernel='reference'"
+        )
+    lengths = np.asarray(kjt.lengths()).reshape(len(kjt.keys()), kjt.stride())
+    return [max(1, int(lengths[ki].max()) if lengths.shape[1] else 1) for ki in key_indices]
+
+
+def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str):
+    """Per feature (output order) a `[B, dim]` fp32 block. Features of one group with the
+    same cap are looked up together (one fused loop over their stacked bags)."""
+    key_indices = layout.key_indices(kjt.keys())
+    caps = _caps(kjt, key_indices)
+    batches: dict[tuple[str, int], list[int]] = {}
+    for i, slot in enumerate(layout.features):
+        batches.setdefault((slot.group, caps[i]), []).append(i)
+    out: list = [None] * len(layout.features)
+    stride = kjt.stride()
+    for (group, cap), members in batches.items():
+        mats = [
+            _position_matrix(kjt, key_indices[i], cap, layout.features[i], weighted, bounds_check)
+            for i in members
+        ]
+        rows = jnp.concatenate([m[0] for m in mats])
+        w = jnp.concatenate([m[1] for m in mats])
+        pooled = _sum_positions(params[group], rows, w)
+        for j, i in enumerate(members):
+            out[i] = pooled[j * stride : (j + 1) * stride]
+    return out
+
+
+def id_stream(kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str):
+    """Flat per-id triples for one group: (row, bag, scale), each `[capacity]`.
+
+    `row` indexes the group buffer (`num_rows` of the group for ids that contribute
+    nothing), `bag = j * B + b` for the group's j-th feature and sample b, `scale` is the
+    id's weight (times 1/length for MEAN; 0 for padding and skipped ids).
+    """
+    total_rows = layout.groups[group][0]
+    stride = kjt.stride()
+    key_indices = layout.key_indices(kjt.keys())
+    seg = kjt.segment_ids()
+    num_bags = len(kjt.keys()) * stride
+    key_of_slot = jnp.minimum(seg // max(stride, 1), len(kjt.keys()))
+    sample = seg - key_of_slot * stride
+    # static per-key tables (index num_keys = padding)
+    n_keys = len(kjt.keys())
+    in_group = np.zeros(n_keys + 1, bool)
+    row_off = np.zeros(n_keys + 1, np.int32)
+    num_rows = np.ones(n_keys + 1, np.int32)
+    pos_in_group = np.zeros(n_keys + 1, np.int32)
+    is_mean = np.zeros(n_keys + 1, bool)
+    for j, i in enumerate(i for i, s in enumerate(layout.features) if s.group == group):
+        slot, ki = layout.features[i], key_indices[i]
+        in_group[ki], row_off[ki], num_rows[ki] = True, slot.row_offset, slot.num_rows
+        pos_in_group[ki], is_mean[ki] = j, slot.pooling is PoolingType.MEAN
+    ids = kjt.values()
+    valid = kjt.valid_mask() & jnp.asarray(in_group)[key_of_slot]
+    n_rows = jnp.asarray(num_rows)[key_of_slot]
+    if bounds_check == "clamp":
+        ids = jnp.clip(ids, 0, n_rows - 1)
+    else:
+        valid = valid & (ids >= 0) & (ids < n_rows)
+    rows = jnp.where(valid, ids + jnp.asarray(row_off)[key_of_slot], total_rows)
+    bag = jnp.asarray(pos_in_group)[key_of_slot] * stride + sample
+    scale = jnp.where(valid, _per_id_weights(kjt, weighted), 0.0)
+    lengths = jnp.concatenate([kjt.lengths(), jnp.ones(1, kjt.lengths().dtype)])
+    bag_len = jnp.maximum(lengths[jnp.minimum(seg, num_bags)], 1).astype(jnp.float32)
+    scale = jnp.where(jnp.asarray(is_mean)[key_of_slot], scale / bag_len, scale)
+    return rows.astype(jnp.int32), bag.astype(jnp.int32), scale
+
+
+def pooled_segment_sum(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str):
+    """Reference: gather every id's row, weight it, `segment_sum` per bag."""
+    stride = kjt.stride()
+    out: list = [None] * len(layout.features)
+    for group, (_, dim) in layout.groups.items():
+        members = [i for i, s in enumerate(layout.features) if s.group == group]
+        if not members:
+            continue
+        rows, bag, scale = id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
+        table = params[group]
+        gathered = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * scale[:, None]
+        pooled = jax.ops.segment_sum(gathered, bag, num_segments=len(members) * stride)
+        for j, i in enumerate(members):
+            out[i] = pooled[j * stride : (j + 1) * stride]
+    return out

@@ -1,0 +1,55 @@
+"""The row-rule interface: what a fused sparse optimizer is.
+
+A `RowRule` knows how to create its state for one table buffer and how to step the rows a
+batch touched. State leaves whose leading dim is the table's row count are per-row state
+(gathered and scattered with the rows); other leaves (e.g. a step count) are global.
+`opt.init(params)` gives a `SparseOptState` for a whole params dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["RowRule", "SparseOptState", "is_row_leaf"]
+
+
+class SparseOptState(NamedTuple):
+    count: jax.Array  # steps taken (int32 scalar); rules that need it (adam) read count + 1
+    tables: dict[str, Any]  # group name -> the rule's state for that buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRule:
+    """A fused sparse optimizer.
+
+    init_table(table) -> state for one `[rows, dim]` buffer (fp32 leaves).
+    update_rows(rows, state_rows, grads, step) -> (new_rows, new_state_rows): rows and grads
+      are fp32 `[U, dim]` (deduplicated: one entry per touched row, grads summed); `step`
+      is the 1-based step number (int32 scalar).
+    """
+
+    name: str
+    init_table: Callable[[jax.Array], Any]
+    update_rows: Callable[..., tuple[jax.Array, Any]]
+    hyperparams: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def init(self, params: dict[str, jax.Array]) -> SparseOptState:
+        tables = {g: self.init_table(t) for g, t in params.items()}
+        return SparseOptState(count=jnp.zeros((), jnp.int32), tables=tables)
+
+
+def check_positive(name: str, **values: float) -> dict[str, float]:
+    for k, v in values.items():
+        if not isinstance(v, int | float) or v < 0:
+            raise ValueError(f"{name}: {k}={v!r} must be a number >= 0")
+    return {k: float(v) for k, v in values.items()}
+
+
+def is_row_leaf(leaf, num_rows: int) -> bool:
+    """State leaves shaped `[num_rows, ...]` are per-row; others (a step count) are global."""
+    return hasattr(leaf, "ndim") and leaf.ndim >= 1 and leaf.shape[0] == num_rows

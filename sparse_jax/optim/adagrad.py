@@ -1,0 +1,25 @@
+"""Elementwise Adagrad row rule (FBGEMM's EXACT_ADAGRAD).
+
+`s += g * g; w -= lr * g / (sqrt(s) + eps)`, state `s` is `[rows, dim]` fp32, starting at 0.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from sparse_jax.optim._base import RowRule, check_positive
+
+__all__ = ["adagrad"]
+
+
+def adagrad(lr: float = 0.01, eps: float = 1e-8) -> RowRule:
+    hp = check_positive("adagrad", lr=lr, eps=eps)
+
+    def init_table(table):
+        return {"momentum1": jnp.zeros(table.shape, jnp.float32)}
+
+    def update_rows(rows, state, grads, step):
+        s = state["momentum1"] + grads * grads
+        return rows - hp["lr"] * grads / (jnp.sqrt(s) + hp["eps"]), {"momentum1": s}
+
+    return RowRule("adagrad", init_table, update_rows, hp)

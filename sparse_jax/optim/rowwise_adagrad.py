@@ -1,0 +1,27 @@
+"""Row-wise Adagrad row rule (FBGEMM's EXACT_ROWWISE_ADAGRAD, TorchRec's default).
+
+One state value per row: `s += mean(g * g)` over the row, `w -= lr * g / (sqrt(s) + eps)`.
+State `momentum1` is `[rows]` fp32, starting at 0 (FBGEMM's layout).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from sparse_jax.optim._base import RowRule, check_positive
+
+__all__ = ["rowwise_adagrad"]
+
+
+def rowwise_adagrad(lr: float = 0.01, eps: float = 1e-8) -> RowRule:
+    hp = check_positive("rowwise_adagrad", lr=lr, eps=eps)
+
+    def init_table(table):
+        return {"momentum1": jnp.zeros(table.shape[:1], jnp.float32)}
+
+    def update_rows(rows, state, grads, step):
+        s = state["momentum1"] + jnp.mean(grads * grads, axis=1)
+        scale = hp["lr"] / (jnp.sqrt(s) + hp["eps"])
+        return rows - scale[:, None] * grads, {"momentum1": s}
+
+    return RowRule("rowwise_adagrad", init_table, update_rows, hp)
