@@ -125,7 +125,8 @@ class EmbeddingBagCollection:
         """Pooled embeddings `[B, sum of feature dims]` as a KeyedTensor (fp32)."""
         self._check(kjt)
         if is_concrete(*jax.tree_util.tree_leaves((params, kjt))):
-            if self.kernel == "xla" and kjt.length_caps() is None:
-                kjt = kjt.pad(capacity=kjt.capacity())  # static caps for the jitted program
+            if kjt.capacity() == 0 or (self.kernel == "xla" and kjt.length_caps() is None):
+                # static caps for the jitted program; at least one (padding) slot
+                kjt = kjt.pad(capacity=max(kjt.capacity(), 8))
             return self._apply_jit(params, kjt)
         return self._apply(params, kjt)

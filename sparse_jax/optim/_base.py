@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["RowRule", "SparseOptState", "is_row_leaf"]
 
@@ -39,8 +41,22 @@ class RowRule:
     hyperparams: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def init(self, params: dict[str, jax.Array]) -> SparseOptState:
-        tables = {g: self.init_table(t) for g, t in params.items()}
-        return SparseOptState(count=jnp.zeros((), jnp.int32), tables=tables)
+        """Fresh state for every buffer of `params`, placed like the buffers (mesh-sharded
+        buffers get row-sharded per-row state and replicated global leaves)."""
+        tables = {g: jax.tree_util.tree_map(lambda x, t=t: _place_like(x, t), self.init_table(t)) for g, t in params.items()}
+        count = jnp.zeros((), jnp.int32)
+        meshes = [t.sharding for t in params.values() if isinstance(t.sharding, NamedSharding)]
+        if meshes:
+            count = jax.device_put(count, NamedSharding(meshes[0].mesh, P()))
+        return SparseOptState(count=count, tables=tables)
+
+
+def _place_like(leaf, table):
+    sharding = getattr(table, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return leaf
+    spec = P(sharding.spec[0] if len(sharding.spec) else None) if is_row_leaf(leaf, table.shape[0]) else P()
+    return jax.device_put(leaf, NamedSharding(sharding.mesh, spec))
 
 
 def check_positive(name: str, **values: float) -> dict[str, float]:

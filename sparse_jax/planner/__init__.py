@@ -5,7 +5,13 @@ re-exported here from `sparse_jax.sharding`. `python -m sparse_jax.planner` prin
 plan of a 26-table Criteo-like model.
 """
 
-from sparse_jax.sharding import ParameterSharding, Shard, ShardingEstimate, ShardingPlan, ShardingType
+from sparse_jax.sharding import (
+    ParameterSharding,
+    Shard,
+    ShardingEstimate,
+    ShardingPlan,
+    ShardingType,
+)
 
 from ._constraints import DEFAULT_MIN_PARTITION, ParameterConstraints, PlannerError
 from ._estimate import OPTIMIZER_STATE_BYTES, CostModel, estimate_collective_bytes

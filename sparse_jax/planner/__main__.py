@@ -14,15 +14,41 @@ from ._planner import Planner
 from ._topology import GiB, Topology
 
 CRITEO_KAGGLE_ROWS = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 )
 
 
 def criteo_tables(dim: int = 128) -> list[EmbeddingBagConfig]:
     """26 tables `t_cat_0` .. `t_cat_25` with the Criteo Kaggle cardinalities."""
     return [
-        EmbeddingBagConfig(name=f"t_cat_{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"cat_{i}"])
+        EmbeddingBagConfig(
+            name=f"t_cat_{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"cat_{i}"]
+        )
         for i, rows in enumerate(CRITEO_KAGGLE_ROWS)
     ]
 

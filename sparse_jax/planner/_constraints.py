@@ -50,7 +50,9 @@ class ParameterConstraints:
                 )
             types = tuple(ShardingType.coerce(t) for t in self.sharding_types)
             if not types:
-                raise ValueError("sharding_types=[] allows nothing; leave it None to allow every type")
+                raise ValueError(
+                    "sharding_types=[] allows nothing; leave it None to allow every type"
+                )
             object.__setattr__(self, "sharding_types", tuple(dict.fromkeys(types)))
         mp = self.min_partition
         if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
@@ -60,11 +62,15 @@ class ParameterConstraints:
             if isinstance(pf, int | float) or not all(
                 isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in pf
             ):
-                raise ValueError(f"pooling_factors must be a list of numbers >= 0, one per feature, got {pf!r}")
+                raise ValueError(
+                    f"pooling_factors must be a list of numbers >= 0, one per feature, got {pf!r}"
+                )
             object.__setattr__(self, "pooling_factors", tuple(float(x) for x in pf))
         if self.axes is not None:
             if isinstance(self.axes, str):
-                raise ValueError(f"axes must be a list of mesh axis names, got the string {self.axes!r}")
+                raise ValueError(
+                    f"axes must be a list of mesh axis names, got the string {self.axes!r}"
+                )
             object.__setattr__(self, "axes", tuple(self.axes))
         if self.pin is not None:
             if not isinstance(self.pin, Mapping) or not all(
@@ -91,7 +97,9 @@ class ParameterConstraints:
                 raise PlannerError(
                     f"table {name!r}: pin {axis}={index} is out of range; axis {axis!r} has size {mesh_axes[axis]}"
                 )
-        if self.pooling_factors is not None and len(self.pooling_factors) != len(table.feature_names):
+        if self.pooling_factors is not None and len(self.pooling_factors) != len(
+            table.feature_names
+        ):
             raise PlannerError(
                 f"table {name!r}: pooling_factors has {len(self.pooling_factors)} values for the table's "
                 f"{len(table.feature_names)} features {list(table.feature_names)}; give one per feature"

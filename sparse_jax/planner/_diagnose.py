@@ -25,7 +25,11 @@ def label(ps: ParameterSharding) -> str:
     t, axes = ps.sharding_type, list(ps.axes)
     if t is ST.DATA_PARALLEL:
         return "data_parallel (a copy on every device)"
-    at = ", ".join(" ".join(f"{a}={c}" for a, c in zip(axes, s.device)) for s in ps.shards if s.num_elements)
+    at = ", ".join(
+        " ".join(f"{a}={c}" for a, c in zip(axes, s.device, strict=True))
+        for s in ps.shards
+        if s.num_elements
+    )
     blocks = len({s.col_offset for s in ps.shards})
     if t is ST.TABLE_WISE:
         return f"table_wise over {axes} at {at}"
@@ -43,7 +47,11 @@ def _family(ps: ParameterSharding) -> str:
 
 
 def _who(names) -> str:
-    return f"table {names[0]!r}" if len(names) == 1 else f"tables {list(names)} (one group, placed together)"
+    return (
+        f"table {names[0]!r}"
+        if len(names) == 1
+        else f"tables {list(names)} (one group, placed together)"
+    )
 
 
 def _constraint_text(c) -> str:
@@ -64,7 +72,9 @@ def notes(items, assign, i: int, budget: float, constraints) -> list[str]:
     peak = (load_ms + item.ms).max(axis=1)
     fits = ((load_mem + item.mem) <= budget).all(axis=1)
     chosen = peak[a]
-    out = [f"chosen: {label(item.options[a][0])}; the busiest device then costs {chosen:.4f} ms/step"]
+    out = [
+        f"chosen: {label(item.options[a][0])}; the busiest device then costs {chosen:.4f} ms/step"
+    ]
     best: dict[str, int] = {}
     for o, opt in enumerate(item.options):
         fam = _family(opt[0])
@@ -73,12 +83,16 @@ def notes(items, assign, i: int, budget: float, constraints) -> list[str]:
         if fam not in best or (fits[o], -peak[o]) > (fits[best[fam]], -peak[best[fam]]):
             best[fam] = o
     ranked = sorted(best.items(), key=lambda kv: (not fits[kv[1]], peak[kv[1]], kv[0]))
-    for fam, o in [kv for kv in ranked if fits[kv[1]]][:MAX_LISTED]:
+    for _, o in [kv for kv in ranked if fits[kv[1]]][:MAX_LISTED]:
         extra = f" (+{100 * (peak[o] - chosen) / chosen:.1f}%)" if chosen > 0 else ""
-        out.append(f"runner-up: {label(item.options[o][0])}: busiest device {peak[o]:.4f} ms/step{extra}")
+        out.append(
+            f"runner-up: {label(item.options[o][0])}: busiest device {peak[o]:.4f} ms/step{extra}"
+        )
     for fam, o in [kv for kv in ranked if not fits[kv[1]]][:MAX_LISTED]:
         need = (load_mem + item.mem[o]).max()
-        out.append(f"rejected: {fam} would fill a device to {format_bytes(need)}, over the {format_bytes(budget)} budget")
+        out.append(
+            f"rejected: {fam} would fill a device to {format_bytes(need)}, over the {format_bytes(budget)} budget"
+        )
     for name in item.names:
         if name in constraints:
             out.append(f"constraints on {name!r}: {_constraint_text(constraints[name])}")
@@ -107,30 +121,51 @@ def infeasible(items, failure, tables, topology, constraints, model, pooling) ->
     need, budget = float(need_per_option[j]), topology.device_memory_bytes
     smallest = label(item.options[j][0])
     if need > budget:
-        msg = (f"{_who(item.names)} needs at least {_b(need)} on one device even in its smallest allowed "
-               f"layout, {smallest}, but the budget is {_b(budget)} per device.")
+        msg = (
+            f"{_who(item.names)} needs at least {_b(need)} on one device even in its smallest allowed "
+            f"layout, {smallest}, but the budget is {_b(budget)} per device."
+        )
         state = sum(_state_bytes(by_name[n], model) for n in item.names)
     else:
         free = float(failure.free.max())
-        msg = (f"{_who(item.names)} does not fit beside the tables placed before it: its smallest allowed "
-               f"layout, {smallest}, needs {_b(need)} on a device, and the largest budget left on any "
-               f"device is {_b(free)} (of {_b(budget)}).")
+        msg = (
+            f"{_who(item.names)} does not fit beside the tables placed before it: its smallest allowed "
+            f"layout, {smallest}, needs {_b(need)} on a device, and the largest budget left on any "
+            f"device is {_b(free)} (of {_b(budget)})."
+        )
         state = sum(_state_bytes(t, model) for t in tables)
     remedies = []
     for name in item.names:
         c = constraints.get(name)
         if c is not None and c.sharding_types is not None and ST.ROW_WISE not in c.sharding_types:
-            axes = tuple(a for a in topology.axes if topology.axes[a] > 1) or tuple(topology.axes)[:1]
+            axes = (
+                tuple(a for a in topology.axes if topology.axes[a] > 1) or tuple(topology.axes)[:1]
+            )
             t = by_name[name]
-            rw = model.device_vectors(t, L.row_wise(t.num_embeddings, t.embedding_dim, axes, topology.axes),
-                                      pooling[name])[0].max()
-            remedies.append(f"allow row_wise for {name!r} (over {list(axes)} it needs {_b(rw)} per device)")
+            rw = model.device_vectors(
+                t, L.row_wise(t.num_embeddings, t.embedding_dim, axes, topology.axes), pooling[name]
+            )[0].max()
+            remedies.append(
+                f"allow row_wise for {name!r} (over {list(axes)} it needs {_b(rw)} per device)"
+            )
     devices = math.ceil(state / budget)
     if devices > topology.num_devices:
-        remedies.append(f"use a mesh of at least {devices} devices (the weights and optimizer state alone are "
-                        f"{_b(state)}; this mesh has {topology.num_devices})")
-    else:
-        remedies.append("shard the large tables over more mesh axes (every replica of a table costs memory)")
-    remedies.append(f"raise device_memory_bytes above {_b(budget)}"
-                    + (f" to at least {int(need):,}" if need > budget else ""))
+        what = "its" if need > budget else "all tables'"
+        remedies.append(
+            f"use a mesh of at least {devices} devices ({what} weights and optimizer state alone are "
+            f"{_b(state)}; this mesh has {topology.num_devices})"
+        )
+    elif need > budget and not remedies:
+        remedies.append(
+            "lower batch_size or capacity_factor (its id and output buffers grow with the batch)"
+        )
+    elif need <= budget:
+        remedies.append(
+            "allow row_wise or column_wise for the large tables, or shard them over more mesh axes "
+            "(every replica of a table costs memory)"
+        )
+    remedies.append(
+        f"raise device_memory_bytes above {_b(budget)}"
+        + (f" to at least {int(need):,}" if need > budget else "")
+    )
     return msg + " To fit: " + "; or ".join(remedies) + "."

@@ -55,8 +55,10 @@ def _two_level_pairs(topology: Topology, exact) -> list[tuple[str, str]]:
     pairs = [
         (i, j)
         for i, j in itertools.combinations(order, 2)
-        if i in topology.inter_host_axes and j in topology.intra_host_axes
-        and topology.axes[i] > 1 and topology.axes[j] > 1
+        if i in topology.inter_host_axes
+        and j in topology.intra_host_axes
+        and topology.axes[i] > 1
+        and topology.axes[j] > 1
     ]
     if exact is not None:
         pairs = [p for p in pairs if set(p) == set(exact)]
@@ -91,13 +93,17 @@ def _all_candidates(table, topology: Topology, exact_axes, min_partition: int):
     pairs = _two_level_pairs(topology, exact_axes)
     for axes in pairs:
         for host in range(mesh[axes[0]]):
-            yield Candidate(L.table_row_wise(rows, dim, axes, host, mesh), (ST.TABLE_ROW_WISE, axes, host))
+            yield Candidate(
+                L.table_row_wise(rows, dim, axes, host, mesh), (ST.TABLE_ROW_WISE, axes, host)
+            )
     for axes in sets:
         coords = L.axis_coords(axes, mesh)
         for k in _column_counts(dim, min_partition, len(coords)):
             for start in range(len(coords)):
                 devs = [coords[(start + i) % len(coords)] for i in range(k)]
-                yield Candidate(L.column_wise(rows, [dim // k] * k, axes, devs), (ST.COLUMN_WISE, axes, start))
+                yield Candidate(
+                    L.column_wise(rows, [dim // k] * k, axes, devs), (ST.COLUMN_WISE, axes, start)
+                )
     for axes in pairs:
         hosts, m = mesh[axes[0]], mesh[axes[1]]
         for k in _column_counts(dim, min_partition, m):
@@ -108,10 +114,14 @@ def _all_candidates(table, topology: Topology, exact_axes, min_partition: int):
                     yield Candidate(ps, (ST.TABLE_COLUMN_WISE, axes, (host, start)))
     for axes in pairs:
         for k in _column_counts(dim, min_partition, mesh[axes[0]]):
-            yield Candidate(L.grid_shard(rows, [dim // k] * k, axes, mesh), (ST.GRID_SHARD, axes, None))
+            yield Candidate(
+                L.grid_shard(rows, [dim // k] * k, axes, mesh), (ST.GRID_SHARD, axes, None)
+            )
 
 
-def enumerate_candidates(table, topology: Topology, constraints: ParameterConstraints | None) -> list[Candidate]:
+def enumerate_candidates(
+    table, topology: Topology, constraints: ParameterConstraints | None
+) -> list[Candidate]:
     """The table's candidate layouts allowed by `constraints`, in a fixed order."""
     c = constraints or ParameterConstraints()
     allowed = set(c.sharding_types or ST)

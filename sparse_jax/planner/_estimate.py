@@ -101,9 +101,15 @@ def _shard_traffic(table, ps: ParameterSharding, mesh_axes, batch_size: int, poo
             output = {intra: (m - 1) * k * chunk, inter: (k - 1) * chunk}
         else:
             output = {a: p * chunk for a, p in _peers_per_axis(ps.axes, mesh_axes).items()}
-        ids = {a: p * b * pooling * f * ID_BYTES for a, p in _peers_per_axis(ps.axes, mesh_axes).items()}
+        ids = {
+            a: p * b * pooling * f * ID_BYTES
+            for a, p in _peers_per_axis(ps.axes, mesh_axes).items()
+        }
         served = n * b * pooling * f
-        sync = {a: p * served * (ID_BYTES + shard.col_size * s) for a, p in _peers_per_axis(other, mesh_axes).items()}
+        sync = {
+            a: p * served * (ID_BYTES + shard.col_size * s)
+            for a, p in _peers_per_axis(other, mesh_axes).items()
+        }
         backward = dict(output)
         for a, v in sync.items():
             backward[a] = backward.get(a, 0.0) + v
@@ -112,7 +118,11 @@ def _shard_traffic(table, ps: ParameterSharding, mesh_axes, batch_size: int, poo
 
 
 def estimate_collective_bytes(
-    table, parameter_sharding: ParameterSharding, mesh_axes: Mapping[str, int], batch_size: int, pooling_factor: float
+    table,
+    parameter_sharding: ParameterSharding,
+    mesh_axes: Mapping[str, int],
+    batch_size: int,
+    pooling_factor: float,
 ) -> dict[str, int]:
     """Collective bytes per step for one table: {"input_dist", "output_dist", "backward"}.
 
@@ -123,7 +133,7 @@ def estimate_collective_bytes(
     """
     traffic = _shard_traffic(table, parameter_sharding, dict(mesh_axes), batch_size, pooling_factor)
     per_device: dict[tuple, dict[str, float]] = {}
-    for shard, t in zip(parameter_sharding.shards, traffic):
+    for shard, t in zip(parameter_sharding.shards, traffic, strict=True):
         acc = per_device.setdefault(shard.device, dict.fromkeys(PHASES, 0.0))
         for phase in PHASES:
             acc[phase] += sum(t[phase].values())
@@ -148,24 +158,36 @@ class CostModel:
     def __post_init__(self) -> None:
         bs = self.batch_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-            raise ValueError(f"batch_size must be a positive integer (the global batch), got {bs!r}")
+            raise ValueError(
+                f"batch_size must be a positive integer (the global batch), got {bs!r}"
+            )
         opt = self.optimizer
         if isinstance(opt, str) and opt not in OPTIMIZER_STATE_BYTES:
             raise ValueError(
                 f"optimizer {opt!r} is not one of {sorted(OPTIMIZER_STATE_BYTES)}; or give "
                 "(state bytes per row, state bytes per element)"
             )
-        if not isinstance(opt, str) and (len(opt) != 2 or any(not isinstance(x, int) or x < 0 for x in opt)):
-            raise ValueError(f"optimizer must be a name or (bytes per row, bytes per element), got {opt!r}")
+        if not isinstance(opt, str) and (
+            len(opt) != 2 or any(not isinstance(x, int) or x < 0 for x in opt)
+        ):
+            raise ValueError(
+                f"optimizer must be a name or (bytes per row, bytes per element), got {opt!r}"
+            )
         for field in ("capacity_factor", "bwd_compute_multiplier"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)!r}")
 
     @property
     def state_bytes(self) -> tuple[int, int]:
-        return OPTIMIZER_STATE_BYTES[self.optimizer] if isinstance(self.optimizer, str) else tuple(self.optimizer)
+        return (
+            OPTIMIZER_STATE_BYTES[self.optimizer]
+            if isinstance(self.optimizer, str)
+            else tuple(self.optimizer)
+        )
 
-    def shard_costs(self, table, ps: ParameterSharding, pooling: float) -> tuple[list[int], list[float]]:
+    def shard_costs(
+        self, table, ps: ParameterSharding, pooling: float
+    ) -> tuple[list[int], list[float]]:
         """Per shard: bytes and ms per step on every device holding it."""
         topo, mesh = self.topology, self.topology.axes
         n, r = group_size(ps.axes, mesh), topo.num_devices // group_size(ps.axes, mesh)
@@ -175,25 +197,36 @@ class CostModel:
         pooled = isinstance(table, EmbeddingBagConfig)
         traffic = _shard_traffic(table, ps, mesh, self.batch_size, pooling)
         sizes, times = [], []
-        for shard, t in zip(ps.shards, traffic):
+        for shard, t in zip(ps.shards, traffic, strict=True):
             rows, cols = shard.row_size, shard.col_size
             f = rows / table.num_embeddings
             o = table.num_features if pooled else pooling * f
             served = n * b * pooling * f
             outputs = n * b * o * cols * s
             weights = rows * cols * s + rows * per_row + rows * cols * per_elem
-            buffers = self.capacity_factor * served * (ID_BYTES + (r - 1) * (ID_BYTES + cols * s)) + 2 * outputs
+            buffers = (
+                self.capacity_factor * served * (ID_BYTES + (r - 1) * (ID_BYTES + cols * s))
+                + 2 * outputs
+            )
             sizes.append(math.ceil(weights + buffers) if shard.num_elements else 0)
-            lookup = served * cols * s + outputs + self.bwd_compute_multiplier * self.batch_size * pooling * f * cols * s
+            lookup = (
+                served * cols * s
+                + outputs
+                + self.bwd_compute_multiplier * self.batch_size * pooling * f * cols * s
+            )
             comm = sum(v / topo.bandwidth(a) for phase in t.values() for a, v in phase.items())
-            times.append(1e3 * (lookup / topo.memory_bandwidth + comm) if shard.num_elements else 0.0)
+            times.append(
+                1e3 * (lookup / topo.memory_bandwidth + comm) if shard.num_elements else 0.0
+            )
         return sizes, times
 
-    def device_vectors(self, table, ps: ParameterSharding, pooling: float) -> tuple[np.ndarray, np.ndarray]:
+    def device_vectors(
+        self, table, ps: ParameterSharding, pooling: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Per device (row-major over the mesh): bytes and ms the table costs it."""
         mesh = self.topology.axes
         mem, ms = np.zeros(self.topology.num_devices), np.zeros(self.topology.num_devices)
-        for shard, size, time in zip(ps.shards, *self.shard_costs(table, ps, pooling)):
+        for shard, size, time in zip(ps.shards, *self.shard_costs(table, ps, pooling), strict=True):
             idx = devices_holding(shard.device, ps.axes, mesh)
             mem[idx] += size
             ms[idx] += time

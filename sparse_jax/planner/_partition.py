@@ -6,11 +6,15 @@ objective is the per-device ms vector sorted from the largest down, compared
 lexicographically: first the max device cost, then the next largest, and so on (so a
 move that relieves a non-maximal device still counts as progress).
 
-`greedy`: items in the given order, each takes its best option given the items before
-it; among equal keys the earlier option wins. `preferred` (a boolean mask per item)
-restricts the choice to those options when one of them fits. `improve`: repeatedly
-re-place one item at a time given all the others, only on strict improvement, until a
-pass changes nothing. Everything is deterministic: no sets, no hashing, stable sorts.
+`greedy`: items in the given order (largest first), each takes the option with the
+smallest key given the items before it: first a lower bound on the final max (the larger
+of the max device load and the average load once the rest is placed at its cheapest),
+then the total load, then the sorted vector; among equal keys the earlier option wins.
+`preferred` (a boolean mask per item) restricts the choice to those options when one of
+them fits. `improve`: re-place one item at a time given all the others, only on strict
+improvement of the objective, until a pass changes nothing. `improve_pairs`: the same
+with two items at once (every pair of their options), for the best proposal only.
+Everything is deterministic: no sets, no hashing, stable sorts.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ def _sorted_desc(rows: np.ndarray) -> np.ndarray:
     return -np.sort(-rows, axis=-1)
 
 
-def best_option(load_ms, load_mem, item: Item, budget: float, preferred=None, rest: float | None = None) -> int | None:
+def best_option(
+    load_ms, load_mem, item: Item, budget: float, preferred=None, rest: float | None = None
+) -> int | None:
     """Index of the option minimizing the sorted load vector, among those that fit.
 
     With `rest` (the least total ms the items still to place will add), the key is
@@ -70,7 +76,7 @@ def best_option(load_ms, load_mem, item: Item, budget: float, preferred=None, re
 def loads(items, assign) -> tuple[np.ndarray, np.ndarray]:
     n = items[0].ms.shape[1]
     ms, mem = np.zeros(n), np.zeros(n)
-    for item, a in zip(items, assign):
+    for item, a in zip(items, assign, strict=True):
         ms += item.ms[a]
         mem += item.mem[a]
     return ms, mem
@@ -133,12 +139,18 @@ def improve_pairs(items, assign, order, budget: float) -> list[int]:
                 base_ms = load_ms - items[i].ms[a] - items[j].ms[b]
                 base_mem = load_mem - items[i].mem[a] - items[j].mem[b]
                 cj = len(items[j].options)
-                fits = ((base_mem + items[i].mem[:, None, :] + items[j].mem[None, :, :]) <= budget).all(axis=2)
-                new = (base_ms + items[i].ms[:, None, :] + items[j].ms[None, :, :]).reshape(-1, len(load_ms))
+                fits = (
+                    (base_mem + items[i].mem[:, None, :] + items[j].mem[None, :, :]) <= budget
+                ).all(axis=2)
+                new = (base_ms + items[i].ms[:, None, :] + items[j].ms[None, :, :]).reshape(
+                    -1, len(load_ms)
+                )
                 idx = np.flatnonzero(fits.reshape(-1))
                 keys = _sorted_desc(new[idx])
                 k = int(idx[np.lexsort(keys.T[::-1])[0]])
-                better = tuple(_sorted_desc(new[k]).tolist()) < tuple(_sorted_desc(new[a * cj + b]).tolist())
+                better = tuple(_sorted_desc(new[k]).tolist()) < tuple(
+                    _sorted_desc(new[a * cj + b]).tolist()
+                )
                 if k != a * cj + b and better:
                     assign[i], assign[j], changed = k // cj, k % cj, True
                     load_ms = base_ms + items[i].ms[assign[i]] + items[j].ms[assign[j]]
@@ -151,7 +163,7 @@ def improve_pairs(items, assign, order, budget: float) -> list[int]:
     return assign
 
 
-def search(items, orders, preferences, budget: float, polish: int = 3) -> list[int] | Failure:
+def search(items, orders, preferences, budget: float, polish: int = 1) -> list[int] | Failure:
     """Best of greedy + improve over every (order, preference) proposal; the `polish`
     best are then improved by pair moves.
 
@@ -174,7 +186,7 @@ def search(items, orders, preferences, budget: float, polish: int = 3) -> list[i
         return first_failure
     found.sort(key=lambda f: (f[0], f[1]))
     polished = []
-    for key, rank, assign, order in found[:polish]:
+    for _, rank, assign, order in found[:polish]:
         assign = improve_pairs(items, assign, order, budget)
         polished.append((objective(items, assign), rank, assign))
     return min(polished, key=lambda f: (f[0], f[1]))[2]

@@ -56,20 +56,38 @@ class Topology:
             raise ValueError(f"device_memory_bytes must be a positive integer, got {budget!r}")
         intra = (list(axes)[-1],) if self.intra_host_axes is None else self.intra_host_axes
         if isinstance(intra, str):
-            raise ValueError(f"intra_host_axes must be a tuple of axis names, got the string {intra!r}")
+            raise ValueError(
+                f"intra_host_axes must be a tuple of axis names, got the string {intra!r}"
+            )
         unknown = [a for a in intra if a not in axes]
         if unknown:
-            raise ValueError(f"intra_host_axes names {unknown}, which are not mesh axes {list(axes)}")
+            raise ValueError(
+                f"intra_host_axes names {unknown}, which are not mesh axes {list(axes)}"
+            )
         object.__setattr__(self, "intra_host_axes", tuple(a for a in axes if a in intra))
         bw = dict(self.axis_bandwidth or {})
         unknown = [a for a in bw if a not in axes]
         if unknown:
-            raise ValueError(f"axis_bandwidth names {unknown}, which are not mesh axes {list(axes)}")
+            raise ValueError(
+                f"axis_bandwidth names {unknown}, which are not mesh axes {list(axes)}"
+            )
         for a in axes:
-            bw.setdefault(a, DEFAULT_INTRA_HOST_BANDWIDTH if a in self.intra_host_axes else DEFAULT_INTER_HOST_BANDWIDTH)
+            bw.setdefault(
+                a,
+                DEFAULT_INTRA_HOST_BANDWIDTH
+                if a in self.intra_host_axes
+                else DEFAULT_INTER_HOST_BANDWIDTH,
+            )
         for name, value in [*bw.items(), ("memory_bandwidth", self.memory_bandwidth)]:
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or math.isinf(value):
-                raise ValueError(f"bandwidth for {name!r} must be a positive number of bytes/s, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not value > 0
+                or math.isinf(value)
+            ):
+                raise ValueError(
+                    f"bandwidth for {name!r} must be a positive number of bytes/s, got {value!r}"
+                )
         object.__setattr__(self, "axis_bandwidth", {a: float(bw[a]) for a in axes})
         object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
 

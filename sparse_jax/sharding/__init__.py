@@ -1,6 +1,7 @@
 """Sharding: plan data types (`ShardingType`, `Shard`, `ParameterSharding`, `ShardingPlan`)."""
 
 from ._plan import ShardingPlan
+from ._sharded import ShardedEmbeddingBagCollection, shard
 from ._types import ParameterSharding, Shard, ShardingEstimate, ShardingType
 
 __all__ = [
@@ -8,5 +9,7 @@ __all__ = [
     "Shard",
     "ShardingEstimate",
     "ShardingPlan",
+    "ShardedEmbeddingBagCollection",
     "ShardingType",
+    "shard",
 ]

@@ -35,15 +35,29 @@ VERSION = 1
 _TOP = {"format", "version", "mesh_axes", "device_memory_bytes", "tables"}
 _ENTRY = {"sharding_type", "axes", "shards", "estimate"}
 _SHARD = ("row_offset", "row_size", "col_offset", "col_size", "device")
-_ESTIMATE = ("shard_bytes", "shard_ms", "input_dist_bytes", "output_dist_bytes", "backward_bytes", "notes")
+_ESTIMATE = (
+    "shard_bytes",
+    "shard_ms",
+    "input_dist_bytes",
+    "output_dist_bytes",
+    "backward_bytes",
+    "notes",
+)
 
 
 def _d(value) -> str:
     return json.dumps(value)
 
 
-def dump(shardings: Mapping[str, ParameterSharding], mesh_axes: Mapping[str, int], budget: int | None) -> str:
-    lines = ["{", f'  "format": {_d(FORMAT)},', f'  "version": {VERSION},', f'  "mesh_axes": {_d(dict(mesh_axes))},']
+def dump(
+    shardings: Mapping[str, ParameterSharding], mesh_axes: Mapping[str, int], budget: int | None
+) -> str:
+    lines = [
+        "{",
+        f'  "format": {_d(FORMAT)},',
+        f'  "version": {VERSION},',
+        f'  "mesh_axes": {_d(dict(mesh_axes))},',
+    ]
     if budget is not None:
         lines.append(f'  "device_memory_bytes": {budget},')
     lines.append('  "tables": {')
@@ -59,8 +73,12 @@ def dump(shardings: Mapping[str, ParameterSharding], mesh_axes: Mapping[str, int
             lines.append(f"        {_d(fields)}{',' if i + 1 < len(ps.shards) else ''}")
         lines.append("      ]" + ("," if ps.estimate is not None else ""))
         if ps.estimate is not None:
-            est = {f: list(getattr(ps.estimate, f)) if f in ("shard_bytes", "shard_ms", "notes")
-                   else getattr(ps.estimate, f) for f in _ESTIMATE}
+            est = {
+                f: list(getattr(ps.estimate, f))
+                if f in ("shard_bytes", "shard_ms", "notes")
+                else getattr(ps.estimate, f)
+                for f in _ESTIMATE
+            }
             lines.append(f'      "estimate": {_d(est)}')
         lines.append("    }" + ("," if k + 1 < len(shardings) else ""))
     lines += ["  }", "}"]
@@ -72,7 +90,9 @@ def _need(obj, keys, allowed, where: str) -> None:
         raise ValueError(f"{where} must be a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(allowed))
     if unknown:
-        raise ValueError(f"{where} has unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
+        raise ValueError(
+            f"{where} has unknown key(s) {unknown}; allowed keys are {sorted(allowed)}"
+        )
     missing = [k for k in keys if k not in obj]
     if missing:
         raise ValueError(f"{where} is missing key(s) {missing}")

@@ -7,6 +7,7 @@ out `mesh.devices`. The builders produce exactly the layouts documented in `_typ
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,9 @@ ST = ShardingType
 def check_mesh_axes(mesh_axes: Mapping[str, int]) -> dict[str, int]:
     """A copy of `mesh_axes` (name -> size, mesh order) after checking names and sizes."""
     if not isinstance(mesh_axes, Mapping) or not mesh_axes:
-        raise ValueError(f"mesh_axes must be a non-empty dict like {{'data': 2, 'model': 4}}, got {mesh_axes!r}")
+        raise ValueError(
+            f"mesh_axes must be a non-empty dict like {{'data': 2, 'model': 4}}, got {mesh_axes!r}"
+        )
     out = {}
     for name, size in mesh_axes.items():
         if not isinstance(name, str) or not name:
@@ -43,12 +46,19 @@ def devices_holding(
     device: tuple[int, ...], axes: Sequence[str], mesh_axes: Mapping[str, int]
 ) -> list[int]:
     """Flat (row-major) indices of the mesh devices whose coordinates on `axes` are `device`."""
-    where = dict(zip(axes, device, strict=True))
-    return [
-        i
-        for i, coord in enumerate(axis_coords(list(mesh_axes), mesh_axes))
-        if all(coord[k] == where[a] for k, a in enumerate(mesh_axes) if a in where)
-    ]
+    return list(_holders(tuple(axes), tuple(mesh_axes.items())).get(tuple(device), ()))
+
+
+@functools.lru_cache(maxsize=256)
+def _holders(
+    axes: tuple[str, ...], mesh_items: tuple[tuple[str, int], ...]
+) -> dict[tuple[int, ...], tuple[int, ...]]:
+    mesh = dict(mesh_items)
+    pos = [list(mesh).index(a) for a in axes]
+    out: dict[tuple[int, ...], list[int]] = {}
+    for i, coord in enumerate(axis_coords(list(mesh), mesh)):
+        out.setdefault(tuple(coord[p] for p in pos), []).append(i)
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def row_block_sizes(num_rows: int, n: int) -> list[int]:
@@ -57,10 +67,16 @@ def row_block_sizes(num_rows: int, n: int) -> list[int]:
     return [max(0, min(block, num_rows - i * block)) for i in range(n)]
 
 
-def _row_split(rows: int, col_offset: int, cols: int, devices: Sequence[tuple[int, ...]]) -> list[Shard]:
+def _row_split(
+    rows: int, col_offset: int, cols: int, devices: Sequence[tuple[int, ...]]
+) -> list[Shard]:
     out, offset = [], 0
     for size, dev in zip(row_block_sizes(rows, len(devices)), devices, strict=True):
-        out.append(Shard(row_offset=offset, row_size=size, col_offset=col_offset, col_size=cols, device=dev))
+        out.append(
+            Shard(
+                row_offset=offset, row_size=size, col_offset=col_offset, col_size=cols, device=dev
+            )
+        )
         offset += size
     return out
 
@@ -74,12 +90,16 @@ def data_parallel(rows: int, dim: int) -> ParameterSharding:
     return ParameterSharding(sharding_type=ST.DATA_PARALLEL, axes=(), shards=(shard,))
 
 
-def table_wise(rows: int, dim: int, axes: Sequence[str], device: tuple[int, ...]) -> ParameterSharding:
+def table_wise(
+    rows: int, dim: int, axes: Sequence[str], device: tuple[int, ...]
+) -> ParameterSharding:
     shard = Shard(row_offset=0, row_size=rows, col_offset=0, col_size=dim, device=tuple(device))
     return ParameterSharding(sharding_type=ST.TABLE_WISE, axes=tuple(axes), shards=(shard,))
 
 
-def row_wise(rows: int, dim: int, axes: Sequence[str], mesh_axes: Mapping[str, int]) -> ParameterSharding:
+def row_wise(
+    rows: int, dim: int, axes: Sequence[str], mesh_axes: Mapping[str, int]
+) -> ParameterSharding:
     shards = _row_split(rows, 0, dim, axis_coords(axes, mesh_axes))
     return ParameterSharding(sharding_type=ST.ROW_WISE, axes=tuple(axes), shards=tuple(shards))
 
@@ -99,7 +119,9 @@ def table_row_wise(
 ) -> ParameterSharding:
     devices = [(host, j) for j in range(mesh_axes[axes[1]])]
     shards = _row_split(rows, 0, dim, devices)
-    return ParameterSharding(sharding_type=ST.TABLE_ROW_WISE, axes=tuple(axes), shards=tuple(shards))
+    return ParameterSharding(
+        sharding_type=ST.TABLE_ROW_WISE, axes=tuple(axes), shards=tuple(shards)
+    )
 
 
 def table_column_wise(
@@ -135,7 +157,9 @@ def check_axes_and_devices(name: str, ps: ParameterSharding, mesh_axes: Mapping[
         )
     sizes = [mesh_axes[a] for a in ps.axes]
     for i, s in enumerate(ps.shards):
-        if len(s.device) != len(ps.axes) or any(c >= n for c, n in zip(s.device, sizes)):
+        if len(s.device) != len(ps.axes) or any(
+            c >= n for c, n in zip(s.device, sizes, strict=True)
+        ):
             raise ValueError(
                 f"table {name!r}: shard {i} is at device {list(s.device)}, which is not a coordinate "
                 f"along axes {list(ps.axes)} of sizes {sizes}; give one index per axis, each below its size"
@@ -151,8 +175,10 @@ def _check_tiling(name: str, ps: ParameterSharding, rows: int, dim: int) -> None
             )
     for a, b in itertools.combinations(blocks, 2):
         if (
-            a.row_offset < b.row_offset + b.row_size and b.row_offset < a.row_offset + a.row_size
-            and a.col_offset < b.col_offset + b.col_size and b.col_offset < a.col_offset + a.col_size
+            a.row_offset < b.row_offset + b.row_size
+            and b.row_offset < a.row_offset + a.row_size
+            and a.col_offset < b.col_offset + b.col_size
+            and b.col_offset < a.col_offset + a.col_size
         ):
             raise ValueError(f"table {name!r}: shards {a.describe()} and {b.describe()} overlap")
     covered = sum(s.num_elements for s in blocks)
@@ -163,26 +189,38 @@ def _check_tiling(name: str, ps: ParameterSharding, rows: int, dim: int) -> None
         )
 
 
-def check_layout(name: str, ps: ParameterSharding, rows: int, dim: int, mesh_axes: Mapping[str, int]) -> None:
+def check_layout(
+    name: str, ps: ParameterSharding, rows: int, dim: int, mesh_axes: Mapping[str, int]
+) -> None:
     """Raise ValueError (naming the table) unless `ps` is a valid layout of a rows x dim table."""
     check_axes_and_devices(name, ps, mesh_axes)
     _check_tiling(name, ps, rows, dim)
     t, axes, shards = ps.sharding_type, ps.axes, ps.shards
     rebuild = "; ShardingPlan.from_types builds this layout for you"
     if t is ST.DATA_PARALLEL and (axes or len(shards) != 1):
-        raise ValueError(f"table {name!r}: data_parallel takes axes=() and one whole-table shard{rebuild}")
+        raise ValueError(
+            f"table {name!r}: data_parallel takes axes=() and one whole-table shard{rebuild}"
+        )
     if t is not ST.DATA_PARALLEL and not axes:
-        raise ValueError(f"table {name!r}: {t.value} needs at least one mesh axis in `axes`{rebuild}")
+        raise ValueError(
+            f"table {name!r}: {t.value} needs at least one mesh axis in `axes`{rebuild}"
+        )
     if t is ST.TABLE_WISE and len(shards) != 1:
-        raise ValueError(f"table {name!r}: table_wise takes one whole-table shard, got {len(shards)}{rebuild}")
+        raise ValueError(
+            f"table {name!r}: table_wise takes one whole-table shard, got {len(shards)}{rebuild}"
+        )
     if t in TWO_LEVEL_TYPES and len(axes) != 2:
         raise ValueError(
             f"table {name!r}: {t.value} takes axes=(inter_host_axis, intra_host_axis), got {list(axes)}{rebuild}"
         )
     if t in (ST.COLUMN_WISE, ST.TABLE_COLUMN_WISE) and any(s.row_size != rows for s in shards):
-        raise ValueError(f"table {name!r}: {t.value} shards must each hold all {rows} rows{rebuild}")
+        raise ValueError(
+            f"table {name!r}: {t.value} shards must each hold all {rows} rows{rebuild}"
+        )
     if t is ST.TABLE_COLUMN_WISE and len({s.device[0] for s in shards}) != 1:
-        raise ValueError(f"table {name!r}: table_column_wise shards must all be on one host index{rebuild}")
+        raise ValueError(
+            f"table {name!r}: table_column_wise shards must all be on one host index{rebuild}"
+        )
     expected = None
     if t is ST.ROW_WISE:
         expected = row_wise(rows, dim, axes, mesh_axes)
@@ -190,11 +228,13 @@ def check_layout(name: str, ps: ParameterSharding, rows: int, dim: int, mesh_axe
         expected = table_row_wise(rows, dim, axes, shards[0].device[0], mesh_axes)
     elif t is ST.GRID_SHARD:
         starts = sorted({s.col_offset for s in shards if s.col_size})
-        sizes = [b - a for a, b in zip(starts, [*starts[1:], dim])]
+        sizes = [b - a for a, b in zip(starts, [*starts[1:], dim], strict=True)]
         expected = grid_shard(rows, sizes, axes, mesh_axes)
     if expected is not None and sorted(expected.shards, key=_key) != sorted(shards, key=_key):
         want = ", ".join(f"{s.describe()} at {list(s.device)}" for s in expected.shards)
-        raise ValueError(f"table {name!r}: {t.value} over {list(axes)} must have the shards {want}{rebuild}")
+        raise ValueError(
+            f"table {name!r}: {t.value} over {list(axes)} must have the shards {want}{rebuild}"
+        )
 
 
 def _key(s: Shard) -> tuple:

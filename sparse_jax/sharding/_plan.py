@@ -41,13 +41,19 @@ class ShardingPlan(Mapping[str, ParameterSharding]):
             if not isinstance(name, str) or not name:
                 raise ValueError(f"plan entries are keyed by table name, got {name!r}")
             if not isinstance(ps, ParameterSharding):
-                raise ValueError(f"table {name!r}: expected a ParameterSharding, got {type(ps).__name__}")
+                raise ValueError(
+                    f"table {name!r}: expected a ParameterSharding, got {type(ps).__name__}"
+                )
             _layout.check_axes_and_devices(name, ps, self._mesh_axes)
             self._shardings[name] = ps
         if device_memory_bytes is not None and (
-            isinstance(device_memory_bytes, bool) or not isinstance(device_memory_bytes, int) or device_memory_bytes < 1
+            isinstance(device_memory_bytes, bool)
+            or not isinstance(device_memory_bytes, int)
+            or device_memory_bytes < 1
         ):
-            raise ValueError(f"device_memory_bytes must be a positive integer or None, got {device_memory_bytes!r}")
+            raise ValueError(
+                f"device_memory_bytes must be a positive integer or None, got {device_memory_bytes!r}"
+            )
         self._budget = device_memory_bytes
 
     # Mapping ---------------------------------------------------------------------------
@@ -55,7 +61,9 @@ class ShardingPlan(Mapping[str, ParameterSharding]):
         try:
             return self._shardings[name]
         except KeyError:
-            raise KeyError(f"the plan has no table {name!r}; it has {sorted(self._shardings)}") from None
+            raise KeyError(
+                f"the plan has no table {name!r}; it has {sorted(self._shardings)}"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._shardings)
@@ -101,9 +109,13 @@ class ShardingPlan(Mapping[str, ParameterSharding]):
         if missing:
             raise ValueError(f"the plan has no entry for table(s) {missing}; add them or re-plan")
         if extra:
-            raise ValueError(f"the plan names table(s) {extra} that are not among the tables {names}")
+            raise ValueError(
+                f"the plan names table(s) {extra} that are not among the tables {names}"
+            )
         for t in tables:
-            _layout.check_layout(t.name, self._shardings[t.name], t.num_embeddings, t.embedding_dim, self._mesh_axes)
+            _layout.check_layout(
+                t.name, self._shardings[t.name], t.num_embeddings, t.embedding_dim, self._mesh_axes
+            )
 
     # Hand-written plans ------------------------------------------------------------------
     @classmethod
@@ -130,7 +142,9 @@ class ShardingPlan(Mapping[str, ParameterSharding]):
         names = {t.name for t in tables}
         unknown = sorted(set(types) - names)
         if unknown:
-            raise ValueError(f"types names table(s) {unknown} that are not among the tables {sorted(names)}")
+            raise ValueError(
+                f"types names table(s) {unknown} that are not among the tables {sorted(names)}"
+            )
         order = list(mesh)
         model = tuple(a for a in order if a != "data") or tuple(order)
         load = [0] * _layout.group_size(order, mesh)
@@ -207,7 +221,9 @@ def _default_layout(t, kind: ShardingType, model, two_level, mesh, load) -> Para
         k = _largest_divisor(dim, mesh[two_level[0]])
         ps = _layout.grid_shard(rows, [dim // k] * k, two_level, mesh)
     elif kind is ST.TABLE_ROW_WISE:
-        ps = _layout.table_row_wise(rows, dim, two_level, _least_loaded_host(two_level, mesh, load), mesh)
+        ps = _layout.table_row_wise(
+            rows, dim, two_level, _least_loaded_host(two_level, mesh, load), mesh
+        )
     else:  # whole tables or column blocks placed one at a time on the least loaded coordinate
         axes = two_level if kind is ST.TABLE_COLUMN_WISE else model
         coords = _layout.axis_coords(axes, mesh)

@@ -34,7 +34,7 @@ import enum
 __all__ = ["ParameterSharding", "Shard", "ShardingEstimate", "ShardingType"]
 
 
-class ShardingType(str, enum.Enum):
+class ShardingType(enum.StrEnum):
     """How a table is split over the mesh (TorchRec's names and string values)."""
 
     DATA_PARALLEL = "data_parallel"

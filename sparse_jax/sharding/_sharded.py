@@ -1,0 +1,307 @@
+"""`shard(ebc, mesh, plan)`: an EmbeddingBagCollection sharded over a device mesh.
+
+Same functional API as the unsharded collection (`init`, `apply`, `table_weights`,
+`with_table_weights`, and `make_update`), run inside `jax.shard_map`, the batch split
+over every device. One scheme serves every ShardingType, because every plan is a set of
+blocks (see `_work.py`). For each shard buffer, sharded over axes A and replicated over
+the other axes R:
+
+forward   input dist: the local KJT is all-gathered over A (each device of a group sees
+          the group's ids; ids are 4 bytes, the cheap side). Each device pools, for its
+          work items, the ids that fall in its shard's rows for the whole group batch
+          (fused per-position gather+add). Output dist: one all_to_all over A returns to
+          every device its samples' partial blocks; row-wise partials are summed and
+          column blocks placed at their columns (a reduce-scatter for row_wise, an
+          all_to_all for table/column-wise, in bytes).
+backward  the mirror all_to_all brings each shard owner the pooled gradient of its items
+          for the group batch; the per-id stream (row, bag, scale) and bag gradients are
+          all-gathered over R so every replica applies the identical fused update
+          (TorchRec's 2D parallel: replicas stay in sync); then `apply_row_rule`.
+
+Row-wise adagrad on a column-wise sharded table keeps one state value per row *per
+column block* (mean over the block's columns), as TorchRec does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sparse_jax import _lookup
+from sparse_jax._keyed_tensor import KeyedTensor
+from sparse_jax._validate import is_concrete
+from sparse_jax.optim._apply import apply_row_rule
+from sparse_jax.optim._base import RowRule, SparseOptState, is_row_leaf
+from sparse_jax.sharding._local_batch import LocalBatches, split_batch
+from sparse_jax.sharding._plan import ShardingPlan
+from sparse_jax.sharding._work import ShardBuffer, build_buffers
+
+__all__ = ["ShardedEmbeddingBagCollection", "shard"]
+
+
+def _resolve_plan(plan, tables, mesh_axes) -> ShardingPlan:
+    if isinstance(plan, ShardingPlan):
+        if dict(plan.mesh_axes) != dict(mesh_axes):
+            raise ValueError(f"the plan was made for mesh {dict(plan.mesh_axes)} but the mesh is {dict(mesh_axes)}; re-plan")
+        plan.validate(tables)
+        return plan
+    if plan is None:
+        from sparse_jax.planner import Planner, Topology
+
+        return Planner(Topology(axes=dict(mesh_axes))).plan(tables, batch_size=1024)
+    if isinstance(plan, Mapping):
+        return ShardingPlan.from_types(tables, mesh_axes, plan)
+    raise ValueError(f"plan must be a ShardingPlan, a {{table: sharding type}} dict or None, got {type(plan).__name__}")
+
+
+class ShardedEmbeddingBagCollection:
+    """An EBC whose tables live on `mesh` as `plan` says. Build with `shard(ebc, mesh, plan)`."""
+
+    def __init__(self, ebc, mesh: jax.sharding.Mesh, plan=None, *, ladder: Sequence[int] | None = None):
+        self.ebc, self.mesh, self.ladder = ebc, mesh, ladder
+        self.layout = ebc.layout
+        self.is_weighted, self.bounds_check = ebc.is_weighted, ebc.bounds_check
+        self.mesh_axes = {a: int(s) for a, s in mesh.shape.items()}
+        self.plan = _resolve_plan(plan, self.layout.tables, self.mesh_axes)
+        self.buffers: list[ShardBuffer] = build_buffers(self.layout, self.plan, self.mesh_axes)
+        self.num_devices = math.prod(self.mesh_axes.values())
+        self._all_axes = tuple(self.mesh_axes)
+        self._apply_jit = jax.jit(self._apply)
+        self._high_water = (0, 1)  # (capacity, length cap) seen so far: shapes only grow
+
+    @property
+    def tables(self):
+        return self.layout.tables
+
+    def _check(self, kjt) -> None:
+        self.ebc._check(kjt)
+
+    # -- placement --------------------------------------------------------------------
+    def _spec(self, buf: ShardBuffer) -> P:
+        return P(buf.axes) if buf.axes else P()
+
+    def _param_specs(self):
+        return {b.name: self._spec(b) for b in self.buffers}
+
+    def _place(self, weights: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        out = {}
+        for buf in self.buffers:
+            host = np.zeros((buf.group_size * buf.rows_per_device, buf.width), buf.data_type.numpy_dtype)
+            for table, c, local, r0, rn, c0, cn in buf.blocks:
+                start = c * buf.rows_per_device + local
+                host[start : start + rn] = np.asarray(weights[table])[r0 : r0 + rn, c0 : c0 + cn]
+            out[buf.name] = jax.device_put(host, NamedSharding(self.mesh, self._spec(buf)))
+        return out
+
+    def init(self, key: jax.Array) -> dict[str, jax.Array]:
+        """The same weights as `ebc.init(key)`, placed on the mesh."""
+        return self._place({k: np.asarray(v) for k, v in self.ebc.table_weights(self.ebc.init(key)).items()})
+
+    def table_weights(self, params) -> dict[str, np.ndarray]:
+        """Full `[num_embeddings, dim]` weights per table, assembled from the shards (host copies)."""
+        out = {t.name: np.zeros((t.num_embeddings, t.embedding_dim), t.data_type.numpy_dtype) for t in self.tables}
+        for buf in self.buffers:
+            host = np.asarray(params[buf.name])
+            for table, c, local, r0, rn, c0, cn in buf.blocks:
+                start = c * buf.rows_per_device + local
+                out[table][r0 : r0 + rn, c0 : c0 + cn] = host[start : start + rn]
+        return out
+
+    def with_table_weights(self, params, weights: Mapping) -> dict[str, jax.Array]:
+        """New params with the named tables replaced; weights are resharded on load."""
+        current = self.table_weights(params)
+        for name, w in weights.items():
+            if name not in current:
+                raise ValueError(f"with_table_weights: no table named {name!r} (tables: {list(current)})")
+            if tuple(np.shape(w)) != current[name].shape:
+                raise ValueError(f"with_table_weights: table {name!r} is {list(current[name].shape)}, got {np.shape(w)}")
+            current[name] = np.asarray(w)
+        return self._place(current)
+
+    def table_state(self, opt_state: SparseOptState, key: str) -> dict[str, np.ndarray]:
+        """One per-row state leaf (e.g. "momentum1") assembled per table: `[rows, dim]` for
+        elementwise state; for one-value-per-row state `{(col_offset, col_size): [rows]}`
+        (one entry per column block, a single entry unless the table is column-sharded)."""
+        out = {}
+        for buf in self.buffers:
+            host = np.asarray(opt_state.tables[buf.name][key])
+            for table, c, local, r0, rn, c0, cn in buf.blocks:
+                start = c * buf.rows_per_device + local
+                block = host[start : start + rn]
+                if block.ndim == 1:  # one value per row of each column block
+                    per_block = out.setdefault(table, {})
+                    per_block.setdefault((c0, cn), np.zeros(self._rows(table), np.float32))[r0 : r0 + rn] = block
+                    continue
+                full = out.setdefault(table, np.zeros((self._rows(table), self._dim(table)), np.float32))
+                full[r0 : r0 + rn, c0 : c0 + cn] = block
+        return out
+
+    def _rows(self, table):
+        return next(t.num_embeddings for t in self.tables if t.name == table)
+
+    def _dim(self, table):
+        return next(t.embedding_dim for t in self.tables if t.name == table)
+
+    def batch(self, kjt) -> LocalBatches:
+        """The global KJT split per device and placed on the mesh (eager).
+
+        Capacity and length cap never shrink below the largest seen so far, so a steady
+        loop compiles once per high-water mark instead of flipping between rungs."""
+        parts = split_batch(kjt, self.num_devices, self.ladder, min_capacity=self._high_water[0],
+                            min_length_cap=self._high_water[1])
+        self._high_water = (parts["values"].shape[1], parts["length_cap"])
+        sharding = NamedSharding(self.mesh, P(self._all_axes))
+        arrays = {k: jax.device_put(parts[k], sharding) for k in ("values", "lengths", "weights")}
+        return LocalBatches(**arrays, keys=parts["keys"], local_batch=parts["local_batch"], length_cap=parts["length_cap"])
+
+    # -- per-device pieces (inside shard_map) -----------------------------------------------
+    def _positions(self, buf: ShardBuffer, local: LocalBatches):
+        """Local rows and weights of my work items for the group batch: `[M, n_A, B_l, L]`."""
+        values, lengths, weights = local.values[0], local.lengths[0], local.weights[0]
+        if buf.axes:
+            values, lengths, weights = (jax.lax.all_gather(x, buf.axes) for x in (values, lengths, weights))
+            c = jax.lax.axis_index(buf.axes)
+        else:
+            values, lengths, weights = values[None], lengths[None], weights[None]
+            c = 0
+        it = {k: jnp.asarray(v)[c] for k, v in buf.item_table().items()}
+        key_of_feature = jnp.asarray(self.layout.key_indices(local.keys), jnp.int32)
+        b_l, cap_l = local.local_batch, values.shape[1]
+        n_a = values.shape[0]
+        src = jnp.arange(n_a)[None, :, None]
+        bag = key_of_feature[it["feature"]][:, None, None] * b_l + jnp.arange(b_l)[None, None, :]
+        offsets = jnp.concatenate([jnp.zeros((n_a, 1), lengths.dtype), jnp.cumsum(lengths, axis=1)], axis=1)
+        start, length = offsets[src, bag], lengths[src, bag]  # [M, n_A, B_l]
+        pos = jnp.arange(local.length_cap)
+        idx = jnp.minimum(start[..., None] + pos, cap_l - 1)
+        ids = values[src[..., None], idx]
+        valid = (pos < length[..., None]) & (it["valid"] > 0)[:, None, None, None]
+        num_rows = it["num_rows"][:, None, None, None]
+        if self.bounds_check == "clamp":
+            ids = jnp.clip(ids, 0, num_rows - 1)
+        r0, rn = it["row_offset"][:, None, None, None], it["row_size"][:, None, None, None]
+        valid = valid & (ids >= r0) & (ids < r0 + rn) & (ids < num_rows)
+        w = weights[src[..., None], idx] if self.is_weighted else jnp.ones(ids.shape, jnp.float32)
+        w = jnp.where(valid, w, 0.0)
+        mean = (it["mean"] > 0)[:, None, None, None]
+        w = jnp.where(mean, w / jnp.maximum(length, 1)[..., None].astype(jnp.float32), w)
+        rows = jnp.where(valid, ids - r0 + it["local_offset"][:, None, None, None], buf.rows_per_device)
+        return rows, w
+
+    def _item_columns(self, buf: ShardBuffer, c: int, m: int) -> int | None:
+        items = buf.items[c]
+        if m >= len(items):
+            return None
+        return self.layout.features[items[m].feature].out_offset + items[m].col_offset
+
+    def _forward_local(self, params, local: LocalBatches):
+        b_l = local.local_batch
+        out = jnp.zeros((b_l, sum(self.layout.output_dims)), jnp.float32)
+        for buf in self.buffers:
+            rows, w = self._positions(buf, local)
+            m, n_a = rows.shape[0], rows.shape[1]
+            flat_rows = jnp.minimum(rows, buf.rows_per_device - 1).reshape(-1, rows.shape[-1])
+            pooled = _lookup._sum_positions(params[buf.name], flat_rows, w.reshape(-1, w.shape[-1]))
+            pooled = pooled.reshape(m, n_a, b_l, buf.width)
+            if buf.axes:
+                pooled = jax.lax.all_to_all(pooled, buf.axes, 1, 1)
+            for j in range(buf.group_size):
+                for k in range(m):
+                    col = self._item_columns(buf, j, k)
+                    if col is not None:
+                        out = out.at[:, col : col + buf.width].add(pooled[k, j])
+        return out
+
+    def _update_local(self, rule: RowRule, params, state, count, local: LocalBatches, grad):
+        b_l = local.local_batch
+        step = count + 1
+        new_params, new_states = {}, {}
+        for buf in self.buffers:
+            rows, w = self._positions(buf, local)
+            m, n_a = rows.shape[0], rows.shape[1]
+            send = jnp.stack(
+                [
+                    jnp.stack(
+                        [
+                            grad[:, col : col + buf.width] if (col := self._item_columns(buf, j, k)) is not None
+                            else jnp.zeros((b_l, buf.width), grad.dtype)
+                            for j in range(buf.group_size)
+                        ]
+                    )
+                    for k in range(m)
+                ]
+            )  # [M, n_A (destination), B_l, W]
+            recv = jax.lax.all_to_all(send, buf.axes, 1, 1) if buf.axes else send
+            nb = m * n_a * b_l
+            bag = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32).reshape(m, n_a, b_l, 1), rows.shape)
+            rows, bag, scale = rows.reshape(-1), bag.reshape(-1), w.reshape(-1)
+            bag_grads = recv.reshape(nb, buf.width)
+            replica_axes = tuple(a for a in self._all_axes if a not in buf.axes)
+            if replica_axes:
+                n_r = math.prod(self.mesh_axes[a] for a in replica_axes)
+                rows, scale = (jax.lax.all_gather(x, replica_axes).reshape(-1) for x in (rows, scale))
+                bag = (jax.lax.all_gather(bag, replica_axes) + (jnp.arange(n_r, dtype=jnp.int32) * nb)[:, None]).reshape(-1)
+                bag_grads = jax.lax.all_gather(bag_grads, replica_axes).reshape(n_r * nb, buf.width)
+            new_params[buf.name], new_states[buf.name] = apply_row_rule(
+                rule, params[buf.name], state[buf.name], step, rows, bag, scale, bag_grads
+            )
+        return new_params, new_states, step
+
+    # -- public, jitted --------------------------------------------------------------------
+    def _apply(self, params, local: LocalBatches):
+        specs = jax.tree_util.tree_map(lambda _: P(self._all_axes), local)
+        fn = jax.shard_map(self._forward_local, mesh=self.mesh, in_specs=(self._param_specs(), specs),
+                           out_specs=P(self._all_axes), check_vma=False)
+        return fn(params, local)
+
+    def apply(self, params, kjt) -> KeyedTensor:
+        """Pooled embeddings `[B, sum of dims]`, batch-sharded over every device."""
+        if not isinstance(kjt, LocalBatches):
+            self._check(kjt)
+        local = kjt if isinstance(kjt, LocalBatches) else self.batch(kjt)
+        values = self._apply_jit(params, local) if is_concrete(*jax.tree_util.tree_leaves(params)) else self._apply(params, local)
+        return KeyedTensor(self.layout.feature_names, self.layout.output_dims, values)
+
+    def _state_specs(self, opt_state: SparseOptState):
+        tables = {
+            b.name: jax.tree_util.tree_map(
+                lambda x, b=b: self._spec(b) if is_row_leaf(x, b.group_size * b.rows_per_device) else P(),
+                opt_state.tables[b.name],
+            )
+            for b in self.buffers
+        }
+        return SparseOptState(count=P(), tables=tables)
+
+    def update_fn(self, rule: RowRule):
+        """The traceable fused update `(params, opt_state, LocalBatches, grad) -> (params, opt_state)`."""
+
+        def step(params, opt_state, local, grad):
+            if isinstance(grad, KeyedTensor):
+                grad = grad.values()
+            specs = jax.tree_util.tree_map(lambda _: P(self._all_axes), local)
+            state_specs = self._state_specs(opt_state)
+
+            def body(p, tables, count, loc, g):
+                return self._update_local(rule, p, tables, count, loc, g)
+
+            fn = jax.shard_map(
+                body, mesh=self.mesh,
+                in_specs=(self._param_specs(), state_specs.tables, P(), specs, P(self._all_axes)),
+                out_specs=(self._param_specs(), state_specs.tables, P()), check_vma=False,
+            )
+            new_params, tables, count = fn(params, opt_state.tables, opt_state.count, local, grad)
+            return new_params, SparseOptState(count=count, tables=tables)
+
+        return step
+
+
+def shard(ebc, mesh: jax.sharding.Mesh, plan=None, *, ladder: Sequence[int] | None = None) -> ShardedEmbeddingBagCollection:
+    """Shard `ebc` over `mesh`. `plan`: a `ShardingPlan`, `{table: "row_wise", ...}` (defaults
+    filled in by `ShardingPlan.from_types`), or None (the planner decides)."""
+    return ShardedEmbeddingBagCollection(ebc, mesh, plan, ladder=ladder)

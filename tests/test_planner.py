@@ -1,0 +1,342 @@
+"""Planner: topology, constraints, properties of every plan, errors, cost formulas, Criteo."""
+
+import random
+import time
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparse_jax._configs import EmbeddingBagConfig, EmbeddingConfig
+from sparse_jax.planner import (
+    ParameterConstraints,
+    Planner,
+    PlannerError,
+    ShardingPlan,
+    ShardingType,
+    Topology,
+    estimate_collective_bytes,
+)
+from sparse_jax.planner.__main__ import criteo_tables, main
+from sparse_jax.planner._estimate import CostModel
+from sparse_jax.sharding import _layout
+
+ST = ShardingType
+GiB = 2**30
+
+
+def table(name, rows=1000, dim=16, features=1, cls=EmbeddingBagConfig):
+    return cls(
+        name=name,
+        num_embeddings=rows,
+        embedding_dim=dim,
+        feature_names=[f"{name}_f{i}" for i in range(features)],
+    )
+
+
+# Topology -----------------------------------------------------------------------------------
+
+
+def test_topology_defaults_and_from_mesh():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    topo = Topology.from_mesh(mesh, device_memory_bytes=GiB)
+    assert topo.axes == {"data": 2, "model": 4} and topo.num_devices == 8
+    assert topo.intra_host_axes == ("model",) and topo.inter_host_axes == ("data",)
+    assert topo.bandwidth("model") == 600 * GiB and topo.bandwidth("data") == 12.5 * GiB
+    custom = Topology(
+        axes={"data": 2, "model": 4},
+        intra_host_axes=("data", "model"),
+        axis_bandwidth={"model": 1e9},
+    )
+    assert custom.bandwidth("data") == 600 * GiB and custom.bandwidth("model") == 1e9
+    with pytest.raises(ValueError, match=r"axis_bandwidth names \['tensor'\]"):
+        Topology(axes={"model": 4}, axis_bandwidth={"tensor": 1.0})
+    with pytest.raises(ValueError, match="device_memory_bytes must be a positive integer"):
+        Topology(axes={"model": 4}, device_memory_bytes=0)
+
+
+# Properties over random setups -------------------------------------------------------------
+
+MESHES = [
+    {"model": 4},
+    {"data": 2, "model": 4},
+    {"data": 2, "model": 2},
+    {"a": 2, "b": 2, "c": 2},
+    {"model": 1},
+    {"data": 4, "model": 1},
+]
+
+
+def _setup(specs, mesh, budget_mib):
+    tables = [
+        table(f"t{i}", rows, dim, feats, EmbeddingBagConfig if pooled else EmbeddingConfig)
+        for i, (rows, dim, feats, pooled, _) in enumerate(specs)
+    ]
+    pooling = {f"t{i}": p for i, (*_, p) in enumerate(specs)}
+    return tables, pooling, Topology(axes=mesh, device_memory_bytes=budget_mib * 2**20)
+
+
+specs_strategy = st.lists(
+    st.tuples(
+        st.integers(1, 300_000),
+        st.sampled_from([4, 12, 16, 64, 256]),
+        st.integers(1, 3),
+        st.booleans(),
+        st.floats(0.0, 30.0),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=specs_strategy,
+    mesh=st.sampled_from(MESHES),
+    budget_mib=st.sampled_from([8, 64, 4096]),
+    batch=st.sampled_from([8, 1000, 8192]),
+    seed=st.integers(0, 2**16),
+)
+def test_every_plan_places_each_table_once_within_budget_and_is_deterministic(
+    specs, mesh, budget_mib, batch, seed
+):
+    tables, pooling, topo = _setup(specs, mesh, budget_mib)
+    constraints = {t.name: ParameterConstraints(min_partition=4) for t in tables[::2]}
+    planner = Planner(topo, constraints)
+    try:
+        plan = planner.plan(tables, batch_size=batch, pooling_factors=pooling)
+    except PlannerError as e:
+        assert "bytes" in str(e) and "To fit" in str(e)
+        return
+    assert list(plan) == [t.name for t in tables]
+    plan.validate(tables)  # shards tile each table exactly; layouts follow the conventions
+    # Recompute each device's memory from the cost model (not from the stored estimates).
+    model = CostModel(topology=topo, batch_size=batch)
+    mem = sum(model.device_vectors(t, plan[t.name], pooling[t.name])[0] for t in tables)
+    assert (mem <= topo.device_memory_bytes).all()
+    assert plan.device_totals()[0] == pytest.approx(list(mem))
+    # Same input, same plan; the table order does not matter either.
+    assert planner.plan(tables, batch_size=batch, pooling_factors=pooling) == plan
+    shuffled = list(tables)
+    random.Random(seed).shuffle(shuffled)
+    again = planner.plan(shuffled, batch_size=batch, pooling_factors=pooling)
+    assert {n: again[n] for n in plan} == dict(plan)
+    assert ShardingPlan.from_json(plan.to_json()) == plan
+
+
+# Constraints -------------------------------------------------------------------------------
+
+
+def test_constraints_types_axes_pin_and_min_partition():
+    topo = Topology(axes={"data": 2, "model": 4})
+    tables = [table("a", dim=64), table("b"), table("c"), table("d", dim=64)]
+    constraints = {
+        "a": ParameterConstraints(sharding_types=["column_wise"], min_partition=16),
+        "b": ParameterConstraints(sharding_types=["row_wise"], axes=["model"]),
+        "c": ParameterConstraints(pin={"data": 1, "model": 2}),
+        "d": ParameterConstraints(sharding_types=["column_wise", "table_wise"], min_partition=64),
+    }
+    plan = Planner(topo, constraints).plan(tables, batch_size=512)
+    assert plan["a"].sharding_type is ST.COLUMN_WISE and all(
+        s.col_size >= 16 for s in plan["a"].shards
+    )
+    assert plan["b"].sharding_type is ST.ROW_WISE and plan["b"].axes == ("model",)
+    c = plan["c"]
+    assert c.axes == ("data", "model") and c.shards[0].device == (1, 2)
+    assert plan["d"].sharding_type is ST.TABLE_WISE  # 64 columns cannot split into blocks of >= 64
+    assert "constraints on 'a': sharding_types=['column_wise'], min_partition=16" in plan.explain(
+        "a"
+    )
+
+
+def test_group_keeps_tables_on_the_same_devices():
+    topo = Topology(axes={"data": 2, "model": 4})
+    tables = [table(n, rows=5000) for n in "abcd"]
+    group = ParameterConstraints(group="g", sharding_types=["table_wise"])
+    plan = Planner(topo, {"a": group, "c": group}).plan(tables, batch_size=1024)
+    assert (plan["a"].axes, plan["a"].shards[0].device) == (
+        plan["c"].axes,
+        plan["c"].shards[0].device,
+    )
+
+
+def test_pooling_factors_change_the_cost_and_are_checked():
+    topo = Topology(axes={"model": 4})
+    t = [table("a", features=2)]
+    light = Planner(topo).plan(t, batch_size=4096, pooling_factors={"a": 1.0})
+    heavy = Planner(topo, {"a": ParameterConstraints(pooling_factors=[20.0, 30.0])}).plan(
+        t, batch_size=4096
+    )
+    assert max(heavy.device_totals()[1]) > max(light.device_totals()[1])
+    with pytest.raises(PlannerError, match=r"pooling_factors names table\(s\) \['zz'\]"):
+        Planner(topo).plan(t, batch_size=8, pooling_factors={"zz": 1.0})
+    with pytest.raises(
+        PlannerError, match="table 'a': pooling_factors has 1 values for the table's 2 features"
+    ):
+        Planner(topo, {"a": ParameterConstraints(pooling_factors=[1.0])}).plan(t, batch_size=8)
+    with pytest.raises(PlannerError, match="table 'a': constraint pin names \\['tensor'\\]"):
+        Planner(topo, {"a": ParameterConstraints(pin={"tensor": 0})}).plan(t, batch_size=8)
+    with pytest.raises(PlannerError, match="table 'a': no layout on mesh"):
+        Planner(topo, {"a": ParameterConstraints(sharding_types=["grid_shard"])}).plan(
+            t, batch_size=8
+        )
+
+
+# Errors ------------------------------------------------------------------------------------
+
+
+def test_planner_error_names_table_bytes_budget_and_remedy():
+    topo = Topology(axes={"data": 2, "model": 4}, device_memory_bytes=64 * 2**20)
+    big = table("huge", rows=2_000_000, dim=64)  # 512 MB of fp32 weights
+    with pytest.raises(PlannerError) as err:
+        Planner(
+            topo, {"huge": ParameterConstraints(sharding_types=["table_wise", "data_parallel"])}
+        ).plan([big, table("small")], batch_size=1024)
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError)
+    # weights 2e6 x 64 x 4 + rowwise state 2e6 x 4 = 520,000,000, plus the lookup buffers
+    needed = int(msg.split("needs at least ")[1].split(" bytes")[0].replace(",", ""))
+    assert 520_000_000 < needed < 521_000_000
+    assert "the budget is 67,108,864 bytes (64.00 MiB) per device" in msg
+    assert "To fit: allow row_wise for 'huge' (over ['data', 'model'] it needs" in msg
+    assert (
+        f"raise device_memory_bytes above 67,108,864 bytes (64.00 MiB) to at least {needed:,}"
+        in msg
+    )
+    # Even row_wise over all 8 devices is too small: the remedy is more devices.
+    with pytest.raises(
+        PlannerError,
+        match=r"table 'larger' needs at least .* To fit: use a mesh of at least "
+        r"16 devices \(its weights and optimizer state alone are 1,040,000,000 bytes",
+    ):
+        Planner(topo).plan([table("larger", rows=4_000_000, dim=64)], batch_size=1024)
+
+
+def test_planner_error_when_tables_do_not_fit_together():
+    topo = Topology(axes={"model": 2}, device_memory_bytes=8 * 2**20)
+    tables = [table(f"t{i:02}", rows=40_000, dim=16) for i in range(12)]  # 2.72 MB each with state
+    with pytest.raises(PlannerError) as err:
+        Planner(topo).plan(tables, batch_size=64)
+    msg = str(err.value)
+    assert (
+        "does not fit beside the tables placed before it: its smallest allowed layout, row_wise"
+        in msg
+    )
+    assert (
+        "the largest budget left on any device is" in msg
+        and "(of 8,388,608 bytes (8.00 MiB))" in msg
+    )
+    assert (
+        "use a mesh of at least 4 devices (all tables' weights and optimizer state alone are 32,640,000"
+        in msg
+    )
+
+
+# Cost formulas -----------------------------------------------------------------------------
+
+
+def test_estimate_collective_bytes_by_hand():
+    mesh = {"data": 2, "model": 4}
+    t = table("t", rows=1000, dim=16, features=2)  # fp32: s = 4
+    b, L, F, D = 800 / 8, 3.0, 2, 16  # local batch 100
+
+    def comm(ps):
+        return estimate_collective_bytes(t, ps, mesh, 800, L)
+
+    dp = _layout.data_parallel(1000, 16)
+    assert comm(dp) == {"input_dist": 0, "output_dist": 0, "backward": 7 * b * L * (4 + D * 4)}
+    tw = _layout.table_wise(1000, 16, ("model",), (2,))  # n = 4, r = 2
+    assert comm(tw) == {
+        "input_dist": 3 * b * L * 4,
+        "output_dist": 3 * b * F * D * 4,
+        "backward": 3 * b * F * D * 4 + 1 * 4 * b * L * (4 + D * 4),
+    }
+    rw = _layout.row_wise(1000, 16, ("data", "model"), mesh)  # n = 8, r = 1, f = 125 / 1000
+    assert comm(rw) == {
+        "input_dist": 7 * b * L * 0.125 * 4,
+        "output_dist": 7 * b * F * D * 4,
+        "backward": 7 * b * F * D * 4,
+    }
+    cw = _layout.column_wise(1000, [8, 8], ("model",), [(0,), (0,)])  # two blocks on one device
+    assert comm(cw)["output_dist"] == 2 * 3 * b * F * 8 * 4
+    seq = table("s", rows=1000, dim=16, features=2, cls=EmbeddingConfig)  # one row back per id
+    assert estimate_collective_bytes(seq, tw, mesh, 800, L)["output_dist"] == 3 * b * L * D * 4
+
+
+def test_hierarchical_types_put_less_on_the_inter_host_axis():
+    topo = Topology(axes={"data": 2, "model": 4})
+    t = table("t", rows=100_000, dim=64)
+    model = CostModel(topology=topo, batch_size=8192)
+    rw = _layout.row_wise(100_000, 64, ("data", "model"), topo.axes)
+    twrw = _layout.table_row_wise(100_000, 64, ("data", "model"), 0, topo.axes)
+    # Same total output bytes; the two-level reduce sends only (k-1) chunks across hosts.
+    assert (
+        estimate_collective_bytes(t, rw, topo.axes, 8192, 1.0)["output_dist"]
+        == estimate_collective_bytes(t, twrw, topo.axes, 8192, 1.0)["output_dist"]
+    )
+    rw_ms = max(model.shard_costs(t, rw, 1.0)[1])
+    twrw_ms = max(model.shard_costs(t, twrw, 1.0)[1])
+    assert twrw_ms < rw_ms
+
+
+def test_memory_counts_optimizer_state():
+    topo = Topology(axes={"model": 1})
+    t = table("t", rows=1000, dim=16)
+    ps = _layout.data_parallel(1000, 16)
+    sizes = {
+        opt: CostModel(topology=topo, batch_size=1, optimizer=opt).shard_costs(t, ps, 0.0)[0][0]
+        for opt in ("sgd", "rowwise_adagrad", "adagrad", "adam")
+    }
+    weights = 1000 * 16 * 4
+    assert (
+        sizes["sgd"] - weights
+        == sizes["rowwise_adagrad"] - weights - 4000
+        == sizes["adam"] - 3 * weights
+    )
+    with pytest.raises(ValueError, match="optimizer 'lamb' is not one of"):
+        Planner(topo, optimizer="lamb")
+
+
+# Output ------------------------------------------------------------------------------------
+
+
+def test_criteo_plans_fast_and_prints_stats(capsys):
+    topo = Topology(axes={"data": 2, "model": 4}, device_memory_bytes=8 * GiB)
+    tables = criteo_tables()
+    start = time.perf_counter()
+    plan = Planner(topo).plan(tables, batch_size=16384)
+    assert time.perf_counter() - start < 1.0
+    assert len(plan) == 26
+    mem, ms = plan.device_totals()
+    assert max(mem) <= 8 * GiB and max(ms) > 0
+    main()
+    out = capsys.readouterr().out
+    assert "26 tables on mesh data=2 x model=4 (8 devices), budget 8.00 GiB per device" in out
+    assert "memory used / budget" in out and "ms/step" in out and "t_cat_2" in out
+    explain = plan.explain("t_cat_2")
+    assert "chosen:" in explain and "runner-up:" in explain and "collectives per step" in explain
+
+
+def test_estimate_fills_a_hand_written_plan():
+    topo = Topology(axes={"data": 2, "model": 4}, device_memory_bytes=GiB)
+    tables = [table("a"), table("b")]
+    hand = ShardingPlan.from_types(tables, topo.axes, {"a": "row_wise"})
+    filled = Planner(topo).estimate(hand, tables, batch_size=256)
+    assert filled["a"].estimate is not None and filled["a"].shards == hand["a"].shards
+    assert None not in filled.device_totals()[1]
+    assert "GiB (" in filled.stats_table() or "MiB / " in filled.stats_table()
+    assert np.isfinite(max(filled.device_totals()[1]))
+
+
+def test_group_without_a_common_layout_is_an_error():
+    topo = Topology(axes={"model": 4})
+    constraints = {
+        "a": ParameterConstraints(group="g", sharding_types=["table_wise"]),
+        "b": ParameterConstraints(group="g", sharding_types=["row_wise"]),
+    }
+    with pytest.raises(
+        PlannerError, match=r"tables \['a', 'b'\] \(group 'g'\) have no sharding type"
+    ):
+        Planner(topo, constraints).plan([table("a"), table("b")], batch_size=64)
