@@ -10,6 +10,7 @@ from sparse_jax._configs import (
     EmbeddingConfig,
     PoolingType,
 )
+from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 from sparse_jax._keyed_tensor import KeyedTensor
@@ -20,6 +21,7 @@ __all__ = [
     "DataType",
     "EmbeddingBagConfig",
     "EmbeddingBagCollection",
+    "EmbeddingCollection",
     "EmbeddingConfig",
     "JaggedTensor",
     "KeyedJaggedTensor",

@@ -22,6 +22,7 @@ from sparse_jax._configs import EmbeddingBagConfig
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
+from sparse_jax._tables import TableCollection
 from sparse_jax._validate import is_concrete
 
 __all__ = ["EmbeddingBagCollection", "KERNELS"]
@@ -29,7 +30,7 @@ __all__ = ["EmbeddingBagCollection", "KERNELS"]
 KERNELS = ("xla", "reference")
 
 
-class EmbeddingBagCollection:
+class EmbeddingBagCollection(TableCollection):
     """Pooled embedding tables (TorchRec's `EmbeddingBagCollection`), functional.
 
     Args:
@@ -61,52 +62,6 @@ class EmbeddingBagCollection:
         self.kernel = kernel
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
         self._apply_jit = jax.jit(self._apply)
-
-    # -- parameters ---------------------------------------------------------------------
-    @property
-    def tables(self):
-        return self.layout.tables
-
-    def init(self, key: jax.Array) -> dict[str, jax.Array]:
-        """Uniform(weight_init_min, weight_init_max) per table, stacked per group (fresh buffers)."""
-        parts: dict[str, list] = {g: [] for g in self.layout.groups}
-        for i, t in enumerate(self.layout.tables):
-            g, _ = self.layout.table_group[t.name]
-            w = jax.random.uniform(
-                jax.random.fold_in(key, i),
-                (t.num_embeddings, t.embedding_dim),
-                jnp.float32,
-                t.weight_init_min,
-                t.weight_init_max,
-            )
-            parts[g].append(w.astype(t.data_type.numpy_dtype))
-        return {g: jnp.array(jnp.concatenate(ws), copy=True) for g, ws in parts.items()}
-
-    def table_weights(self, params) -> dict[str, jax.Array]:
-        """{table name: [num_embeddings, dim]} views of the stacked buffers (copies)."""
-        out = {}
-        for t in self.layout.tables:
-            g, off = self.layout.table_group[t.name]
-            out[t.name] = params[g][off : off + t.num_embeddings]
-        return out
-
-    def with_table_weights(self, params, weights: dict) -> dict[str, jax.Array]:
-        """New params with the named tables replaced (e.g. pretrained weights)."""
-        by_name = {t.name: t for t in self.layout.tables}
-        params = dict(params)
-        for name, w in weights.items():
-            if name not in by_name:
-                raise ValueError(f"with_table_weights: no table named {name!r} (tables: {list(by_name)})")
-            t = by_name[name]
-            w = jnp.asarray(w)
-            if w.shape != (t.num_embeddings, t.embedding_dim):
-                raise ValueError(
-                    f"with_table_weights: table {name!r} is [{t.num_embeddings}, {t.embedding_dim}], "
-                    f"got weights of shape {w.shape}"
-                )
-            g, off = self.layout.table_group[name]
-            params[g] = params[g].at[off : off + t.num_embeddings].set(w.astype(params[g].dtype))
-        return params
 
     # -- forward ---------------------------------------------------------------------------
     def _check(self, kjt: KeyedJaggedTensor) -> None:

@@ -78,6 +78,15 @@ class JaggedTensor:
         return obj
 
     @classmethod
+    def from_values_and_lengths(cls, values, lengths) -> JaggedTensor:
+        """Any values (e.g. `[num_ids, dim]` embeddings) split by `lengths`; only the sizes are checked."""
+        lengths = np.asarray(lengths)
+        if int(lengths.sum()) != int(values.shape[0]):
+            raise ValueError(f"JaggedTensor: sum(lengths)={int(lengths.sum())} but values has {values.shape[0]} rows")
+        return cls.tree_unflatten(None, (values, None, jnp.asarray(lengths, jnp.int32),
+                                         jnp.asarray(_offsets_from_lengths(lengths))))
+
+    @classmethod
     def from_dense(cls, values: Sequence, weights: Sequence | None = None) -> JaggedTensor:
         """From a list of 1-D id arrays (one per bag)."""
         lengths = np.array([len(v) for v in values], dtype=np.int32)

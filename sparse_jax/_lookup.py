@@ -101,13 +101,13 @@ def _sum_positions(table, rows, w):
     cap = rows.shape[1]
     acc = jnp.zeros((rows.shape[0], table.shape[1]), jnp.float32)
 
-    def add(l, acc):
-        r = table.at[rows[:, l]].get(mode="promise_in_bounds").astype(jnp.float32)
-        return acc + w[:, l, None] * r
+    def add(pos, acc):
+        r = table.at[rows[:, pos]].get(mode="promise_in_bounds").astype(jnp.float32)
+        return acc + w[:, pos, None] * r
 
     if cap <= _UNROLL_MAX:
-        for l in range(cap):
-            acc = add(l, acc)
+        for pos in range(cap):
+            acc = add(pos, acc)
         return acc
     return jax.lax.fori_loop(0, cap, add, acc)
 
@@ -193,7 +193,7 @@ def pooled_segment_sum(params, kjt, layout: TableLayout, *, weighted: bool, boun
     """Reference: gather every id's row, weight it, `segment_sum` per bag."""
     stride = kjt.stride()
     out: list = [None] * len(layout.features)
-    for group, (_, dim) in layout.groups.items():
+    for group in layout.groups:
         members = [i for i, s in enumerate(layout.features) if s.group == group]
         if not members:
             continue

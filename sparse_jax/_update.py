@@ -56,22 +56,25 @@ class _Update:
         if not isinstance(rule, RowRule):
             raise ValueError(f"make_update needs a sparse_jax.optim row rule, got {type(rule).__name__}")
         self.collection, self.rule = collection, rule
-        if hasattr(collection, "update_fn"):  # sharded: per-device batches, shard_map inside
+        if hasattr(collection, "update_fn"):  # sharded or sequence: the collection's own step
             step = collection.update_fn(rule)
-            self._prepare = collection.batch
+            self._prepare = getattr(collection, "prepare_update", None) or (lambda kjt, g: (collection.batch(kjt), g))
         else:
 
             def step(params, opt_state, kjt, pooled_grad):
                 return fused_update(collection.layout, rule, params, opt_state, kjt, pooled_grad,
                                     weighted=collection.is_weighted, bounds_check=collection.bounds_check)
 
-            # the update reads no length caps: dropping them keeps one program per capacity
-            self._prepare = lambda kjt: (kjt if kjt.capacity() else kjt.pad(capacity=8)).without_length_caps()
+            def prepare(kjt, grad):
+                # the update reads no length caps: dropping them keeps one program per capacity
+                return (kjt if kjt.capacity() else kjt.pad(capacity=8)).without_length_caps(), grad
+
+            self._prepare = prepare
         self.jitted = jax.jit(step, donate_argnums=(0, 1))
 
     def __call__(self, params, opt_state, kjt, pooled_grad):
         self.collection._check(kjt)
-        return self.jitted(params, opt_state, self._prepare(kjt), pooled_grad)
+        return self.jitted(params, opt_state, *self._prepare(kjt, pooled_grad))
 
     def compile_count(self) -> int:
         """How many programs the jitted step has compiled (one per distinct input shape)."""

@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
 from tests import reference
 from tests.cases import random_case
 

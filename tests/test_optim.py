@@ -6,7 +6,13 @@ import numpy as np
 import optax
 import pytest
 
-from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, make_update, optim
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    make_update,
+    optim,
+)
 from tests import reference
 from tests.cases import random_case
 
