@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sparse_jax import _lookup
 from sparse_jax._keyed_tensor import KeyedTensor
@@ -49,6 +51,14 @@ def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOp
     return new_params, SparseOptState(count=step, tables=new_states)
 
 
+def _batch_sharded(collection, grad):
+    """The pooled gradient placed batch-sharded on the collection's mesh (explicit-axis meshes
+    from `jax.make_mesh` do not reshard inputs implicitly)."""
+    if isinstance(grad, KeyedTensor):
+        grad = grad.values()
+    return jax.device_put(grad, NamedSharding(collection.mesh, P(tuple(collection.mesh.axis_names))))
+
+
 class _Update:
     """Callable returned by `make_update`: eager id checks, then the jitted, donating step."""
 
@@ -58,7 +68,9 @@ class _Update:
         self.collection, self.rule = collection, rule
         if hasattr(collection, "update_fn"):  # sharded or sequence: the collection's own step
             step = collection.update_fn(rule)
-            self._prepare = getattr(collection, "prepare_update", None) or (lambda kjt, g: (collection.batch(kjt), g))
+            self._prepare = getattr(collection, "prepare_update", None) or (
+                lambda kjt, g: (collection.batch(kjt), _batch_sharded(collection, g))
+            )
         else:
 
             def step(params, opt_state, kjt, pooled_grad):

@@ -153,3 +153,16 @@ def test_steady_loop_compiles_once():
         sharded.apply(params, kjt)
     assert update.compile_count() == 1
     assert sharded._apply_jit._cache_size() == 1
+
+
+def test_explicit_axes_mesh_from_jax_make_mesh():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axis types in JAX 0.10
+    case = random_case(np.random.default_rng(4), dims=[8], batch=8)
+    ebc = EmbeddingBagCollection(case.tables)
+    sharded = shard(ebc, mesh, {"t0": "row_wise"})
+    rule = optim.sgd(lr=0.5)
+    params, sparams = ebc.init(jax.random.key(0)), sharded.init(jax.random.key(0))
+    grad = jnp.ones((8, 16), jnp.float32)
+    params, _ = make_update(ebc, rule)(params, rule.init(params), case.kjt, grad)
+    sparams, _ = make_update(sharded, rule)(sparams, rule.init(sparams), case.kjt, grad)
+    _check_tables(ebc, sharded, params, sparams)
