@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -56,7 +57,11 @@ def _batch_sharded(collection, grad):
     from `jax.make_mesh` do not reshard inputs implicitly)."""
     if isinstance(grad, KeyedTensor):
         grad = grad.values()
-    return jax.device_put(grad, NamedSharding(collection.mesh, P(tuple(collection.mesh.axis_names))))
+    sharding = NamedSharding(collection.mesh, P(tuple(collection.mesh.axis_names)))
+    if isinstance(grad, jax.Array) and grad.sharding == sharding:
+        return grad
+    host = np.asarray(grad)  # the same global value on every process
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 class _Update:

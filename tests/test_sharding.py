@@ -132,6 +132,10 @@ def test_clear_errors():
     sharded = shard(ebc, mesh, {"t0": "row_wise"})
     with pytest.raises(ValueError, match="batch size 6 is not divisible by the 8 devices"):
         sharded.apply(sharded.init(jax.random.key(0)), case.kjt)
+    good = random_case(np.random.default_rng(1), dims=[8], batch=8).kjt
+    sparams = sharded.init(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"pooled_grad has shape \(8, 3\); expected \[batch, sum of dims\] = \[8, 16\]"):
+        make_update(sharded, optim.sgd())(sparams, optim.sgd().init(sparams), good, jnp.ones((8, 3), jnp.float32))
     other = ShardingPlan.from_types(case.tables, {"model": 8}, {"t0": "row_wise"})
     with pytest.raises(ValueError, match=r"the plan was made for mesh \{'model': 8\}"):
         shard(ebc, mesh, other)

@@ -45,6 +45,21 @@ from sparse_jax.sharding._work import ShardBuffer, build_buffers
 __all__ = ["ShardedEmbeddingBagCollection", "shard"]
 
 
+def _global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from the same host value on every process (multi-controller safe:
+    each process transfers only its addressable shards)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _host(array: jax.Array) -> np.ndarray:
+    """The whole value on the host, also when other processes hold some shards."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def _resolve_plan(plan, tables, mesh_axes) -> ShardingPlan:
     if isinstance(plan, ShardingPlan):
         if dict(plan.mesh_axes) != dict(mesh_axes):
@@ -96,7 +111,7 @@ class ShardedEmbeddingBagCollection:
             for table, c, local, r0, rn, c0, cn in buf.blocks:
                 start = c * buf.rows_per_device + local
                 host[start : start + rn] = np.asarray(weights[table])[r0 : r0 + rn, c0 : c0 + cn]
-            out[buf.name] = jax.device_put(host, NamedSharding(self.mesh, self._spec(buf)))
+            out[buf.name] = _global_array(host, NamedSharding(self.mesh, self._spec(buf)))
         return out
 
     def init(self, key: jax.Array) -> dict[str, jax.Array]:
@@ -107,7 +122,7 @@ class ShardedEmbeddingBagCollection:
         """Full `[num_embeddings, dim]` weights per table, assembled from the shards (host copies)."""
         out = {t.name: np.zeros((t.num_embeddings, t.embedding_dim), t.data_type.numpy_dtype) for t in self.tables}
         for buf in self.buffers:
-            host = np.asarray(params[buf.name])
+            host = _host(params[buf.name])
             for table, c, local, r0, rn, c0, cn in buf.blocks:
                 start = c * buf.rows_per_device + local
                 out[table][r0 : r0 + rn, c0 : c0 + cn] = host[start : start + rn]
@@ -130,7 +145,7 @@ class ShardedEmbeddingBagCollection:
         (one entry per column block, a single entry unless the table is column-sharded)."""
         out = {}
         for buf in self.buffers:
-            host = np.asarray(opt_state.tables[buf.name][key])
+            host = _host(opt_state.tables[buf.name][key])
             for table, c, local, r0, rn, c0, cn in buf.blocks:
                 start = c * buf.rows_per_device + local
                 block = host[start : start + rn]
@@ -157,7 +172,7 @@ class ShardedEmbeddingBagCollection:
                             min_length_cap=self._high_water[1])
         self._high_water = (parts["values"].shape[1], parts["length_cap"])
         sharding = NamedSharding(self.mesh, P(self._all_axes))
-        arrays = {k: jax.device_put(parts[k], sharding) for k in ("values", "lengths", "weights")}
+        arrays = {k: _global_array(parts[k], sharding) for k in ("values", "lengths", "weights")}
         return LocalBatches(**arrays, keys=parts["keys"], local_batch=parts["local_batch"], length_cap=parts["length_cap"])
 
     # -- per-device pieces (inside shard_map) -----------------------------------------------
@@ -253,6 +268,76 @@ class ShardedEmbeddingBagCollection:
             )
         return new_params, new_states, step
 
+    # -- accounting -------------------------------------------------------------------------
+    def collective_bytes(self, local: LocalBatches) -> dict[str, dict[str, int]]:
+        """Bytes each device receives through collectives per training step for `local`.
+
+        Returns `{buffer name: {"input_dist", "output_dist", "backward"}, ..., "total": {...}}`,
+        computed from the static shapes the programs use (the same M, capacity and length cap
+        as `_positions`). Every device receives the same bytes (one SPMD program). For a
+        buffer over axes A (a group of n_A devices) replicated over the other axes R (n_R
+        copies), B_l the local batch, cap_l the local capacity, K the KJT's keys, M the
+        buffer's work items per coordinate, W its width, L the length cap, N = M*n_A*B_l*L:
+
+            input_dist  = (n_A - 1) * (cap_l * 4 + K * B_l * 4 [+ cap_l * 4])
+                          all_gather over A of values, lengths [and weights: weighted only]
+            output_dist = (n_A - 1) * M * B_l * W * 4     all_to_all over A of fp32 [M, n_A, B_l, W]
+            backward    = input_dist                      the update re-gathers the KJT
+                        + output_dist                     mirror all_to_all of the pooled gradient
+                        + (n_R - 1) * (N * 12 + M * n_A * B_l * W * 4)
+                          all_gather over R of rows, bag (int32), scale (fp32) and bag grads
+
+        `apply` moves input_dist + output_dist; the step from `make_update` moves backward
+        (a separate program: it recomputes the positions, so it all-gathers the KJT again).
+        Counted as the compiled programs move them: XLA merges identical collectives, so an
+        all-gather of a value an earlier buffer already gathered (the KJT over the same axes,
+        an identical id stream over the same replica axes) counts once, on the first buffer;
+        the weights are gathered only by a weighted collection (otherwise the compiler drops
+        them). Without axes (data_parallel) there is no forward communication.
+        """
+        seen: set = set()
+
+        def gathered(key, n: int, per_device: int) -> int:
+            """Bytes an all_gather over n devices brings in; once per distinct gathered value."""
+            if n <= 1 or key in seen:
+                return 0
+            seen.add(key)
+            return (n - 1) * per_device
+
+        def nbytes(*shape, dtype=np.float32) -> int:
+            return math.prod(shape) * np.dtype(dtype).itemsize
+
+        b_l, length_cap = local.local_batch, local.length_cap
+        kjt = [("values", local.values), ("lengths", local.lengths)]
+        if self.is_weighted:
+            kjt.append(("weights", local.weights))
+        out: dict[str, dict[str, int]] = {}
+        for buf in self.buffers:
+            n_a, m, w = buf.group_size, buf.max_items, buf.width
+            replica_axes = tuple(a for a in self._all_axes if a not in buf.axes)
+            n_r = math.prod(self.mesh_axes[a] for a in replica_axes)
+            input_dist = output_dist = 0
+            if buf.axes:
+                input_dist = sum(
+                    gathered(("kjt", buf.axes, name), n_a, nbytes(x.shape[-1], dtype=x.dtype)) for name, x in kjt
+                )
+                output_dist = (n_a - 1) * nbytes(m, b_l, w)
+            stream = (m, n_a, b_l, length_cap)
+            items = tuple(sorted((k, v.tobytes()) for k, v in buf.item_table().items()))
+            replicas = (
+                gathered(("rows", buf.axes, stream, buf.rows_per_device, items), n_r, nbytes(*stream, dtype=np.int32))
+                + gathered(("bag", replica_axes, stream), n_r, nbytes(*stream, dtype=np.int32))
+                + gathered(("scale", buf.axes, stream, items), n_r, nbytes(*stream))
+                + gathered(("bag_grads", buf.name), n_r, nbytes(m * n_a * b_l, w))
+            )
+            out[buf.name] = {
+                "input_dist": input_dist,
+                "output_dist": output_dist,
+                "backward": input_dist + output_dist + replicas,
+            }
+        out["total"] = {k: sum(v[k] for v in out.values()) for k in ("input_dist", "output_dist", "backward")}
+        return out
+
     # -- public, jitted --------------------------------------------------------------------
     def _apply(self, params, local: LocalBatches):
         specs = jax.tree_util.tree_map(lambda _: P(self._all_axes), local)
@@ -284,6 +369,9 @@ class ShardedEmbeddingBagCollection:
         def step(params, opt_state, local, grad):
             if isinstance(grad, KeyedTensor):
                 grad = grad.values()
+            want = (local.local_batch * self.num_devices, sum(self.layout.output_dims))
+            if tuple(grad.shape) != want:
+                raise ValueError(f"pooled_grad has shape {tuple(grad.shape)}; expected [batch, sum of dims] = {list(want)}")
             specs = jax.tree_util.tree_map(lambda _: P(self._all_axes), local)
             state_specs = self._state_specs(opt_state)
 
