@@ -27,7 +27,7 @@ from sparse_jax._validate import is_concrete
 
 __all__ = ["EmbeddingBagCollection", "KERNELS"]
 
-KERNELS = ("xla", "reference")
+KERNELS = ("auto", "ffi", "xla", "reference")
 
 
 class EmbeddingBagCollection(TableCollection):
@@ -36,8 +36,11 @@ class EmbeddingBagCollection(TableCollection):
     Args:
       tables: `EmbeddingBagConfig`s; every feature name in exactly one table.
       is_weighted: use the KJT's per-id weights (TorchRec's weighted EBC).
-      kernel: "xla" (default: the fused per-position lookup) or "reference"
-        (gather + segment_sum). Both give the same numbers.
+      kernel: "auto" (default: the fused C++ CPU kernels for fp32 tables on CPU when they
+        are built, else "xla"), "ffi" (those kernels, or an error), "xla" (the fused
+        per-position lookup in pure XLA) or "reference" (gather + segment_sum). All give
+        the same numbers; the fused update follows the same choice (C++ for sgd, adagrad
+        and rowwise_adagrad on fp32 buffers).
       bounds_check: "error" (default), "clamp" or "skip" for ids outside a table.
     """
 
@@ -46,7 +49,7 @@ class EmbeddingBagCollection(TableCollection):
         tables: Sequence[EmbeddingBagConfig],
         is_weighted: bool = False,
         *,
-        kernel: str = "xla",
+        kernel: str = "auto",
         bounds_check: str = "error",
     ):
         for t in tables:
@@ -72,15 +75,18 @@ class EmbeddingBagCollection(TableCollection):
             _lookup.check_ids(kjt, self.layout)
 
     def _apply(self, params, kjt: KeyedJaggedTensor) -> KeyedTensor:
-        pool = _lookup.pooled_per_position if self.kernel == "xla" else _lookup.pooled_segment_sum
-        blocks = pool(params, kjt, self.layout, weighted=self.is_weighted, bounds_check=self.bounds_check)
+        opts = dict(weighted=self.is_weighted, bounds_check=self.bounds_check)
+        if self.kernel == "reference":
+            blocks = _lookup.pooled_segment_sum(params, kjt, self.layout, **opts)
+        else:
+            blocks = _lookup.pooled_per_position(params, kjt, self.layout, kernel=self.kernel, **opts)
         return KeyedTensor(self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1))
 
     def apply(self, params, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings `[B, sum of feature dims]` as a KeyedTensor (fp32)."""
         self._check(kjt)
         if is_concrete(*jax.tree_util.tree_leaves((params, kjt))):
-            if kjt.capacity() == 0 or (self.kernel == "xla" and kjt.length_caps() is None):
+            if kjt.capacity() == 0 or (self.kernel != "reference" and kjt.length_caps() is None):
                 # static caps for the jitted program; at least one (padding) slot
                 kjt = kjt.pad(capacity=max(kjt.capacity(), 8))
             return self._apply_jit(params, kjt)

@@ -96,6 +96,28 @@ def _position_matrix(kjt, ki: int, cap: int, slot: FeatureSlot, weighted: bool, 
     return ids + slot.row_offset, w
 
 
+def use_ffi(kernel: str, table) -> bool:
+    """Whether a buffer takes the fused C++ kernel: kernel "auto"/"ffi", fp32, CPU, built."""
+    if kernel not in ("auto", "ffi") or table.dtype != jnp.float32:
+        return False
+    from sparse_jax import _kernels
+
+    if _kernels.available():
+        return True
+    if kernel == "ffi":
+        raise ValueError("kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); use kernel='auto' or 'xla'")
+    return False
+
+
+def sum_positions(table, rows, w, kernel: str = "xla"):
+    """`sum_l w[:, l] * table[rows[:, l]]` by the fused C++ kernel or by XLA (`_sum_positions`)."""
+    if use_ffi(kernel, table):
+        from sparse_jax import _kernels
+
+        return _kernels.pooled_sum(table, rows, w)
+    return _sum_positions(table, rows, w)
+
+
 def _sum_positions(table, rows, w):
     """sum_l w[:, l] * table[rows[:, l]] in fp32, one fused gather+add per position."""
     cap = rows.shape[1]
@@ -125,7 +147,7 @@ def _caps(kjt: KeyedJaggedTensor, key_indices: Sequence[int]) -> list[int]:
     return [max(1, int(lengths[ki].max()) if lengths.shape[1] else 1) for ki in key_indices]
 
 
-def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str):
+def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str = "xla"):
     """Per feature (output order) a `[B, dim]` fp32 block. Features of one group with the
     same cap are looked up together (one fused loop over their stacked bags)."""
     key_indices = layout.key_indices(kjt.keys())
@@ -142,7 +164,7 @@ def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bou
         ]
         rows = jnp.concatenate([m[0] for m in mats])
         w = jnp.concatenate([m[1] for m in mats])
-        pooled = _sum_positions(params[group], rows, w)
+        pooled = sum_positions(params[group], rows, w, kernel)
         for j, i in enumerate(members):
             out[i] = pooled[j * stride : (j + 1) * stride]
     return out

@@ -34,7 +34,7 @@ def _bag_grads(layout: TableLayout, group: str, pooled_grad, stride: int):
 
 
 def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOptState, kjt, pooled_grad, *,
-                 weighted: bool, bounds_check: str):
+                 weighted: bool, bounds_check: str, kernel: str = "xla"):
     """The traceable step (no donation, no checks): used by `make_update` and by sharded code."""
     if isinstance(pooled_grad, KeyedTensor):
         pooled_grad = pooled_grad.values()
@@ -47,7 +47,7 @@ def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOp
         rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
         new_params[group], new_states[group] = apply_row_rule(
             rule, params[group], opt_state.tables[group], step, rows, bag, scale,
-            _bag_grads(layout, group, pooled_grad, kjt.stride()),
+            _bag_grads(layout, group, pooled_grad, kjt.stride()), kernel=kernel,
         )
     return new_params, SparseOptState(count=step, tables=new_states)
 
@@ -80,7 +80,8 @@ class _Update:
 
             def step(params, opt_state, kjt, pooled_grad):
                 return fused_update(collection.layout, rule, params, opt_state, kjt, pooled_grad,
-                                    weighted=collection.is_weighted, bounds_check=collection.bounds_check)
+                                    weighted=collection.is_weighted, bounds_check=collection.bounds_check,
+                                    kernel=collection.kernel)
 
             def prepare(kjt, grad):
                 # the update reads no length caps: dropping them keeps one program per capacity

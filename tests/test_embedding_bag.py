@@ -27,7 +27,7 @@ def test_pooled_lookup_matches_loops_both_kernels(seed, weighted):
     dims = [int(d) for d in rng.choice([1, 3, 8, 16, 64, 256], size=int(rng.integers(1, 4)))]
     case = random_case(rng, dims=dims, batch=int(rng.integers(1, 7)), weighted=weighted)
     expected = None
-    for kernel in ("xla", "reference"):
+    for kernel in ("ffi", "xla", "reference"):
         ebc = EmbeddingBagCollection(case.tables, is_weighted=weighted, kernel=kernel)
         params = ebc.init(jax.random.key(seed))
         kt = ebc.apply(params, case.kjt)

@@ -40,10 +40,10 @@ def _state_of_table(ebc, opt_state, table, key):
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-@pytest.mark.parametrize("weighted", [False, True])
-def test_three_fused_steps_match_loops(rule, weighted):
-    rng = np.random.default_rng(hash((rule, weighted)) % 1000)
-    ebc = EmbeddingBagCollection(random_case(np.random.default_rng(1)).tables, is_weighted=weighted)
+@pytest.mark.parametrize(("weighted", "kernel"), [(False, "xla"), (True, "xla"), (True, "ffi")])
+def test_three_fused_steps_match_loops(rule, weighted, kernel):
+    rng = np.random.default_rng(sum(map(ord, rule)) + weighted)
+    ebc = EmbeddingBagCollection(random_case(np.random.default_rng(1)).tables, is_weighted=weighted, kernel=kernel)
     params = ebc.init(jax.random.key(0))
     opt = getattr(optim, rule)(**RULES[rule])
     opt_state = opt.init(params)

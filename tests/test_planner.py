@@ -20,7 +20,7 @@ from sparse_jax.planner import (
     estimate_collective_bytes,
 )
 from sparse_jax.planner.__main__ import criteo_tables, main
-from sparse_jax.planner._estimate import CostModel
+from sparse_jax.planner._estimate import CostModel, _shard_traffic, _table_traffic
 from sparse_jax.sharding import _layout
 
 ST = ShardingType
@@ -239,46 +239,70 @@ def test_planner_error_when_tables_do_not_fit_together():
 
 def test_estimate_collective_bytes_by_hand():
     mesh = {"data": 2, "model": 4}
-    t = table("t", rows=1000, dim=16, features=2)  # fp32: s = 4
+    t = table("t", rows=1000, dim=16, features=2)
     b, L, F, D = 800 / 8, 3.0, 2, 16  # local batch 100
+    cap = 368  # the smallest capacity rung holding b * L = 300 ids
+    lc = 4  # length cap: next power of two >= twice the average bag, 2 * L / F = 3
+    kjt = cap * 4 + F * b * 4  # one device's values + lengths (int32)
 
-    def comm(ps):
-        return estimate_collective_bytes(t, ps, mesh, 800, L)
+    def comm(ps, **kw):
+        return estimate_collective_bytes(t, ps, mesh, 800, L, **kw)
 
-    dp = _layout.data_parallel(1000, 16)
-    assert comm(dp) == {"input_dist": 0, "output_dist": 0, "backward": 7 * b * L * (4 + D * 4)}
-    tw = _layout.table_wise(1000, 16, ("model",), (2,))  # n = 4, r = 2
+    dp = _layout.data_parallel(1000, 16)  # n = 1, r = 8, M = F
+    assert comm(dp) == {
+        "input_dist": 0,
+        "output_dist": 0,
+        "backward": 7 * F * b * (lc * 12 + D * 4),
+    }
+    tw = _layout.table_wise(1000, 16, ("model",), (2,))  # n = 4, r = 2, M = F
     assert comm(tw) == {
-        "input_dist": 3 * b * L * 4,
-        "output_dist": 3 * b * F * D * 4,
-        "backward": 3 * b * F * D * 4 + 1 * 4 * b * L * (4 + D * 4),
+        "input_dist": 3 * kjt,
+        "output_dist": 3 * F * b * D * 4,
+        "backward": 3 * kjt + 3 * F * b * D * 4 + 1 * 4 * F * b * (lc * 12 + D * 4),
     }
-    rw = _layout.row_wise(1000, 16, ("data", "model"), mesh)  # n = 8, r = 1, f = 125 / 1000
+    rw = _layout.row_wise(1000, 16, ("data", "model"), mesh)  # n = 8, r = 1
     assert comm(rw) == {
-        "input_dist": 7 * b * L * 0.125 * 4,
-        "output_dist": 7 * b * F * D * 4,
-        "backward": 7 * b * F * D * 4,
+        "input_dist": 7 * kjt,
+        "output_dist": 7 * F * b * D * 4,
+        "backward": 7 * kjt + 7 * F * b * D * 4,
     }
-    cw = _layout.column_wise(1000, [8, 8], ("model",), [(0,), (0,)])  # two blocks on one device
-    assert comm(cw)["output_dist"] == 2 * 3 * b * F * 8 * 4
-    seq = table("s", rows=1000, dim=16, features=2, cls=EmbeddingConfig)  # one row back per id
-    assert estimate_collective_bytes(seq, tw, mesh, 800, L)["output_dist"] == 3 * b * L * D * 4
+    # Weights travel with the ids; a given longest bag sets the length cap (5 -> 8).
+    assert comm(rw, weighted=True)["input_dist"] == 7 * (kjt + cap * 4)
+    assert comm(tw, max_bag_length=5)["backward"] == (
+        3 * kjt + 3 * F * b * D * 4 + 1 * 4 * F * b * (8 * 12 + D * 4)
+    )
+    cw = _layout.column_wise(1000, [8, 8], ("model",), [(0,), (0,)])  # both blocks on one device
+    assert comm(cw)["output_dist"] == 3 * (2 * F) * b * 8 * 4  # one buffer, M = 2 blocks x F
+    seq = table("s", rows=1000, dim=16, features=2, cls=EmbeddingConfig)  # a row per position
+    assert estimate_collective_bytes(seq, tw, mesh, 800, L)["output_dist"] == 3 * F * b * lc * D * 4
 
 
-def test_hierarchical_types_put_less_on_the_inter_host_axis():
+def test_two_level_types_move_what_one_level_types_over_the_same_axes_move():
+    # The sharded collection has no hierarchical reduce: table_row_wise over (data, model)
+    # runs the same collectives as row_wise over (data, model), so the same bytes on each axis.
     topo = Topology(axes={"data": 2, "model": 4})
     t = table("t", rows=100_000, dim=64)
-    model = CostModel(topology=topo, batch_size=8192)
     rw = _layout.row_wise(100_000, 64, ("data", "model"), topo.axes)
     twrw = _layout.table_row_wise(100_000, 64, ("data", "model"), 0, topo.axes)
-    # Same total output bytes; the two-level reduce sends only (k-1) chunks across hosts.
-    assert (
-        estimate_collective_bytes(t, rw, topo.axes, 8192, 1.0)["output_dist"]
-        == estimate_collective_bytes(t, twrw, topo.axes, 8192, 1.0)["output_dist"]
+    assert estimate_collective_bytes(t, rw, topo.axes, 8192, 1.0) == estimate_collective_bytes(
+        t, twrw, topo.axes, 8192, 1.0
     )
-    rw_ms = max(model.shard_costs(t, rw, 1.0)[1])
-    twrw_ms = max(model.shard_costs(t, twrw, 1.0)[1])
-    assert twrw_ms < rw_ms
+    assert _table_traffic(t, rw, topo.axes, 8192, 1.0) == _table_traffic(
+        t, twrw, topo.axes, 8192, 1.0
+    )
+    # Only holders are charged: each of twrw's 4 holders carries 2 devices' worth (8 / 4).
+    model = CostModel(topology=topo, batch_size=8192)
+
+    def charged(ps):
+        return [
+            sum(v for phase in shard.values() for v in phase.values())
+            for shard in _shard_traffic(t, ps, topo.axes, 8192, 1.0)
+        ]
+
+    per_rw, per_twrw = charged(rw), charged(twrw)
+    assert per_twrw == pytest.approx([2 * per_rw[0]] * 4)
+    assert sum(per_twrw) == pytest.approx(sum(per_rw))
+    assert max(model.shard_costs(t, twrw, 1.0)[1]) > max(model.shard_costs(t, rw, 1.0)[1])
 
 
 def test_memory_counts_optimizer_state():

@@ -28,12 +28,12 @@ def _mesh(name):
     return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), axes)
 
 
-def _run(types, mesh_name, rule, *, seed=0, weighted=True, hot_rows=None, steps=3):
+def _run(types, mesh_name, rule, *, seed=0, weighted=True, hot_rows=None, steps=3, kernel="auto"):
     mesh = _mesh(mesh_name)
     n = mesh.size
     rng = np.random.default_rng(seed)
     case = random_case(rng, dims=[8, 8, 4, 16], batch=2 * n, weighted=weighted, rows=(20, 60), hot_rows=hot_rows)
-    ebc = EmbeddingBagCollection(case.tables, is_weighted=weighted)
+    ebc = EmbeddingBagCollection(case.tables, is_weighted=weighted, kernel=kernel)
     sharded = shard(ebc, mesh, types)
     params, sparams = ebc.init(jax.random.key(seed)), sharded.init(jax.random.key(seed))
     np.testing.assert_allclose(ebc.apply(params, case.kjt).values(), sharded.apply(sparams, case.kjt).values(), rtol=1e-5, atol=1e-6)
@@ -91,10 +91,10 @@ def test_every_sharding_type_matches_unsharded(kind, mesh_name):
 MIXED = {"t0": "row_wise", "t1": "table_wise", "t2": "data_parallel", "t3": "table_wise"}
 
 
-@pytest.mark.parametrize("mesh_name", ["1", "2", "4", "2x4", "4x2"])
-def test_mixed_plan_rowwise_adagrad_on_meshes(mesh_name):
+@pytest.mark.parametrize(("mesh_name", "kernel"), [("1", "auto"), ("2", "xla"), ("4", "auto"), ("2x4", "xla"), ("4x2", "auto")])
+def test_mixed_plan_rowwise_adagrad_on_meshes(mesh_name, kernel):
     rule = optim.rowwise_adagrad(lr=0.1)
-    ebc, sharded, params, state, sparams, sstate, _ = _run(MIXED, mesh_name, rule, seed=3)
+    ebc, sharded, params, state, sparams, sstate, _ = _run(MIXED, mesh_name, rule, seed=3, kernel=kernel)
     _check_tables(ebc, sharded, params, sparams)
     _check_replicas_identical(sparams)
     got_state = sharded.table_state(sstate, "momentum1")

@@ -36,8 +36,22 @@ def dedup_row_grads(rows, bag, scale, bag_grads):
     return jnp.where(unique < 0, -1, unique), summed
 
 
-def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grads):
-    """One fused update of one buffer. Returns (new table, new state)."""
+def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, *, kernel: str = "xla"):
+    """One fused update of one buffer. Returns (new table, new state).
+
+    With `kernel` "auto"/"ffi", fp32 buffers on CPU and a rule the C++ kernel knows (sgd,
+    adagrad, rowwise_adagrad), the whole step runs in one fused custom call, in place.
+    """
+    from sparse_jax import _kernels
+    from sparse_jax._lookup import use_ffi
+
+    if rule.name in _kernels.RULES and use_ffi(kernel, table):
+        leaf = state.get("momentum1") if isinstance(state, dict) else None
+        new_table, new_leaf = _kernels.fused_update(
+            rule.name, table, leaf, rows, bag, scale, bag_grads, lr=rule.hyperparams["lr"],
+            eps=rule.hyperparams.get("eps", 0.0),
+        )
+        return new_table, ({"momentum1": new_leaf} if leaf is not None else state)
     num_rows = table.shape[0]
     unique, grads = dedup_row_grads(rows, bag, scale, bag_grads)
     unique = jnp.where((unique < 0) | (unique >= num_rows), num_rows, unique)

@@ -11,22 +11,46 @@ axes: r = N / n copies.
     ids_served = n * b * L * f     ids the shard looks up per step (its group's batch)
     O = F (pooled tables) or L * f (sequence tables: one row back per id)
 
-Collective bytes per step on the device holding the shard (ids are int32, 4 bytes):
+Collective bytes per step, received by every device of the mesh (one SPMD program), for
+the scheme `sparse_jax.sharding` runs (`ShardedEmbeddingBagCollection.collective_bytes`
+counts the same terms from a real batch's static shapes). A table's non-empty shards with
+the same column count form one shard buffer (`_work.build_buffers`); per buffer, W = its
+columns and M = F * (most of its shards on one coordinate) work items. n = group size
+over `axes`, r = N / n replicas, cap = local capacity (ids), Lc = length cap (both below);
+ids, lengths and the update's row / bag indices are int32, weights, scales, pooled outputs
+and their gradients fp32 (4 bytes):
 
-    input_dist  = (n - 1) * b * L * f * 4          ids received from the group's n - 1 peers
-    output_dist = (n - 1) * b * O * C * s          results sent back: all_to_all of pooled
-                  [b, C] blocks (table / column blocks) or reduce-scatter of partial sums (row blocks)
-    backward    = output_dist                      the pooled gradient mirrors the output dist
-                + (r - 1) * ids_served * (4 + C*s) all-gather of (ids, per-id grads) over the
-                                                   replica axes so the copies stay identical
-    data_parallel (n = 1): no forward comm; backward = (N - 1) * b * L * (4 + D * s).
+    input_dist  = (n - 1) * (cap * 4 + F * b * 4 [+ cap * 4 if weighted])
+                  all_gather of the local KJT (values, lengths [, weights]) over `axes`;
+                  once per table (XLA merges the buffers' identical gathers)
+    output_dist = (n - 1) * sum_buffers M * b * Q * W * 4
+                  all_to_all over `axes` of the fp32 [M, n, b, Q * W] pooled blocks
+    backward    = input_dist                       the update recomputes positions: KJT again
+                + output_dist                      mirror all_to_all of the pooled gradient
+                + (r - 1) * sum_buffers M * n * b * (Lc * 12 + Q * W * 4)
+                  all_gather over the replica axes of the per-id stream (row, bag, scale:
+                  M * n * b * Lc entries each) and the bag gradients, so replicas stay equal
+    Q = 1 (pooled tables) or Lc (sequence tables, by analogy: no sharded sequence
+        collection exists; one row per padded position)
+    data_parallel (n = 1): no forward comm; backward = (N - 1) * F * b * (Lc * 12 + Q * D * 4).
+
+Assumptions (the planner sees no batch): the local capacity is the smallest rung of the
+capacity ladder (`sparse_jax._capacity.capacity_for`; ceil(b * L) above the top rung)
+holding the table's b * L ids; the longest bag is twice the average bag L / F, so Lc =
+the next power of two >= ceil(2 * L / F) (or >= `max_bag_length` when given); unweighted
+unless `weighted=True`. Per table, as if it had its own buffers and KJT (K = F keys):
+in a plan with several tables the implementation gathers the whole KJT once per distinct
+set of axes and pads M to the fullest coordinate of a shared buffer, so per-table figures
+are the table's share, not exact; identical index streams of two buffers (same M, same
+coordinates) are merged by XLA but counted here per buffer (an upper bound).
 
 Which link carries it: a peer is reached over the first mesh axis (mesh order) along which
 its coordinate differs, so among n - 1 peers, group axis a_i carries
-(size(a_i) - 1) * prod(sizes of the group axes after a_i). table_row_wise and grid_shard
-reduce hierarchically: output dist (and its gradient) is a reduce-scatter in the host,
-(m - 1) * k chunks of b * O * C * s over the intra axis, then an all_to_all across hosts,
-(k - 1) chunks over the inter axis (k hosts, m devices per host).
+(size(a_i) - 1) * prod(sizes of the group axes after a_i) (the replica gather likewise
+over the replica axes). The two-level types (table_row_wise, table_column_wise,
+grid_shard) run the same scheme over both of their axes: there is no hierarchical
+reduce, so they put the same bytes on the inter-host axis as a one-level type over the
+same axes.
 
 Time per step on the device holding the shard, in ms:
 
@@ -34,7 +58,11 @@ Time per step on the device holding the shard, in ms:
                + n * b * O * C * s                        write outputs
                + bwd_multiplier * B * L * f * C * s)       update: every replica applies all ids
               / memory_bandwidth
-    comms   = sum over the three phases and the axes of bytes / axis_bandwidth
+    comms   = sum over the three phases and the axes of bytes / axis_bandwidth; every
+              device of the group spends it, but only holders can be charged, so the group's
+              n devices' worth is split evenly over the coordinates holding a non-empty shard
+              (then over the shards each holds): exact per device when every coordinate holds
+              a shard, exact in sum always (a table_wise owner is charged its group's n x)
 
 Memory per shard, on every device holding it:
 
@@ -51,12 +79,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from sparse_jax._capacity import DEFAULT_LADDER, capacity_for, length_cap
 from sparse_jax._configs import EmbeddingBagConfig
-from sparse_jax.sharding import ParameterSharding, ShardingEstimate, ShardingType
+from sparse_jax.sharding import ParameterSharding, ShardingEstimate
 from sparse_jax.sharding._layout import devices_holding, group_size
 
 from ._topology import Topology
@@ -70,9 +99,10 @@ OPTIMIZER_STATE_BYTES: dict[str, tuple[int, int]] = {
     "rowwise_adagrad": (4, 0),
     "adam": (0, 8),
 }
-ID_BYTES = 4
+ID_BYTES = 4  # ids, lengths and the update's row / bag indices: int32
+FLOAT_BYTES = 4  # weights, scales, pooled outputs and their gradients: fp32
+STREAM_BYTES = 2 * ID_BYTES + FLOAT_BYTES  # per id of the update's stream: row, bag, scale
 PHASES = ("input_dist", "output_dist", "backward")
-_HIERARCHICAL = (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
 
 
 def _peers_per_axis(axes, mesh_axes: Mapping[str, int]) -> dict[str, int]:
@@ -82,38 +112,101 @@ def _peers_per_axis(axes, mesh_axes: Mapping[str, int]) -> dict[str, int]:
     return out
 
 
-def _shard_traffic(table, ps: ParameterSharding, mesh_axes, batch_size: int, pooling: float):
-    """Per shard: phase -> axis -> bytes per step (floats), as documented above."""
+def static_shapes(
+    table,
+    local_batch: float,
+    pooling: float,
+    *,
+    max_bag_length: int | None = None,
+    ladder: Sequence[int] | None = None,
+) -> tuple[int, int]:
+    """(local capacity, length cap) the planner assumes for one table's own KJT.
+
+    Capacity: the smallest ladder rung holding the `local_batch * pooling` ids of a device
+    (ceil of that above the top rung). Length cap: the next power of two >= the longest
+    bag, `max_bag_length` or, when not given, twice the average bag `pooling / F`.
+    """
+    ids = max(0, math.ceil(local_batch * pooling - 1e-9))
+    rungs = tuple(DEFAULT_LADDER if ladder is None else ladder)
+    cap = ids if rungs and ids > rungs[-1] else capacity_for(ids, rungs)
+    longest = (
+        max_bag_length
+        if max_bag_length is not None
+        else math.ceil(2 * pooling / table.num_features - 1e-9)
+    )
+    return cap, length_cap(longest)
+
+
+def _buffers(ps: ParameterSharding) -> dict[int, int]:
+    """The table's shard buffers as `sharding._work.build_buffers` stacks them: column
+    count -> the most non-empty shards of that width on one coordinate."""
+    per_coord: dict[int, dict[tuple, int]] = {}
+    for shard in ps.shards:
+        if shard.row_size:  # build_buffers skips empty row blocks
+            held = per_coord.setdefault(shard.col_size, {})
+            held[shard.device] = held.get(shard.device, 0) + 1
+    return {width: max(held.values()) for width, held in per_coord.items()}
+
+
+def _table_traffic(
+    table,
+    ps: ParameterSharding,
+    mesh_axes,
+    batch_size: int,
+    pooling: float,
+    *,
+    max_bag_length: int | None = None,
+    weighted: bool = False,
+    ladder: Sequence[int] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Phase -> axis -> bytes per step received by every device, as documented above."""
     order = list(mesh_axes)
     n = group_size(ps.axes, mesh_axes)
-    other = tuple(a for a in order if a not in ps.axes)
     b = batch_size / group_size(order, mesh_axes)
-    s = table.data_type.itemsize
-    pooled = isinstance(table, EmbeddingBagConfig)
+    cap, lc = static_shapes(table, b, pooling, max_bag_length=max_bag_length, ladder=ladder)
+    per_bag = 1 if isinstance(table, EmbeddingBagConfig) else lc  # rows back per (sample, item)
+    group = _peers_per_axis(ps.axes, mesh_axes)
+    replicas = _peers_per_axis(tuple(a for a in order if a not in ps.axes), mesh_axes)
+    out: dict[str, dict[str, float]] = {p: {} for p in PHASES}
+
+    def add(phase: str, peers: dict[str, int], per_peer: float) -> None:
+        for a, p in peers.items():
+            out[phase][a] = out[phase].get(a, 0.0) + p * per_peer
+
+    kjt = (
+        cap * ID_BYTES + table.num_features * b * ID_BYTES + (cap * FLOAT_BYTES if weighted else 0)
+    )
+    add("input_dist", group, kjt)
+    add("backward", group, kjt)
+    for width, most in _buffers(ps).items():
+        m = table.num_features * most
+        pooled = m * b * per_bag * width * FLOAT_BYTES  # one peer's [M, b, Q * W] block
+        add("output_dist", group, pooled)
+        add("backward", group, pooled)
+        add("backward", replicas, n * (m * b * lc * STREAM_BYTES + pooled))
+    return out
+
+
+def _shard_traffic(table, ps: ParameterSharding, mesh_axes, batch_size: int, pooling: float):
+    """Per shard: phase -> axis -> bytes per step (floats), for the time model.
+
+    Every device of the table's group moves `_table_traffic`, but only devices holding a
+    shard are charged: the group's n devices' worth is split evenly over the coordinates
+    holding a non-empty shard, and over the shards each of them holds. Exact per device
+    when every coordinate holds a shard (data_parallel, row_wise, full column_wise), exact
+    in sum always; a table on fewer coordinates (table_wise) charges them the whole group's.
+    """
+    mesh_axes = dict(mesh_axes)
+    traffic = _table_traffic(table, ps, mesh_axes, batch_size, pooling)
+    held: dict[tuple, int] = {}
+    for shard in ps.shards:
+        if shard.row_size:
+            held[shard.device] = held.get(shard.device, 0) + 1
+    n = group_size(ps.axes, mesh_axes)
     out = []
     for shard in ps.shards:
-        f = shard.row_size / table.num_embeddings
-        o = table.num_features if pooled else pooling * f
-        chunk = b * o * shard.col_size * s
-        if ps.sharding_type in _HIERARCHICAL:
-            inter, intra = ps.axes
-            k, m = mesh_axes[inter], mesh_axes[intra]
-            output = {intra: (m - 1) * k * chunk, inter: (k - 1) * chunk}
-        else:
-            output = {a: p * chunk for a, p in _peers_per_axis(ps.axes, mesh_axes).items()}
-        ids = {
-            a: p * b * pooling * f * ID_BYTES
-            for a, p in _peers_per_axis(ps.axes, mesh_axes).items()
-        }
-        served = n * b * pooling * f
-        sync = {
-            a: p * served * (ID_BYTES + shard.col_size * s)
-            for a, p in _peers_per_axis(other, mesh_axes).items()
-        }
-        backward = dict(output)
-        for a, v in sync.items():
-            backward[a] = backward.get(a, 0.0) + v
-        out.append({"input_dist": ids, "output_dist": output, "backward": backward})
+        share = n / (len(held) * held[shard.device]) if shard.row_size else 0.0
+        out.append({p: {a: v * share for a, v in t.items()} for p, t in traffic.items()})
     return out
 
 
@@ -123,21 +216,32 @@ def estimate_collective_bytes(
     mesh_axes: Mapping[str, int],
     batch_size: int,
     pooling_factor: float,
+    *,
+    max_bag_length: int | None = None,
+    weighted: bool = False,
+    ladder: Sequence[int] | None = None,
 ) -> dict[str, int]:
     """Collective bytes per step for one table: {"input_dist", "output_dist", "backward"}.
 
-    For each device of the table's group, the bytes it receives (input dist, backward) or
-    sends (output dist) to other devices, summed over the shards it holds; the largest
-    over devices is returned (the busiest device, e.g. the owner of a table_wise table).
-    Formulas in the module docstring. Pure: no devices are touched.
+    Bytes every device receives per step (the SPMD program moves the same on each), for
+    the scheme `sparse_jax.sharding` runs: what `ShardedEmbeddingBagCollection.
+    collective_bytes` reports for a single-table plan whose batch matches the assumptions.
+    `pooling_factor`: average ids per sample, summed over the table's features;
+    `max_bag_length`: the longest bag (default: twice the average bag); `weighted`: the
+    KJT carries weights; `ladder`: the collection's capacity ladder (default: the default
+    ladder). Formulas and assumptions in the module docstring. Pure: no devices are touched.
     """
-    traffic = _shard_traffic(table, parameter_sharding, dict(mesh_axes), batch_size, pooling_factor)
-    per_device: dict[tuple, dict[str, float]] = {}
-    for shard, t in zip(parameter_sharding.shards, traffic, strict=True):
-        acc = per_device.setdefault(shard.device, dict.fromkeys(PHASES, 0.0))
-        for phase in PHASES:
-            acc[phase] += sum(t[phase].values())
-    return {p: math.ceil(max(acc[p] for acc in per_device.values()) - 1e-9) for p in PHASES}
+    traffic = _table_traffic(
+        table,
+        parameter_sharding,
+        dict(mesh_axes),
+        batch_size,
+        pooling_factor,
+        max_bag_length=max_bag_length,
+        weighted=weighted,
+        ladder=ladder,
+    )
+    return {p: math.ceil(sum(traffic[p].values()) - 1e-9) for p in PHASES}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ backward  the mirror all_to_all brings each shard owner the pooled gradient of i
           for the group batch; the per-id stream (row, bag, scale) and bag gradients are
           all-gathered over R so every replica applies the identical fused update
           (TorchRec's 2D parallel: replicas stay in sync); then `apply_row_rule`.
+`collective_bytes(local)` counts the bytes these collectives bring each device per step.
 
 Row-wise adagrad on a column-wise sharded table keeps one state value per row *per
 column block* (mean over the block's columns), as TorchRec does.
@@ -222,7 +223,7 @@ class ShardedEmbeddingBagCollection:
             rows, w = self._positions(buf, local)
             m, n_a = rows.shape[0], rows.shape[1]
             flat_rows = jnp.minimum(rows, buf.rows_per_device - 1).reshape(-1, rows.shape[-1])
-            pooled = _lookup._sum_positions(params[buf.name], flat_rows, w.reshape(-1, w.shape[-1]))
+            pooled = _lookup.sum_positions(params[buf.name], flat_rows, w.reshape(-1, w.shape[-1]), self.ebc.kernel)
             pooled = pooled.reshape(m, n_a, b_l, buf.width)
             if buf.axes:
                 pooled = jax.lax.all_to_all(pooled, buf.axes, 1, 1)
@@ -264,7 +265,7 @@ class ShardedEmbeddingBagCollection:
                 bag = (jax.lax.all_gather(bag, replica_axes) + (jnp.arange(n_r, dtype=jnp.int32) * nb)[:, None]).reshape(-1)
                 bag_grads = jax.lax.all_gather(bag_grads, replica_axes).reshape(n_r * nb, buf.width)
             new_params[buf.name], new_states[buf.name] = apply_row_rule(
-                rule, params[buf.name], state[buf.name], step, rows, bag, scale, bag_grads
+                rule, params[buf.name], state[buf.name], step, rows, bag, scale, bag_grads, kernel=self.ebc.kernel
             )
         return new_params, new_states, step
 
@@ -295,6 +296,10 @@ class ShardedEmbeddingBagCollection:
         the weights are gathered only by a weighted collection (otherwise the compiler drops
         them). Without axes (data_parallel) there is no forward communication.
         """
+        if not isinstance(local, LocalBatches):
+            raise ValueError(
+                f"collective_bytes takes the LocalBatches of `sharded.batch(kjt)`, got {type(local).__name__}"
+            )
         seen: set = set()
 
         def gathered(key, n: int, per_device: int) -> int:

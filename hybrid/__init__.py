@@ -1,0 +1,39 @@
+"""hybrid: JAX embedding tables and PyTorch dense towers in one model (the only package
+importing both).
+
+- `Model`: the user's entry point, a `torch.nn.Module` (sparse update inside backward).
+- `jax_to_torch` / `torch_to_jax` / `torch_ids_to_jax`: the DLPack bridge (zero-copy where
+  possible, copies counted in `bridge_stats()`).
+- `torch_kjt` / `as_kjt`: sparse batches from torch tensors (ids range-checked to int32).
+- `from_torchrec_state_dict`: a TorchRec DLRM checkpoint's keys renamed for `Model`.
+- `make_mesh`: a named device mesh from "data=2,model=4".
+- `init_distributed` / `read_torchrun_env`: torch.distributed + jax.distributed from torchrun.
+- `configure_gpu_env`: GPU environment for torch and JAX sharing a device (before JAX starts).
+- `python -m hybrid.demo`: a DLRM learning a planted signal on synthetic data.
+"""
+
+from hybrid._batch import as_kjt, torch_kjt
+from hybrid._bridge import BridgeStats, bridge_stats, jax_to_torch, torch_ids_to_jax, torch_to_jax
+from hybrid._distributed import DistributedEnv, init_distributed, read_torchrun_env
+from hybrid._gpu_env import configure_gpu_env
+from hybrid._mesh import make_mesh, parse_mesh
+from hybrid._model import Model
+from hybrid._state_dict import from_torchrec_state_dict
+
+__all__ = [
+    "BridgeStats",
+    "DistributedEnv",
+    "Model",
+    "as_kjt",
+    "bridge_stats",
+    "configure_gpu_env",
+    "from_torchrec_state_dict",
+    "init_distributed",
+    "jax_to_torch",
+    "make_mesh",
+    "parse_mesh",
+    "read_torchrun_env",
+    "torch_ids_to_jax",
+    "torch_kjt",
+    "torch_to_jax",
+]

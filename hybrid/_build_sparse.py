@@ -1,0 +1,82 @@
+"""`_build_sparse`: the one place `hybrid` constructs its sparse module.
+
+Every sparse module has the EmbeddingBagCollection's functional API: `init(key)`,
+`apply(params, kjt) -> KeyedTensor`, `table_weights(params)`, `with_table_weights(params,
+weights)`, `layout`, and works with `sparse_jax.make_update`. Without a mesh (or with a
+one-device mesh) that is the unsharded `EmbeddingBagCollection`; on a larger mesh it will be
+`sparse_jax.sharding.shard(ebc, mesh, plan)` (the plan from `sparse_jax.planner` when none
+is given) once that lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig
+
+__all__ = ["_build_sparse", "mesh_device"]
+
+_CACHE_SIZE = 16
+_collections: dict[tuple, EmbeddingBagCollection] = {}
+
+
+def _collection(
+    tables, is_weighted: bool, kernel: str, bounds_check: str
+) -> EmbeddingBagCollection:
+    """One `EmbeddingBagCollection` per configuration, shared by every model built from it.
+
+    A collection is stateless (its params live with the model) and owns its jitted lookup,
+    so sharing it lets a second model with the same tables (an eval replica, a restart, the
+    next test) reuse the compiled programs instead of compiling them again.
+    """
+    key = (tuple(tables), bool(is_weighted), kernel, bounds_check)
+    try:
+        ebc = _collections.get(key)
+    except TypeError:  # unhashable config values: no sharing
+        return EmbeddingBagCollection(
+            tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check
+        )
+    if ebc is None:
+        ebc = EmbeddingBagCollection(
+            tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check
+        )
+        if len(_collections) >= _CACHE_SIZE:
+            _collections.pop(next(iter(_collections)))
+        _collections[key] = ebc
+    return ebc
+
+
+def mesh_device(mesh: jax.sharding.Mesh | None) -> jax.Device | None:
+    """The only device of a one-device mesh (None without a mesh)."""
+    return None if mesh is None else mesh.devices.flat[0]
+
+
+def _build_sparse(
+    tables: Sequence[EmbeddingBagConfig],
+    *,
+    is_weighted: bool,
+    mesh: jax.sharding.Mesh | None,
+    plan=None,
+    kernel: str = "xla",
+    bounds_check: str = "error",
+):
+    """The sparse module for `tables` on `mesh` following `plan`."""
+    if plan is not None and mesh is None:
+        raise ValueError(
+            "a sharding plan was given without a mesh; pass mesh=hybrid.make_mesh(...) with the "
+            "axes the plan names, or drop plan= to keep every table on one device"
+        )
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (see hybrid.make_mesh), got {type(mesh).__name__}"
+        )
+    ebc = _collection(tables, is_weighted, kernel, bounds_check)
+    if mesh is None or mesh.devices.size == 1:
+        return ebc
+    raise NotImplementedError(
+        f"hybrid.Model on a {dict(mesh.shape)} mesh ({mesh.devices.size} devices) needs "
+        "sparse_jax.sharding.shard(ebc, mesh, plan), which is not wired into hybrid yet; use "
+        "mesh=None or a one-device mesh for now"
+    )

@@ -1,0 +1,143 @@
+"""`hybrid.Model`: JAX embedding tables + a PyTorch dense tower, trained as one torch module.
+
+    model = hybrid.Model(tables, dense_torch.DLRM(...), sparse_optimizer=rowwise_adagrad(lr=0.05))
+    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=1e-3)
+    logits = model(dense_features, kjt)        # one training step:
+    loss = bce(logits.squeeze(-1), labels)
+    loss.backward()                            # dense grads + the fused sparse update
+    dense_opt.step(); dense_opt.zero_grad()
+
+Forward: the sparse batch (any form `hybrid.as_kjt` reads) is padded to the capacity ladder
+(values to a rung, bag lengths to power-of-two caps that only grow, so steady training
+reuses one compiled program), looked up in JAX, handed to torch zero-copy, wrapped in a
+`dense_torch.KeyedTensor` and passed to `dense(dense_features, embeddings)`.
+Backward: the pooled gradient goes back to JAX and the fused sparse update runs once
+(see `_sparse_function`); a second backward through the same forward raises. In `eval()` mode or under `torch.no_grad()` the tables are never
+updated (the pooled embeddings are then a plain tensor).
+
+State dict (TorchRec naming): `embedding_bags.<table>.weight` holds each table's full
+weights (a torch copy), like a TorchRec `EmbeddingBagCollection` under the attribute
+`embedding_bags`; the dense tower's keys sit under `dense.` (e.g.
+`dense.over_arch.model.1.bias`); `hybrid.from_torchrec_state_dict` renames a TorchRec
+DLRM checkpoint to these keys. `load_state_dict` accepts the same keys; `strict=False` with
+only `embedding_bags.*` keys loads pretrained tables. Optimizer state is not in the state dict (it is
+`model.sparse_opt_state`, TorchRec keeps it in the fused optimizer too).
+
+Devices: `model.to(device)` moves the dense tower only; the tables stay where JAX keeps
+them (the default device, or the mesh). On GPU, give the dense tower and the batch the GPU
+that JAX uses for this process, so the pooled embeddings cross zero-copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import jax
+import torch
+from torch import nn
+
+import dense_torch
+from hybrid._batch import as_kjt
+from hybrid._build_sparse import _build_sparse, mesh_device
+from hybrid._sparse_function import sparse_lookup
+from hybrid._sparse_state import SparseTables
+from hybrid._state_dict import EmbeddingBagsState
+from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, KeyedJaggedTensor
+from sparse_jax.optim import RowRule, SparseOptState, rowwise_adagrad
+
+__all__ = ["Model"]
+
+DEFAULT_SPARSE_OPTIMIZER = rowwise_adagrad(lr=0.01)  # one instance: models share its programs
+
+
+class Model(nn.Module):
+    """A recommender model: sparse tables in JAX, `dense` in torch.
+
+    Args:
+      tables: `sparse_jax.EmbeddingBagConfig`s (TorchRec's names and arguments).
+      dense: a torch module keeping the dense contract,
+        `dense(dense_features [B, n_dense], embeddings: dense_torch.KeyedTensor) -> logits`
+        (e.g. `dense_torch.DLRM`); its parameters are the model's torch parameters.
+      mesh: a `jax.sharding.Mesh` (`hybrid.make_mesh("data=2,model=4")`); None keeps every
+        table on the default device. A one-device mesh puts the tables on that device.
+      plan: a `sparse_jax.sharding.ShardingPlan` for the mesh (None: the planner's).
+      sparse_optimizer: a `sparse_jax.optim` row rule, applied in backward
+        (default `rowwise_adagrad(lr=0.01)`, TorchRec's usual choice).
+      is_weighted: the batch carries per-id weights (TorchRec's weighted EBC).
+      seed: initializes the tables (`jax.random.key(seed)`).
+      capacity_ladder: sorted id capacities batches are padded to (default
+        `sparse_jax.DEFAULT_LADDER`).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        dense: nn.Module,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        plan=None,
+        sparse_optimizer: RowRule | None = None,
+        is_weighted: bool = False,
+        seed: int = 0,
+        capacity_ladder: Sequence[int] | None = None,
+    ):
+        super().__init__()
+        if not isinstance(dense, nn.Module):
+            raise TypeError(
+                f"dense must be a torch.nn.Module (e.g. dense_torch.DLRM), got {type(dense).__name__}"
+            )
+        module = _build_sparse(tables, is_weighted=is_weighted, mesh=mesh, plan=plan)
+        rule = DEFAULT_SPARSE_OPTIMIZER if sparse_optimizer is None else sparse_optimizer
+        self._tables = SparseTables(module, rule, jax.random.key(seed), device=mesh_device(mesh))
+        self.mesh, self.plan = mesh, plan
+        self.capacity_ladder = tuple(DEFAULT_LADDER if capacity_ladder is None else capacity_ladder)
+        self._length_caps: dict[str, int] = {}
+        self.embedding_bags = EmbeddingBagsState(self._tables)  # first in state_dict, as TorchRec
+        self.dense = dense
+
+    # -- the sparse side -----------------------------------------------------------------------
+    @property
+    def sparse_module(self):
+        """The functional sparse module (an `EmbeddingBagCollection`, or its sharded form)."""
+        return self._tables.module
+
+    @property
+    def sparse_params(self) -> dict[str, jax.Array]:
+        """The tables' stacked buffers. Donated to every update: do not keep them across a step."""
+        return self._tables.params
+
+    @property
+    def sparse_opt_state(self) -> SparseOptState:
+        """The sparse optimizer state. Donated to every update: do not keep it across a step."""
+        return self._tables.opt_state
+
+    @property
+    def sparse_optimizer(self) -> RowRule:
+        return self._tables.rule
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """{table: [num_embeddings, dim]} full weights as torch tensors (copies)."""
+        return self._tables.table_weights_torch()
+
+    def compile_counts(self) -> dict[str, int]:
+        """Programs the sparse lookup and update have compiled (steady training: constant)."""
+        return self._tables.compile_counts()
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """The dense tower's parameters, for any torch optimizer (the tables have none)."""
+        return self.dense.parameters()
+
+    # -- forward ---------------------------------------------------------------------------
+    def pad(self, sparse) -> KeyedJaggedTensor:
+        """The batch as a KJT padded to the capacity ladder; length caps never shrink."""
+        kjt = as_kjt(sparse, ladder=self.capacity_ladder, length_caps=self._length_caps)
+        self._length_caps.update(zip(kjt.keys(), kjt.length_caps(), strict=True))
+        return self._tables.place_batch(kjt)
+
+    def forward(self, dense_features: torch.Tensor, sparse) -> torch.Tensor:
+        """`dense(dense_features, pooled embeddings)`; see the class docstring for `sparse`."""
+        kjt = self.pad(sparse)
+        pooled = sparse_lookup(self._tables, kjt, train=self.training)
+        layout = self._tables.module.layout
+        embeddings = dense_torch.KeyedTensor(layout.feature_names, layout.output_dims, pooled)
+        return self.dense(dense_features, embeddings)

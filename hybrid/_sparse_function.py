@@ -1,0 +1,84 @@
+"""The sparse step as a `torch.autograd.Function`: JAX lookup forward, fused JAX update backward.
+
+    pooled = sparse_lookup(tables, padded_kjt)      # torch [B, sum dims], requires_grad
+    ... dense forward, loss ...
+    loss.backward()                                 # runs the fused sparse update
+
+forward: the JAX lookup (jit) gives the pooled embeddings, handed to torch through DLPack
+  (zero-copy for a single-device array).
+backward: the gradient of the pooled embeddings goes back to JAX through DLPack (laid out
+  as the pooled array was), and `make_update`'s fused step runs: per touched row dedup,
+  row rule, scatter into the donated tables and optimizer state, whose references
+  `SparseTables` replaces. No gradient is returned for any table (there is no torch
+  parameter for them): the sparse update happens inside backward, as TorchRec's fused
+  optimizer does, and the user steps only the dense optimizer.
+
+Each forward's update runs at most once. A second backward through the same graph
+(`retain_graph=True`) raises instead of applying the update twice; to combine several
+losses, add them and call backward once.
+"""
+
+from __future__ import annotations
+
+import jax
+import torch
+
+from hybrid._bridge import jax_to_torch, torch_to_jax
+from hybrid._sparse_state import SparseTables
+from sparse_jax import KeyedJaggedTensor
+
+__all__ = ["SparseStep", "sparse_lookup"]
+
+
+class SparseStep:
+    """One forward's sparse facts: the tables, the padded batch, the pooled layout, and
+    whether its update has run."""
+
+    def __init__(self, tables: SparseTables, kjt: KeyedJaggedTensor):
+        self.tables, self.kjt = tables, kjt
+        self.pooled_sharding: jax.sharding.Sharding | None = None
+        self.applied = False
+
+    def forward(self) -> torch.Tensor:
+        pooled = self.tables.lookup(self.kjt).values()
+        self.pooled_sharding = pooled.sharding
+        return jax_to_torch(pooled)
+
+    def backward(self, grad: torch.Tensor) -> None:
+        if self.applied:
+            raise RuntimeError(
+                "hybrid.Model: backward ran twice through the same forward; the sparse update "
+                "of that batch was already applied (the tables were updated in the first backward). "
+                "Sum the losses and call backward once, or run a new forward"
+            )
+        self.applied = True
+        # back in the pooled array's layout (its device, or its batch sharding on a mesh)
+        pooled_grad = torch_to_jax(grad.to(torch.float32), sharding=self.pooled_sharding)
+        self.tables.apply_gradient(self.kjt, pooled_grad)
+
+
+class _SparseLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, step: SparseStep) -> torch.Tensor:  # noqa: ARG004
+        ctx.step = step
+        return step.forward()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.step.backward(grad)
+        return None, None
+
+
+def sparse_lookup(tables: SparseTables, kjt: KeyedJaggedTensor, *, train: bool) -> torch.Tensor:
+    """Pooled embeddings `[B, sum of feature dims]` as a torch tensor.
+
+    With `train` (and grad enabled) the tensor requires grad and its backward applies the
+    fused sparse update once; otherwise it is a plain tensor and nothing updates the tables.
+    """
+    step = SparseStep(tables, kjt)
+    if not (train and torch.is_grad_enabled()):
+        return step.forward()
+    # the anchor is a leaf that requires grad, so autograd records the Function and calls its
+    # backward; it receives no gradient (backward returns None for it)
+    anchor = torch.empty(0, requires_grad=True)
+    return _SparseLookup.apply(anchor, step)

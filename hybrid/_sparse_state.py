@@ -1,0 +1,125 @@
+"""`SparseTables`: the sparse module, its params and optimizer state, and the fused update.
+
+The tables and their optimizer state live here, in JAX, never in torch. The update
+donates both: each step replaces `params` and `opt_state` with the arrays it returns, and
+the previous arrays are deleted. So nothing outside should keep a reference to them (read
+them through the properties when needed, and copy what must survive a step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+import torch
+
+from sparse_jax import KeyedJaggedTensor, KeyedTensor, make_update
+from sparse_jax.optim import RowRule, SparseOptState
+
+__all__ = ["SparseTables"]
+
+_UPDATE_CACHE_SIZE = 16
+_updates: dict[tuple[int, int], tuple] = {}
+
+
+def _update_for(module, rule: RowRule):
+    """`make_update(module, rule)`, shared by models with the same module and rule objects
+    (both immutable), so their jitted update compiles once."""
+    key = (id(module), id(rule))
+    hit = _updates.get(key)
+    if hit is not None and hit[0] is module and hit[1] is rule:
+        return hit[2]
+    update = make_update(module, rule)
+    if len(_updates) >= _UPDATE_CACHE_SIZE:
+        _updates.pop(next(iter(_updates)))
+    _updates[key] = (module, rule, update)  # holding both keeps their ids from being reused
+    return update
+
+
+def _committed(tree, device: jax.Device | None):
+    """Every array of `tree` committed to `device`, or to where it already is."""
+    return jax.tree.map(
+        lambda x: jax.device_put(x, device if device is not None else x.sharding), tree
+    )
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _to_torch_copy(array: jax.Array) -> torch.Tensor:
+    """A torch tensor owning a copy of `array` (bf16 through its bits: numpy has no bf16)."""
+    host = np.asarray(array)
+    name = host.dtype.name
+    if name == "bfloat16":
+        return torch.from_numpy(host.view(np.uint16).copy()).view(torch.bfloat16)
+    if name not in _TORCH_DTYPES:
+        raise TypeError(f"table dtype {name} has no torch equivalent")
+    return torch.from_numpy(host.copy())
+
+
+class SparseTables:
+    """Holds `module` (an EBC or a sharded one), `params`, `opt_state` and the update step."""
+
+    def __init__(self, module, rule: RowRule, key: jax.Array, device: jax.Device | None = None):
+        if not isinstance(rule, RowRule):
+            raise TypeError(
+                f"sparse_optimizer must be a sparse_jax.optim row rule (sgd, adagrad, rowwise_adagrad, "
+                f"adam or from_optax(...)), got {type(rule).__name__}"
+            )
+        self.module, self.rule, self.device = module, rule, device
+        params = module.init(key)
+        # committed to one device from the start: the update returns committed arrays, and
+        # jit keys its cache on commitment, so uncommitted first-step inputs would compile twice
+        self._params = _committed(params, device)
+        self._opt_state = _committed(rule.init(self._params), device)
+        self._update = _update_for(module, rule)
+
+    @property
+    def params(self) -> dict[str, jax.Array]:
+        return self._params
+
+    @property
+    def opt_state(self) -> SparseOptState:
+        return self._opt_state
+
+    def place_batch(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch on the tables' device (a one-device mesh may name any device)."""
+        if self.device is None:
+            return kjt
+        return jax.device_put(kjt, self.device)
+
+    def lookup(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of a padded KJT (JAX KeyedTensor)."""
+        return self.module.apply(self._params, kjt)
+
+    def apply_gradient(self, kjt: KeyedJaggedTensor, pooled_grad: jax.Array) -> None:
+        """One fused update; the old params and state are donated (deleted)."""
+        self._params, self._opt_state = self._update(
+            self._params, self._opt_state, kjt, pooled_grad
+        )
+
+    def compile_counts(self) -> dict[str, int]:
+        """Programs compiled so far by the lookup and the update (for recompilation checks;
+        shared with other models built from the same tables and optimizer)."""
+        apply_jit = getattr(self.module, "_apply_jit", None)
+        return {
+            "lookup": apply_jit._cache_size() if apply_jit is not None else -1,
+            "update": self._update.compile_count(),
+        }
+
+    # -- whole-table access (copies) ---------------------------------------------------------
+    def table_weights_torch(self) -> dict[str, torch.Tensor]:
+        """{table: [num_embeddings, dim] torch tensor}, copies owned by torch."""
+        return {
+            name: _to_torch_copy(w) for name, w in self.module.table_weights(self._params).items()
+        }
+
+    def load_table_weights(self, weights: Mapping[str, torch.Tensor | np.ndarray]) -> None:
+        """Replace the named tables' weights (their optimizer state is kept)."""
+        host = {}
+        for name, w in weights.items():
+            if isinstance(w, torch.Tensor):
+                w = w.detach().to("cpu", torch.float32).numpy()
+            host[name] = np.asarray(w)
+        self._params = self.module.with_table_weights(self._params, host)

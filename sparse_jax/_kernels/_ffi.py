@@ -1,0 +1,59 @@
+"""Registration of the CPU kernels with XLA and their call wrappers."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax._kernels import build as _build
+
+__all__ = ["RULES", "available", "fused_update", "pooled_sum"]
+
+log = logging.getLogger("hybridrec.kernels")
+RULES = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2}
+
+
+@functools.cache
+def _register() -> str | None:
+    """Load and register the library; None when it cannot be built (reason logged)."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build.build()))
+    except (RuntimeError, OSError) as err:
+        return f"hybridrec CPU kernels unavailable, using the XLA path: {err}"
+    for name in ("HybridrecPooledSum", "HybridrecFusedUpdate"):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    return None
+
+
+def available() -> bool:
+    """True when the default backend is CPU and the kernels are built (or could be)."""
+    if jax.default_backend() != "cpu":
+        return False
+    problem = _register()
+    if problem is not None:
+        log.warning(problem)
+        return False
+    return True
+
+
+def pooled_sum(table: jax.Array, rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """`[bags, dim]` fp32: `sum_l weights[b, l] * table[rows[b, l]]` (zero weights skip)."""
+    _register()
+    out = jax.ShapeDtypeStruct((rows.shape[0], table.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call("HybridrecPooledSum", out)(table, rows.astype(jnp.int32), weights.astype(jnp.float32))
+
+
+def fused_update(rule: str, table, state, rows, bags, scale, bag_grads, *, lr: float, eps: float = 0.0):
+    """One fused row-rule step in place (outputs alias `table` and `state`)."""
+    _register()
+    if state is None or (hasattr(state, "size") and state.size == 0):
+        state = jnp.zeros((1,), jnp.float32)
+    outs = (jax.ShapeDtypeStruct(table.shape, jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
+    call = jax.ffi.ffi_call("HybridrecFusedUpdate", outs, input_output_aliases={0: 0, 1: 1})
+    return call(table, state, rows.astype(jnp.int32), bags.astype(jnp.int32), scale.astype(jnp.float32),
+                bag_grads.astype(jnp.float32), rule=np.int32(RULES[rule]), lr=np.float32(lr), eps=np.float32(eps))

@@ -1,0 +1,144 @@
+// Fused CPU kernels for hybridrec's embedding lookups and sparse updates (XLA FFI).
+//
+// PooledSum:   out[b, :] = sum_l w[b, l] * table[rows[b, l], :]   (w == 0 skips the row)
+// FusedUpdate: dedup the (row, bag, scale) stream with a row->slot map, sum
+//              scale * bag_grads[bag] per unique row, then apply the row rule in place
+//              (table and state are aliased to the outputs; XLA donates them).
+// Both are multi-threaded (OpenMP): bags split over threads for PooledSum, rows split by
+// `row % threads` for FusedUpdate, so no two threads touch the same row.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline void axpy(float* __restrict acc, const float* __restrict row, float w, int64_t d) {
+  for (int64_t k = 0; k < d; ++k) acc[k] += w * row[k];
+}
+
+ffi::Error PooledSumImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> rows,
+                         ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::F32> out) {
+  const auto tdims = table.dimensions();
+  const auto rdims = rows.dimensions();
+  if (tdims.size() != 2 || rdims.size() != 2) {
+    return ffi::Error::InvalidArgument("PooledSum: table must be [rows, dim] and rows [bags, cap]");
+  }
+  const int64_t num_rows = tdims[0], dim = tdims[1];
+  const int64_t bags = rdims[0], cap = rdims[1];
+  const float* t = table.typed_data();
+  const int32_t* r = rows.typed_data();
+  const float* w = weights.typed_data();
+  float* o = out->typed_data();
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < bags; ++b) {
+    float* acc = o + b * dim;
+    std::memset(acc, 0, sizeof(float) * dim);
+    const int32_t* rb = r + b * cap;
+    const float* wb = w + b * cap;
+    for (int64_t l = 0; l < cap; ++l) {
+      if (l + 4 < cap) __builtin_prefetch(t + static_cast<int64_t>(rb[l + 4]) * dim);
+      const float wl = wb[l];
+      const int64_t row = rb[l];
+      if (wl == 0.0f || row < 0 || row >= num_rows) continue;
+      axpy(acc, t + row * dim, wl, dim);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// rule: 0 = sgd, 1 = rowwise adagrad (state [rows]), 2 = adagrad (state [rows, dim]).
+ffi::Error FusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> state,
+                           ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> bags,
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bag_grads,
+                           ffi::ResultBuffer<ffi::F32> table_out,
+                           ffi::ResultBuffer<ffi::F32> state_out, int32_t rule, float lr,
+                           float eps) {
+  const int64_t num_rows = table.dimensions()[0], dim = table.dimensions()[1];
+  const int64_t n = rows.element_count();
+  const int64_t num_bags = bag_grads.dimensions()[0];
+  float* t = table_out->typed_data();
+  float* s = state_out->typed_data();
+  if (t != table.typed_data()) std::memcpy(t, table.typed_data(), table.size_bytes());
+  if (s != state.typed_data()) std::memcpy(s, state.typed_data(), state.size_bytes());
+  const int32_t* r = rows.typed_data();
+  const int32_t* bg = bags.typed_data();
+  const float* sc = scale.typed_data();
+  const float* g = bag_grads.typed_data();
+  std::vector<int32_t> slot_of(static_cast<size_t>(num_rows), -1);
+  const int threads = std::max(1, omp_get_max_threads());
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
+    std::vector<int32_t> unique;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = r[i];
+      if (row < 0 || row >= num_rows || row % nt != tid || sc[i] == 0.0f) continue;
+      if (slot_of[row] < 0) {
+        slot_of[row] = static_cast<int32_t>(unique.size());
+        unique.push_back(static_cast<int32_t>(row));
+      }
+    }
+    std::vector<float> acc(unique.size() * dim, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = r[i];
+      if (row < 0 || row >= num_rows || row % nt != tid || sc[i] == 0.0f) continue;
+      const int64_t bag = bg[i];
+      if (bag < 0 || bag >= num_bags) continue;
+      axpy(acc.data() + static_cast<int64_t>(slot_of[row]) * dim, g + bag * dim, sc[i], dim);
+    }
+    for (size_t u = 0; u < unique.size(); ++u) {
+      const int64_t row = unique[u];
+      float* w = t + row * dim;
+      const float* gr = acc.data() + u * dim;
+      if (rule == 0) {
+        for (int64_t k = 0; k < dim; ++k) w[k] -= lr * gr[k];
+      } else if (rule == 1) {
+        float sq = 0.0f;
+        for (int64_t k = 0; k < dim; ++k) sq += gr[k] * gr[k];
+        s[row] += sq / static_cast<float>(dim);
+        const float mult = lr / (std::sqrt(s[row]) + eps);
+        for (int64_t k = 0; k < dim; ++k) w[k] -= mult * gr[k];
+      } else {
+        float* sr = s + row * dim;
+        for (int64_t k = 0; k < dim; ++k) {
+          sr[k] += gr[k] * gr[k];
+          w[k] -= lr * gr[k] / (std::sqrt(sr[k]) + eps);
+        }
+      }
+      slot_of[row] = -1;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecPooledSum, PooledSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecFusedUpdate, FusedUpdateImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("rule")
+                                  .Attr<float>("lr")
+                                  .Attr<float>("eps"));
