@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test,parity]'
 	# torchrec names the CUDA fbgemm-gpu; the parity extra installed fbgemm-gpu-cpu instead.
 	$(PIP) install -q --no-deps torchrec==1.8.0
+	# the fused CPU kernels (C++ through jax.ffi); without g++ the XLA path is used
+	$(PY) -m sparse_jax._kernels.build || echo "CPU kernels not built: the XLA path will be used"
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -3,9 +3,9 @@
 Every sparse module has the EmbeddingBagCollection's functional API: `init(key)`,
 `apply(params, kjt) -> KeyedTensor`, `table_weights(params)`, `with_table_weights(params,
 weights)`, `layout`, and works with `sparse_jax.make_update`. Without a mesh (or with a
-one-device mesh) that is the unsharded `EmbeddingBagCollection`; on a larger mesh it will be
-`sparse_jax.sharding.shard(ebc, mesh, plan)` (the plan from `sparse_jax.planner` when none
-is given) once that lands.
+one-device mesh) that is the unsharded `EmbeddingBagCollection`; on a larger mesh it is
+`sparse_jax.sharding.shard(ebc, mesh, plan)` (the planner's plan when none is given; a
+`{table: sharding type}` dict works too).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import jax
 
 from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig
+from sparse_jax.sharding import shard
 
 __all__ = ["_build_sparse", "mesh_device"]
 
@@ -49,8 +50,9 @@ def _collection(
 
 
 def mesh_device(mesh: jax.sharding.Mesh | None) -> jax.Device | None:
-    """The only device of a one-device mesh (None without a mesh)."""
-    return None if mesh is None else mesh.devices.flat[0]
+    """The only device of a one-device mesh (None without a mesh, or for a sharded one: its
+    arrays carry their own mesh shardings)."""
+    return None if mesh is None or mesh.devices.size > 1 else mesh.devices.flat[0]
 
 
 def _build_sparse(
@@ -59,7 +61,7 @@ def _build_sparse(
     is_weighted: bool,
     mesh: jax.sharding.Mesh | None,
     plan=None,
-    kernel: str = "xla",
+    kernel: str = "auto",
     bounds_check: str = "error",
 ):
     """The sparse module for `tables` on `mesh` following `plan`."""
@@ -73,10 +75,6 @@ def _build_sparse(
             f"mesh must be a jax.sharding.Mesh (see hybrid.make_mesh), got {type(mesh).__name__}"
         )
     ebc = _collection(tables, is_weighted, kernel, bounds_check)
-    if mesh is None or mesh.devices.size == 1:
+    if mesh is None or (mesh.devices.size == 1 and plan is None):
         return ebc
-    raise NotImplementedError(
-        f"hybrid.Model on a {dict(mesh.shape)} mesh ({mesh.devices.size} devices) needs "
-        "sparse_jax.sharding.shard(ebc, mesh, plan), which is not wired into hybrid yet; use "
-        "mesh=None or a one-device mesh for now"
-    )
+    return shard(ebc, mesh, plan)

@@ -34,9 +34,13 @@ def _offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
 
 
 def _to_device(x, dtype=None):
-    if x is None:
-        return None
-    return jnp.asarray(x, dtype=dtype)
+    """Host arrays to device with `device_put` (on JAX 0.10, `jnp.asarray` of a numpy array
+    compiles a tiny program per new shape, i.e. once per step for jagged batches)."""
+    if x is None or isinstance(x, jax.core.Tracer):
+        return x
+    if isinstance(x, jax.Array):
+        return x if dtype is None else x.astype(dtype)
+    return jax.device_put(np.asarray(x, dtype=dtype))
 
 
 @jax.tree_util.register_pytree_node_class

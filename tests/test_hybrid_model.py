@@ -12,6 +12,7 @@ from torch import nn
 import dense_torch
 import hybrid
 from sparse_jax import EmbeddingBagConfig, KeyedJaggedTensor
+from sparse_jax import optim as sparse_optim
 from sparse_jax.optim import rowwise_adagrad, sgd
 
 LR_SPARSE, LR_DENSE, EPS = 0.1, 0.05, 1e-8
@@ -405,9 +406,30 @@ def test_one_device_mesh_keeps_tables_on_that_device():
     assert int(model.sparse_opt_state.count) == 1
 
 
-def test_sharded_mesh_is_not_wired_yet():
-    with pytest.raises(NotImplementedError, match=r"sparse_jax.sharding.shard\(ebc, mesh, plan\)"):
-        _model(mesh=hybrid.make_mesh("data=2,model=4"))
+@pytest.mark.parametrize(
+    "plan", [{"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"}, {"t0": "grid_shard", "t1": "data_parallel"}, None]
+)
+def test_sharded_mesh_matches_one_device(plan):
+    # elementwise adagrad: row-wise adagrad keeps one state per row *per column block* on
+    # column-split tables (as TorchRec does), which is not the unsharded rule
+    rule = sparse_optim.adagrad(lr=0.1)
+    single = _model(sparse_optimizer=rule)
+    sharded = _model(mesh=hybrid.make_mesh("data=2,model=4"), plan=plan, sparse_optimizer=rule)
+    sharded.load_state_dict(single.state_dict())  # the same starting tables and tower
+    opts = [torch.optim.SGD(m.dense_parameters(), lr=0.1) for m in (single, sharded)]
+    for seed in range(3):
+        dense_x, sparse, labels = _batch(seed, batch=8)
+        for model, opt in zip((single, sharded), opts, strict=True):
+            opt.zero_grad()
+            logits = model(dense_x, sparse)
+            nn.functional.binary_cross_entropy_with_logits(logits.squeeze(-1), labels).backward()
+            opt.step()
+        _close(sharded(dense_x, sparse), single(dense_x, sparse), f"logits after step {seed}")
+    for name, weight in single.table_weights().items():
+        _close(sharded.table_weights()[name], weight, f"table {name}")
+
+
+def test_plan_without_mesh_is_an_error():
     with pytest.raises(ValueError, match="plan was given without a mesh"):
         _model(plan=object())
 
