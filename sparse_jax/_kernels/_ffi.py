@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax._kernels import build as _build
+
 
 __all__ = ["RULES", "available", "fused_update", "pooled_sum"]
 
@@ -21,6 +21,8 @@ RULES = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2}
 @functools.cache
 def _register() -> str | None:
     """Load and register the library; None when it cannot be built (reason logged)."""
+    from sparse_jax._kernels import build as _build  # imported late: `python -m ...build` stays clean
+
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build.build()))
     except (RuntimeError, OSError) as err:
