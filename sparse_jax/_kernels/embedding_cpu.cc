@@ -108,33 +108,54 @@ ffi::Error FusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> st
   const int32_t* bg = bags.typed_data();
   const float* sc = scale.typed_data();
   const float* g = bag_grads.typed_data();
-  std::vector<int32_t> slot_of(static_cast<size_t>(num_rows), -1);
+  std::vector<int32_t> slot_of;  // row -> slot (per call: concurrent calls from several devices)
+  if (slot_of.size() < static_cast<size_t>(num_rows)) slot_of.assign(num_rows, -1);
   const int threads = std::max(1, omp_get_max_threads());
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num();
     const int nt = omp_get_num_threads();
-    std::vector<int32_t> unique;
+    // Counting sort of this thread's ids (rows with row % nt == tid) by unique row, so each
+    // row's gradient is summed in registers and the rule applied once: no [rows, dim] or
+    // [unique, dim] buffer is ever built.
+    static thread_local std::vector<int32_t> unique, start, order;
+    unique.clear();
+    start.clear();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = r[i];
-      if (row < 0 || row >= num_rows || row % nt != tid || sc[i] == 0.0f) continue;
-      if (slot_of[row] < 0) {
-        slot_of[row] = static_cast<int32_t>(unique.size());
+      if (row < 0 || row >= num_rows || row % nt != tid || sc[i] == 0.0f || bg[i] < 0 || bg[i] >= num_bags) continue;
+      int32_t slot = slot_of[row];
+      if (slot < 0) {
+        slot = slot_of[row] = static_cast<int32_t>(unique.size());
         unique.push_back(static_cast<int32_t>(row));
+        start.push_back(0);
       }
+      ++start[slot];
     }
-    std::vector<float> acc(unique.size() * dim, 0.0f);
+    int32_t total = 0;
+    for (auto& c : start) {  // counts -> exclusive prefix sums
+      const int32_t count = c;
+      c = total;
+      total += count;
+    }
+    order.resize(total);
+    start.push_back(total);
+    std::vector<int32_t> fill(start.begin(), start.end() - 1);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = r[i];
-      if (row < 0 || row >= num_rows || row % nt != tid || sc[i] == 0.0f) continue;
-      const int64_t bag = bg[i];
-      if (bag < 0 || bag >= num_bags) continue;
-      axpy(acc.data() + static_cast<int64_t>(slot_of[row]) * dim, g + bag * dim, sc[i], dim);
+      if (row < 0 || row >= num_rows || row % nt != tid || sc[i] == 0.0f || bg[i] < 0 || bg[i] >= num_bags) continue;
+      order[fill[slot_of[row]]++] = static_cast<int32_t>(i);
     }
+    std::vector<float> acc(dim);
     for (size_t u = 0; u < unique.size(); ++u) {
       const int64_t row = unique[u];
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int32_t j = start[u]; j < start[u + 1]; ++j) {
+        const int64_t i = order[j];
+        axpy(acc.data(), g + static_cast<int64_t>(bg[i]) * dim, sc[i], dim);
+      }
       float* w = t + row * dim;
-      const float* gr = acc.data() + u * dim;
+      const float* gr = acc.data();
       if (rule == 0) {
         for (int64_t k = 0; k < dim; ++k) w[k] -= lr * gr[k];
       } else if (rule == 1) {
