@@ -1,0 +1,194 @@
+"""End-to-end training-step throughput: `hybrid.Model` vs TorchRec's DistributedModelParallel.
+
+    python -m benchmarks.e2e_vs_torchrec [--tiny] [--out benchmarks/results]
+
+The same DLRM (TorchRec's `DLRM` dense/interaction/over arches; ours `dense_torch.DLRM`
+with TorchRec's state-dict keys) with the same starting weights, the same batches and
+the same optimizers on both sides: fused EXACT_ROWWISE_ADAGRAD for the tables, SGD for the
+dense tower. TorchRec runs under `DistributedModelParallel` (gloo, one CPU rank, fused
+optimizer in the backward); ours is `hybrid.Model` on one XLA CPU device. A step is
+forward + BCE loss + backward (which applies the sparse update on both sides) + dense SGD
+step. Before timing, the first steps' losses and the final tables must agree (the gate).
+Steps are interleaved (ours, theirs, ours, ...) and reported as medians and a ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import time
+
+import numpy as np
+import torch
+
+__all__ = ["main", "run"]
+
+
+def _workload(tiny: bool) -> dict:
+    if tiny:
+        return dict(T=3, E=500, D=16, B=64, L=4, n_dense=13, steps=6, warmup=2)
+    return dict(T=8, E=100_000, D=64, B=2048, L=20, n_dense=13, steps=15, warmup=3)
+
+
+def _batches(w: dict, count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    keys = [f"f{i}" for i in range(w["T"])]
+    for _ in range(count):
+        lengths = rng.integers(1, 2 * w["L"], size=w["T"] * w["B"])
+        values = rng.integers(0, w["E"], size=int(lengths.sum()))
+        dense = rng.normal(size=(w["B"], w["n_dense"])).astype(np.float32)
+        labels = (rng.random(w["B"]) < 0.3).astype(np.float32)
+        yield keys, torch.from_numpy(values), torch.from_numpy(lengths), torch.from_numpy(dense), torch.from_numpy(labels)
+
+
+def _torchrec_side(w: dict, lr: float):
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.models.dlrm import DLRM
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
+        for i in range(w["T"])
+    ]
+    torch.manual_seed(0)
+    dlrm = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("cpu")),
+        dense_in_features=w["n_dense"],
+        dense_arch_layer_sizes=[128, w["D"]],
+        over_arch_layer_sizes=[128, 1],
+    )
+    start = {k: v.detach().clone() for k, v in dlrm.state_dict().items()}
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": 1e-8}
+    )
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).plan(dlrm, [sharder])
+    dmp = DistributedModelParallel(dlrm, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp.load_state_dict({k: v for k, v in start.items()}, strict=False)
+    dense_params = [p for n, p in dmp.named_parameters() if "embedding_bags" not in n]
+    return dmp, torch.optim.SGD(dense_params, lr=lr), tables, start
+
+
+def _our_side(w: dict, lr: float, start: dict):
+    import dense_torch
+    import hybrid
+    from sparse_jax import EmbeddingBagConfig
+    from sparse_jax.optim import rowwise_adagrad
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
+        for i in range(w["T"])
+    ]
+    dense = dense_torch.DLRM(
+        embedding_dim=w["D"], num_sparse_features=w["T"], dense_in_features=w["n_dense"],
+        dense_arch_layer_sizes=[128, w["D"]], over_arch_layer_sizes=[128, 1],
+    )
+    model = hybrid.Model(tables, dense, sparse_optimizer=rowwise_adagrad(lr=lr, eps=1e-8))
+    model.load_state_dict(hybrid.from_torchrec_state_dict(start))
+    return model, torch.optim.SGD(model.dense_parameters(), lr=lr)
+
+
+def _step_torchrec(dmp, opt, batch):
+    from torchrec import KeyedJaggedTensor
+
+    keys, values, lengths, dense, labels = batch
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
+    logits = dmp(dense, kjt).squeeze(-1)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def _step_ours(model, opt, batch):
+    import hybrid
+
+    keys, values, lengths, dense, labels = batch
+    logits = model(dense, hybrid.torch_kjt(keys, values, lengths)).squeeze(-1)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def _tables_of_dmp(dmp) -> dict[str, np.ndarray]:
+    out = {}
+    for name, tensor in dmp.state_dict().items():
+        if "embedding_bags" in name:
+            local = tensor.local_shards()[0].tensor if hasattr(tensor, "local_shards") else tensor
+            out[name.split("embedding_bags.")[1].split(".")[0]] = local.detach().numpy().copy()
+    return out
+
+
+def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -> dict:
+    torch.set_num_threads(int(os.environ.get("HYBRIDREC_TORCH_THREADS", "2")))
+    w = _workload(tiny)
+    lr = 0.01
+    dmp, opt_t, _, start = _torchrec_side(w, lr)
+    model, opt_o = _our_side(w, lr, start)
+    batches = list(_batches(w, w["steps"] + 2))
+    # the gate: two identical steps give the same losses and tables
+    gate = []
+    for batch in batches[:2]:
+        gate.append((_step_ours(model, opt_o, batch), _step_torchrec(dmp, opt_t, batch)))
+    theirs = _tables_of_dmp(dmp)
+    ours = {k: v.numpy() for k, v in model.table_weights().items()}
+    table_err = max(float(np.abs(ours[k] - theirs[k]).max() / (np.abs(theirs[k]).max() + 1e-12)) for k in theirs)
+    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in gate)
+    if table_err > 1e-4 or loss_err > 1e-4:
+        raise RuntimeError(f"correctness gate failed: loss rel err {loss_err:.2e}, table rel err {table_err:.2e}")
+    times: dict[str, list[float]] = {"hybridrec": [], "torchrec": []}
+    for i, batch in enumerate(batches[2:]):
+        for name, fn in (("hybridrec", lambda b=batch: _step_ours(model, opt_o, b)),
+                         ("torchrec", lambda b=batch: _step_torchrec(dmp, opt_t, b))):
+            t0 = time.perf_counter()
+            fn()
+            if i >= w["warmup"]:
+                times[name].append(time.perf_counter() - t0)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    result = {
+        "workload": w,
+        "gate": {"loss_rel_err": loss_err, "table_rel_err": table_err},
+        "median_step_s": med,
+        "samples_per_s": {k: w["B"] / v for k, v in med.items()},
+        "ratio_time_ours_over_torchrec": med["hybridrec"] / med["torchrec"],
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "versions": {"torch": torch.__version__, "jax": __import__("jax").__version__},
+    }
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "e2e_tiny" if tiny else "e2e"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.md").write_text(
+        "| side | median step (ms) | samples/s | time ratio vs TorchRec |\n|---|---|---|---|\n"
+        + "\n".join(
+            f"| {k} | {med[k] * 1e3:.1f} | {w['B'] / med[k]:.0f} | {med[k] / med['torchrec']:.2f} |" for k in med
+        )
+        + "\n"
+    )
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    parser.add_argument("--out", default="benchmarks/results", help="where the JSON and Markdown go")
+    args = parser.parse_args(argv)
+    result = run(args.tiny, args.out)
+    print(json.dumps({k: result[k] for k in ("gate", "median_step_s", "ratio_time_ours_over_torchrec")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

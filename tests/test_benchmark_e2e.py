@@ -1,0 +1,20 @@
+"""The end-to-end benchmark against TorchRec's DMP runs at tiny size and passes its gate."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torchrec")
+pytest.importorskip("fbgemm_gpu")
+
+
+@pytest.mark.parity
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_e2e_tiny_gate_and_outputs(tmp_path):
+    from benchmarks import e2e_vs_torchrec
+
+    result = e2e_vs_torchrec.run(tiny=True, out_dir=tmp_path)
+    assert result["gate"]["loss_rel_err"] <= 1e-4 and result["gate"]["table_rel_err"] <= 1e-4
+    assert set(result["median_step_s"]) == {"hybridrec", "torchrec"}
+    assert json.loads((tmp_path / "e2e_tiny.json").read_text())["workload"]["T"] == 3
+    assert "| hybridrec |" in (tmp_path / "e2e_tiny.md").read_text()
