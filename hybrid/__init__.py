@@ -10,6 +10,9 @@ importing both).
 - `init_distributed` / `read_torchrun_env`: torch.distributed + jax.distributed from torchrun.
 - `configure_gpu_env`: GPU environment for torch and JAX sharing a device (before JAX starts).
 - `python -m hybrid.demo`: a DLRM learning a planted signal on synthetic data.
+- `python -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4`: the
+  training script (data in `hybrid.data`, metrics, checkpoints with reshard on load).
+- `save_checkpoint` / `load_checkpoint` / `latest_checkpoint`, `eval_metrics`, `LossTracker`.
 """
 
 from hybrid._batch import as_kjt, torch_kjt
@@ -36,4 +39,15 @@ __all__ = [
     "torch_ids_to_jax",
     "torch_kjt",
     "torch_to_jax",
+]
+
+from hybrid._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from hybrid._metrics import LossTracker, eval_metrics  # noqa: E402
+
+__all__ += [
+    "LossTracker",
+    "eval_metrics",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
 ]

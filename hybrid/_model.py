@@ -111,6 +111,11 @@ class Model(nn.Module):
         """The sparse optimizer state. Donated to every update: do not keep it across a step."""
         return self._tables.opt_state
 
+    def load_sparse_opt_state(self, state: SparseOptState) -> None:
+        """Replace the sparse optimizer state (same structure and shapes as `sparse_opt_state`;
+        values on the host are placed on the tables' devices, sharded like them)."""
+        self._tables.load_opt_state(state)
+
     @property
     def sparse_optimizer(self) -> RowRule:
         return self._tables.rule

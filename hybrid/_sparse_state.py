@@ -83,6 +83,26 @@ class SparseTables:
     def opt_state(self) -> SparseOptState:
         return self._opt_state
 
+    def load_opt_state(self, state: SparseOptState) -> None:
+        """Replace the optimizer state (e.g. from a checkpoint): same structure and shapes as
+        the current one; each leaf is placed like the leaf it replaces."""
+        current = self._opt_state
+        if jax.tree.structure(state) != jax.tree.structure(current):
+            raise ValueError(
+                f"optimizer state has structure {jax.tree.structure(state)}, but {self.rule.name} on these "
+                f"tables has {jax.tree.structure(current)}"
+            )
+        for new, old in zip(jax.tree.leaves(state), jax.tree.leaves(current), strict=True):
+            if tuple(np.shape(new)) != tuple(old.shape):
+                raise ValueError(f"optimizer state leaf has shape {tuple(np.shape(new))}, expected {tuple(old.shape)}")
+        self._opt_state = jax.tree.map(
+            lambda new, old: jax.make_array_from_callback(
+                old.shape, old.sharding, lambda index, h=np.asarray(new, old.dtype): h[index]
+            ),
+            state,
+            current,
+        )
+
     def place_batch(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch on the tables' device (a one-device mesh may name any device)."""
         if self.device is None:

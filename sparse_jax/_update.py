@@ -58,7 +58,7 @@ def _batch_sharded(collection, grad):
     if isinstance(grad, KeyedTensor):
         grad = grad.values()
     sharding = NamedSharding(collection.mesh, P(tuple(collection.mesh.axis_names)))
-    if isinstance(grad, jax.Array) and grad.sharding == sharding:
+    if isinstance(grad, jax.Array) and grad.sharding.is_equivalent_to(sharding, grad.ndim):
         return grad
     host = np.asarray(grad)  # the same global value on every process
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -459,3 +459,14 @@ def test_from_torchrec_state_dict_renames_keys():
     }
     with pytest.raises(ValueError, match="sparse_arch.weighted_ebc.x"):
         hybrid.from_torchrec_state_dict({"sparse_arch.weighted_ebc.x": w})
+
+
+def test_load_sparse_opt_state_checks_structure_and_places_leaves():
+    model = _model()
+    state = model.sparse_opt_state
+    host = jax.tree.map(lambda x: np.asarray(x) + 1, state)
+    model.load_sparse_opt_state(host)
+    for got, want in zip(jax.tree.leaves(model.sparse_opt_state), jax.tree.leaves(host), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="optimizer state has structure"):
+        model.load_sparse_opt_state({"count": 0})

@@ -10,8 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-
 __all__ = ["RULES", "available", "fused_update", "pooled_sum"]
 
 log = logging.getLogger("hybridrec.kernels")
@@ -21,7 +19,9 @@ RULES = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2}
 @functools.cache
 def _register() -> str | None:
     """Load and register the library; None when it cannot be built (reason logged)."""
-    from sparse_jax._kernels import build as _build  # imported late: `python -m ...build` stays clean
+    from sparse_jax._kernels import (
+        build as _build,  # imported late: `python -m ...build` stays clean
+    )
 
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build.build()))

@@ -1,0 +1,30 @@
+"""Click data for `python -m hybrid.train`: in-memory tables, loaders and three sources.
+
+- `ClickData`: dense features, jagged sparse features, labels; `rows(idx)` gives a batch
+  `(dense, (keys, values, lengths), labels)` that `hybrid.Model` accepts.
+- `BatchLoader` (training batches addressed by step, seeded shuffle per epoch) and
+  `eval_batches` (in order, last batch padded to full size).
+- `load_movielens()`: real MovieLens-100K as a click task, time split (cached).
+- `read_criteo_tsv(paths, ...)` / `iter_criteo_tsv`: Criteo TSV files, plain or gzipped.
+- `synthetic_clicks(n, ...)`: Criteo-shaped data with a planted signal and Zipf ids.
+"""
+
+from hybrid.data._arrays import ClickData, concat_rows
+from hybrid.data._criteo import CriteoFormatError, iter_criteo_tsv, read_criteo_tsv
+from hybrid.data._loader import BatchLoader, eval_batches
+from hybrid.data._movielens import MOVIELENS_FEATURES, data_cache_dir, load_movielens
+from hybrid.data._synthetic import synthetic_clicks
+
+__all__ = [
+    "MOVIELENS_FEATURES",
+    "BatchLoader",
+    "ClickData",
+    "CriteoFormatError",
+    "concat_rows",
+    "data_cache_dir",
+    "eval_batches",
+    "iter_criteo_tsv",
+    "load_movielens",
+    "read_criteo_tsv",
+    "synthetic_clicks",
+]

@@ -1,0 +1,174 @@
+"""MovieLens-100K as a click task, from the copy shipped inside the `recbole==1.2.1` wheel.
+
+The wheel is fetched once with `pip download --no-deps recbole==1.2.1` (a subprocess; the
+package is never installed or imported) into the cache directory, the three files
+`recbole/dataset_example/ml-100k/ml-100k.{inter,user,item}` are read with `zipfile`, and
+the prepared arrays are cached as `movielens100k_v1.npz` beside the wheel.
+
+Task: click = rating >= 4. Sparse features (one table each, id 0 = unknown):
+user, item, gender, occupation, zip, age_bucket (one id per sample) and genres (multi-hot:
+the item's genres, 1..6 ids). Dense features: age, timestamp, release year (missing ->
+the training mean), each standardized with the training split's mean and std.
+Split: interactions sorted by (timestamp, user, item); the last 20% are the eval set.
+
+Cache directory: `$HYBRIDREC_DATA` if set, else `data_cache/` at the repository root
+(git-ignored). Nothing here is ever committed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+
+from hybrid.data._arrays import ClickData
+
+__all__ = ["MOVIELENS_FEATURES", "data_cache_dir", "load_movielens"]
+
+WHEEL = "recbole-1.2.1-py3-none-any.whl"
+_MEMBER = "recbole/dataset_example/ml-100k/ml-100k.{}"
+_CACHE_NAME = "movielens100k_v1.npz"
+MOVIELENS_FEATURES = ("user", "item", "gender", "occupation", "zip", "age_bucket", "genres")
+_AGE_EDGES = np.array([18, 25, 35, 45, 50, 56])  # MovieLens-1M's age groups
+
+
+def data_cache_dir() -> pathlib.Path:
+    env = os.environ.get("HYBRIDREC_DATA")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path(__file__).resolve().parents[2] / "data_cache"
+
+
+def _wheel(cache: pathlib.Path) -> pathlib.Path:
+    path = cache / WHEEL
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "recbole==1.2.1", "-d", str(cache)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not path.exists():
+        raise RuntimeError(
+            f"could not download MovieLens-100K ({' '.join(cmd)} exited {done.returncode}):\n"
+            f"{done.stderr[-2000:]}\nPut {WHEEL} into {cache} by hand, or set HYBRIDREC_DATA to a "
+            "directory holding it"
+        )
+    return path
+
+
+def _table(z: zipfile.ZipFile, ext: str) -> dict[str, list[str]]:
+    """A typed-header TSV (`user_id:token\\t...`) as {column name: values}."""
+    name = _MEMBER.format(ext)
+    text = z.read(name).decode("latin-1")
+    lines = text.rstrip("\n").split("\n")
+    header = [h.split(":")[0] for h in lines[0].split("\t")]
+    columns: list[list[str]] = [[] for _ in header]
+    for number, line in enumerate(lines[1:], start=2):
+        fields = line.split("\t")
+        if len(fields) != len(header):
+            raise ValueError(
+                f"{name} line {number}: {len(fields)} fields, the header names {len(header)}"
+            )
+        for column, field in zip(columns, fields, strict=True):
+            column.append(field)
+    return dict(zip(header, columns, strict=True))
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    """Token -> id, 1-based in sorted order (0 is reserved for unknown)."""
+    return {t: i + 1 for i, t in enumerate(sorted(set(tokens)))}
+
+
+def _prepare(wheel: pathlib.Path) -> dict[str, np.ndarray]:
+    with zipfile.ZipFile(wheel) as z:
+        inter, users, items = _table(z, "inter"), _table(z, "user"), _table(z, "item")
+    n = len(inter["user_id"])
+    user_vocab = _vocab(users["user_id"])
+    item_vocab = _vocab(items["item_id"])
+    user_row = {u: i for i, u in enumerate(users["user_id"])}
+    item_row = {it: i for i, it in enumerate(items["item_id"])}
+    gender_vocab, occ_vocab, zip_vocab = (
+        _vocab(users[c]) for c in ("gender", "occupation", "zip_code")
+    )
+    genre_lists = [g.split() for g in items["class"]]
+    genre_vocab = _vocab([g for gs in genre_lists for g in gs])
+
+    ts = np.array(inter["timestamp"], np.float64)
+    u_tok, i_tok = inter["user_id"], inter["item_id"]
+    order = np.lexsort((np.array([int(t) for t in i_tok]), np.array([int(t) for t in u_tok]), ts))
+    rating = np.array(inter["rating"], np.float64)[order]
+    ts = ts[order]
+    u_tok = [u_tok[i] for i in order]
+    i_tok = [i_tok[i] for i in order]
+    urow = np.array([user_row.get(u, -1) for u in u_tok])
+    irow = np.array([item_row.get(it, -1) for it in i_tok])
+
+    def user_attr(column: str, vocab: dict[str, int]) -> np.ndarray:
+        values = np.array([vocab[v] for v in users[column]], np.int64)
+        return np.where(urow >= 0, values[urow], 0)
+
+    ages = np.array([float(a) for a in users["age"]])
+    age = np.where(urow >= 0, ages[urow], np.nan)
+    years = np.array([float(y) if y.strip().isdigit() else np.nan for y in items["release_year"]])
+    year = np.where(irow >= 0, years[irow], np.nan)
+    genres = [genre_lists[r] if r >= 0 else [] for r in irow]
+    genre_lengths = np.array([max(1, len(g)) for g in genres], np.int64)
+    # an item without genres (or unknown) gets one bag entry: id 0, "unknown"
+    genre_ids = np.array([genre_vocab.get(x, 0) for g in genres for x in (g or ["?"])], np.int64)
+    singles = {
+        "user": np.array([user_vocab.get(u, 0) for u in u_tok], np.int64),
+        "item": np.array([item_vocab.get(it, 0) for it in i_tok], np.int64),
+        "gender": user_attr("gender", gender_vocab),
+        "occupation": user_attr("occupation", occ_vocab),
+        "zip": user_attr("zip_code", zip_vocab),
+        "age_bucket": np.where(
+            np.isnan(age), 0, np.searchsorted(_AGE_EDGES, age, side="right") + 1
+        ),
+    }
+    sizes = {
+        "user": len(user_vocab) + 1,
+        "item": len(item_vocab) + 1,
+        "gender": len(gender_vocab) + 1,
+        "occupation": len(occ_vocab) + 1,
+        "zip": len(zip_vocab) + 1,
+        "age_bucket": len(_AGE_EDGES) + 2,
+        "genres": len(genre_vocab) + 1,
+    }
+    n_train = int(round(0.8 * n))
+    raw_dense = np.stack([age, ts, year], axis=1)
+    train_part = raw_dense[:n_train]
+    mean = np.nanmean(train_part, axis=0)
+    std = np.nanstd(train_part, axis=0)
+    dense = np.where(np.isnan(raw_dense), mean, raw_dense)
+    dense = ((dense - mean) / np.where(std > 0, std, 1.0)).astype(np.float32)
+    labels = (rating >= 4).astype(np.float32)
+    lengths = np.stack([np.ones(n, np.int64)] * len(singles) + [genre_lengths])
+    data = ClickData(
+        MOVIELENS_FEATURES,
+        dense,
+        tuple(singles[k].astype(np.int64) for k in MOVIELENS_FEATURES[:-1]) + (genre_ids,),
+        lengths,
+        labels,
+        tuple(sizes[k] for k in MOVIELENS_FEATURES),
+    )
+    train, evaluation = data.take(np.arange(n_train)), data.take(np.arange(n_train, n))
+    return {**train.to_arrays("train_"), **evaluation.to_arrays("eval_")}
+
+
+def load_movielens(cache_dir: str | os.PathLike | None = None) -> tuple[ClickData, ClickData]:
+    """`(train, eval)` MovieLens-100K click data (see the module docstring)."""
+    cache = pathlib.Path(cache_dir) if cache_dir else data_cache_dir()
+    prepared = cache / _CACHE_NAME
+    if not prepared.exists():
+        arrays = _prepare(_wheel(cache))
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        tmp = prepared.with_suffix(".tmp")
+        tmp.write_bytes(buffer.getvalue())
+        os.replace(tmp, prepared)
+    with np.load(prepared) as arrays:
+        return ClickData.from_arrays(arrays, "train_"), ClickData.from_arrays(arrays, "eval_")

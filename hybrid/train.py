@@ -1,0 +1,499 @@
+"""`python -m hybrid.train`: train a recommender on a device mesh from a TOML config.
+
+    python -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4
+    python -m hybrid.train --config configs/synthetic.toml --set train.batch_size=256 --steps 200
+    python -m hybrid.train --config configs/movielens.toml --resume     # from checkpoint.dir
+
+Builds the dataset's tables (one per sparse feature), the dense tower (DLRM, DLRM_DCN or
+two_tower) and `hybrid.Model` on the mesh, prints the sharding plan, trains with a
+progress line (loss, samples/s), evaluates (AUC, log loss, NE, accuracy) every
+`train.eval_every` steps and at the end, writes metrics as JSON lines and checkpoints.
+Config keys: see `hybrid/_train_config.py`. On CPU, a `--mesh` needing more devices than
+the host has sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` itself (when JAX
+has not started yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+from hybrid._train_config import ConfigError, load_config
+from hybrid.data._criteo import CriteoFormatError
+
+__all__ = ["build", "evaluate", "main", "run"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hybrid.train",
+        description=__doc__,
+        epilog="Config keys and defaults: hybrid/_train_config.py. Example configs: configs/*.toml.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", help="TOML file (configs/movielens.toml, criteo.toml, synthetic.toml)"
+    )
+    p.add_argument("--mesh", help="device mesh, e.g. data=2,model=4 (overrides train.mesh)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, TOML value syntax: --set train.batch_size=256 "
+        "--set model.arch='\"DLRM_DCN\"' (bare words are strings); repeatable",
+    )
+    p.add_argument("--steps", type=int, help="total training steps (overrides train.steps)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in checkpoint.dir",
+    )
+    return p
+
+
+def _ensure_cpu_devices(mesh_spec: str, processes: int) -> None:
+    """Ask XLA for enough host devices for the mesh (this process's share of it), if JAX
+    has not started its backends. Only the host (CPU) platform reads this flag."""
+    from jax._src import xla_bridge
+
+    from hybrid._mesh import parse_mesh
+
+    if not mesh_spec or xla_bridge.backends_are_initialized():
+        return
+    try:
+        total = math.prod(parse_mesh(mesh_spec).values())
+    except ValueError as e:
+        raise ConfigError(f"train.mesh / --mesh: {e}") from None
+    if total % processes:
+        raise ConfigError(
+            f"train.mesh / --mesh {mesh_spec!r} has {total} devices, not a multiple of the "
+            f"{processes} processes; give every process the same number of devices"
+        )
+    need = total // processes
+    flags = os.environ.get("XLA_FLAGS", "")
+    if need > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides = list(args.set)
+    if args.mesh is not None:
+        overrides.append(f"train.mesh={json.dumps(args.mesh)}")
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    try:
+        config = load_config(args.config, overrides)
+        from hybrid._distributed import read_torchrun_env
+
+        env = read_torchrun_env()
+        _ensure_cpu_devices(config.train.mesh, 1 if env is None else env.world_size)
+        if env is not None:
+            if config.checkpoint.dir:
+                raise ConfigError(
+                    "checkpoint.dir is set but checkpoints are written by single-process runs "
+                    "only so far; unset it (--set checkpoint.dir='') under torchrun"
+                )
+            import hybrid
+
+            hybrid.init_distributed()
+        run(config, resume=args.resume)
+    except (ConfigError, CriteoFormatError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _load_data(config):
+    from hybrid import data
+
+    d = config.data
+    if d.source == "movielens":
+        return data.load_movielens(d.cache_dir or None)
+    if d.source == "synthetic":
+        kwargs = dict(
+            num_sparse=d.num_sparse, num_dense=d.num_dense, num_embeddings=d.num_embeddings
+        )
+        return (
+            data.synthetic_clicks(d.num_samples, seed=config.seed, **kwargs),
+            data.synthetic_clicks(d.num_eval_samples, seed=config.seed + 1, **kwargs),
+        )
+    if not d.paths:
+        raise ConfigError("data.paths is empty; list the Criteo TSV files (plain or .gz) to read")
+    for path in d.paths:
+        if not os.path.exists(path):
+            raise ConfigError(f"data.paths: {path} does not exist")
+    whole = data.read_criteo_tsv(
+        d.paths, num_embeddings=d.num_embeddings, max_rows=d.max_rows or None
+    )
+    n_eval = int(round(d.eval_fraction * len(whole)))
+    if not 0 < n_eval < len(whole):
+        raise ConfigError(
+            f"data.eval_fraction = {d.eval_fraction} leaves no train or no eval rows of {len(whole)}"
+        )
+    cut = len(whole) - n_eval
+    return whole.take(range(cut)), whole.take(range(cut, len(whole)))
+
+
+def _dense_tower(config, keys, num_dense: int):
+    import dense_torch
+
+    m = config.model
+    try:
+        if m.arch == "two_tower":
+            return dense_torch.TwoTower(
+                m.query_features,
+                m.candidate_features,
+                m.embedding_dim,
+                m.tower_layer_sizes,
+                activation_on_last=False,
+            )
+        common = dict(
+            embedding_dim=m.embedding_dim,
+            num_sparse_features=len(keys),
+            dense_in_features=num_dense,
+            dense_arch_layer_sizes=m.dense_arch_layer_sizes,
+            over_arch_layer_sizes=m.over_arch_layer_sizes,
+            feature_names=list(keys),
+        )
+        if m.arch == "DLRM_DCN":
+            return dense_torch.DLRM_DCN(
+                dcn_num_layers=m.dcn_num_layers, dcn_low_rank_dim=m.dcn_low_rank_dim, **common
+            )
+        return dense_torch.DLRM(**common)
+    except ValueError as e:
+        raise ConfigError(f"[model] (arch {m.arch!r}) with features {list(keys)}: {e}") from None
+
+
+def _sparse_rule(config):
+    from sparse_jax import optim
+
+    o = config.sparse_optimizer
+    if o.name == "sgd":
+        return optim.sgd(lr=o.lr)
+    return getattr(optim, o.name)(lr=o.lr, eps=o.eps)
+
+
+def _mesh(config):
+    import jax
+
+    import hybrid
+
+    spec = config.train.mesh
+    devices = jax.devices()
+    if not spec:
+        return None, 1
+    try:
+        axes = hybrid.parse_mesh(spec)
+    except ValueError as e:
+        raise ConfigError(f"train.mesh / --mesh: {e}") from None
+    if math.prod(axes.values()) != len(devices):
+        raise ConfigError(
+            f"train.mesh / --mesh {spec!r} needs {math.prod(axes.values())} devices but JAX has "
+            f"{len(devices)} ({devices[0].platform}); choose sizes whose product is {len(devices)}"
+        )
+    return hybrid.make_mesh(axes), len(devices)
+
+
+def _ladder(config, train, evaluation) -> list[int]:
+    if config.train.capacity_ladder:
+        return sorted(config.train.capacity_ladder)
+    per_sample = sum(
+        max(a, b) for a, b in zip(train.max_lengths(), evaluation.max_lengths(), strict=True)
+    )
+    return sorted({config.train.batch_size * per_sample, config.train.eval_batch_size * per_sample})
+
+
+def build(config):
+    """(model, dense optimizer, train data, eval data, devices) for `config` (no training)."""
+    import torch
+
+    import hybrid
+    from sparse_jax import EmbeddingBagConfig
+
+    t = config.train
+    mesh, num_devices = _mesh(config)
+    for key, size in (
+        ("train.batch_size", t.batch_size),
+        ("train.eval_batch_size", t.eval_batch_size),
+    ):
+        if size % num_devices:
+            raise ConfigError(
+                f"{key} = {size} must divide by the {num_devices} devices of the mesh (the batch is "
+                f"split over every device); e.g. {key} = {max(1, size // num_devices) * num_devices}"
+            )
+    train, evaluation = _load_data(config)
+    if t.batch_size > len(train):
+        raise ConfigError(
+            f"train.batch_size = {t.batch_size} exceeds the {len(train)} training samples"
+        )
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{key}",
+            num_embeddings=n,
+            embedding_dim=config.model.embedding_dim,
+            feature_names=[key],
+        )
+        for key, n in zip(train.keys, train.num_embeddings, strict=True)
+    ]
+    if t.sharding and mesh is None:
+        raise ConfigError(
+            "train.sharding is set but train.mesh is empty; give a mesh (--mesh data=2,model=4)"
+        )
+    unknown = sorted(set(t.sharding) - {tb.name for tb in tables})
+    if unknown:
+        raise ConfigError(
+            f"train.sharding names tables {unknown} that do not exist; tables: {[tb.name for tb in tables]}"
+        )
+    torch.manual_seed(config.seed)
+    dense = _dense_tower(config, train.keys, train.num_dense)
+    try:
+        model = hybrid.Model(
+            tables,
+            dense,
+            mesh=mesh,
+            plan=dict(t.sharding) or None,
+            sparse_optimizer=_sparse_rule(config),
+            seed=config.seed,
+            capacity_ladder=_ladder(config, train, evaluation),
+        )
+    except ValueError as e:
+        raise ConfigError(f"train.sharding / train.mesh: {e}") from None
+    o = config.dense_optimizer
+    params = list(model.dense_parameters())
+    dense_opt = (
+        torch.optim.Adam(params, lr=o.lr) if o.name == "adam" else torch.optim.SGD(params, lr=o.lr)
+    )
+    return model, dense_opt, train, evaluation, num_devices
+
+
+class _Processes:
+    """This process's share of each global batch under torchrun (all of it otherwise).
+
+    Every process builds the same global batch and feeds the whole sparse part (JAX splits
+    it over the global mesh); the pooled embeddings come back as this process's block of
+    rows (`rank * B / world` on), so the dense features and labels are sliced to match.
+    Dense gradients are summed over processes (the loss is each share's sum over the
+    global batch size), which gives exactly the single-process gradient.
+    """
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.rank = self.dist.get_rank() if self.dist else 0
+        self.world = self.dist.get_world_size() if self.dist else 1
+
+    def local(self, t):
+        n = t.shape[0] // self.world
+        return t[self.rank * n : (self.rank + 1) * n]
+
+    def all_sum(self, t):
+        if self.dist:
+            self.dist.all_reduce(t)
+        return t
+
+    def sum_grads(self, params) -> None:
+        if self.dist:
+            for p in params:
+                if p.grad is not None:
+                    self.dist.all_reduce(p.grad)
+
+    def gather_rows(self, t):
+        if not self.dist:
+            return t
+        import torch
+
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self.dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+
+def evaluate(model, data, batch_size: int) -> dict[str, float]:
+    """Exact metrics over `data` (eval mode, no grad: the tables are not touched)."""
+    import torch
+
+    from hybrid._metrics import eval_metrics
+    from hybrid.data import eval_batches
+
+    procs = _Processes()
+    model.eval()
+    logits = []
+    with torch.no_grad():
+        for (dense, sparse, _), valid in eval_batches(data, batch_size):
+            local = model(procs.local(dense), sparse).reshape(-1)
+            logits.append(procs.gather_rows(local)[:valid])
+    model.train()
+    return eval_metrics(torch.cat(logits), torch.from_numpy(data.labels))
+
+
+class _JsonLines:
+    """Metrics as JSON lines; on resume, records past the checkpoint's step are dropped."""
+
+    def __init__(self, path: str, resume_step: int | None):
+        self.path = path
+        if not path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if resume_step is None:
+            open(path, "w").close()
+            return
+        kept = []
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [
+                    line
+                    for line in f
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step
+                ]
+        with open(path, "w") as f:
+            f.writelines(kept)
+
+    def write(self, record: dict) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _describe_plan(model, num_devices: int) -> str:
+    plan = getattr(model.sparse_module, "plan", None)
+    if plan is not None:
+        return plan.stats_table()
+    tables = ", ".join(
+        f"{t.name} [{t.num_embeddings} x {t.embedding_dim}]"
+        for t in model.sparse_module.layout.tables
+    )
+    return f"one device, no sharding; tables: {tables}"
+
+
+def run(config, *, resume: bool = False, echo=print) -> dict:
+    """Train with a `TrainConfig` in this process. Returns the final eval metrics, the
+    per-step training losses of this run, and the step reached."""
+    import torch
+    from tqdm import tqdm
+
+    from hybrid import _checkpoint
+    from hybrid._metrics import LossTracker
+    from hybrid.data import BatchLoader
+
+    procs = _Processes()
+    if procs.rank != 0:  # one voice: rank 0 prints and writes metrics
+        echo = _silent
+        config = dataclasses.replace(config, log=dataclasses.replace(config.log, metrics_path=""))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.train.torch_threads)
+    try:
+        model, dense_opt, train, evaluation, num_devices = build(config)
+        loader = BatchLoader(train, config.train.batch_size, seed=config.seed)
+        total = config.train.steps or config.train.epochs * loader.steps_per_epoch
+        tracker = LossTracker(config.log.loss_window)
+        start = 0
+        ckpt_dir = config.checkpoint.dir
+        if resume:
+            if not ckpt_dir:
+                raise ConfigError("--resume needs checkpoint.dir (--set checkpoint.dir=runs/x)")
+            latest = _checkpoint.latest_checkpoint(ckpt_dir)
+            if latest is None:
+                echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
+            else:
+                meta = _checkpoint.load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+                start = int(meta["step"])
+                tracker.load_state_dict(meta["loss_tracker"])
+                echo(f"resumed from {latest} at step {start}")
+        log = _JsonLines(config.log.metrics_path, start if resume else None)
+        echo(_describe_plan(model, num_devices))
+        echo(
+            f"{len(train)} train / {len(evaluation)} eval samples, batch {config.train.batch_size} "
+            f"over {num_devices} device(s), {total} steps ({loader.steps_per_epoch} per epoch)"
+        )
+        losses: dict[int, float] = {}
+        metrics: dict = {}
+
+        def checkpoint(step: int) -> None:
+            if ckpt_dir:
+                _checkpoint.save_checkpoint(
+                    ckpt_dir,
+                    step=step,
+                    model=model,
+                    dense_optimizer=dense_opt,
+                    keep=config.checkpoint.keep,
+                    meta={"loss_tracker": tracker.state_dict(), "config": config.to_dict()},
+                )
+
+        def run_eval(step: int) -> dict:
+            result = evaluate(model, evaluation, config.train.eval_batch_size)
+            log.write({"kind": "eval", "step": step, **result})
+            echo(
+                f"eval @ step {step}: AUC {result['auc']:.4f}  log loss {result['log_loss']:.4f}  "
+                f"NE {result['ne']:.4f}  accuracy {result['accuracy']:.4f}  ({result['count']} samples)"
+            )
+            return result
+
+        bar = tqdm(
+            range(start, total),
+            initial=start,
+            total=total,
+            desc="train",
+            file=sys.stderr,
+            mininterval=1.0,
+            disable=True if procs.rank else None,
+        )
+        t_last, n_last = time.perf_counter(), 0
+        for step in bar:
+            dense, sparse, labels = loader.batch(step)
+            logits = model(procs.local(dense), sparse).reshape(-1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, procs.local(labels), reduction="sum"
+            ) / len(labels)  # this process's share of the global batch's mean loss
+            loss.backward()  # dense grads + the fused sparse update
+            procs.sum_grads(model.dense_parameters())
+            dense_opt.step()
+            dense_opt.zero_grad()
+            value = float(procs.all_sum(loss.detach().clone()))
+            tracker.add(value)
+            losses[step + 1] = value
+            n_last += len(labels)
+            done = step + 1
+            if done % config.log.every == 0 or done == total:
+                now = time.perf_counter()
+                rate = n_last / max(now - t_last, 1e-9)
+                t_last, n_last = now, 0
+                log.write(
+                    {
+                        "kind": "train",
+                        "step": done,
+                        "loss": value,
+                        "loss_window": tracker.windowed,
+                        "loss_lifetime": tracker.lifetime,
+                        "samples_per_s": rate,
+                    }
+                )
+                bar.set_postfix(loss=f"{tracker.windowed:.4f}", samples_per_s=f"{rate:.0f}")
+                if bar.disable:
+                    echo(
+                        f"step {done}/{total}  loss {tracker.windowed:.4f} (window)  {rate:.0f} samples/s"
+                    )
+            if config.train.eval_every and done % config.train.eval_every == 0 and done != total:
+                metrics = run_eval(done)
+            if config.checkpoint.every and done % config.checkpoint.every == 0 and done != total:
+                checkpoint(done)
+        bar.close()
+        metrics = run_eval(total)
+        checkpoint(total)
+        return {"eval": metrics, "losses": losses, "step": total}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _silent(*_args) -> None:
+    pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""hybrid._metrics against hand computations (pairwise AUC, log loss by the formula)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from hybrid._metrics import LossTracker, eval_metrics, normalized_entropy
+
+
+def _pairwise_auc(scores, labels):
+    pos = [s for s, y in zip(scores, labels, strict=True) if y == 1]
+    neg = [s for s, y in zip(scores, labels, strict=True) if y == 0]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg))
+    return wins / (len(pos) * len(neg))
+
+
+def test_eval_metrics_match_hand_computation():
+    logits = [2.0, -1.0, 0.5, 0.5, -3.0, 1.5, -0.2, 0.0]
+    labels = [1, 0, 1, 0, 0, 1, 1, 0]
+    got = eval_metrics(torch.tensor(logits), torch.tensor(labels, dtype=torch.float32))
+    assert got["auc"] == pytest.approx(_pairwise_auc(logits, labels), abs=1e-7)
+    p = [1 / (1 + math.exp(-z)) for z in logits]
+    ll = (
+        -sum(y * math.log(q) + (1 - y) * math.log(1 - q) for q, y in zip(p, labels, strict=True))
+        / 8
+    )
+    assert got["log_loss"] == pytest.approx(ll, rel=1e-9)
+    base = 0.5
+    assert got["ne"] == pytest.approx(ll / -(base * math.log(base) * 2), rel=1e-9)
+    assert got["accuracy"] == pytest.approx(
+        sum((z > 0) == y for z, y in zip(logits, labels, strict=True)) / 8
+    )
+    assert got["base_rate"] == base and got["count"] == 8
+
+
+def test_normalized_entropy_of_base_rate_predictor_is_one():
+    p = 0.3
+    ll = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    assert normalized_entropy(ll, p) == pytest.approx(1.0)
+    assert normalized_entropy(0.1, 0.0) == math.inf
+
+
+def test_loss_tracker_window_and_lifetime():
+    t = LossTracker(window=2)
+    for v in (1.0, 2.0, 4.0):
+        t.add(v)
+    assert t.windowed == 3.0 and t.lifetime == pytest.approx(7 / 3) and t.last == 4.0
+    u = LossTracker(window=2)
+    u.load_state_dict(t.state_dict())
+    u.add(0.0)
+    assert u.windowed == 2.0 and u.lifetime == pytest.approx(7 / 4)
+
+
+def test_eval_metrics_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="3 logits and 2 labels"):
+        eval_metrics(torch.zeros(3), torch.zeros(2))

@@ -1,0 +1,194 @@
+"""`python -m hybrid.train`: config errors, a small synthetic run, the MovieLens job."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid import train
+from hybrid._metrics import eval_metrics
+from hybrid._train_config import ConfigError, load_config
+from hybrid.data import BatchLoader, eval_batches, load_movielens
+
+SMALL = [
+    "data.source=synthetic",
+    "data.num_samples=2048",
+    "data.num_eval_samples=1024",
+    "data.num_sparse=4",
+    "data.num_dense=3",
+    "data.num_embeddings=200",
+    "train.batch_size=128",
+    "train.eval_batch_size=512",
+    "log.every=4",
+]
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--config", "--mesh", "--set", "--resume", "--steps"):
+        assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.batch_sz=3"], "unknown key 'train.batch_sz'"),
+        (["train.batch_size='big'"], "train.batch_size must be int, got 'big'"),
+        (["model.arch=MLP"], r"model.arch = 'MLP'; choose one of"),
+        (["optimizer.lr=1"], "unknown key 'optimizer'"),
+    ],
+)
+def test_bad_config_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/synthetic.toml", overrides)
+
+
+def test_bad_toml_file_names_the_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[train]\nbatch_size = = 3\n")
+    with pytest.raises(ConfigError, match="broken.toml: not valid TOML"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.mesh='data=3'"], r"needs 3 devices but JAX has 8"),
+        (
+            ["train.mesh='data=8'", "train.batch_size=100"],
+            r"train.batch_size = 100 must divide by the 8 devices",
+        ),
+        (
+            ["train.mesh='data=8'", "train.sharding={t_nope='row_wise'}"],
+            r"train.sharding names tables \['t_nope'\]",
+        ),
+        (
+            ["model.dense_arch_layer_sizes=[8, 4]"],
+            r"\[model\].*last layer size must equal embedding_dim",
+        ),
+    ],
+)
+def test_config_errors_found_before_device_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        train.build(load_config(None, SMALL + overrides))
+
+
+def test_cli_reports_config_error_and_exit_code(capsys):
+    assert train.main(["--config", "configs/synthetic.toml", "--mesh", "data=5"]) == 2
+    assert "needs 5 devices" in capsys.readouterr().err
+
+
+def test_synthetic_run_learns_and_writes_metrics(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    code = train.main(
+        [
+            "--mesh",
+            "data=2,model=4",
+            "--steps",
+            "32",
+            *(f"--set={s}" for s in SMALL),
+            f"--set=log.metrics_path='{metrics}'",
+            "--set=sparse_optimizer.lr=0.1",
+            "--set=dense_optimizer.lr=0.01",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "ShardingPlan" in out and "eval @ step 32: AUC" in out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    trains = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == [4, 8, 12, 16, 20, 24, 28, 32]
+    assert {"loss", "loss_window", "loss_lifetime", "samples_per_s"} <= set(trains[0])
+    (final,) = [r for r in records if r["kind"] == "eval"]
+    assert final["auc"] > 0.6 and final["count"] == 1024
+
+
+def _logistic_regression_auc(train_data, eval_data, epochs=5, lr=0.01):
+    """A torch logistic regression on the same features: one weight per id, linear dense."""
+    torch.manual_seed(0)
+    bags = torch.nn.ModuleList(
+        torch.nn.EmbeddingBag(n, 1, mode="sum") for n in train_data.num_embeddings
+    )
+    for b in bags:
+        torch.nn.init.zeros_(b.weight)
+    linear = torch.nn.Linear(train_data.num_dense, 1)
+    opt = torch.optim.Adam([*bags.parameters(), *linear.parameters()], lr=lr)
+
+    def logits(dense, sparse):
+        keys, values, lengths = sparse
+        per = lengths.reshape(len(keys), -1)
+        out = linear(dense).reshape(-1)
+        for bag, ids, lens in zip(bags, torch.split(values, per.sum(1).tolist()), per, strict=True):
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
+            out = out + bag(ids, offsets).reshape(-1)
+        return out
+
+    loader = BatchLoader(train_data, 512, seed=0)
+    for step in range(epochs * loader.steps_per_epoch):
+        dense, sparse, labels = loader.batch(step)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits(dense, sparse), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        scores = torch.cat([logits(d, s)[:v] for (d, s, _), v in eval_batches(eval_data, 4096)])
+    return eval_metrics(scores, torch.from_numpy(eval_data.labels))["auc"]
+
+
+@pytest.mark.slow
+def test_movielens_dlrm_beats_logistic_regression(tmp_path, capsys):
+    config = load_config(
+        "configs/movielens.toml",
+        ["train.mesh='data=2,model=4'", f"log.metrics_path='{tmp_path / 'm.jsonl'}'"],
+    )
+    result = train.run(config)
+    dlrm_auc = result["eval"]["auc"]
+    lr_auc = _logistic_regression_auc(*load_movielens())
+    print(f"MovieLens-100K eval AUC: DLRM {dlrm_auc:.4f}, logistic regression {lr_auc:.4f}")
+    assert np.isfinite(result["eval"]["log_loss"])
+    assert dlrm_auc > lr_auc
+
+
+def test_criteo_config_trains_on_a_written_tsv(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(640):
+        cats = [f"{rng.integers(0, 50):x}" for _ in range(26)]
+        label = int(int(cats[0], 16) % 2 == 0) if rng.random() < 0.9 else int(rng.integers(0, 2))
+        ints = [str(rng.integers(0, 100)) if rng.random() < 0.8 else "" for _ in range(13)]
+        lines.append("\t".join([str(label), *ints, *cats]) + "\n")
+    path = tmp_path / "day_0.tsv"
+    path.write_text("".join(lines))
+    metrics = tmp_path / "m.jsonl"
+    code = train.main(
+        [
+            "--config",
+            "configs/criteo.toml",
+            "--steps",
+            "24",
+            f"--set=data.paths=['{path}']",
+            "--set=data.num_embeddings=64",
+            "--set=train.batch_size=64",
+            "--set=train.eval_batch_size=64",
+            "--set=train.eval_every=0",
+            "--set=checkpoint.dir=''",
+            f"--set=log.metrics_path='{metrics}'",
+            "--set=sparse_optimizer.lr=0.2",
+            "--set=dense_optimizer.lr=0.01",
+        ]
+    )
+    assert code == 0
+    assert "576 train / 64 eval samples" in capsys.readouterr().out
+    final = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
+    assert final["kind"] == "eval" and final["auc"] > 0.7
+
+
+def test_criteo_bad_row_reaches_the_cli_with_file_and_line(tmp_path):
+    path = tmp_path / "broken.tsv"
+    path.write_text("1\t2\n")
+    config = load_config("configs/criteo.toml", [f"data.paths=['{path}']", "checkpoint.dir=''"])
+    with pytest.raises(ValueError, match=r"broken\.tsv, line 1: 2 tab-separated fields"):
+        train.build(config)
