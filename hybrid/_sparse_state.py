@@ -95,13 +95,11 @@ class SparseTables:
         for new, old in zip(jax.tree.leaves(state), jax.tree.leaves(current), strict=True):
             if tuple(np.shape(new)) != tuple(old.shape):
                 raise ValueError(f"optimizer state leaf has shape {tuple(np.shape(new))}, expected {tuple(old.shape)}")
-        self._opt_state = jax.tree.map(
-            lambda new, old: jax.make_array_from_callback(
-                old.shape, old.sharding, lambda index, h=np.asarray(new, old.dtype): h[index]
-            ),
-            state,
-            current,
-        )
+        def place(new, old):
+            host = np.asarray(new, old.dtype)
+            return jax.make_array_from_callback(old.shape, old.sharding, lambda index: host[index])
+
+        self._opt_state = jax.tree.map(place, state, current)
 
     def place_batch(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The batch on the tables' device (a one-device mesh may name any device)."""
