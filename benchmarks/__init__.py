@@ -1,6 +1,8 @@
-"""Benchmarks: hybridrec's sparse side (JAX/XLA) against FBGEMM's CPU table-batched embedding.
+"""Benchmarks: hybridrec against FBGEMM's CPU table-batched embedding and TorchRec.
 
-Run `python -m benchmarks.xla_vs_fbgemm` (see its --help). One concept per module:
+Run `python -m benchmarks.xla_vs_fbgemm` (kernel level, see its --help) and
+`python -m benchmarks.e2e_vs_torchrec` (end to end). Findings: `benchmarks/NOTES.md`.
+One concept per module:
 
 * `workloads`   - the FBGEMM-style workload knobs (T, E, D, B, L, alpha, weighted, dtype) and
                   the one batch (ids, offsets, weights, initial tables, pooled gradient) both
@@ -9,12 +11,15 @@ Run `python -m benchmarks.xla_vs_fbgemm` (see its --help). One concept per modul
 * `roofline`    - the machine's stream-copy and random-row-gather GB/s, measured in the run.
 * `gate`        - the correctness gate (pooled outputs and updated weights must match).
 * `fbgemm_side` - FBGEMM `SplitTableBatchedEmbeddingBagsCodegen` (HOST / CPU).
-* `xla_side`    - hybridrec `EmbeddingBagCollection` + `make_update` (kernel "xla" / "reference").
+* `xla_side`    - hybridrec `EmbeddingBagCollection` + `make_update` (kernel "auto" / "xla" /
+                  "reference" / "ffi").
 * `memory`      - peak RSS of each side, each in its own subprocess.
 * `report`      - JSON, Markdown table and PNG.
 * `xla_vs_fbgemm` - the CLI that runs all of it.
 * `explore_update` - measurements of candidate formulations for our side (issue 9).
+* `explore_malloc` - whether allocator settings change our per-step page faults (issue 9).
+* `e2e_vs_torchrec` - end-to-end training steps against TorchRec's DistributedModelParallel.
 
-Nothing here is collected by pytest (testpaths = tests); `tests/test_benchmarks.py` drives
-the CLI at tiny sizes.
+Nothing here is collected by pytest (testpaths = tests); `tests/test_benchmarks.py` and
+`tests/test_benchmark_e2e.py` drive the CLIs at tiny sizes.
 """

@@ -5,7 +5,7 @@
 //              scale * bag_grads[bag] per unique row, then apply the row rule in place
 //              (table and state are aliased to the outputs; XLA donates them).
 // Both are multi-threaded (OpenMP): bags split over threads for PooledSum, rows split by
-// `row % threads` for FusedUpdate, so no two threads touch the same row.
+// the row for FusedUpdate, so no two threads touch the same row.
 #include <omp.h>
 
 #include <algorithm>
@@ -114,8 +114,12 @@ ffi::Error FusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> st
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num();
-    const int nt = omp_get_num_threads();
-    // Counting sort of this thread's ids (rows with row % nt == tid) by unique row, so each
+    const uint64_t nt = static_cast<uint64_t>(omp_get_num_threads());
+    // owner thread of a row: a multiply-shift hash (no division in the hot loops)
+    auto mine = [&](int64_t row) {
+      return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(row) * 0x9E3779B1u) * nt) >> 32) == tid;
+    };
+    // Counting sort of this thread's ids (the rows it owns) by unique row, so each
     // row's gradient is summed in registers and the rule applied once: no [rows, dim] or
     // [unique, dim] buffer is ever built.
     static thread_local std::vector<int32_t> unique, start, order;
@@ -123,7 +127,7 @@ ffi::Error FusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> st
     start.clear();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = r[i];
-      if (row < 0 || row >= num_rows || row % nt != tid || sc[i] == 0.0f || bg[i] < 0 || bg[i] >= num_bags) continue;
+      if (row < 0 || row >= num_rows || sc[i] == 0.0f || bg[i] < 0 || bg[i] >= num_bags || !mine(row)) continue;
       int32_t slot = slot_of[row];
       if (slot < 0) {
         slot = slot_of[row] = static_cast<int32_t>(unique.size());
@@ -143,12 +147,17 @@ ffi::Error FusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> st
     std::vector<int32_t> fill(start.begin(), start.end() - 1);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = r[i];
-      if (row < 0 || row >= num_rows || row % nt != tid || sc[i] == 0.0f || bg[i] < 0 || bg[i] >= num_bags) continue;
+      if (row < 0 || row >= num_rows || sc[i] == 0.0f || bg[i] < 0 || bg[i] >= num_bags || !mine(row)) continue;
       order[fill[slot_of[row]]++] = static_cast<int32_t>(i);
     }
     std::vector<float> acc(dim);
     for (size_t u = 0; u < unique.size(); ++u) {
       const int64_t row = unique[u];
+      if (u + 4 < unique.size()) {  // the row (and its state) four rows ahead
+        const char* p = reinterpret_cast<const char*>(t + static_cast<int64_t>(unique[u + 4]) * dim);
+        for (int64_t line = 0; line < dim * 4; line += 64) __builtin_prefetch(p, 1), p += 64;
+        __builtin_prefetch(s + (rule == 2 ? static_cast<int64_t>(unique[u + 4]) * dim : unique[u + 4]), 1);
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int32_t j = start[u]; j < start[u + 1]; ++j) {
         const int64_t i = order[j];

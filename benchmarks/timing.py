@@ -1,0 +1,78 @@
+"""Interleaved timing: warm-up, then rounds that run every case once (order rotated per round).
+
+The machine is shared and noisy, so cases are never timed in separate blocks: each round
+runs all of them back to back, and figures are medians over rounds. Ratios are reported
+two ways: ratio of the medians, and the median of the per-round ratios (both cases ran
+within the same few hundred milliseconds, so load drift largely cancels).
+
+A case is a callable that runs one repetition and returns its segments in seconds, e.g.
+`{"fwd": ..., "bwd": ..., "total": ...}`; it must block until its results are ready.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["interleaved", "paired_ratio", "summarize"]
+
+Case = Callable[[], dict[str, float]]
+
+
+def interleaved(
+    cases: dict[str, Case],
+    *,
+    warmup: int = 3,
+    repeats: int = 30,
+    min_repeats: int = 5,
+    budget_s: float | None = None,
+) -> dict[str, dict[str, list[float]]]:
+    """{case: {segment: [seconds per round]}}. Stops after `repeats` rounds, or earlier once
+    `budget_s` is spent (but never before `min_repeats` rounds)."""
+    names = list(cases)
+    for _ in range(warmup):
+        for n in names:
+            cases[n]()
+    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    start = time.perf_counter()
+    try:
+        for r in range(repeats):
+            k = r % len(names)
+            for n in names[k:] + names[:k]:
+                for seg, t in cases[n]().items():
+                    samples[n].setdefault(seg, []).append(t)
+            if budget_s is not None and r + 1 >= min_repeats and time.perf_counter() - start > budget_s:
+                break
+    finally:
+        if was_enabled:
+            gc.enable()
+    return samples
+
+
+def summarize(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs, np.float64)
+    return {
+        "median_ms": float(np.median(a) * 1e3),
+        "p25_ms": float(np.percentile(a, 25) * 1e3),
+        "p75_ms": float(np.percentile(a, 75) * 1e3),
+        "n": int(a.size),
+    }
+
+
+def paired_ratio(num: list[float], den: list[float]) -> dict[str, float]:
+    """Ratio of medians and the median / IQR of per-round ratios (num / den; < 1: num is faster)."""
+    a, b = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    n = min(a.size, b.size)
+    per_round = a[:n] / b[:n]
+    return {
+        "ratio_of_medians": float(np.median(a) / np.median(b)),
+        "paired_median": float(np.median(per_round)),
+        "paired_p25": float(np.percentile(per_round, 25)),
+        "paired_p75": float(np.percentile(per_round, 75)),
+    }

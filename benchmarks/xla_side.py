@@ -1,0 +1,160 @@
+"""hybridrec's side: `EmbeddingBagCollection` (any `kernel`) + `make_update`.
+
+Kernels: "auto" (the library default: the fused C++ CPU kernels through `jax.ffi` for fp32
+tables when they are built, else "xla"), "ffi", "xla" (pure-XLA per-position pooling and the
+sort/segment_sum update) and "reference" (gather + segment_sum forward; its update is the
+"xla" update). `resolved` says which code a side actually runs.
+
+The T tables (one feature each, same dim and dtype) stack into one buffer, as in the
+library. The buffer is built straight from the workload's tables with
+`jnp.array(..., copy=True)`, so it owns its memory and donation works (a zero-copy import
+from numpy would make every donated step copy the table). Timed calls are the raw jitted
+functions: `jax.jit(ebc._apply)` and `update.jitted` (no eager id checks), and each
+timing case blocks on its results with `jax.block_until_ready`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.workloads import Batch, Workload
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    _lookup,
+    make_update,
+    optim,
+)
+
+__all__ = ["RULES", "XlaSide", "make_rule"]
+
+RULES = ("rowwise_adagrad", "sgd")
+_DATA_TYPE = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
+
+
+def make_rule(name: str, *, lr: float, eps: float):
+    if name == "rowwise_adagrad":
+        return optim.rowwise_adagrad(lr=lr, eps=eps)
+    if name == "sgd":
+        return optim.sgd(lr=lr)
+    raise ValueError(f"optimizer {name!r} is not one of {RULES}")
+
+
+class XlaSide:
+    """Args: workload, batch, kernel ("xla" / "reference"), optimizer name or None (forward only)."""
+
+    def __init__(self, w: Workload, batch: Batch, kernel: str, optimizer: str | None, *, lr: float, eps: float):
+        self.w, self.kernel, self.optimizer = w, kernel, optimizer
+        tables = [
+            EmbeddingBagConfig(
+                name=f"t{t}", num_embeddings=w.E, embedding_dim=w.D, feature_names=[f"f{t}"],
+                data_type=_DATA_TYPE[w.dtype],
+            )
+            for t in range(w.T)
+        ]
+        self.ebc = EmbeddingBagCollection(tables, is_weighted=w.weighted, kernel=kernel)
+        layout = self.ebc.layout
+        if len(layout.groups) != 1:
+            raise AssertionError(f"expected one stacked buffer, got groups {layout.groups}")
+        (self.group,) = layout.groups
+        for t in range(w.T):
+            assert layout.table_group[f"t{t}"] == (self.group, t * w.E)
+        np_dtype = tables[0].data_type.numpy_dtype
+        self.params = {self.group: jnp.array(batch.tables.reshape(w.T * w.E, w.D).astype(np_dtype), copy=True)}
+        psw = batch.per_sample_weights
+        self.kjt = KeyedJaggedTensor(
+            [f"f{t}" for t in range(w.T)],
+            batch.ids.astype(np.int32),
+            lengths=batch.lengths,
+            weights=None if psw is None else psw,
+        ).pad()
+        self.ebc._check(self.kjt)  # the eager id checks, once (timed calls skip them)
+        self.grad = jnp.array(batch.pooled_grad, copy=True)
+        self._fwd = jax.jit(self.ebc._apply)
+        self.update = None
+        self.state = None
+        self._upd_kjt, self._upd_grad = self.kjt, self.grad
+        if optimizer is not None:
+            self.update = make_update(self.ebc, make_rule(optimizer, lr=lr, eps=eps))
+            self.state = self.update.rule.init(self.params)
+            prepare = getattr(self.update, "_prepare", None)  # what update(...) feeds its jitted step
+            if prepare is not None:
+                self._upd_kjt, self._upd_grad = prepare(self.kjt, self.grad)
+        ffi = kernel in ("auto", "ffi") and _lookup.use_ffi(kernel, self.params[self.group])
+        self.resolved = "ffi (C++)" if ffi else ("reference" if kernel == "reference" else "xla")
+        self.in_place: list[bool] = []  # per step: did the donated table keep its buffer?
+
+    def table_bytes(self) -> int:
+        return int(self.params[self.group].nbytes)
+
+    def state_bytes(self) -> int:
+        return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(self.state)))
+
+    # -- compute -----------------------------------------------------------------------------
+    def forward(self) -> jax.Array:
+        return self._fwd(self.params, self.kjt).values()
+
+    def pooled(self) -> np.ndarray:
+        return np.array(self.forward(), dtype=np.float32, copy=True)
+
+    def _update(self) -> None:
+        before = self.params[self.group].unsafe_buffer_pointer()
+        self.params, self.state = self.update.jitted(self.params, self.state, self._upd_kjt, self._upd_grad)
+        jax.block_until_ready((self.params, self.state))
+        self.in_place.append(self.params[self.group].unsafe_buffer_pointer() == before)
+
+    def step(self) -> None:
+        self.forward().block_until_ready()
+        self._update()
+
+    # -- timing cases --------------------------------------------------------------------------
+    def time_forward(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.forward().block_until_ready()
+        return {"total": time.perf_counter() - t0}
+
+    def time_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.forward().block_until_ready()
+        t1 = time.perf_counter()
+        self._update()
+        t2 = time.perf_counter()
+        return {"fwd": t1 - t0, "bwd": t2 - t1, "total": t2 - t0}
+
+    # -- compiled-program facts -------------------------------------------------------------------
+    def update_memory(self) -> dict[str, int] | None:
+        """XLA's own accounting of the update program: temp bytes, donated (aliased) bytes."""
+        if self.update is None:
+            return None
+        args = (self.params, self.state, self._upd_kjt, self._upd_grad)
+        ma = self.update.jitted.lower(*args).compile().memory_analysis()
+        if ma is None:
+            return None
+        return {
+            "argument_bytes": int(ma.argument_size_in_bytes),
+            "output_bytes": int(ma.output_size_in_bytes),
+            "alias_bytes": int(ma.alias_size_in_bytes),
+            "temp_bytes": int(ma.temp_size_in_bytes),
+        }
+
+    def forward_memory(self) -> dict[str, int] | None:
+        ma = self._fwd.lower(self.params, self.kjt).compile().memory_analysis()
+        if ma is None:
+            return None
+        return {"temp_bytes": int(ma.temp_size_in_bytes), "output_bytes": int(ma.output_size_in_bytes)}
+
+    # -- state --------------------------------------------------------------------------------------
+    def tables(self) -> np.ndarray:
+        x = np.array(self.params[self.group].astype(jnp.float32), copy=True)
+        return x.reshape(self.w.T, self.w.E, self.w.D)
+
+    def row_state(self) -> np.ndarray | None:
+        if self.optimizer != "rowwise_adagrad":
+            return None
+        m = self.state.tables[self.group]["momentum1"]
+        return np.array(m, dtype=np.float32, copy=True).reshape(self.w.T, self.w.E)

@@ -1,0 +1,352 @@
+"""hybridrec (JAX) vs FBGEMM's CPU table-batched embedding: forward, and forward +
+backward + fused update (EXACT_ROWWISE_ADAGRAD, EXACT_SGD), same tables / ids / offsets /
+weights on both sides. Ours runs three ways: the library default (kernel="auto": the fused
+C++ kernels through jax.ffi when built, else XLA), kernel="xla" and kernel="reference"
+(forward only unless --reference-backward: its update is the xla update).
+
+    python -m benchmarks.xla_vs_fbgemm                 # default set: W1 uniform, W1 Zipf(1.15)
+    python -m benchmarks.xla_vs_fbgemm --tiny          # smoke run (seconds)
+    python -m benchmarks.xla_vs_fbgemm --T 32 --D 128 --B 512 --alpha 1.0 1.15 --dtype fp32 fp16
+
+Per workload: the roofline (stream copy, random-row gather), the correctness gate (pooled
+outputs and the weights after one update must match FBGEMM; nothing is timed otherwise),
+interleaved timing, and peak RSS of each side in its own process. Results go to
+`--out` (default benchmarks/results/): xla_vs_fbgemm.json / .md / .png. Exit status 1 if
+any gate failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from benchmarks import gate, report, roofline
+from benchmarks.timing import interleaved, paired_ratio, summarize
+from benchmarks.workloads import DTYPES, Workload, default_set, make_batch, tiny_set
+
+__all__ = ["main", "run_workload", "parse_args"]
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+OPTIMIZERS = ("rowwise_adagrad", "sgd")
+PATHS = ("auto", "xla", "reference")  # ours: the library default (kernel="auto"), pure XLA, reference
+TINY = dict(T=2, E=1000, D=16, B=64, L=4)
+FAULTS = ("weights", "update")
+
+
+# -- machine / versions ---------------------------------------------------------------------
+def machine_info() -> dict:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("unknown", "", "x86_64"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    caches = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    if os.path.isdir(base):
+        for idx in sorted(os.listdir(base)):
+            try:
+                with open(f"{base}/{idx}/level") as f:
+                    level = f.read().strip()
+                with open(f"{base}/{idx}/type") as f:
+                    kind = f.read().strip()
+                with open(f"{base}/{idx}/size") as f:
+                    size = f.read().strip()
+                caches[f"L{level}{'' if kind == 'Unified' else kind[0].lower()}"] = size
+            except OSError:
+                continue
+    mem_total = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem_total = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
+    return {
+        "cpu_model": model,
+        "cores": os.cpu_count(),
+        "isa": ", ".join(isa) or "unknown",
+        "caches_per_core_or_shared": caches,
+        "mem_total_bytes": mem_total,
+        "platform": platform.platform(),
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    import jax
+    import torch
+
+    from benchmarks import fbgemm_side
+
+    def ver(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    out = {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": ver("jaxlib"),
+        "torch": torch.__version__,
+        "fbgemm_gpu": fbgemm_side.version(),
+        "torchrec": ver("torchrec"),
+        "numpy": np.__version__,
+        "matplotlib": ver("matplotlib"),
+    }
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:  # read-only git queries
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        out["hybridrec_commit"] = (commit or "?") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        out["hybridrec_commit"] = "?"
+    return out
+
+
+# -- one workload -----------------------------------------------------------------------------
+def _gate_sides(ours: dict, fb, what: str, dtype: str) -> list[dict]:
+    checks = []
+    ref_pooled = fb.pooled()
+    for name, side in ours.items():
+        checks.append(gate.close(f"{what}: pooled output {name} vs FBGEMM", side.pooled(), ref_pooled))
+    fb.step()
+    ref_tables, ref_state = fb.tables(), fb.row_state()
+    for name, side in ours.items():
+        side.step()
+        checks.append(gate.close(f"{what}: weights after one update, {name} vs FBGEMM", side.tables(),
+                                 ref_tables, gate.update_rtol(dtype)))
+        if ref_state is not None:
+            checks.append(gate.close(f"{what}: row-wise Adagrad state after one update, {name} vs FBGEMM",
+                                     side.row_state(), ref_state))
+    return checks
+
+
+def _gbps(w: Workload, case: dict, roof: float) -> dict:
+    out = {}
+    fwd = case.get("fwd", case["total"])["median_ms"] / 1e3
+    out["fwd"] = roofline.gbps(w.fwd_bytes(), fwd)
+    out["fwd_pct"] = roofline.percent_of(out["fwd"], roof)
+    if "bwd" in case:
+        out["bwd"] = roofline.gbps(w.bwd_bytes(), case["bwd"]["median_ms"] / 1e3)
+        out["bwd_pct"] = roofline.percent_of(out["bwd"], roof)
+    return out
+
+
+def _block(w: Workload, samples: dict, roof: float) -> dict:
+    cases = {p: {seg: summarize(xs) for seg, xs in segs.items()} for p, segs in samples.items()}
+    ratios, ratios_bwd = {}, {}
+    for p in samples:
+        if p == "fbgemm":
+            continue
+        ratios[p] = paired_ratio(samples[p]["total"], samples["fbgemm"]["total"])
+        if "bwd" in samples[p]:
+            ratios_bwd[p] = paired_ratio(samples[p]["bwd"], samples["fbgemm"]["bwd"])
+    out = {"cases": cases, "ratios": ratios, "gbps": {p: _gbps(w, c, roof) for p, c in cases.items()}}
+    if ratios_bwd:
+        out["ratios_bwd_only"] = ratios_bwd
+    return out
+
+
+def run_workload(w: Workload, args, log) -> dict:
+    from benchmarks.fbgemm_side import FbgemmSide, backward_path, supports
+    from benchmarks.xla_side import XlaSide
+
+    res: dict = {"workload": w.as_dict(), "itemsize": w.itemsize, "fwd_bytes": w.fwd_bytes(),
+                 "bwd_bytes": w.bwd_bytes(), "gate": [], "gate_ok": False}
+    log(f"== {w.name}: roofline")
+    res["roofline"] = roofline.measure(**args.roofline_kwargs)
+    roof = res["roofline"]["roofline_gbps"]
+    batch = make_batch(w)
+    gate_dtype = w.dtype if supports(w.dtype) else "fp32"  # bf16: FBGEMM fp32 on bf16-rounded tables
+    time_dtype = w.dtype if supports(w.dtype) else "fp16"  # bf16: time FBGEMM fp16 (same bytes per row)
+    res["fbgemm_gate_dtype"], res["fbgemm_timing_dtype"] = gate_dtype, time_dtype
+    fb_tables = batch.tables
+    if args.inject_fault == "weights":  # gate self-test: FBGEMM starts from different weights
+        fb_tables = batch.tables.copy()
+        fb_tables[0, batch.ids[0]] += 0.01
+    fb_batch = dataclasses.replace(batch, tables=fb_tables)
+    fb_lr = args.lr * (1.01 if args.inject_fault == "update" else 1.0)
+    res["train"] = {}
+    kw = dict(lr=args.lr, eps=args.eps)
+    for k, opt in enumerate(args.optimizers):
+        log(f"== {w.name}: {opt}: build + correctness gate")
+        ours = {p: XlaSide(w, batch, p, opt, **kw) for p in PATHS}
+        res["paths"] = {p: side.resolved for p, side in ours.items()}
+        if ours["auto"].resolved == "xla":  # no C++ kernels here: the default *is* the xla path
+            del ours["auto"]
+        fb = FbgemmSide(w, fb_batch, opt, lr=fb_lr, eps=args.eps, dtype=gate_dtype)
+        checks = _gate_sides(ours, fb, opt, w.dtype)
+        res["gate"] += checks
+        if not all(c["ok"] for c in checks):
+            for c in checks:
+                if not c["ok"]:
+                    log(f"   GATE FAILED: {c}")
+            log(f"== {w.name}: correctness gate failed; refusing to time this workload")
+            return res
+        if time_dtype != gate_dtype:
+            fb = FbgemmSide(w, batch, opt, lr=args.lr, eps=args.eps, dtype=time_dtype)
+        if k == 0:
+            log(f"== {w.name}: forward timing")
+            cases = {p: side.time_forward for p, side in ours.items()}
+            cases["fbgemm"] = fb.time_forward
+            samples = interleaved(cases, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s)
+            res["forward"] = _block(w, samples, roof)
+            res["xla_forward_program_memory"] = ours["xla"].forward_memory()
+        log(f"== {w.name}: {opt}: forward + backward + update timing")
+        cases = {p: side.time_step for p, side in ours.items() if p != "reference" or args.reference_backward}
+        cases["fbgemm"] = fb.time_step
+        samples = interleaved(cases, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s)
+        block = _block(w, samples, roof)
+        block["fbgemm_path"] = backward_path(opt, time_dtype)
+        if not args.reference_backward:
+            block["reference_note"] = (
+                "reference: forward only (its update is the same make_update program as xla's; "
+                "fwd+bwd = its forward + the xla row's bwd)")
+        block["update_in_place"] = {p: bool(side.in_place) and all(side.in_place) for p, side in ours.items()}
+        block["update_program_memory"] = {p: ours[p].update_memory() for p in ours if p != "reference"}
+        block["table_bytes"] = ours["xla"].table_bytes()
+        block["state_bytes"] = ours["xla"].state_bytes()
+        res["train"][opt] = block
+        del ours, fb
+    res["gate_ok"] = True
+    if args.memory:
+        from benchmarks import memory
+
+        opt = args.optimizers[0]
+        log(f"== {w.name}: memory ({opt}, one process per side)")
+        wd = {k: v for k, v in w.as_dict().items() if k != "name"}
+        mem_sides = (["auto"] if res["paths"].get("auto", "xla") != "xla" else []) + ["xla", "fbgemm"]
+        sides = memory.measure_all(wd, mem_sides, opt, lr=args.lr, eps=args.eps, fbgemm_dtype=time_dtype)
+        note = _memory_note(w, sides)
+        res["memory"] = {"optimizer": opt, "sides": sides, "note": note}
+    return res
+
+
+def _memory_note(w: Workload, sides: dict) -> str:
+    notes = []
+    for name in ("auto", "xla"):
+        x = sides.get(name, {})
+        if "error" in x or "step_overhead" not in x:
+            continue
+        prog = x.get("xla_update_memory") or {}
+        notes.append(
+            f"{name}: update in place (donated buffer kept) = {x.get('update_in_place')}; XLA aliases "
+            f"{prog.get('alias_bytes', 0) / 2**20:.0f} MiB of params + state into the outputs, and the update "
+            f"program's temp buffers are {prog.get('temp_bytes', 0) / 2**20:.0f} MiB (table "
+            f"{w.table_bytes() / 2**20:.0f} MiB)."
+        )
+    if not notes:
+        return ""
+    return ("Second table copy? No, if the update is in place and its temps are not table-sized: " + " ".join(notes)
+            + " xla's temps are [id capacity, D] fp32 buffers (per-id and per-unique-row gradients, "
+            "gathered rows), paged in again on every step (the minor faults column).")
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.xla_vs_fbgemm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help=f"smoke sizes {TINY}")
+    for k in ("T", "E", "D", "B", "L"):
+        p.add_argument(f"--{k}", type=int, default=None, help=f"override {k} (W1 default: {getattr(Workload(), k)})")
+    p.add_argument("--alpha", type=float, nargs="+", default=None,
+                   help="Zipf alphas (<= 1.0: uniform); default 1.0 1.15")
+    p.add_argument("--weighted", action="store_true", help="per-id weights")
+    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=None, help="table dtypes (default fp32)")
+    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--repeats", type=int, default=30, help="interleaved rounds per block (max)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=20.0, help="stop a block's rounds after this many seconds")
+    p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--reference-backward", action=argparse.BooleanOptionalAction, default=False,
+                   help="also time reference forward + update (its update is the same program as xla's)")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="peak RSS per side (one subprocess each)")
+    p.add_argument("--out", default=RESULTS_DIR, help="output directory")
+    p.add_argument("--inject-fault", choices=FAULTS, default=None,
+                   help="gate self-test: feed FBGEMM wrong initial weights / a wrong lr")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    base = dict(TINY) if args.tiny else {}
+    for k in ("T", "E", "D", "B", "L"):
+        if getattr(args, k) is not None:
+            base[k] = getattr(args, k)
+    custom = args.alpha is not None or args.dtype is not None or args.weighted or any(
+        getattr(args, k) is not None for k in ("T", "E", "D", "B", "L"))
+    if not custom:
+        args.workloads = tiny_set() if args.tiny else default_set()
+    else:
+        alphas = args.alpha or [1.0, 1.15]
+        dtypes = args.dtype or ["fp32"]
+        args.workloads = [Workload(**base, alpha=a, dtype=d, weighted=args.weighted)
+                          for a, d in itertools.product(alphas, dtypes)]
+    if args.tiny:
+        small = dict(copy_mib=16, table_rows=20_000, bags=1024, L=20, repeats=5, warmup=1)
+        args.roofline_kwargs = small
+    else:
+        args.roofline_kwargs = {}
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(args.torch_threads)
+    try:
+        results = {
+            "command": "python -m benchmarks.xla_vs_fbgemm " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "machine": machine_info(),
+            "versions": versions(),
+            "config": {
+                "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s,
+                "torch_threads": args.torch_threads, "lr": args.lr, "eps": args.eps,
+                "optimizers": list(args.optimizers), "reference_backward": args.reference_backward,
+                "gate_rtol": gate.RTOL, "inject_fault": args.inject_fault,
+                "byte_convention": "fwd = B*T*L*D*bytes + B*T*D*4; bwd = 2x fwd (FBGEMM benchmark)",
+            },
+            "workloads": [],
+        }
+        for w in args.workloads:
+            results["workloads"].append(run_workload(w, args, log))
+        results["machine"]["loadavg_end"] = list(os.getloadavg())
+        results["elapsed_s"] = time.perf_counter() - t0
+        paths = report.write_all(results, args.out)
+    finally:
+        torch.set_num_threads(prev_threads)
+    log(f"wrote {', '.join(paths.values())} in {results['elapsed_s']:.0f} s")
+    if not args.quiet:
+        print(report.markdown(results))
+    return 0 if all(wr["gate_ok"] for wr in results["workloads"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
