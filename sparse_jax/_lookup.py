@@ -151,12 +151,30 @@ def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bou
     """Per feature (output order) a `[B, dim]` fp32 block. Features of one group with the
     same cap are looked up together (one fused loop over their stacked bags)."""
     key_indices = layout.key_indices(kjt.keys())
+    out: list = [None] * len(layout.features)
+    stride = kjt.stride()
+    jagged = [g for g in layout.groups if use_ffi(kernel, params[g])]
+    for group in jagged:  # the C++ kernel reads the jagged layout itself: no id matrix, no caps
+        from sparse_jax import _kernels
+
+        members = [i for i, s in enumerate(layout.features) if s.group == group]
+        slots = [layout.features[i] for i in members]
+        pooled = _kernels.jagged_pooled_sum(
+            params[group], kjt.values(), kjt.offsets(), kjt.weights() if weighted else None, stride=stride,
+            keys=[key_indices[i] for i in members], row_offsets=[s.row_offset for s in slots],
+            num_rows=[s.num_rows for s in slots], mean=[s.pooling is PoolingType.MEAN for s in slots],
+            clamp=bounds_check == "clamp",
+        )
+        dim = layout.groups[group][1]
+        for j, i in enumerate(members):
+            out[i] = pooled[:, j * dim : (j + 1) * dim]
+    if len(jagged) == len(layout.groups):
+        return out
     caps = _caps(kjt, key_indices)
     batches: dict[tuple[str, int], list[int]] = {}
     for i, slot in enumerate(layout.features):
-        batches.setdefault((slot.group, caps[i]), []).append(i)
-    out: list = [None] * len(layout.features)
-    stride = kjt.stride()
+        if slot.group not in jagged:
+            batches.setdefault((slot.group, caps[i]), []).append(i)
     for (group, cap), members in batches.items():
         mats = [
             _position_matrix(kjt, key_indices[i], cap, layout.features[i], weighted, bounds_check)

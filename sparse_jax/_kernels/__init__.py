@@ -5,6 +5,6 @@ buildable). `pooled_sum` and `fused_update` are traceable and run inside `jit` a
 `shard_map` like any other op.
 """
 
-from sparse_jax._kernels._ffi import RULES, available, fused_update, pooled_sum
+from sparse_jax._kernels._ffi import RULES, available, fused_update, jagged_pooled_sum, pooled_sum
 
-__all__ = ["RULES", "available", "fused_update", "pooled_sum"]
+__all__ = ["RULES", "available", "fused_update", "jagged_pooled_sum", "pooled_sum"]

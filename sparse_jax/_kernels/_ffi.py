@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RULES", "available", "fused_update", "pooled_sum"]
+__all__ = ["RULES", "available", "fused_update", "jagged_pooled_sum", "pooled_sum"]
 
 log = logging.getLogger("hybridrec.kernels")
 RULES = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2}
@@ -27,7 +27,7 @@ def _register() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(_build.build()))
     except (RuntimeError, OSError) as err:
         return f"hybridrec CPU kernels unavailable, using the XLA path: {err}"
-    for name in ("HybridrecPooledSum", "HybridrecFusedUpdate"):
+    for name in ("HybridrecPooledSum", "HybridrecJaggedPooledSum", "HybridrecFusedUpdate"):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None
 
@@ -48,6 +48,25 @@ def pooled_sum(table: jax.Array, rows: jax.Array, weights: jax.Array) -> jax.Arr
     _register()
     out = jax.ShapeDtypeStruct((rows.shape[0], table.shape[1]), jnp.float32)
     return jax.ffi.ffi_call("HybridrecPooledSum", out)(table, rows.astype(jnp.int32), weights.astype(jnp.float32))
+
+
+def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row_offsets, num_rows, mean,
+                      clamp: bool) -> jax.Array:
+    """`[stride, len(keys) * dim]` pooled bags read straight from a KJT's values/offsets,
+    feature f in columns `f * dim : (f + 1) * dim` (the KeyedTensor layout).
+
+    keys / row_offsets / num_rows / mean: per pooled feature, its KJT key index, first row
+    in `table`, table rows and MEAN flag (static). `weights`: per id, or None.
+    """
+    _register()
+    meta = [jnp.asarray(np.asarray(x, np.int32)) for x in (keys, row_offsets, num_rows, mean)]
+    out = jax.ShapeDtypeStruct((stride, len(keys) * table.shape[1]), jnp.float32)
+    weighted = weights is not None
+    weights = weights.astype(jnp.float32) if weighted else jnp.zeros((1,), jnp.float32)
+    return jax.ffi.ffi_call("HybridrecJaggedPooledSum", out)(
+        table, values.astype(jnp.int32), offsets.astype(jnp.int32), weights, *meta,
+        stride=np.int64(stride), clamp=np.int32(clamp), weighted=np.int32(weighted),
+    )
 
 
 def fused_update(rule: str, table, state, rows, bags, scale, bag_grads, *, lr: float, eps: float = 0.0):

@@ -4,8 +4,8 @@
 // FusedUpdate: dedup the (row, bag, scale) stream with a row->slot map, sum
 //              scale * bag_grads[bag] per unique row, then apply the row rule in place
 //              (table and state are aliased to the outputs; XLA donates them).
-// Both are multi-threaded (OpenMP): bags split over threads for PooledSum, rows split by
-// the row for FusedUpdate, so no two threads touch the same row.
+// Both are multi-threaded (OpenMP): bags split over threads for PooledSum; for FusedUpdate
+// each row is owned by one thread (a hash of the row), so no two threads touch a row.
 #include <omp.h>
 
 #include <algorithm>
@@ -87,6 +87,89 @@ ffi::Error PooledSumImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> rows
     case 128: PoolBags<128>(t, num_rows, r, w, o, bags, cap, dim); break;
     default: PoolBags<0>(t, num_rows, r, w, o, bags, cap, dim); break;
   }
+  return ffi::Error::Success();
+}
+
+// Pooling straight from the jagged layout (no padded id matrix): sample b of feature f reads
+// values[offsets[key[f] * B + b] : offsets[key[f] * B + b + 1]], whose table starts at
+// row_offset[f] in the buffer and has num_rows[f] rows, and writes out[b, f * dim : ...]
+// (the KeyedTensor layout). Ids outside the table are clamped (clamp = 1) or skipped;
+// mean[f] divides by the bag's length; without per-id weights (weighted = 0) w is unused.
+template <int64_t DIM>
+void PoolJagged(const float* t, const int32_t* v, const int32_t* off, const float* w,
+                const int32_t* key, const int32_t* row_off, const int32_t* nrows,
+                const int32_t* mean, float* o, int64_t features, int64_t stride, int64_t dim,
+                bool clamp, bool weighted) {
+  const int64_t d = DIM > 0 ? DIM : dim;
+#pragma omp parallel for schedule(static)
+  for (int64_t bag = 0; bag < features * stride; ++bag) {
+    const int64_t b = bag / features, f = bag % features;  // sample-major: writes stay local
+    const int64_t seg = static_cast<int64_t>(key[f]) * stride + b;
+    const int64_t start = off[seg], end = off[seg + 1];
+    const int64_t feature_end = off[(static_cast<int64_t>(key[f]) + 1) * stride];
+    const int64_t n = nrows[f];
+    float acc[DIM > 0 ? DIM : 1];
+    float* out = o + (b * features + f) * d;
+    if (DIM > 0) {
+      for (int64_t k = 0; k < DIM; ++k) acc[k] = 0.0f;
+    } else {
+      std::memset(out, 0, sizeof(float) * d);
+    }
+    for (int64_t i = start; i < end; ++i) {
+      if (i + PREFETCH < feature_end) {
+        const int64_t ahead = v[i + PREFETCH];
+        if (ahead >= 0 && ahead < n) {
+          const char* p = reinterpret_cast<const char*>(t + (ahead + row_off[f]) * d);
+          for (int64_t line = 0; line < d * 4; line += 64) __builtin_prefetch(p + line);
+        }
+      }
+      int64_t id = v[i];
+      if (id < 0 || id >= n) {
+        if (!clamp) continue;
+        id = id < 0 ? 0 : n - 1;
+      }
+      const float wi = weighted ? w[i] : 1.0f;
+      const float* src = t + (id + row_off[f]) * d;
+      if (DIM > 0) {
+        for (int64_t k = 0; k < DIM; ++k) acc[k] += wi * src[k];
+      } else {
+        axpy(out, src, wi, d);
+      }
+    }
+    const float scale = (mean[f] && end > start) ? 1.0f / static_cast<float>(end - start) : 1.0f;
+    if (DIM > 0) {
+      for (int64_t k = 0; k < DIM; ++k) out[k] = acc[k] * scale;
+    } else if (scale != 1.0f) {
+      for (int64_t k = 0; k < d; ++k) out[k] *= scale;
+    }
+  }
+}
+
+ffi::Error JaggedPooledSumImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> values,
+                               ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::F32> weights,
+                               ffi::Buffer<ffi::S32> key, ffi::Buffer<ffi::S32> row_off,
+                               ffi::Buffer<ffi::S32> nrows, ffi::Buffer<ffi::S32> mean,
+                               ffi::ResultBuffer<ffi::F32> out, int64_t stride, int32_t clamp,
+                               int32_t weighted) {
+  const int64_t dim = table.dimensions()[1];
+  const int64_t features = key.element_count();
+  const float* t = table.typed_data();
+  const int32_t* v = values.typed_data();
+  const int32_t* off = offsets.typed_data();
+  const float* w = weights.typed_data();
+  float* o = out->typed_data();
+#define HYBRIDREC_JAGGED(D)                                                                     \
+  PoolJagged<D>(t, v, off, w, key.typed_data(), row_off.typed_data(), nrows.typed_data(),      \
+                mean.typed_data(), o, features, stride, dim, clamp != 0, weighted != 0)
+  switch (dim) {
+    case 8: HYBRIDREC_JAGGED(8); break;
+    case 16: HYBRIDREC_JAGGED(16); break;
+    case 32: HYBRIDREC_JAGGED(32); break;
+    case 64: HYBRIDREC_JAGGED(64); break;
+    case 128: HYBRIDREC_JAGGED(128); break;
+    default: HYBRIDREC_JAGGED(0); break;
+  }
+#undef HYBRIDREC_JAGGED
   return ffi::Error::Success();
 }
 
@@ -208,3 +291,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecFusedUpdate, FusedUpdateImpl,
                                   .Attr<int32_t>("rule")
                                   .Attr<float>("lr")
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecJaggedPooledSum, JaggedPooledSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("stride")
+                                  .Attr<int32_t>("clamp")
+                                  .Attr<int32_t>("weighted"));
