@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m hybrid.demo
+	$(PY) -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4
 
 test: $(STAMP)
 	$(PY) -m pytest -q
