@@ -43,6 +43,28 @@ def _to_device(x, dtype=None):
     return jax.device_put(np.asarray(x, dtype=dtype))
 
 
+def _checked_arrays(values, weights, lengths, offsets, *, what: str, keys=None, stride: int = 1):
+    """(values, weights, lengths, offsets) on device: validated when concrete (the errors name
+    the feature and position), the missing one of lengths/offsets derived either way."""
+    if _validate.is_concrete(values, weights, lengths, offsets):
+        n = int(np.shape(values)[0])
+        if lengths is None:
+            lengths = _validate.check_offsets(offsets, n, what=what)
+        lengths = _validate.check_lengths(lengths, n, what=what, keys=keys, stride=stride)
+        values = _validate.as_id_array(
+            values, what=what, where=lambda i: _validate.locate(i, lengths, keys, stride)
+        )
+        if weights is not None:
+            weights = _validate.check_weights(weights, n, what=what)
+        lengths = lengths.astype(np.int32)
+        offsets = _offsets_from_lengths(lengths)
+    elif offsets is None:
+        offsets = jnp.concatenate([jnp.zeros(1, lengths.dtype), jnp.cumsum(lengths)])
+    elif lengths is None:
+        lengths = jnp.diff(offsets)
+    return tuple(_to_device(x) for x in (values, weights, lengths, offsets))
+
+
 @jax.tree_util.register_pytree_node_class
 class JaggedTensor:
     """One feature's bags: `values` split by `lengths` (or `offsets`), optional per-id `weights`."""
@@ -51,26 +73,9 @@ class JaggedTensor:
         what = "JaggedTensor"
         if lengths is None and offsets is None:
             raise ValueError(f"{what}: give lengths or offsets (ids per bag)")
-        if _validate.is_concrete(values, weights, lengths, offsets):
-            n = int(np.shape(values)[0])
-            if lengths is None:
-                lengths = _validate.check_offsets(offsets, n, what=what)
-            lengths = _validate.check_lengths(lengths, n, what=what)
-            offsets = _offsets_from_lengths(lengths)
-            values = _validate.as_id_array(
-                values, what=what, where=lambda i: _validate.locate(i, lengths, None, 1)
-            )
-            if weights is not None:
-                weights = _validate.check_weights(weights, n, what=what)
-            lengths = lengths.astype(np.int32)
-        elif offsets is None:
-            offsets = jnp.concatenate([jnp.zeros(1, lengths.dtype), jnp.cumsum(lengths)])
-        elif lengths is None:
-            lengths = jnp.diff(offsets)
-        self._values = _to_device(values)
-        self._weights = _to_device(weights)
-        self._lengths = _to_device(lengths)
-        self._offsets = _to_device(offsets)
+        self._values, self._weights, self._lengths, self._offsets = _checked_arrays(
+            values, weights, lengths, offsets, what=what
+        )
 
     def tree_flatten(self):
         return (self._values, self._weights, self._lengths, self._offsets), None
@@ -173,28 +178,11 @@ class KeyedJaggedTensor:
             stride = num_bags // len(keys) if keys else 0
         elif num_bags != len(keys) * stride:
             raise ValueError(f"{what}: {num_bags} lengths but {len(keys)} keys x stride {stride} = {len(keys) * stride}")
-        if _validate.is_concrete(values, weights, lengths, offsets):
-            n = int(np.shape(values)[0])
-            if lengths is None:
-                lengths = _validate.check_offsets(offsets, n, what=what)
-            lengths = _validate.check_lengths(lengths, n, what=what, keys=keys, stride=stride)
-            values = _validate.as_id_array(
-                values, what=what, where=lambda i: _validate.locate(i, lengths, keys, stride)
-            )
-            if weights is not None:
-                weights = _validate.check_weights(weights, n, what=what)
-            lengths = lengths.astype(np.int32)
-            offsets = _offsets_from_lengths(lengths)
-        elif offsets is None:
-            offsets = jnp.concatenate([jnp.zeros(1, lengths.dtype), jnp.cumsum(lengths)])
-        elif lengths is None:
-            lengths = jnp.diff(offsets)
         self._keys = keys
         self._stride = int(stride)
-        self._values = _to_device(values)
-        self._weights = _to_device(weights)
-        self._lengths = _to_device(lengths)
-        self._offsets = _to_device(offsets)
+        self._values, self._weights, self._lengths, self._offsets = _checked_arrays(
+            values, weights, lengths, offsets, what=what, keys=keys, stride=stride
+        )
         self._length_caps: tuple[int, ...] | None = None
 
     # -- pytree -----------------------------------------------------------------------------
