@@ -113,12 +113,20 @@ def _random_lengths(num_keys):
 
 
 @pytest.mark.parametrize(
-    ("kind", "mesh_name", "weighted"),
-    [("row_wise", "2x4", False), ("table_wise", "8", True), ("data_parallel", "2x4", True), ("column_wise", "2x4", False)],
+    ("kind", "mesh_name", "weighted", "input_dist"),
+    [
+        ("row_wise", "2x4", False, "all_gather"),
+        ("table_wise", "8", True, "all_gather"),
+        ("data_parallel", "2x4", True, "all_gather"),
+        ("column_wise", "2x4", False, "all_gather"),
+        ("row_wise", "2x4", True, "all_to_all"),
+        ("table_wise", "8", False, "all_to_all"),
+    ],
 )
-def test_analytic_bytes_equal_what_the_compiled_programs_move(kind, mesh_name, weighted):
+def test_analytic_bytes_equal_what_the_compiled_programs_move(kind, mesh_name, weighted, input_dist):
     table = _table()
-    sharded = shard(EmbeddingBagCollection([table], is_weighted=weighted), _mesh(mesh_name), {"t": kind})
+    ebc = EmbeddingBagCollection([table], is_weighted=weighted)
+    sharded = shard(ebc, _mesh(mesh_name), {"t": kind}, input_dist=input_dist)
     local, forward, update = _hlo_bytes(sharded, _kjt([table], _random_lengths, weighted=weighted))
     got = sharded.collective_bytes(local)
     assert set(got) == {*(b.name for b in sharded.buffers), "total"}
@@ -128,7 +136,11 @@ def test_analytic_bytes_equal_what_the_compiled_programs_move(kind, mesh_name, w
     assert update > 0
     if kind == "data_parallel":
         assert forward == 0
-    if kind == "row_wise":  # by hand: A = model (4), R = data (2), one buffer, M = 2 features
+    if input_dist == "all_to_all":  # by hand: (n_A - 1) blocks of capacity (row, bag, weight) triples
+        (buf,) = sharded.buffers
+        assert local.route_capacity > 0
+        assert total["input_dist"] == (buf.group_size - 1) * local.route_capacity * 12
+    elif kind == "row_wise":  # by hand: A = model (4), R = data (2), one buffer, M = 2 features
         (buf,) = sharded.buffers
         cap, b_l, k, m, w, lc = local.values.shape[1], BATCH // 8, 2, 2, 16, local.length_cap
         assert buf.max_items == m and buf.width == w

@@ -28,13 +28,13 @@ def _mesh(name):
     return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), axes)
 
 
-def _run(types, mesh_name, rule, *, seed=0, weighted=True, hot_rows=None, steps=3, kernel="auto"):
+def _run(types, mesh_name, rule, *, seed=0, weighted=True, hot_rows=None, steps=3, kernel="auto", **shard_kw):
     mesh = _mesh(mesh_name)
     n = mesh.size
     rng = np.random.default_rng(seed)
     case = random_case(rng, dims=[8, 8, 4, 16], batch=2 * n, weighted=weighted, rows=(20, 60), hot_rows=hot_rows)
     ebc = EmbeddingBagCollection(case.tables, is_weighted=weighted, kernel=kernel)
-    sharded = shard(ebc, mesh, types)
+    sharded = shard(ebc, mesh, types, **shard_kw)
     params, sparams = ebc.init(jax.random.key(seed)), sharded.init(jax.random.key(seed))
     np.testing.assert_allclose(ebc.apply(params, case.kjt).values(), sharded.apply(sparams, case.kjt).values(), rtol=1e-5, atol=1e-6)
     ref_update, sh_update = make_update(ebc, rule), make_update(sharded, rule)
@@ -170,3 +170,43 @@ def test_explicit_axes_mesh_from_jax_make_mesh():
     params, _ = make_update(ebc, rule)(params, rule.init(params), case.kjt, grad)
     sparams, _ = make_update(sharded, rule)(sparams, rule.init(sparams), case.kjt, grad)
     _check_tables(ebc, sharded, params, sparams)
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard"])
+def test_all_to_all_input_dist_matches_unsharded(kind):
+    rule = optim.adagrad(lr=0.1)
+    ebc, sharded, params, state, sparams, sstate, _ = _run(
+        {f"t{i}": kind for i in range(4)}, "2x4", rule, seed=5, input_dist="all_to_all"
+    )
+    assert sharded._route_high_water > 0
+    _check_tables(ebc, sharded, params, sparams)
+    _check_replicas_identical(sparams)
+
+
+def test_all_to_all_overflow_is_redone_at_the_next_rung_and_never_drops_ids(caplog):
+    from sparse_jax import make_ladder
+
+    mesh = _mesh("2x4")
+    types = {f"t{i}": "row_wise" for i in range(4)}
+    spread = random_case(np.random.default_rng(8), dims=[8, 8, 4, 16], batch=16, rows=(40, 41), shuffle_keys=False)
+    skewed = random_case(np.random.default_rng(9), dims=[8, 8, 4, 16], batch=16, rows=(40, 41), hot_rows=3,
+                         max_len=5, shuffle_keys=False)  # every id in the first row block
+    ebc = EmbeddingBagCollection(spread.tables)
+    sharded = shard(ebc, mesh, types, ladder=make_ladder(8, 1 << 12), input_dist="all_to_all")
+    rule = optim.rowwise_adagrad(lr=0.1)
+    params, sparams = ebc.init(jax.random.key(0)), sharded.init(jax.random.key(0))
+    state, sstate = rule.init(params), rule.init(sparams)
+    update, supdate = make_update(ebc, rule), make_update(sharded, rule)
+    grad = jnp.ones((16, sum(ebc.layout.output_dims)), jnp.float32)
+    with caplog.at_level("INFO", logger="hybridrec.sharding"):
+        for kjt in (spread.kjt, skewed.kjt):
+            np.testing.assert_allclose(sharded.apply(sparams, kjt).values(), ebc.apply(params, kjt).values(), rtol=1e-5, atol=1e-6)
+            params, state = update(params, state, kjt.pad(capacity=512), grad)
+            sparams, sstate = supdate(sparams, sstate, kjt, grad)
+    assert any("redone at capacity" in r.getMessage() for r in caplog.records)
+    _check_tables(ebc, sharded, params, sparams)
+    capped = shard(ebc, mesh, types, ladder=make_ladder(8, 1 << 12), input_dist="all_to_all", max_route_capacity=8)
+    with pytest.raises(ValueError, match="above max_route_capacity=8"):
+        capped.apply(capped.init(jax.random.key(0)), skewed.kjt)
+    with pytest.raises(ValueError, match="input_dist='scatter' is not one of"):
+        shard(ebc, mesh, types, input_dist="scatter")

@@ -25,6 +25,8 @@ column block* (mean over the block's columns), as TorchRec does.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -35,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax import _lookup
+from sparse_jax._capacity import capacity_for
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._validate import is_concrete
 from sparse_jax.optim._apply import apply_row_rule
@@ -43,7 +46,10 @@ from sparse_jax.sharding._local_batch import LocalBatches, split_batch
 from sparse_jax.sharding._plan import ShardingPlan
 from sparse_jax.sharding._work import ShardBuffer, build_buffers
 
-__all__ = ["ShardedEmbeddingBagCollection", "shard"]
+__all__ = ["INPUT_DISTS", "ShardedEmbeddingBagCollection", "shard"]
+
+log = logging.getLogger("hybridrec.sharding")
+INPUT_DISTS = ("all_gather", "all_to_all")
 
 
 def _global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -79,8 +85,22 @@ def _resolve_plan(plan, tables, mesh_axes) -> ShardingPlan:
 class ShardedEmbeddingBagCollection:
     """An EBC whose tables live on `mesh` as `plan` says. Build with `shard(ebc, mesh, plan)`."""
 
-    def __init__(self, ebc, mesh: jax.sharding.Mesh, plan=None, *, ladder: Sequence[int] | None = None):
+    def __init__(
+        self,
+        ebc,
+        mesh: jax.sharding.Mesh,
+        plan=None,
+        *,
+        ladder: Sequence[int] | None = None,
+        input_dist: str = "all_gather",
+        max_route_capacity: int | None = None,
+    ):
+        if input_dist not in INPUT_DISTS:
+            raise ValueError(f"input_dist={input_dist!r} is not one of {INPUT_DISTS}")
         self.ebc, self.mesh, self.ladder = ebc, mesh, ladder
+        self.input_dist, self.max_route_capacity = input_dist, max_route_capacity
+        self._route_high_water = 0
+        self._count_jit = jax.jit(self._route_counts)
         self.layout = ebc.layout
         self.is_weighted, self.bounds_check = ebc.is_weighted, ebc.bounds_check
         self.mesh_axes = {a: int(s) for a, s in mesh.shape.items()}
@@ -174,7 +194,41 @@ class ShardedEmbeddingBagCollection:
         self._high_water = (parts["values"].shape[1], parts["length_cap"])
         sharding = NamedSharding(self.mesh, P(self._all_axes))
         arrays = {k: _global_array(parts[k], sharding) for k in ("values", "lengths", "weights")}
-        return LocalBatches(**arrays, keys=parts["keys"], local_batch=parts["local_batch"], length_cap=parts["length_cap"])
+        local = LocalBatches(**arrays, keys=parts["keys"], local_batch=parts["local_batch"], length_cap=parts["length_cap"])
+        if self.input_dist == "all_to_all" and any(b.axes for b in self.buffers):
+            local = dataclasses.replace(local, route_capacity=self._route_capacity(local))
+        return local
+
+    def _route_capacity(self, local: LocalBatches) -> int:
+        """The all_to_all buffer size for this batch: the most ids any device sends to any
+        peer (counted on the devices), raised to a ladder rung and never below the last one.
+        A batch that needs more than the current rung is routed at the next rung (logged);
+        above `max_route_capacity` it raises. No id is ever dropped."""
+        need = int(np.max(_host(self._count_jit(local))))
+        current = self._route_high_water
+        if need > current:
+            rung = capacity_for(need, self.ladder, what="all_to_all input dist")
+            if self.max_route_capacity is not None and rung > self.max_route_capacity:
+                raise ValueError(
+                    f"a device must send {need} ids to one peer, above max_route_capacity="
+                    f"{self.max_route_capacity}; raise it, use a smaller batch, or input_dist='all_gather'"
+                )
+            if current:
+                log.info("all_to_all input dist: %d ids overflow capacity %d; redone at capacity %d", need, current, rung)
+            self._route_high_water = rung
+        return self._route_high_water
+
+    def _route_counts(self, local: LocalBatches):
+        def body(loc):
+            need = jnp.zeros((), jnp.int32)
+            for buf in self.buffers:
+                if buf.axes:
+                    _, _, valid = self._send_positions(buf, loc)
+                    need = jnp.maximum(need, valid.reshape(buf.group_size, -1).sum(axis=1).max())
+            return jax.lax.pmax(need, self._all_axes)
+
+        specs = jax.tree_util.tree_map(lambda _: P(self._all_axes), local)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(specs,), out_specs=P(), check_vma=False)(local)
 
     # -- per-device pieces (inside shard_map) -----------------------------------------------
     def _positions(self, buf: ShardBuffer, local: LocalBatches):
@@ -210,6 +264,63 @@ class ShardedEmbeddingBagCollection:
         rows = jnp.where(valid, ids - r0 + it["local_offset"][:, None, None, None], buf.rows_per_device)
         return rows, w
 
+    def _send_positions(self, buf: ShardBuffer, local: LocalBatches):
+        """Sender side of the all_to_all input dist: for every destination j of the group and
+        each of its work items, my local ids in j's shard rows: `[n_A, M, B_l, L]` local rows
+        (at j), weights and validity."""
+        values, lengths, weights = local.values[0], local.lengths[0], local.weights[0]
+        it = {k: jnp.asarray(v) for k, v in buf.item_table().items()}  # [n_A, M], static
+        key_of_feature = jnp.asarray(self.layout.key_indices(local.keys), jnp.int32)
+        b_l, cap_l = local.local_batch, values.shape[0]
+        offsets = jnp.concatenate([jnp.zeros(1, lengths.dtype), jnp.cumsum(lengths)])
+        seg = key_of_feature[it["feature"]][..., None] * b_l + jnp.arange(b_l)  # [n_A, M, B_l]
+        start, length = offsets[seg], lengths[seg]
+        pos = jnp.arange(local.length_cap)
+        idx = jnp.minimum(start[..., None] + pos, cap_l - 1)
+        ids = values[idx]
+        field = lambda k: it[k][..., None, None]  # noqa: E731
+        valid = (pos < length[..., None]) & (field("valid") > 0)
+        if self.bounds_check == "clamp":
+            ids = jnp.clip(ids, 0, field("num_rows") - 1)
+        valid = valid & (ids >= field("row_offset")) & (ids < field("row_offset") + field("row_size"))
+        valid = valid & (ids < field("num_rows"))
+        w = weights[idx] if self.is_weighted else jnp.ones(ids.shape, jnp.float32)
+        w = jnp.where(valid, w, 0.0)
+        w = jnp.where(field("mean") > 0, w / jnp.maximum(length, 1)[..., None].astype(jnp.float32), w)
+        rows = ids - field("row_offset") + field("local_offset")
+        return rows, w, valid
+
+    def _routed_stream(self, buf: ShardBuffer, local: LocalBatches):
+        """(rows, bag, scale) of my work items for the group batch, routed by one all_to_all
+        of `[n_A, route_capacity]` (bag, row, weight) triples instead of all-gathering ids."""
+        rows, w, valid = self._send_positions(buf, local)
+        n_a, b_l, cap = buf.group_size, local.local_batch, local.route_capacity
+        per_dest = valid.reshape(n_a, -1)
+        slot = jnp.where(per_dest, jnp.cumsum(per_dest, axis=1) - 1, cap)  # cap: dropped (never, see batch)
+        dest = jnp.arange(n_a)[:, None]
+        item_bag = jnp.broadcast_to(
+            jnp.arange(rows.shape[1] * b_l, dtype=jnp.int32).reshape(1, -1, b_l, 1), rows.shape
+        ).reshape(n_a, -1)
+
+        def pack(x, fill):
+            return jnp.full((n_a, cap + 1), fill, x.dtype).at[dest, slot].set(x.reshape(n_a, -1))[:, :cap]
+
+        send = (pack(rows, buf.rows_per_device), pack(item_bag, 0), pack(w, 0.0))
+        recv = [jax.lax.all_to_all(x, buf.axes, 0, 0) for x in send]  # [n_A sources, cap]
+        r, ib, sc = recv
+        src = jnp.arange(n_a, dtype=jnp.int32)[:, None]
+        bag = (ib // b_l) * (n_a * b_l) + src * b_l + ib % b_l
+        return r.reshape(-1), bag.reshape(-1), sc.reshape(-1)
+
+    def _stream(self, buf: ShardBuffer, local: LocalBatches):
+        """Flat (rows, bag, scale) for my items over the group batch; bag = (m, source, b)."""
+        if local.route_capacity and buf.axes:
+            return self._routed_stream(buf, local)
+        rows, w = self._positions(buf, local)
+        m, n_a, b_l = rows.shape[:3]
+        bag = jnp.broadcast_to(jnp.arange(m * n_a * b_l, dtype=jnp.int32).reshape(m, n_a, b_l, 1), rows.shape)
+        return rows.reshape(-1), bag.reshape(-1), w.reshape(-1)
+
     def _item_columns(self, buf: ShardBuffer, c: int, m: int) -> int | None:
         items = buf.items[c]
         if m >= len(items):
@@ -220,10 +331,15 @@ class ShardedEmbeddingBagCollection:
         b_l = local.local_batch
         out = jnp.zeros((b_l, sum(self.layout.output_dims)), jnp.float32)
         for buf in self.buffers:
-            rows, w = self._positions(buf, local)
-            m, n_a = rows.shape[0], rows.shape[1]
-            flat_rows = jnp.minimum(rows, buf.rows_per_device - 1).reshape(-1, rows.shape[-1])
-            pooled = _lookup.sum_positions(params[buf.name], flat_rows, w.reshape(-1, w.shape[-1]), self.ebc.kernel)
+            m, n_a = buf.max_items, buf.group_size
+            if local.route_capacity and buf.axes:
+                rows, bag, scale = self._routed_stream(buf, local)
+                gathered = params[buf.name].at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+                pooled = jax.ops.segment_sum(gathered * scale[:, None], bag, num_segments=m * n_a * b_l)
+            else:
+                rows, w = self._positions(buf, local)
+                flat_rows = jnp.minimum(rows, buf.rows_per_device - 1).reshape(-1, rows.shape[-1])
+                pooled = _lookup.sum_positions(params[buf.name], flat_rows, w.reshape(-1, w.shape[-1]), self.ebc.kernel)
             pooled = pooled.reshape(m, n_a, b_l, buf.width)
             if buf.axes:
                 pooled = jax.lax.all_to_all(pooled, buf.axes, 1, 1)
@@ -239,8 +355,8 @@ class ShardedEmbeddingBagCollection:
         step = count + 1
         new_params, new_states = {}, {}
         for buf in self.buffers:
-            rows, w = self._positions(buf, local)
-            m, n_a = rows.shape[0], rows.shape[1]
+            rows, bag, scale = self._stream(buf, local)
+            m, n_a = buf.max_items, buf.group_size
             send = jnp.stack(
                 [
                     jnp.stack(
@@ -255,8 +371,6 @@ class ShardedEmbeddingBagCollection:
             )  # [M, n_A (destination), B_l, W]
             recv = jax.lax.all_to_all(send, buf.axes, 1, 1) if buf.axes else send
             nb = m * n_a * b_l
-            bag = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32).reshape(m, n_a, b_l, 1), rows.shape)
-            rows, bag, scale = rows.reshape(-1), bag.reshape(-1), w.reshape(-1)
             bag_grads = recv.reshape(nb, buf.width)
             replica_axes = tuple(a for a in self._all_axes if a not in buf.axes)
             if replica_axes:
@@ -287,6 +401,11 @@ class ShardedEmbeddingBagCollection:
                         + output_dist                     mirror all_to_all of the pooled gradient
                         + (n_R - 1) * (N * 12 + M * n_A * B_l * W * 4)
                           all_gather over R of rows, bag (int32), scale (fp32) and bag grads
+
+        With `input_dist="all_to_all"` a buffer over axes receives instead
+        input_dist = (n_A - 1) * route_capacity * 12 (row, bag, weight triples), and its
+        replica stream has N = n_A * route_capacity entries (the routing's capacity count is
+        one scalar all-reduce per batch, not counted).
 
         `apply` moves input_dist + output_dist; the step from `make_update` moves backward
         (a separate program: it recomputes the positions, so it all-gathers the KJT again).
@@ -322,17 +441,22 @@ class ShardedEmbeddingBagCollection:
             replica_axes = tuple(a for a in self._all_axes if a not in buf.axes)
             n_r = math.prod(self.mesh_axes[a] for a in replica_axes)
             input_dist = output_dist = 0
-            if buf.axes:
+            routed = bool(local.route_capacity and buf.axes)
+            if routed:  # all_to_all of (row, bag, weight) int32/int32/fp32 triples
+                input_dist = (n_a - 1) * local.route_capacity * 12
+            elif buf.axes:
                 input_dist = sum(
                     gathered(("kjt", buf.axes, name), n_a, nbytes(x.shape[-1], dtype=x.dtype)) for name, x in kjt
                 )
+            if buf.axes:
                 output_dist = (n_a - 1) * nbytes(m, b_l, w)
-            stream = (m, n_a, b_l, length_cap)
+            stream = (n_a, local.route_capacity, buf.name) if routed else (m, n_a, b_l, length_cap)
+            n_ids = math.prod(stream[:2]) if routed else math.prod(stream)
             items = tuple(sorted((k, v.tobytes()) for k, v in buf.item_table().items()))
             replicas = (
-                gathered(("rows", buf.axes, stream, buf.rows_per_device, items), n_r, nbytes(*stream, dtype=np.int32))
-                + gathered(("bag", replica_axes, stream), n_r, nbytes(*stream, dtype=np.int32))
-                + gathered(("scale", buf.axes, stream, items), n_r, nbytes(*stream))
+                gathered(("rows", buf.axes, stream, buf.rows_per_device, items), n_r, nbytes(n_ids, dtype=np.int32))
+                + gathered(("bag", replica_axes, stream), n_r, nbytes(n_ids, dtype=np.int32))
+                + gathered(("scale", buf.axes, stream, items), n_r, nbytes(n_ids))
                 + gathered(("bag_grads", buf.name), n_r, nbytes(m * n_a * b_l, w))
             )
             out[buf.name] = {
@@ -394,7 +518,22 @@ class ShardedEmbeddingBagCollection:
         return step
 
 
-def shard(ebc, mesh: jax.sharding.Mesh, plan=None, *, ladder: Sequence[int] | None = None) -> ShardedEmbeddingBagCollection:
+def shard(
+    ebc,
+    mesh: jax.sharding.Mesh,
+    plan=None,
+    *,
+    ladder: Sequence[int] | None = None,
+    input_dist: str = "all_gather",
+    max_route_capacity: int | None = None,
+) -> ShardedEmbeddingBagCollection:
     """Shard `ebc` over `mesh`. `plan`: a `ShardingPlan`, `{table: "row_wise", ...}` (defaults
-    filled in by `ShardingPlan.from_types`), or None (the planner decides)."""
-    return ShardedEmbeddingBagCollection(ebc, mesh, plan, ladder=ladder)
+    filled in by `ShardingPlan.from_types`), or None (the planner decides).
+
+    `input_dist`: "all_gather" (default: every device of a shard group sees the group's ids)
+    or "all_to_all" (each id goes only to the devices whose shards hold its row, bucketized
+    by row block, in `[devices, capacity]` buffers sized from a ladder; a batch that needs
+    more is routed at the next rung, logged, or raises above `max_route_capacity`)."""
+    return ShardedEmbeddingBagCollection(
+        ebc, mesh, plan, ladder=ladder, input_dist=input_dist, max_route_capacity=max_route_capacity
+    )
