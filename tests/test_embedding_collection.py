@@ -71,3 +71,29 @@ def test_errors():
     kjt = _kjt(np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"grads has no entry for feature\(s\) \['views'\]"):
         make_update(ec, optim.sgd())(params, optim.sgd().init(params), kjt, {"clicks": jnp.zeros((1, 8)), "category": jnp.zeros((1, 3))})
+
+
+@pytest.mark.parametrize(("plan", "input_dist"), [({"seq": "row_wise", "cat": "table_wise"}, "all_gather"),
+                                                  ({"seq": "column_wise", "cat": "data_parallel"}, "all_to_all")])
+def test_sharded_sequence_collection_matches_unsharded(plan, input_dist):
+    from sparse_jax.sharding import shard
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    ec = EmbeddingCollection(TABLES)
+    sharded = shard(ec, mesh, plan, input_dist=input_dist)
+    params, sparams = ec.init(jax.random.key(3)), sharded.init(jax.random.key(3))
+    rule = optim.adagrad(lr=0.1)
+    state, sstate = rule.init(params), rule.init(sparams)
+    update, supdate = make_update(ec, rule), make_update(sharded, rule)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        kjt = _kjt(rng)
+        want, got = ec.apply(params, kjt), sharded.apply(sparams, kjt)
+        for f in want:
+            np.testing.assert_allclose(np.asarray(got[f].values()), np.asarray(want[f].values()), rtol=1e-6)
+            np.testing.assert_array_equal(np.asarray(got[f].lengths()), np.asarray(want[f].lengths()))
+        grads = {s.feature: rng.normal(size=(len(kjt[s.feature].values()), s.dim)).astype(np.float32) for s in ec.layout.features}
+        params, state = update(params, state, kjt, grads)
+        sparams, sstate = supdate(sparams, sstate, kjt, grads)
+    for name, w in ec.table_weights(params).items():
+        np.testing.assert_allclose(sharded.table_weights(sparams)[name], np.asarray(w), rtol=1e-5, atol=1e-6)

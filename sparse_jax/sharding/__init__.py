@@ -1,6 +1,7 @@
 """Sharding: plan data types (`ShardingType`, `Shard`, `ParameterSharding`, `ShardingPlan`)."""
 
 from ._plan import ShardingPlan
+from ._sequence import ShardedEmbeddingCollection
 from ._sharded import ShardedEmbeddingBagCollection, shard
 from ._types import ParameterSharding, Shard, ShardingEstimate, ShardingType
 
@@ -10,6 +11,7 @@ __all__ = [
     "ShardingEstimate",
     "ShardingPlan",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "ShardingType",
     "shard",
 ]

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,9 @@ from sparse_jax.optim._base import RowRule, SparseOptState, is_row_leaf
 from sparse_jax.sharding._local_batch import LocalBatches, split_batch
 from sparse_jax.sharding._plan import ShardingPlan
 from sparse_jax.sharding._work import ShardBuffer, build_buffers
+
+if TYPE_CHECKING:
+    from sparse_jax.sharding._sequence import ShardedEmbeddingCollection
 
 __all__ = ["INPUT_DISTS", "ShardedEmbeddingBagCollection", "shard"]
 
@@ -526,14 +530,21 @@ def shard(
     ladder: Sequence[int] | None = None,
     input_dist: str = "all_gather",
     max_route_capacity: int | None = None,
-) -> ShardedEmbeddingBagCollection:
+) -> ShardedEmbeddingBagCollection | ShardedEmbeddingCollection:
     """Shard `ebc` over `mesh`. `plan`: a `ShardingPlan`, `{table: "row_wise", ...}` (defaults
     filled in by `ShardingPlan.from_types`), or None (the planner decides).
 
     `input_dist`: "all_gather" (default: every device of a shard group sees the group's ids)
     or "all_to_all" (each id goes only to the devices whose shards hold its row, bucketized
     by row block, in `[devices, capacity]` buffers sized from a ladder; a batch that needs
-    more is routed at the next rung, logged, or raises above `max_route_capacity`)."""
-    return ShardedEmbeddingBagCollection(
-        ebc, mesh, plan, ladder=ladder, input_dist=input_dist, max_route_capacity=max_route_capacity
-    )
+    more is routed at the next rung, logged, or raises above `max_route_capacity`).
+
+    An `EmbeddingCollection` gives a `ShardedEmbeddingCollection` (rows per id)."""
+    kw = dict(ladder=ladder, input_dist=input_dist, max_route_capacity=max_route_capacity)
+    from sparse_jax._embedding import EmbeddingCollection
+
+    if isinstance(ebc, EmbeddingCollection):
+        from sparse_jax.sharding._sequence import ShardedEmbeddingCollection
+
+        return ShardedEmbeddingCollection(ebc, mesh, plan, **kw)
+    return ShardedEmbeddingBagCollection(ebc, mesh, plan, **kw)
