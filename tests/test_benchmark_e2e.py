@@ -18,3 +18,13 @@ def test_e2e_tiny_gate_and_outputs(tmp_path):
     assert set(result["median_step_s"]) == {"hybridrec", "torchrec"}
     assert json.loads((tmp_path / "e2e_tiny.json").read_text())["workload"]["T"] == 3
     assert "| hybridrec |" in (tmp_path / "e2e_tiny.md").read_text()
+
+
+@pytest.mark.parity
+@pytest.mark.multiprocess
+def test_e2e_sharded_tiny_gate(tmp_path):
+    from benchmarks import e2e_sharded
+
+    result = e2e_sharded.run(tiny=True, out_dir=tmp_path)
+    assert result["first_step_loss"]["rel_err"] <= 1e-4
+    assert (tmp_path / "e2e_sharded_tiny.json").exists()

@@ -1,0 +1,179 @@
+"""Sharded end-to-end step throughput: `hybrid.Model` on an 8-device mesh vs TorchRec DMP
+with 2 ranks (gloo, CPU), same DLRM, tables, global batch and optimizers.
+
+    python -m benchmarks.e2e_sharded [--tiny] [--out benchmarks/results]
+
+Each side runs in its own processes (ours: one process with 8 XLA CPU devices; TorchRec:
+two ranks, each feeding half the global batch), one after the other, so the pair is not
+interleaved: read the ratio with that in mind. TorchRec's planner picks its CPU sharding;
+ours is `{table: "table_wise"}` over the `model` axis of `data=2,model=4`. Both sides train
+the same batches; the gate compares the first step's loss (the mean over the global batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+__all__ = ["main", "run"]
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrec_rank(rank: int, world: int, port: int, tiny: bool, out: str) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torchrec import KeyedJaggedTensor
+
+    from benchmarks import e2e_vs_torchrec as e2e
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    w = e2e._workload(tiny)
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.models.dlrm import DLRM
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
+        for i in range(w["T"])
+    ]
+    torch.manual_seed(0)
+    dlrm = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("cpu")),
+        dense_in_features=w["n_dense"], dense_arch_layer_sizes=[128, w["D"]], over_arch_layer_sizes=[128, 1],
+    )
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
+    )
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu")).plan(dlrm, [sharder])
+    start = {k: v.detach().clone() for k, v in dlrm.state_dict().items()}
+    dmp = DistributedModelParallel(dlrm, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp.load_state_dict(start, strict=False)
+    opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "embedding_bags" not in n], lr=0.01)
+    half = w["B"] // world
+    times, losses = [], []
+    for i, (keys, values, lengths, dense, labels) in enumerate(e2e._batches(w, w["steps"])):
+        lengths2 = lengths.reshape(len(keys), w["B"])[:, rank * half : (rank + 1) * half]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+        pieces = [values[offsets[k * w["B"] + rank * half] : offsets[k * w["B"] + (rank + 1) * half]] for k in range(len(keys))]
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(pieces), lengths=lengths2.reshape(-1))
+        dist.barrier()
+        t0 = time.perf_counter()
+        logits = dmp(dense[rank * half : (rank + 1) * half], kjt).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels[rank * half : (rank + 1) * half])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        dist.barrier()
+        if i >= w["warmup"]:
+            times.append(time.perf_counter() - t0)
+        both = torch.tensor([float(loss.detach())])
+        dist.all_reduce(both)
+        losses.append(float(both) / world)
+    if rank == 0:
+        pathlib.Path(out).write_text(json.dumps({"times": times, "losses": losses}))
+    dist.destroy_process_group()
+
+
+def _ours(tiny: bool, out: str) -> None:
+    import time
+
+    import torch
+
+    import dense_torch
+    import hybrid
+    from benchmarks import e2e_vs_torchrec as e2e
+    from sparse_jax import EmbeddingBagConfig
+    from sparse_jax.optim import rowwise_adagrad
+
+    torch.set_num_threads(2)
+    w = e2e._workload(tiny)
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
+        for i in range(w["T"])
+    ]
+    dense = dense_torch.DLRM(embedding_dim=w["D"], num_sparse_features=w["T"], dense_in_features=w["n_dense"],
+                             dense_arch_layer_sizes=[128, w["D"]], over_arch_layer_sizes=[128, 1])
+    model = hybrid.Model(tables, dense, mesh=hybrid.make_mesh("data=2,model=4"),
+                         plan={t.name: "table_wise" for t in tables}, sparse_optimizer=rowwise_adagrad(lr=0.01, eps=1e-8))
+    _, _, _, start = e2e._torchrec_side(w, 0.01)  # TorchRec's starting weights (same seed as the ranks)
+    model.load_state_dict(hybrid.from_torchrec_state_dict(start))
+    opt = torch.optim.SGD(model.dense_parameters(), lr=0.01)
+    times, losses = [], []
+    for i, batch in enumerate(e2e._batches(w, w["steps"])):
+        t0 = time.perf_counter()
+        losses.append(e2e._step_ours(model, opt, batch))
+        if i >= w["warmup"]:
+            times.append(time.perf_counter() - t0)
+    pathlib.Path(out).write_text(json.dumps({"times": times, "losses": losses}))
+
+
+def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -> dict:
+    # each side sets up its own process group: no inherited MASTER_* (this process may hold one)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "XLA_FLAGS")}
+    env.update(PYTHONPATH=str(HERE.parent), JAX_PLATFORMS="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        ours_out, theirs_out = pathlib.Path(tmp, "ours.json"), pathlib.Path(tmp, "theirs.json")
+        code = f"from benchmarks.e2e_sharded import _ours; _ours({tiny}, {str(ours_out)!r})"
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE.parent,
+                       env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+        port = _free_port()
+        ranks = [
+            subprocess.Popen([sys.executable, "-c",
+                              f"from benchmarks.e2e_sharded import _torchrec_rank; "
+                              f"_torchrec_rank({r}, 2, {port}, {tiny}, {str(theirs_out)!r})"],
+                             cwd=HERE.parent, env=env)
+            for r in range(2)
+        ]
+        if any(p.wait(timeout=900) != 0 for p in ranks):
+            raise RuntimeError("a TorchRec rank failed")
+        ours, theirs = json.loads(ours_out.read_text()), json.loads(theirs_out.read_text())
+    med = {"hybridrec (8-device mesh)": float(np.median(ours["times"])), "torchrec (2 ranks)": float(np.median(theirs["times"]))}
+    loss_err = abs(ours["losses"][0] - theirs["losses"][0]) / max(abs(theirs["losses"][0]), 1e-12)
+    if loss_err > 1e-4:
+        raise RuntimeError(f"correctness gate failed: first-step losses differ by {loss_err:.2e} (relative)")
+    result = {
+        "workload": __import__("benchmarks.e2e_vs_torchrec", fromlist=["_workload"])._workload(tiny),
+        "first_step_loss": {"hybridrec": ours["losses"][0], "torchrec": theirs["losses"][0], "rel_err": loss_err},
+        "median_step_s": med,
+        "ratio_time_ours_over_torchrec": med["hybridrec (8-device mesh)"] / med["torchrec (2 ranks)"],
+        "note": "sides run one after the other (separate processes), not interleaved",
+    }
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "e2e_sharded_tiny" if tiny else "e2e_sharded"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.tiny, args.out), indent=2))
+
+
+if __name__ == "__main__":
+    main()
