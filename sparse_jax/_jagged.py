@@ -65,8 +65,35 @@ def _checked_arrays(values, weights, lengths, offsets, *, what: str, keys=None, 
     return tuple(_to_device(x) for x in (values, weights, lengths, offsets))
 
 
+class _JaggedArrays:
+    """The array accessors both jagged classes share (TorchRec's names)."""
+
+    _values: jax.Array
+    _weights: jax.Array | None
+    _lengths: jax.Array
+    _offsets: jax.Array
+
+    def values(self) -> jax.Array:
+        """All ids (or rows); a padded KJT includes the padding after its last bag."""
+        return self._values
+
+    def weights(self) -> jax.Array:
+        if self._weights is None:
+            raise ValueError(f"this {type(self).__name__} has no weights; use weights_or_none()")
+        return self._weights
+
+    def weights_or_none(self) -> jax.Array | None:
+        return self._weights
+
+    def lengths(self) -> jax.Array:
+        return self._lengths
+
+    def offsets(self) -> jax.Array:
+        return self._offsets
+
+
 @jax.tree_util.register_pytree_node_class
-class JaggedTensor:
+class JaggedTensor(_JaggedArrays):
     """One feature's bags: `values` split by `lengths` (or `offsets`), optional per-id `weights`."""
 
     def __init__(self, values, weights=None, lengths=None, offsets=None):
@@ -105,23 +132,6 @@ class JaggedTensor:
             flat_w = np.concatenate([np.asarray(w, np.float32).reshape(-1) for w in weights])
         return cls(np.asarray(flat, dtype=np.int64 if len(flat) == 0 else None), flat_w, lengths)
 
-    def values(self) -> jax.Array:
-        return self._values
-
-    def weights(self) -> jax.Array:
-        if self._weights is None:
-            raise ValueError("this JaggedTensor has no weights; use weights_or_none()")
-        return self._weights
-
-    def weights_or_none(self) -> jax.Array | None:
-        return self._weights
-
-    def lengths(self) -> jax.Array:
-        return self._lengths
-
-    def offsets(self) -> jax.Array:
-        return self._offsets
-
     def to_dense(self) -> list[jax.Array]:
         """One array of ids per bag (eager)."""
         o = np.asarray(self._offsets)
@@ -147,7 +157,7 @@ class JaggedTensor:
 
 
 @jax.tree_util.register_pytree_node_class
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(_JaggedArrays):
     """Bags of ids for several features, key-major (TorchRec's `KeyedJaggedTensor`).
 
     Args:
@@ -234,24 +244,6 @@ class KeyedJaggedTensor:
     # -- accessors ----------------------------------------------------------------------------
     def keys(self) -> list[str]:
         return list(self._keys)
-
-    def values(self) -> jax.Array:
-        """All ids; for a padded KJT this includes the padding after the last bag."""
-        return self._values
-
-    def weights(self) -> jax.Array:
-        if self._weights is None:
-            raise ValueError("this KeyedJaggedTensor has no weights; use weights_or_none()")
-        return self._weights
-
-    def weights_or_none(self) -> jax.Array | None:
-        return self._weights
-
-    def lengths(self) -> jax.Array:
-        return self._lengths
-
-    def offsets(self) -> jax.Array:
-        return self._offsets
 
     def stride(self) -> int:
         return self._stride
