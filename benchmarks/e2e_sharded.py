@@ -47,30 +47,7 @@ def _torchrec_rank(rank: int, world: int, port: int, tiny: bool, out: str) -> No
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     w = e2e._workload(tiny)
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.models.dlrm import DLRM
-
-    tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
-        for i in range(w["T"])
-    ]
-    torch.manual_seed(0)
-    dlrm = DLRM(
-        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("cpu")),
-        dense_in_features=w["n_dense"], dense_arch_layer_sizes=[128, w["D"]], over_arch_layer_sizes=[128, 1],
-    )
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
-    )
-    plan = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu")).plan(dlrm, [sharder])
-    start = {k: v.detach().clone() for k, v in dlrm.state_dict().items()}
-    dmp = DistributedModelParallel(dlrm, device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    dmp.load_state_dict(start, strict=False)
-    opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "embedding_bags" not in n], lr=0.01)
+    dmp, opt, _ = e2e.torchrec_dmp(w, 0.01, world)
     half = w["B"] // world
     times, losses = [], []
     for i, (keys, values, lengths, dense, labels) in enumerate(e2e._batches(w, w["steps"])):
@@ -117,7 +94,7 @@ def _ours(tiny: bool, out: str) -> None:
                              dense_arch_layer_sizes=[128, w["D"]], over_arch_layer_sizes=[128, 1])
     model = hybrid.Model(tables, dense, mesh=hybrid.make_mesh("data=2,model=4"),
                          plan={t.name: "table_wise" for t in tables}, sparse_optimizer=rowwise_adagrad(lr=0.01, eps=1e-8))
-    _, _, _, start = e2e._torchrec_side(w, 0.01)  # TorchRec's starting weights (same seed as the ranks)
+    _, _, start = e2e._torchrec_side(w, 0.01)  # TorchRec's starting weights (same seed as the ranks)
     model.load_state_dict(hybrid.from_torchrec_state_dict(start))
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.01)
     times, losses = [], []

@@ -44,8 +44,10 @@ def _batches(w: dict, count: int, seed: int = 0):
         yield keys, torch.from_numpy(values), torch.from_numpy(lengths), torch.from_numpy(dense), torch.from_numpy(labels)
 
 
-def _torchrec_side(w: dict, lr: float):
-    import torch.distributed as dist
+def torchrec_dmp(w: dict, lr: float, world_size: int):
+    """TorchRec's DLRM (seed 0) under DistributedModelParallel with a fused
+    EXACT_ROWWISE_ADAGRAD, in an initialized process group of `world_size` ranks.
+    Returns (dmp, dense SGD optimizer, the starting state dict)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
@@ -53,10 +55,6 @@ def _torchrec_side(w: dict, lr: float):
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.models.dlrm import DLRM
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
     tables = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
         for i in range(w["T"])
@@ -72,11 +70,22 @@ def _torchrec_side(w: dict, lr: float):
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": 1e-8}
     )
-    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).plan(dlrm, [sharder])
+    topology = Topology(world_size=world_size, compute_device="cpu")
+    plan = EmbeddingShardingPlanner(topology=topology).plan(dlrm, [sharder])
     dmp = DistributedModelParallel(dlrm, device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    dmp.load_state_dict({k: v for k, v in start.items()}, strict=False)
+    dmp.load_state_dict(dict(start), strict=False)  # a copy: DMP rewrites the keys of the dict it is given
     dense_params = [p for n, p in dmp.named_parameters() if "embedding_bags" not in n]
-    return dmp, torch.optim.SGD(dense_params, lr=lr), tables, start
+    return dmp, torch.optim.SGD(dense_params, lr=lr), start
+
+
+def _torchrec_side(w: dict, lr: float):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    return torchrec_dmp(w, lr, 1)
 
 
 def _our_side(w: dict, lr: float, start: dict):
@@ -136,7 +145,7 @@ def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -
     torch.set_num_threads(int(os.environ.get("HYBRIDREC_TORCH_THREADS", "2")))
     w = _workload(tiny)
     lr = 0.01
-    dmp, opt_t, _, start = _torchrec_side(w, lr)
+    dmp, opt_t, start = _torchrec_side(w, lr)
     model, opt_o = _our_side(w, lr, start)
     batches = list(_batches(w, w["steps"] + 2))
     # the gate: two identical steps give the same losses and tables
