@@ -254,19 +254,27 @@ class ShardedEmbeddingBagCollection:
         start, length = offsets[src, bag], lengths[src, bag]  # [M, n_A, B_l]
         pos = jnp.arange(local.length_cap)
         idx = jnp.minimum(start[..., None] + pos, cap_l - 1)
-        ids = values[src[..., None], idx]
-        valid = (pos < length[..., None]) & (it["valid"] > 0)[:, None, None, None]
-        num_rows = it["num_rows"][:, None, None, None]
+        raw_w = weights[src[..., None], idx] if self.is_weighted else None
+        rows, w, valid = self._in_shard(it, values[src[..., None], idx], raw_w, length, pos)
+        return jnp.where(valid, rows, buf.rows_per_device), w
+
+    def _in_shard(self, it, ids, raw_w, length, pos):
+        """Which positions of `ids` (`[..., B_l, L]`, bag lengths `[..., B_l]`) hit each work
+        item's shard rows, their local rows there, and their weights (0 elsewhere; divided by
+        the bag length for MEAN). `it` holds the work-item fields, broadcast over the rest."""
+
+        def field(name):
+            x = it[name]
+            return x.reshape(x.shape + (1,) * (ids.ndim - x.ndim))
+
+        valid = (pos < length[..., None]) & (field("valid") > 0)
         if self.bounds_check == "clamp":
-            ids = jnp.clip(ids, 0, num_rows - 1)
-        r0, rn = it["row_offset"][:, None, None, None], it["row_size"][:, None, None, None]
-        valid = valid & (ids >= r0) & (ids < r0 + rn) & (ids < num_rows)
-        w = weights[src[..., None], idx] if self.is_weighted else jnp.ones(ids.shape, jnp.float32)
-        w = jnp.where(valid, w, 0.0)
-        mean = (it["mean"] > 0)[:, None, None, None]
-        w = jnp.where(mean, w / jnp.maximum(length, 1)[..., None].astype(jnp.float32), w)
-        rows = jnp.where(valid, ids - r0 + it["local_offset"][:, None, None, None], buf.rows_per_device)
-        return rows, w
+            ids = jnp.clip(ids, 0, field("num_rows") - 1)
+        r0 = field("row_offset")
+        valid = valid & (ids >= r0) & (ids < r0 + field("row_size")) & (ids < field("num_rows"))
+        w = jnp.where(valid, jnp.ones(ids.shape, jnp.float32) if raw_w is None else raw_w, 0.0)
+        w = jnp.where(field("mean") > 0, w / jnp.maximum(length, 1)[..., None].astype(jnp.float32), w)
+        return ids - r0 + field("local_offset"), w, valid
 
     def _send_positions(self, buf: ShardBuffer, local: LocalBatches):
         """Sender side of the all_to_all input dist: for every destination j of the group and
@@ -281,18 +289,7 @@ class ShardedEmbeddingBagCollection:
         start, length = offsets[seg], lengths[seg]
         pos = jnp.arange(local.length_cap)
         idx = jnp.minimum(start[..., None] + pos, cap_l - 1)
-        ids = values[idx]
-        field = lambda k: it[k][..., None, None]  # noqa: E731
-        valid = (pos < length[..., None]) & (field("valid") > 0)
-        if self.bounds_check == "clamp":
-            ids = jnp.clip(ids, 0, field("num_rows") - 1)
-        valid = valid & (ids >= field("row_offset")) & (ids < field("row_offset") + field("row_size"))
-        valid = valid & (ids < field("num_rows"))
-        w = weights[idx] if self.is_weighted else jnp.ones(ids.shape, jnp.float32)
-        w = jnp.where(valid, w, 0.0)
-        w = jnp.where(field("mean") > 0, w / jnp.maximum(length, 1)[..., None].astype(jnp.float32), w)
-        rows = ids - field("row_offset") + field("local_offset")
-        return rows, w, valid
+        return self._in_shard(it, values[idx], weights[idx] if self.is_weighted else None, length, pos)
 
     def _routed_stream(self, buf: ShardBuffer, local: LocalBatches):
         """(rows, bag, scale) of my work items for the group batch, routed by one all_to_all
