@@ -67,24 +67,20 @@ class XlaSide:
         np_dtype = tables[0].data_type.numpy_dtype
         self.params = {self.group: jnp.array(batch.tables.reshape(w.T * w.E, w.D).astype(np_dtype), copy=True)}
         psw = batch.per_sample_weights
-        self.kjt = KeyedJaggedTensor(
+        # checked, padded and placed once, as a training step's `prepare` does (timed calls skip it)
+        self.batch = self.ebc.prepare(KeyedJaggedTensor(
             [f"f{t}" for t in range(w.T)],
             batch.ids.astype(np.int32),
             lengths=batch.lengths,
             weights=None if psw is None else psw,
-        ).pad()
-        self.ebc._check(self.kjt)  # the eager id checks, once (timed calls skip them)
+        ))
         self.grad = jnp.array(batch.pooled_grad, copy=True)
-        self._fwd = jax.jit(self.ebc._apply)
         self.update = None
         self.state = None
-        self._upd_kjt, self._upd_grad = self.kjt, self.grad
         if optimizer is not None:
             self.update = make_update(self.ebc, make_rule(optimizer, lr=lr, eps=eps))
             self.state = self.update.rule.init(self.params)
-            prepare = getattr(self.update, "_prepare", None)  # what update(...) feeds its jitted step
-            if prepare is not None:
-                self._upd_kjt, self._upd_grad = prepare(self.kjt, self.grad)
+            self._operands = self.ebc.update_operands(self.batch, self.grad)  # what update(...) feeds its jitted step
         ffi = kernel in ("auto", "ffi") and _lookup.use_ffi(kernel, self.params[self.group])
         self.resolved = "ffi (C++)" if ffi else ("reference" if kernel == "reference" else "xla")
         self.in_place: list[bool] = []  # per step: did the donated table keep its buffer?
@@ -97,14 +93,14 @@ class XlaSide:
 
     # -- compute -----------------------------------------------------------------------------
     def forward(self) -> jax.Array:
-        return self._fwd(self.params, self.kjt).values()
+        return self.ebc.apply(self.params, self.batch).values()
 
     def pooled(self) -> np.ndarray:
         return np.array(self.forward(), dtype=np.float32, copy=True)
 
     def _update(self) -> None:
         before = self.params[self.group].unsafe_buffer_pointer()
-        self.params, self.state = self.update.jitted(self.params, self.state, self._upd_kjt, self._upd_grad)
+        self.params, self.state = self.update.jitted(self.params, self.state, self._operands)
         jax.block_until_ready((self.params, self.state))
         self.in_place.append(self.params[self.group].unsafe_buffer_pointer() == before)
 
@@ -143,7 +139,7 @@ class XlaSide:
         }
 
     def forward_memory(self) -> dict[str, int] | None:
-        ma = self._fwd.lower(self.params, self.kjt).compile().memory_analysis()
+        ma = self.ebc._apply_jit.lower(self.params, self.batch.kjt).compile().memory_analysis()
         if ma is None:
             return None
         return {"temp_bytes": int(ma.temp_size_in_bytes), "output_bytes": int(ma.output_size_in_bytes)}

@@ -22,10 +22,10 @@ from collections.abc import Mapping, Sequence
 import jax
 import torch
 
-from hybrid._collate import pad_kjt, pad_torch_batch
+from hybrid._collate import host_torch_batch, pad_kjt, pad_torch_batch
 from sparse_jax import KeyedJaggedTensor
 
-__all__ = ["as_kjt", "torch_kjt"]
+__all__ = ["as_host_kjt", "as_kjt", "torch_kjt"]
 
 
 def torch_kjt(
@@ -56,7 +56,8 @@ def _floors(keys: Sequence[str], length_caps: Mapping[str, int] | None) -> list[
     return None if length_caps is None else [length_caps.get(k, 1) for k in keys]
 
 
-def _from_dict(batch: Mapping, ladder, length_caps) -> KeyedJaggedTensor:
+def _dict_parts(batch: Mapping):
+    """(keys, values, lengths, weights) torch tensors of a `{feature: (values, lengths[, weights])}` batch."""
     keys, values, lengths, weights = [], [], [], []
     for key, entry in batch.items():
         if not isinstance(entry, tuple | list) or len(entry) not in (2, 3):
@@ -79,20 +80,35 @@ def _from_dict(batch: Mapping, ladder, length_caps) -> KeyedJaggedTensor:
         raise ValueError(
             f"dict batch: features {missing} have no weights but others do; give weights for all or none"
         )
-    return pad_torch_batch(
-        keys,
-        torch.cat(values),
-        torch.cat(lengths),
-        torch.cat(weights) if all(has_w) else None,
-        ladder=ladder,
-        length_caps=_floors(keys, length_caps),
-    )
+    return keys, torch.cat(values), torch.cat(lengths), torch.cat(weights) if all(has_w) else None
 
 
 def _is_torch_kjt(obj) -> bool:
     return all(
         callable(getattr(obj, name, None)) for name in ("keys", "values", "lengths")
     ) and isinstance(obj.values(), torch.Tensor)
+
+
+def _torch_parts(batch):
+    """(keys, values, lengths, weights) of a torch-side batch form, or None for a
+    `sparse_jax.KeyedJaggedTensor`; raises for anything else."""
+    if isinstance(batch, KeyedJaggedTensor):
+        return None
+    if isinstance(batch, Mapping):
+        return _dict_parts(batch)
+    if isinstance(batch, tuple | list):
+        if len(batch) not in (3, 4):
+            raise ValueError(
+                f"a tuple sparse batch is (keys, values, lengths) or (keys, values, lengths, weights), "
+                f"got {len(batch)} items"
+            )
+        return (list(batch[0]), *batch[1:], *([None] if len(batch) == 3 else []))
+    if _is_torch_kjt(batch):
+        weights = (
+            batch.weights_or_none() if callable(getattr(batch, "weights_or_none", None)) else None
+        )
+        return list(batch.keys()), batch.values(), batch.lengths(), weights
+    _unreadable(batch)
 
 
 def as_kjt(
@@ -102,33 +118,24 @@ def as_kjt(
 
     `length_caps`: per-feature floors for the bag-length caps (features not named: 1).
     """
-    if isinstance(batch, KeyedJaggedTensor):
+    parts = _torch_parts(batch)
+    if parts is None:
         return pad_kjt(batch, ladder=ladder, length_caps=_floors(batch.keys(), length_caps))
-    if isinstance(batch, Mapping):
-        return _from_dict(batch, ladder, length_caps)
-    if isinstance(batch, tuple | list):
-        if len(batch) not in (3, 4):
-            raise ValueError(
-                f"a tuple sparse batch is (keys, values, lengths) or (keys, values, lengths, weights), "
-                f"got {len(batch)} items"
-            )
-        keys = list(batch[0])
-        return pad_torch_batch(
-            keys, *batch[1:], ladder=ladder, length_caps=_floors(keys, length_caps)
-        )
-    if _is_torch_kjt(batch):
-        keys = list(batch.keys())
-        weights = (
-            batch.weights_or_none() if callable(getattr(batch, "weights_or_none", None)) else None
-        )
-        return pad_torch_batch(
-            keys,
-            batch.values(),
-            batch.lengths(),
-            weights,
-            ladder=ladder,
-            length_caps=_floors(keys, length_caps),
-        )
+    keys = parts[0]
+    return pad_torch_batch(*parts, ladder=ladder, length_caps=_floors(keys, length_caps))
+
+
+def as_host_kjt(batch) -> KeyedJaggedTensor:
+    """Any accepted sparse batch form as an unpadded KJT of numpy arrays on the host (the
+    form `SparseModule.prepare` checks and pads once). Torch CPU tensors are read without a
+    copy; a `sparse_jax.KeyedJaggedTensor` of device arrays is read back once."""
+    parts = _torch_parts(batch)
+    if parts is None:
+        return batch  # prepare reads its leaves (no copy for numpy leaves)
+    return host_torch_batch(*parts)
+
+
+def _unreadable(batch):
     if isinstance(batch, jax.Array | torch.Tensor):
         raise TypeError(
             "the sparse batch is a bare array; wrap ids and lengths in a KeyedJaggedTensor "

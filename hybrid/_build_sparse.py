@@ -1,8 +1,8 @@
 """`_build_sparse`: the one place `hybrid` constructs its sparse module.
 
-Every sparse module has the EmbeddingBagCollection's functional API: `init(key)`,
-`apply(params, kjt) -> KeyedTensor`, `table_weights(params)`, `with_table_weights(params,
-weights)`, `layout`, and works with `sparse_jax.make_update`. Without a mesh (or with a
+Every sparse module implements `sparse_jax.SparseModule` (prepare, apply, the fused update
+through `sparse_jax.make_update`, table weights, stored blocks); `hybrid` uses nothing
+else of it. Without a mesh (or with a
 one-device mesh) that is the unsharded `EmbeddingBagCollection`; on a larger mesh it is
 `sparse_jax.sharding.shard(ebc, mesh, plan)` (the planner's plan when none is given; a
 `{table: sharding type}` dict works too).
@@ -10,6 +10,7 @@ one-device mesh) that is the unsharded `EmbeddingBagCollection`; on a larger mes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -24,7 +25,7 @@ _collections: dict[tuple, EmbeddingBagCollection] = {}
 
 
 def _collection(
-    tables, is_weighted: bool, kernel: str, bounds_check: str
+    tables, is_weighted: bool, kernel: str, bounds_check: str, ladder=None
 ) -> EmbeddingBagCollection:
     """One `EmbeddingBagCollection` per configuration, shared by every model built from it.
 
@@ -32,16 +33,16 @@ def _collection(
     so sharing it lets a second model with the same tables (an eval replica, a restart, the
     next test) reuse the compiled programs instead of compiling them again.
     """
-    key = (tuple(tables), bool(is_weighted), kernel, bounds_check)
+    key = (tuple(tables), bool(is_weighted), kernel, bounds_check, ladder)
     try:
         ebc = _collections.get(key)
     except TypeError:  # unhashable config values: no sharing
         return EmbeddingBagCollection(
-            tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check
+            tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check, ladder=ladder
         )
     if ebc is None:
         ebc = EmbeddingBagCollection(
-            tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check
+            tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check, ladder=ladder
         )
         if len(_collections) >= _CACHE_SIZE:
             _collections.pop(next(iter(_collections)))
@@ -63,8 +64,11 @@ def _build_sparse(
     plan=None,
     kernel: str = "auto",
     bounds_check: str = "error",
+    ladder: Sequence[int] | None = None,
 ):
-    """The sparse module for `tables` on `mesh` following `plan`."""
+    """The sparse module for `tables` on `mesh` following `plan`. `ladder`: capacity rungs
+    for a whole batch; a sharded module pads each device's part, so it gets the rungs
+    divided by the device count."""
     if plan is not None and mesh is None:
         raise ValueError(
             "a sharding plan was given without a mesh; pass mesh=hybrid.make_mesh(...) with the "
@@ -74,7 +78,16 @@ def _build_sparse(
         raise TypeError(
             f"mesh must be a jax.sharding.Mesh (see hybrid.make_mesh), got {type(mesh).__name__}"
         )
-    ebc = _collection(tables, is_weighted, kernel, bounds_check)
+    ladder = None if ladder is None else tuple(ladder)
     if mesh is None or (mesh.devices.size == 1 and plan is None):
-        return ebc
-    return shard(ebc, mesh, plan)
+        return _collection(tables, is_weighted, kernel, bounds_check, ladder)
+    ebc = _collection(tables, is_weighted, kernel, bounds_check)
+    return shard(ebc, mesh, plan, ladder=_per_device(ladder, mesh.devices.size))
+
+
+def _per_device(ladder: tuple[int, ...] | None, devices: int) -> tuple[int, ...] | None:
+    """A whole-batch ladder as per-device rungs (each at least 8, a multiple of 8)."""
+    if ladder is None:
+        return None
+    rungs = {math.ceil(math.ceil(r / devices) / 8) * 8 for r in ladder}
+    return tuple(sorted(max(8, r) for r in rungs))

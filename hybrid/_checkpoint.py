@@ -28,7 +28,7 @@ import pathlib
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -49,20 +49,6 @@ def _host(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def _blocks(module) -> Iterator[tuple[str, str, int, int, int, int, int]]:
-    """`(buffer, table, first buffer row, r0, rn, c0, cn)`: rows r0:r0+rn and columns
-    c0:c0+cn of `table` sit in `buffer` from that row on (sharded or unsharded module)."""
-    buffers = getattr(module, "buffers", None)
-    if buffers is not None:
-        for buf in buffers:
-            for table, c, local, r0, rn, c0, cn in buf.blocks:
-                yield buf.name, table, c * buf.rows_per_device + local, r0, rn, c0, cn
-        return
-    for t in module.layout.tables:
-        group, offset = module.layout.table_group[t.name]
-        yield group, t.name, offset, 0, t.num_embeddings, 0, t.embedding_dim
-
-
 def _leaves(opt_state: SparseOptState, buffer: str) -> Mapping[str, jax.Array]:
     leaves = opt_state.tables[buffer]
     if not isinstance(leaves, Mapping):
@@ -81,9 +67,10 @@ def sparse_state_arrays(model) -> dict[str, np.ndarray]:
         f"weight/{name}": np.asarray(w)
         for name, w in module.table_weights(model.sparse_params).items()
     }
-    dims = {t.name: (t.num_embeddings, t.embedding_dim) for t in module.layout.tables}
+    dims = {t.name: (t.num_embeddings, t.embedding_dim) for t in module.tables}
     hosts: dict[tuple[str, str], np.ndarray] = {}
-    for buffer, table, start, r0, rn, c0, cn in _blocks(module):
+    for block in module.stored_blocks():  # sparse_jax.StoredBlock
+        buffer, table, start, r0, rn, c0, cn = block
         for leaf_name, leaf in _leaves(opt_state, buffer).items():
             if leaf.ndim == 0 or leaf.shape[0] != model.sparse_params[buffer].shape[0]:
                 raise TypeError(
@@ -132,7 +119,7 @@ def _row_values(arrays, table: str, leaf: str, c0: int, cn: int, where: str) -> 
 def _restore_sparse(model, arrays, where: str) -> None:
     module, opt_state = model.sparse_module, model.sparse_opt_state
     weights = {}
-    for t in module.layout.tables:
+    for t in module.tables:
         key = f"weight/{t.name}"
         if key not in arrays:
             raise ValueError(
@@ -154,7 +141,8 @@ def _restore_sparse(model, arrays, where: str) -> None:
         for b in opt_state.tables
         for name, leaf in _leaves(opt_state, b).items()
     }
-    for buffer, table, start, r0, rn, c0, cn in _blocks(module):
+    for block in module.stored_blocks():  # sparse_jax.StoredBlock
+        buffer, table, start, r0, rn, c0, cn = block
         for leaf_name in _leaves(opt_state, buffer):
             host = hosts[(buffer, leaf_name)]
             if host.ndim == 1:
@@ -208,11 +196,11 @@ def save_checkpoint(
             tmp / "dense.pt",
         )
         module = model.sparse_module
-        plan = getattr(module, "plan", None)
+        plan = module.plan
         info = {
             "step": step,
             "sparse_optimizer": model.sparse_optimizer.name,
-            "mesh": getattr(module, "mesh_axes", None),
+            "mesh": module.mesh_axes,
             "plan": None if plan is None else json.loads(plan.to_json()),
             **(meta or {}),
         }

@@ -23,7 +23,7 @@ import torch
 from hybrid._bridge import torch_ids_to_jax, torch_to_jax
 from sparse_jax import KeyedJaggedTensor, capacity_for, length_cap
 
-__all__ = ["pad_kjt", "pad_torch_batch"]
+__all__ = ["host_torch_batch", "pad_kjt", "pad_torch_batch"]
 
 
 def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
@@ -50,20 +50,8 @@ def _caps(lengths_kb: torch.Tensor, floors: Sequence[int] | None) -> tuple[int, 
     return tuple(caps)
 
 
-def pad_torch_batch(
-    keys: Sequence[str],
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    weights: torch.Tensor | None = None,
-    *,
-    ladder: Sequence[int] | None = None,
-    length_caps: Sequence[int] | None = None,
-) -> KeyedJaggedTensor:
-    """A padded KJT from torch tensors (key-major layout, as TorchRec); see the module doc.
-
-    `ladder`: capacity rungs (default `sparse_jax.DEFAULT_LADDER`); `length_caps`: per-key
-    floors for the bag-length caps (a loader passing the same floors keeps one program).
-    """
+def _checked(keys, values, lengths, weights):
+    """(keys, stride, lengths, offsets [int32], number of ids): the batch's structure checked."""
     keys = _check_keys(keys)
     for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
         if t is not None and not isinstance(t, torch.Tensor):
@@ -89,14 +77,61 @@ def pad_torch_batch(
             f"sparse batch: values has shape {tuple(values.shape)} but lengths sum to {n}; every id "
             "belongs to exactly one bag, so values must be 1-D with sum(lengths) ids"
         )
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise ValueError(
+            f"sparse batch: ids must be an integer tensor, got dtype {values.dtype}; convert with "
+            ".long() (or hash strings to integers) first"
+        )
     if weights is not None and (weights.shape != values.shape or not weights.is_floating_point()):
         raise ValueError(
             f"sparse batch: weights has shape {tuple(weights.shape)} and dtype {weights.dtype}; give "
             f"one floating-point weight per id ({n})"
         )
-    capacity = capacity_for(n, ladder, what="sparse batch")
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
     torch.cumsum(lengths, dim=0, out=offsets[1:])
+    return keys, stride, lengths, offsets, n
+
+
+def _host(t: torch.Tensor):
+    """A numpy view of a CPU tensor (a device tensor is copied to the host once)."""
+    return t.detach().cpu().numpy()
+
+
+def host_torch_batch(
+    keys: Sequence[str],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> KeyedJaggedTensor:
+    """An unpadded KJT of numpy arrays (views of CPU tensors) with the batch's structure
+    checked: the input of `SparseModule.prepare`, which checks the ids and pads once.
+    Ids keep their dtype here; `prepare` narrows them to int32 after a range check."""
+    keys, stride, lengths, offsets, _ = _checked(keys, values, lengths, weights)
+    children = (
+        _host(values),
+        None if weights is None else _host(weights.to(torch.float32)),
+        _host(lengths.to(torch.int32, copy=True)),  # never aliases the caller's lengths
+        _host(offsets),
+    )
+    return KeyedJaggedTensor.tree_unflatten((keys, stride, None), children)
+
+
+def pad_torch_batch(
+    keys: Sequence[str],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    ladder: Sequence[int] | None = None,
+    length_caps: Sequence[int] | None = None,
+) -> KeyedJaggedTensor:
+    """A padded KJT from torch tensors (key-major layout, as TorchRec); see the module doc.
+
+    `ladder`: capacity rungs (default `sparse_jax.DEFAULT_LADDER`); `length_caps`: per-key
+    floors for the bag-length caps (a loader passing the same floors keeps one program).
+    """
+    keys, stride, lengths, offsets, n = _checked(keys, values, lengths, weights)
+    capacity = capacity_for(n, ladder, what="sparse batch")
 
     def where(index: int) -> str:
         bag = int(

@@ -7,12 +7,13 @@
     loss.backward()                            # dense grads + the fused sparse update
     dense_opt.step(); dense_opt.zero_grad()
 
-Forward: the sparse batch (any form `hybrid.as_kjt` reads) is padded to the capacity ladder
-(values to a rung, bag lengths to power-of-two caps that only grow, so steady training
-reuses one compiled program), looked up in JAX, handed to torch zero-copy, wrapped in a
+Forward: the sparse batch (any form `hybrid.as_kjt` reads, or `model.prepare(sparse)`'s
+result) is prepared once: ids checked on the host, padded to the capacity ladder (values to
+a rung, bag lengths to power-of-two caps that only grow, so steady training reuses one
+compiled program), split and placed; then looked up in JAX, handed to torch zero-copy, wrapped in a
 `dense_torch.KeyedTensor` and passed to `dense(dense_features, embeddings)`.
-Backward: the pooled gradient goes back to JAX and the fused sparse update runs once
-(see `_sparse_function`); a second backward through the same forward raises. In `eval()` mode or under `torch.no_grad()` the tables are never
+Backward: the pooled gradient goes back to JAX and the fused sparse update runs once, on
+the forward's prepared batch (see `_sparse_function`); a second backward through the same forward raises. In `eval()` mode or under `torch.no_grad()` the tables are never
 updated (the pooled embeddings are then a plain tensor).
 
 State dict (TorchRec naming): `embedding_bags.<table>.weight` holds each table's full
@@ -37,12 +38,12 @@ import torch
 from torch import nn
 
 import dense_torch
-from hybrid._batch import as_kjt
+from hybrid._batch import as_host_kjt
 from hybrid._build_sparse import _build_sparse, mesh_device
 from hybrid._sparse_function import sparse_lookup
 from hybrid._sparse_state import SparseTables
 from hybrid._state_dict import EmbeddingBagsState
-from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, KeyedJaggedTensor
+from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, PreparedBatch
 from sparse_jax.optim import RowRule, SparseOptState, rowwise_adagrad
 
 __all__ = ["Model"]
@@ -86,12 +87,13 @@ class Model(nn.Module):
             raise TypeError(
                 f"dense must be a torch.nn.Module (e.g. dense_torch.DLRM), got {type(dense).__name__}"
             )
-        module = _build_sparse(tables, is_weighted=is_weighted, mesh=mesh, plan=plan)
+        self.capacity_ladder = tuple(DEFAULT_LADDER if capacity_ladder is None else capacity_ladder)
+        module = _build_sparse(
+            tables, is_weighted=is_weighted, mesh=mesh, plan=plan, ladder=self.capacity_ladder
+        )
         rule = DEFAULT_SPARSE_OPTIMIZER if sparse_optimizer is None else sparse_optimizer
         self._tables = SparseTables(module, rule, jax.random.key(seed), device=mesh_device(mesh))
         self.mesh, self.plan = mesh, plan
-        self.capacity_ladder = tuple(DEFAULT_LADDER if capacity_ladder is None else capacity_ladder)
-        self._length_caps: dict[str, int] = {}
         self.embedding_bags = EmbeddingBagsState(self._tables)  # first in state_dict, as TorchRec
         self.dense = dense
 
@@ -133,16 +135,20 @@ class Model(nn.Module):
         return self.dense.parameters()
 
     # -- forward ---------------------------------------------------------------------------
-    def pad(self, sparse) -> KeyedJaggedTensor:
-        """The batch as a KJT padded to the capacity ladder; length caps never shrink."""
-        kjt = as_kjt(sparse, ladder=self.capacity_ladder, length_caps=self._length_caps)
-        self._length_caps.update(zip(kjt.keys(), kjt.length_caps(), strict=True))
-        return self._tables.place_batch(kjt)
+    def prepare(self, sparse) -> PreparedBatch:
+        """The sparse batch validated (ids against their tables, on the host), padded to the
+        capacity ladder (length caps never shrink), split per device and placed on the
+        tables' devices: once per batch. `model(dense, prepared)` and the update that its
+        backward runs use it as it is. `hybrid.TrainPipeline` calls this for batch i+1
+        while step i computes."""
+        if isinstance(sparse, PreparedBatch):
+            return sparse
+        return self._tables.prepare(as_host_kjt(sparse))
 
     def forward(self, dense_features: torch.Tensor, sparse) -> torch.Tensor:
-        """`dense(dense_features, pooled embeddings)`; see the class docstring for `sparse`."""
-        kjt = self.pad(sparse)
-        pooled = sparse_lookup(self._tables, kjt, train=self.training)
-        layout = self._tables.module.layout
-        embeddings = dense_torch.KeyedTensor(layout.feature_names, layout.output_dims, pooled)
+        """`dense(dense_features, pooled embeddings)`; `sparse` is any form in the class
+        docstring (prepared here, once) or `model.prepare(sparse)`'s result."""
+        pooled = sparse_lookup(self._tables, self.prepare(sparse), train=self.training)
+        module = self._tables.module
+        embeddings = dense_torch.KeyedTensor(module.feature_names, module.output_dims, pooled)
         return self.dense(dense_features, embeddings)

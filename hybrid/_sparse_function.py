@@ -1,13 +1,14 @@
 """The sparse step as a `torch.autograd.Function`: JAX lookup forward, fused JAX update backward.
 
-    pooled = sparse_lookup(tables, padded_kjt)      # torch [B, sum dims], requires_grad
+    pooled = sparse_lookup(tables, prepared)        # torch [B, sum dims], requires_grad
     ... dense forward, loss ...
     loss.backward()                                 # runs the fused sparse update
 
 forward: the JAX lookup (jit) gives the pooled embeddings, handed to torch through DLPack
   (zero-copy for a single-device array).
 backward: the gradient of the pooled embeddings goes back to JAX through DLPack (laid out
-  as the pooled array was), and `make_update`'s fused step runs: per touched row dedup,
+  as the pooled array was), and `make_update`'s fused step runs on the SAME prepared batch
+  the forward looked up (nothing is checked or split again): per touched row dedup,
   row rule, scatter into the donated tables and optimizer state, whose references
   `SparseTables` replaces. No gradient is returned for any table (there is no torch
   parameter for them): the sparse update happens inside backward, as TorchRec's fused
@@ -25,22 +26,22 @@ import torch
 
 from hybrid._bridge import jax_to_torch, torch_to_jax
 from hybrid._sparse_state import SparseTables
-from sparse_jax import KeyedJaggedTensor
+from sparse_jax import PreparedBatch
 
 __all__ = ["SparseStep", "sparse_lookup"]
 
 
 class SparseStep:
-    """One forward's sparse facts: the tables, the padded batch, the pooled layout, and
+    """One forward's sparse facts: the tables, the prepared batch, the pooled layout, and
     whether its update has run."""
 
-    def __init__(self, tables: SparseTables, kjt: KeyedJaggedTensor):
-        self.tables, self.kjt = tables, kjt
+    def __init__(self, tables: SparseTables, batch: PreparedBatch):
+        self.tables, self.batch = tables, batch
         self.pooled_sharding: jax.sharding.Sharding | None = None
         self.applied = False
 
     def forward(self) -> torch.Tensor:
-        pooled = self.tables.lookup(self.kjt).values()
+        pooled = self.tables.lookup(self.batch).values()
         self.pooled_sharding = pooled.sharding
         return jax_to_torch(pooled)
 
@@ -54,7 +55,7 @@ class SparseStep:
         self.applied = True
         # back in the pooled array's layout (its device, or its batch sharding on a mesh)
         pooled_grad = torch_to_jax(grad.to(torch.float32), sharding=self.pooled_sharding)
-        self.tables.apply_gradient(self.kjt, pooled_grad)
+        self.tables.apply_gradient(self.batch, pooled_grad)
 
 
 class _SparseLookup(torch.autograd.Function):
@@ -69,13 +70,13 @@ class _SparseLookup(torch.autograd.Function):
         return None, None
 
 
-def sparse_lookup(tables: SparseTables, kjt: KeyedJaggedTensor, *, train: bool) -> torch.Tensor:
+def sparse_lookup(tables: SparseTables, batch: PreparedBatch, *, train: bool) -> torch.Tensor:
     """Pooled embeddings `[B, sum of feature dims]` as a torch tensor.
 
     With `train` (and grad enabled) the tensor requires grad and its backward applies the
     fused sparse update once; otherwise it is a plain tensor and nothing updates the tables.
     """
-    step = SparseStep(tables, kjt)
+    step = SparseStep(tables, batch)
     if not (train and torch.is_grad_enabled()):
         return step.forward()
     # the anchor is a leaf that requires grad, so autograd records the Function and calls its

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import torch
 
-from sparse_jax import KeyedJaggedTensor, KeyedTensor, make_update
+from sparse_jax import KeyedJaggedTensor, KeyedTensor, PreparedBatch, SparseModule, make_update
 from sparse_jax.optim import RowRule, SparseOptState
 
 __all__ = ["SparseTables"]
@@ -67,6 +67,8 @@ class SparseTables:
                 f"sparse_optimizer must be a sparse_jax.optim row rule (sgd, adagrad, rowwise_adagrad, "
                 f"adam or from_optax(...)), got {type(rule).__name__}"
             )
+        if not isinstance(module, SparseModule):
+            raise TypeError(f"{type(module).__name__} does not implement sparse_jax.SparseModule")
         self.module, self.rule, self.device = module, rule, device
         params = module.init(key)
         # committed to one device from the start: the update returns committed arrays, and
@@ -101,28 +103,26 @@ class SparseTables:
 
         self._opt_state = jax.tree.map(place, state, current)
 
-    def place_batch(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The batch on the tables' device (a one-device mesh may name any device)."""
-        if self.device is None:
-            return kjt
-        return jax.device_put(kjt, self.device)
+    def prepare(self, kjt: KeyedJaggedTensor) -> PreparedBatch:
+        """The batch checked, padded, split and placed on the tables' devices, once."""
+        return self.module.prepare(kjt, device=self.device)
 
-    def lookup(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
-        """Pooled embeddings of a padded KJT (JAX KeyedTensor)."""
-        return self.module.apply(self._params, kjt)
+    def lookup(self, batch: PreparedBatch) -> KeyedTensor:
+        """Pooled embeddings of a prepared batch (JAX KeyedTensor)."""
+        return self.module.apply(self._params, batch)
 
-    def apply_gradient(self, kjt: KeyedJaggedTensor, pooled_grad: jax.Array) -> None:
-        """One fused update; the old params and state are donated (deleted)."""
+    def apply_gradient(self, batch: PreparedBatch, pooled_grad: jax.Array) -> None:
+        """One fused update on the forward's prepared batch; the old params and state are
+        donated (deleted)."""
         self._params, self._opt_state = self._update(
-            self._params, self._opt_state, kjt, pooled_grad
+            self._params, self._opt_state, batch, pooled_grad
         )
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled so far by the lookup and the update (for recompilation checks;
         shared with other models built from the same tables and optimizer)."""
-        apply_jit = getattr(self.module, "_apply_jit", None)
         return {
-            "lookup": apply_jit._cache_size() if apply_jit is not None else -1,
+            "lookup": self.module.lookup_compile_count(),
             "update": self._update.compile_count(),
         }
 

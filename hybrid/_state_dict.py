@@ -59,7 +59,7 @@ class EmbeddingBagsState(nn.Module):
         super().__init__()
         self._tables = tables
         self._shapes = {
-            t.name: (t.num_embeddings, t.embedding_dim) for t in tables.module.layout.tables
+            t.name: (t.num_embeddings, t.embedding_dim) for t in tables.module.tables
         }
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -362,12 +362,12 @@ class _JsonLines:
 
 
 def _describe_plan(model, num_devices: int) -> str:
-    plan = getattr(model.sparse_module, "plan", None)
+    plan = model.sparse_module.plan
     if plan is not None:
         return plan.stats_table()
     tables = ", ".join(
         f"{t.name} [{t.num_embeddings} x {t.embedding_dim}]"
-        for t in model.sparse_module.layout.tables
+        for t in model.sparse_module.tables
     )
     return f"one device, no sharding; tables: {tables}"
 

@@ -14,6 +14,7 @@ from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 from sparse_jax._keyed_tensor import KeyedTensor
+from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
 from sparse_jax._update import make_update
 
 __all__ = [
@@ -26,6 +27,10 @@ __all__ = [
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "PaddedBatch",
+    "PreparedBatch",
+    "SparseModule",
+    "StoredBlock",
     "PoolingType",
     "capacity_for",
     "length_cap",

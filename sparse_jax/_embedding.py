@@ -2,8 +2,9 @@
 
     ec = EmbeddingCollection(tables=[EmbeddingConfig(...), ...])
     params = ec.init(key)
-    out = ec.apply(params, kjt)      # {feature: JaggedTensor of [num_ids, dim] rows}
-    update = make_update(ec, rule)   # (params, state, kjt, {feature: [num_ids, dim] grads})
+    batch = ec.prepare(kjt)            # checked on the host, rows padded and placed, once
+    out = ec.apply(params, batch)      # {feature: JaggedTensor of [num_ids, dim] rows}
+    update = make_update(ec, rule)     # (params, state, batch, {feature: [num_ids, dim] grads})
 
 Unlike TorchRec (#294), tables of different dims may live in one collection (each dim is
 its own stacked buffer). `apply` is eager per feature, like TorchRec's dict of
@@ -13,6 +14,7 @@ id's gradient through the same generic row-rule apply as the pooled collection.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -23,6 +25,8 @@ from sparse_jax import _capacity, _lookup
 from sparse_jax._configs import EmbeddingConfig
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 from sparse_jax._layout import TableLayout
+from sparse_jax._module import PreparedBatch
+from sparse_jax._prepare import host_kjt
 from sparse_jax._tables import TableCollection
 from sparse_jax.optim._apply import apply_row_rule
 from sparse_jax.optim._base import RowRule, SparseOptState
@@ -33,6 +37,22 @@ __all__ = ["EmbeddingCollection"]
 @jax.jit
 def _gather_rows(table, rows):
     return table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceBatch(PreparedBatch):
+    """A sequence collection's prepared batch.
+
+    `rows`: what the tables' devices read (unsharded: per group, the rows of the group's
+    ids, padded to a capacity with an out-of-range row; sharded: the per-id bag batch).
+    `lengths`: per feature, the host lengths the output JaggedTensors are cut by."""
+
+    rows: object
+    lengths: Mapping[str, np.ndarray]
+    stride: int
+
+    def count(self, feature: str) -> int:
+        return int(self.lengths[feature].sum())
 
 
 class EmbeddingCollection(TableCollection):
@@ -50,69 +70,90 @@ class EmbeddingCollection(TableCollection):
         self.layout = TableLayout.build(tables)
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
         self.ladder = ladder
+        self.prepare_count = 0
+        self._programs: set = set()
 
-    def _check(self, kjt: KeyedJaggedTensor) -> None:
+    def check_host(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch on the host, keys and (with bounds_check="error") ids checked."""
         self.layout.key_indices(kjt.keys())
+        host = host_kjt(kjt)
         if self.bounds_check == "error":
-            _lookup.check_ids(kjt, self.layout)
+            _lookup.check_ids(host, self.layout)
+        return host
 
-    def _feature_rows(self, kjt: KeyedJaggedTensor) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """{feature: (rows into its group buffer (sentinel for skipped ids), lengths)} (eager)."""
-        out = {}
-        for slot in self.layout.features:
-            jt = kjt[slot.feature]
-            ids = np.asarray(jt.values()).astype(np.int64)
+    def _group_rows(self, kjt: KeyedJaggedTensor) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Per group the rows of its features' ids, concatenated (an out-of-range row,
+        dropped by every scatter and read as zeros, for skipped ids); per feature its lengths."""
+        rows: dict[str, list] = {g: [] for g in self.layout.groups}
+        lengths = {}
+        offsets = np.asarray(kjt.offsets())
+        values = np.asarray(kjt.values())
+        stride = kjt.stride()
+        for slot, ki in zip(self.layout.features, self.layout.key_indices(kjt.keys()), strict=True):
+            ids = values[int(offsets[ki * stride]) : int(offsets[(ki + 1) * stride])].astype(np.int64)
             if self.bounds_check == "clamp":
                 ids = np.clip(ids, 0, slot.num_rows - 1)
             inside = (ids >= 0) & (ids < slot.num_rows)
-            rows = np.where(inside, ids + slot.row_offset, self.layout.groups[slot.group][0])
-            out[slot.feature] = (rows.astype(np.int32), np.asarray(jt.lengths()))
-        return out
+            rows[slot.group].append(np.where(inside, ids + slot.row_offset, self.layout.groups[slot.group][0]))
+            lengths[slot.feature] = np.asarray(kjt.lengths())[ki * stride : (ki + 1) * stride].astype(np.int32)
+        return {g: np.concatenate(r) if r else np.zeros(0, np.int64) for g, r in rows.items()}, lengths
 
-    def apply(self, params, kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+    def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> SequenceBatch:
+        """Check on the host, build each group's padded row stream, place it (once per batch)."""
+        rows, lengths = self._group_rows(self.check_host(kjt))
+        placed = {}
+        for group, r in rows.items():
+            cap = _capacity.capacity_for(max(len(r), 1), self.ladder, what=f"ids of buffer {group!r}")
+            padded = np.full(cap, self.layout.groups[group][0], np.int32)
+            padded[: len(r)] = r
+            placed[group] = jax.device_put(padded, device)
+        self.prepare_count += 1
+        return SequenceBatch(rows=placed, lengths=lengths, stride=kjt.stride())
+
+    def apply(self, params, batch) -> dict[str, JaggedTensor]:
         """{feature: JaggedTensor} whose values are the `[num_ids, dim]` rows (skipped ids: zeros)."""
-        self._check(kjt)
+        if not isinstance(batch, SequenceBatch):
+            batch = self.prepare(batch)
         out = {}
-        for slot in self.layout.features:
-            rows, lengths = self._feature_rows(kjt)[slot.feature]
-            cap = _capacity.capacity_for(len(rows), self.ladder, what=f"feature {slot.feature!r}")
-            padded = np.full(cap, self.layout.groups[slot.group][0], np.int32)
-            padded[: len(rows)] = rows
-            emb = _gather_rows(params[slot.group], jnp.asarray(padded))[: len(rows)]
-            out[slot.feature] = JaggedTensor.from_values_and_lengths(emb, lengths)
-        return out
+        for group, rows in batch.rows.items():
+            self._programs.add(rows.shape)
+            emb = _gather_rows(params[group], rows)
+            start = 0
+            for slot in self.layout.slots_of_group(group):
+                n = batch.count(slot.feature)
+                out[slot.feature] = JaggedTensor.from_values_and_lengths(emb[start : start + n], batch.lengths[slot.feature])
+                start += n
+        return {f: out[f] for f in self.layout.feature_names}
+
+    def lookup_compile_count(self) -> int:
+        return len(self._programs)
 
     # -- fused update (used by make_update) ----------------------------------------------------
-    def prepare_update(self, kjt: KeyedJaggedTensor, grads: Mapping[str, jax.Array]):
-        """Eager: per buffer the padded stream (rows, per-id grads), static capacity."""
+    def update_operands(self, batch: SequenceBatch, grads: Mapping[str, jax.Array]):
+        """Per buffer (rows, per-id grads padded to the rows' capacity); device ops only."""
         missing = [s.feature for s in self.layout.features if s.feature not in grads]
         if missing:
             raise ValueError(f"grads has no entry for feature(s) {missing}; give one [num_ids, dim] array per feature")
-        rows_of = self._feature_rows(kjt)
         streams = {}
-        for group, (total_rows, dim) in self.layout.groups.items():
-            slots = self.layout.slots_of_group(group)
-            rows = np.concatenate([rows_of[s.feature][0] for s in slots])
+        for group, rows in batch.rows.items():
+            dim = self.layout.groups[group][1]
             gs = []
-            for s in slots:
+            for s in self.layout.slots_of_group(group):
                 g = jnp.asarray(grads[s.feature], jnp.float32)
-                if g.shape != (len(rows_of[s.feature][0]), dim):
+                if g.shape != (batch.count(s.feature), dim):
                     raise ValueError(
-                        f"grads[{s.feature!r}] has shape {tuple(g.shape)}; expected [{len(rows_of[s.feature][0])}, {dim}] "
+                        f"grads[{s.feature!r}] has shape {tuple(g.shape)}; expected [{batch.count(s.feature)}, {dim}] "
                         "(one row per id of the feature)"
                     )
                 gs.append(g)
-            cap = _capacity.capacity_for(max(len(rows), 1), self.ladder, what=f"update of buffer {group!r}")
-            padded_rows = np.full(cap, total_rows, np.int32)
-            padded_rows[: len(rows)] = rows
-            grad = jnp.zeros((cap, dim), jnp.float32).at[: len(rows)].set(jnp.concatenate(gs) if gs else jnp.zeros((0, dim)))
-            streams[group] = (jnp.asarray(padded_rows), grad)
-        return streams, None
+            flat = jnp.concatenate(gs) if gs else jnp.zeros((0, dim), jnp.float32)
+            streams[group] = (rows, jnp.zeros((rows.shape[0], dim), jnp.float32).at[: flat.shape[0]].set(flat))
+        return streams
 
-    def update_fn(self, rule: RowRule):
-        def step(params, opt_state: SparseOptState, streams, _unused):
+    def update_step(self, rule: RowRule):
+        def step(params, opt_state: SparseOptState, streams):
             count = opt_state.count + 1
-            new_params, new_states = {}, {}
+            new_params, new_states = dict(params), dict(opt_state.tables)
             for group, (rows, grad) in streams.items():
                 n = rows.shape[0]
                 new_params[group], new_states[group] = apply_row_rule(

@@ -22,8 +22,12 @@ from sparse_jax._configs import EmbeddingBagConfig
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
+from sparse_jax._module import PaddedBatch
+from sparse_jax._prepare import LengthCaps, host_kjt, pad_host
 from sparse_jax._tables import TableCollection
+from sparse_jax._update import fused_update
 from sparse_jax._validate import is_concrete
+from sparse_jax.optim._base import RowRule
 
 __all__ = ["EmbeddingBagCollection", "KERNELS"]
 
@@ -42,6 +46,7 @@ class EmbeddingBagCollection(TableCollection):
         the same numbers; the fused update follows the same choice (C++ for sgd, adagrad
         and rowwise_adagrad on fp32 buffers).
       bounds_check: "error" (default), "clamp" or "skip" for ids outside a table.
+      ladder: capacity rungs `prepare` pads a batch's ids to (default `DEFAULT_LADDER`).
     """
 
     def __init__(
@@ -51,6 +56,7 @@ class EmbeddingBagCollection(TableCollection):
         *,
         kernel: str = "auto",
         bounds_check: str = "error",
+        ladder: Sequence[int] | None = None,
     ):
         for t in tables:
             if not isinstance(t, EmbeddingBagConfig):
@@ -64,16 +70,35 @@ class EmbeddingBagCollection(TableCollection):
         self.is_weighted = bool(is_weighted)
         self.kernel = kernel
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
+        self.ladder = None if ladder is None else tuple(ladder)
+        self.prepare_count = 0
+        self._caps = LengthCaps()
         self._apply_jit = jax.jit(self._apply)
 
-    # -- forward ---------------------------------------------------------------------------
-    def _check(self, kjt: KeyedJaggedTensor) -> None:
+    # -- preparation (once per batch) ----------------------------------------------------------
+    def check_structure(self, kjt: KeyedJaggedTensor) -> None:
+        """Keys and weights fit this collection (no id is read)."""
         if self.is_weighted and kjt.weights_or_none() is None:
             raise ValueError("this EmbeddingBagCollection is weighted (is_weighted=True) but the KJT has no weights")
         self.layout.key_indices(kjt.keys())
-        if self.bounds_check == "error":
-            _lookup.check_ids(kjt, self.layout)
 
+    def check_host(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch on the host, its structure and (with bounds_check="error") its ids checked."""
+        self.check_structure(kjt)
+        host = host_kjt(kjt)
+        if self.bounds_check == "error":
+            _lookup.check_ids(host, self.layout)
+        return host
+
+    def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> PaddedBatch:
+        """Validate (on the host), pad to the ladder with growing length caps, place on
+        `device` (default: JAX's default device). Once per batch; see `SparseModule`."""
+        host = self.check_host(kjt)
+        padded = pad_host(host, self.ladder, self._caps.observe(host))
+        self.prepare_count += 1
+        return PaddedBatch(jax.device_put(padded, device))
+
+    # -- forward ---------------------------------------------------------------------------
     def _apply(self, params, kjt: KeyedJaggedTensor) -> KeyedTensor:
         opts = dict(weighted=self.is_weighted, bounds_check=self.bounds_check)
         if self.kernel == "reference":
@@ -82,12 +107,37 @@ class EmbeddingBagCollection(TableCollection):
             blocks = _lookup.pooled_per_position(params, kjt, self.layout, kernel=self.kernel, **opts)
         return KeyedTensor(self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1))
 
-    def apply(self, params, kjt: KeyedJaggedTensor) -> KeyedTensor:
-        """Pooled embeddings `[B, sum of feature dims]` as a KeyedTensor (fp32)."""
-        self._check(kjt)
-        if is_concrete(*jax.tree_util.tree_leaves((params, kjt))):
-            if kjt.capacity() == 0 or (self.kernel != "reference" and kjt.length_caps() is None):
-                # static caps for the jitted program; at least one (padding) slot
-                kjt = kjt.pad(capacity=max(kjt.capacity(), 8))
-            return self._apply_jit(params, kjt)
-        return self._apply(params, kjt)
+    def apply(self, params, batch: PaddedBatch | KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings `[B, sum of feature dims]` as a KeyedTensor (fp32).
+
+        `batch`: a `prepare`d batch (nothing is checked again), or a KJT (prepared here;
+        inside a user's `jit` a traced KJT is looked up as it is: pad it first)."""
+        if isinstance(batch, KeyedJaggedTensor):
+            if not is_concrete(*jax.tree_util.tree_leaves(batch)):
+                self.check_structure(batch)
+                return self._apply(params, batch)
+            batch = self.prepare(batch)
+        if not isinstance(batch, PaddedBatch):
+            raise TypeError(f"EmbeddingBagCollection.apply takes a KJT or its prepare()d batch, got {type(batch).__name__}")
+        if is_concrete(*jax.tree_util.tree_leaves(params)):
+            return self._apply_jit(params, batch.kjt)
+        return self._apply(params, batch.kjt)
+
+    def lookup_compile_count(self) -> int:
+        return self._apply_jit._cache_size()
+
+    # -- fused update (make_update) ------------------------------------------------------------
+    def update_operands(self, batch: PaddedBatch, grad):
+        """(padded KJT without length caps, pooled grad values): the update reads no caps, so
+        it keeps one program per capacity."""
+        if isinstance(grad, KeyedTensor):
+            grad = grad.values()
+        return batch.kjt.without_length_caps(), grad
+
+    def update_step(self, rule: RowRule):
+        def step(params, opt_state, operands):
+            kjt, pooled_grad = operands
+            return fused_update(self.layout, rule, params, opt_state, kjt, pooled_grad, weighted=self.is_weighted,
+                                bounds_check=self.bounds_check, kernel=self.kernel)
+
+        return step

@@ -11,16 +11,35 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax._layout import TableLayout
+from sparse_jax._module import StoredBlock
 
 __all__ = ["TableCollection"]
 
 
 class TableCollection:
+    """The unsharded half of the `SparseModule` contract that both collections share."""
+
     layout: TableLayout
+    plan = None  # unsharded: no ShardingPlan
+    mesh_axes = None
 
     @property
     def tables(self):
         return self.layout.tables
+
+    @property
+    def feature_names(self) -> list[str]:
+        return self.layout.feature_names
+
+    @property
+    def output_dims(self) -> list[int]:
+        return self.layout.output_dims
+
+    def stored_blocks(self):
+        """Each table whole, at its offset in its group's stacked buffer."""
+        for t in self.layout.tables:
+            group, offset = self.layout.table_group[t.name]
+            yield StoredBlock(group, t.name, offset, 0, t.num_embeddings, 0, t.embedding_dim)
 
     def init(self, key: jax.Array) -> dict[str, jax.Array]:
         """Uniform(weight_init_min, weight_init_max) per table, stacked per group (fresh buffers)."""

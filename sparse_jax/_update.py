@@ -1,7 +1,8 @@
 """`make_update`: the fused sparse optimizer step of a collection, jitted, buffers donated.
 
     update = make_update(ebc, rowwise_adagrad(lr=0.05))
-    params, opt_state = update(params, opt_state, kjt, pooled_grad)
+    batch = ebc.prepare(kjt)                  # once; the forward uses the same batch
+    params, opt_state = update(params, opt_state, batch, pooled_grad)
 
 `pooled_grad` is the gradient of the loss w.r.t. `ebc.apply(params, kjt).values()`
 (`[B, sum of feature dims]`, or that KeyedTensor). The step never forms a table-sized
@@ -14,13 +15,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from sparse_jax import _lookup
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
+from sparse_jax._module import PreparedBatch
 from sparse_jax.optim._apply import apply_row_rule
 from sparse_jax.optim._base import RowRule, SparseOptState
 
@@ -52,53 +51,34 @@ def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOp
     return new_params, SparseOptState(count=step, tables=new_states)
 
 
-def _batch_sharded(collection, grad):
-    """The pooled gradient placed batch-sharded on the collection's mesh (explicit-axis meshes
-    from `jax.make_mesh` do not reshard inputs implicitly)."""
-    if isinstance(grad, KeyedTensor):
-        grad = grad.values()
-    sharding = NamedSharding(collection.mesh, P(tuple(collection.mesh.axis_names)))
-    if isinstance(grad, jax.Array) and grad.sharding.is_equivalent_to(sharding, grad.ndim):
-        return grad
-    host = np.asarray(grad)  # the same global value on every process
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
 class _Update:
-    """Callable returned by `make_update`: eager id checks, then the jitted, donating step."""
+    """Callable returned by `make_update`: the module's update operands, then the jitted,
+    donating step. A prepared batch (`module.prepare`) is used as it is; a raw KJT is
+    prepared first (one preparation)."""
 
-    def __init__(self, collection, rule: RowRule):
+    def __init__(self, module, rule: RowRule):
         if not isinstance(rule, RowRule):
             raise ValueError(f"make_update needs a sparse_jax.optim row rule, got {type(rule).__name__}")
-        self.collection, self.rule = collection, rule
-        if hasattr(collection, "update_fn"):  # sharded or sequence: the collection's own step
-            step = collection.update_fn(rule)
-            self._prepare = getattr(collection, "prepare_update", None) or (
-                lambda kjt, g: (collection.batch(kjt), _batch_sharded(collection, g))
-            )
-        else:
+        self.module, self.rule = module, rule
+        self.jitted = jax.jit(module.update_step(rule), donate_argnums=(0, 1))
 
-            def step(params, opt_state, kjt, pooled_grad):
-                return fused_update(collection.layout, rule, params, opt_state, kjt, pooled_grad,
-                                    weighted=collection.is_weighted, bounds_check=collection.bounds_check,
-                                    kernel=collection.kernel)
+    @property
+    def collection(self):
+        return self.module
 
-            def prepare(kjt, grad):
-                # the update reads no length caps: dropping them keeps one program per capacity
-                return (kjt if kjt.capacity() else kjt.pad(capacity=8)).without_length_caps(), grad
-
-            self._prepare = prepare
-        self.jitted = jax.jit(step, donate_argnums=(0, 1))
-
-    def __call__(self, params, opt_state, kjt, pooled_grad):
-        self.collection._check(kjt)
-        return self.jitted(params, opt_state, *self._prepare(kjt, pooled_grad))
+    def __call__(self, params, opt_state, batch, pooled_grad):
+        if not isinstance(batch, PreparedBatch):
+            batch = self.module.prepare(batch)
+        return self.jitted(params, opt_state, self.module.update_operands(batch, pooled_grad))
 
     def compile_count(self) -> int:
         """How many programs the jitted step has compiled (one per distinct input shape)."""
         return self.jitted._cache_size()
 
 
-def make_update(collection, rule: RowRule) -> _Update:
-    """The fused update step for `collection` with the row rule `rule` (params, state donated)."""
-    return _Update(collection, rule)
+def make_update(module, rule: RowRule) -> _Update:
+    """The fused update step for a sparse module with the row rule `rule` (params, state donated).
+
+    `update(params, opt_state, batch, grad)`: `batch` is `module.prepare(kjt)` (or a KJT,
+    prepared here), `grad` the gradient of `module.apply(params, batch)`."""
+    return _Update(module, rule)

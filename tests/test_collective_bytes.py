@@ -97,9 +97,10 @@ def _hlo_bytes(sharded, kjt):
     rule = optim.rowwise_adagrad(lr=0.1)
     update = make_update(sharded, rule)
     grad = jnp.zeros((kjt.stride(), sum(sharded.layout.output_dims)), jnp.float32)
-    local, grad = update._prepare(kjt, grad)  # as `update(...)` places them
+    local = sharded.prepare(kjt)
+    operands = sharded.update_operands(local, grad)  # as `update(...)` places them
     forward = sharded._apply_jit.lower(params, local).compile().as_text()
-    step = update.jitted.lower(params, rule.init(params), local, grad).compile().as_text()
+    step = update.jitted.lower(params, rule.init(params), operands).compile().as_text()
     return local, hlo_received_bytes(forward), hlo_received_bytes(step)
 
 
@@ -198,7 +199,7 @@ def test_planner_estimate_is_within_ten_percent_of_the_reported_bytes(kind, leng
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     plan = ShardingPlan.from_types([table], MESH_AXES, {"t": kind})
     sharded = shard(EmbeddingBagCollection([table], is_weighted=weighted), mesh, plan)
-    local = sharded.batch(_kjt([table], lengths, weighted=weighted))
+    local = sharded.prepare(_kjt([table], lengths, weighted=weighted))
     # The batch matches the planner's documented assumptions (capacity rung, length cap).
     shapes = static_shapes(table, PLANNER_BATCH / 8, pooling, max_bag_length=max_bag_length)
     assert (local.values.shape[1], local.length_cap) == shapes

@@ -183,7 +183,7 @@ def test_all_to_all_input_dist_matches_unsharded(kind):
     _check_replicas_identical(sparams)
 
 
-def test_all_to_all_overflow_is_redone_at_the_next_rung_and_never_drops_ids(caplog):
+def test_all_to_all_route_capacity_grows_with_a_skewed_batch_and_never_drops_ids(caplog):
     from sparse_jax import make_ladder
 
     mesh = _mesh("2x4")
@@ -203,7 +203,7 @@ def test_all_to_all_overflow_is_redone_at_the_next_rung_and_never_drops_ids(capl
             np.testing.assert_allclose(sharded.apply(sparams, kjt).values(), ebc.apply(params, kjt).values(), rtol=1e-5, atol=1e-6)
             params, state = update(params, state, kjt.pad(capacity=512), grad)
             sparams, sstate = supdate(sparams, sstate, kjt, grad)
-    assert any("redone at capacity" in r.getMessage() for r in caplog.records)
+    assert any("exceed capacity" in r.getMessage() for r in caplog.records)  # counted on the host
     _check_tables(ebc, sharded, params, sparams)
     capped = shard(ebc, mesh, types, ladder=make_ladder(8, 1 << 12), input_dist="all_to_all", max_route_capacity=8)
     with pytest.raises(ValueError, match="above max_route_capacity=8"):

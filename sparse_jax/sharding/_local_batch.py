@@ -16,13 +16,17 @@ import numpy as np
 
 from sparse_jax import _capacity
 from sparse_jax._jagged import KeyedJaggedTensor
+from sparse_jax._module import PreparedBatch
 
 __all__ = ["LocalBatches", "split_batch"]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LocalBatches:
+class LocalBatches(PreparedBatch):
+    """A sharded collection's prepared batch (`prepare`): per device its part of the global
+    batch, padded to one capacity, as `[devices, ...]` arrays placed batch-sharded."""
+
     values: jax.Array  # [devices, capacity] ids
     lengths: jax.Array  # [devices, num_keys * local_batch]
     weights: jax.Array  # [devices, capacity] (ones when the KJT has none)
@@ -31,6 +35,10 @@ class LocalBatches:
     length_cap: int = dataclasses.field(metadata=dict(static=True))  # max bag length, power of two
     # ids each device may send to each peer when ids are routed by all_to_all (0: all-gathered)
     route_capacity: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @property
+    def stride(self) -> int:
+        return self.local_batch * self.values.shape[0]
 
 
 def split_batch(
@@ -71,3 +79,31 @@ def split_batch(
     max_len = int(lengths.max()) if lengths.size else 0
     return dict(values=out_v, lengths=out_l, weights=out_w, keys=tuple(keys), local_batch=b_local,
                 length_cap=max(min_length_cap, _capacity.length_cap(max_len)))
+
+
+def route_need(buffers, layout, parts: dict, *, clamp: bool) -> int:
+    """The most ids any device sends to one peer under the all_to_all input dist, counted
+    on the host arrays of `split_batch` (the same positions `_send_positions` marks valid
+    on the devices: an id is sent once per work item of the peer whose shard rows hold it)."""
+    values, lengths = parts["values"], parts["lengths"]
+    b_l, num_keys = parts["local_batch"], len(parts["keys"])
+    key_of_feature = layout.key_indices(parts["keys"])
+    need = 0
+    for d in range(values.shape[0]):
+        offsets = np.concatenate([[0], np.cumsum(lengths[d])])
+        sorted_ids = {}
+        for k in range(num_keys):
+            sorted_ids[k] = np.sort(values[d, offsets[k * b_l] : offsets[(k + 1) * b_l]].astype(np.int64))
+        for buf in buffers:
+            if not buf.axes:
+                continue
+            for items in buf.items:  # one destination coordinate of the group
+                sent = 0
+                for it in items:
+                    ids = sorted_ids[key_of_feature[it.feature]]
+                    if clamp:
+                        ids = np.clip(ids, 0, it.num_rows - 1)  # stays sorted
+                    lo, hi = it.row_offset, min(it.row_offset + it.row_size, it.num_rows)
+                    sent += int(np.searchsorted(ids, hi, "left") - np.searchsorted(ids, lo, "left"))
+                need = max(need, sent)
+    return need

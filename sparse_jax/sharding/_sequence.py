@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax._configs import EmbeddingBagConfig
+from sparse_jax._embedding import SequenceBatch
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 
@@ -43,9 +44,13 @@ class ShardedEmbeddingCollection:
             for t in ec.tables
         ]
         self.bags = ShardedEmbeddingBagCollection(
-            EmbeddingBagCollection(bags, bounds_check=ec.bounds_check), mesh, plan, **shard_kw
+            # ids are checked once, by the sequence collection's prepare ("skip" computes what
+            # "error" does on checked ids)
+            EmbeddingBagCollection(bags, bounds_check="skip" if ec.bounds_check == "error" else ec.bounds_check),
+            mesh, plan, **shard_kw
         )
         self.plan, self.mesh = self.bags.plan, mesh
+        self.prepare_count = 0
 
     @property
     def tables(self):
@@ -63,52 +68,76 @@ class ShardedEmbeddingCollection:
     def table_state(self, opt_state, key: str):
         return self.bags.table_state(opt_state, key)
 
-    def _check(self, kjt: KeyedJaggedTensor) -> None:
-        self.ec._check(kjt)
+    @property
+    def feature_names(self) -> list[str]:
+        return self.layout.feature_names
+
+    @property
+    def output_dims(self) -> list[int]:
+        return self.layout.output_dims
+
+    @property
+    def mesh_axes(self):
+        return self.bags.mesh_axes
+
+    def stored_blocks(self):
+        return self.bags.stored_blocks()
+
+    def lookup_compile_count(self) -> int:
+        return self.bags.lookup_compile_count()
 
     def _per_id(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, dict[str, np.ndarray]]:
-        """The per-id KJT (one id per bag, features padded to one batch) and each feature's lengths."""
+        """The per-id host KJT (one id per bag, features padded to one batch) and each
+        feature's lengths."""
         features = self.layout.feature_names
-        per_feature = {f: kjt[f] for f in features}
-        counts = [int(np.asarray(per_feature[f].values()).shape[0]) for f in features]
+        offsets, all_values, all_lengths = np.asarray(kjt.offsets()), np.asarray(kjt.values()), np.asarray(kjt.lengths())
+        stride = kjt.stride()
+        per_feature = {}
+        for f, ki in zip(features, self.layout.key_indices(kjt.keys()), strict=True):
+            a, b = int(offsets[ki * stride]), int(offsets[(ki + 1) * stride])
+            per_feature[f] = (all_values[a:b], all_lengths[ki * stride : (ki + 1) * stride].astype(np.int32))
+        counts = [len(per_feature[f][0]) for f in features]
         n = self.bags.num_devices
-        stride = max(n, -(-max(counts, default=0) // n) * n)
-        values, lengths = [], []
-        for f, c in zip(features, counts, strict=True):
-            values.append(np.asarray(per_feature[f].values()))
-            lengths.append(np.concatenate([np.ones(c, np.int32), np.zeros(stride - c, np.int32)]))
-        per_id = KeyedJaggedTensor(features, np.concatenate(values), lengths=np.concatenate(lengths), stride=stride)
-        return per_id, {f: np.asarray(per_feature[f].lengths()) for f in features}
+        bags = max(n, -(-max(counts, default=0) // n) * n)
+        values = np.concatenate([per_feature[f][0] for f in features]) if features else np.zeros(0, np.int32)
+        lengths = np.concatenate([np.concatenate([np.ones(c, np.int32), np.zeros(bags - c, np.int32)]) for c in counts])
+        offsets = np.zeros(len(lengths) + 1, np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        per_id = KeyedJaggedTensor.tree_unflatten((tuple(features), bags, None), (values, None, lengths, offsets))
+        return per_id, {f: per_feature[f][1] for f in features}
 
-    def apply(self, params, kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        self._check(kjt)
-        per_id, lengths = self._per_id(kjt)
-        rows = np.asarray(self.bags.apply(params, per_id).values())
+    def prepare(self, kjt: KeyedJaggedTensor, *, device=None) -> SequenceBatch:  # noqa: ARG002 (on the mesh)
+        """Checked on the host, turned into the per-id bag batch, split and placed once."""
+        per_id, lengths = self._per_id(self.ec.check_host(kjt))
+        self.prepare_count += 1
+        return SequenceBatch(rows=self.bags.prepare(per_id), lengths=lengths, stride=kjt.stride())
+
+    def apply(self, params, batch) -> dict[str, JaggedTensor]:
+        if not isinstance(batch, SequenceBatch):
+            batch = self.prepare(batch)
+        rows = self.bags.apply(params, batch.rows).values()
         out = {}
         for slot in self.layout.features:
-            n = int(lengths[slot.feature].sum())
-            emb = jnp.asarray(rows[:n, slot.out_offset : slot.out_offset + slot.dim])
-            out[slot.feature] = JaggedTensor.from_values_and_lengths(emb, lengths[slot.feature])
+            emb = rows[: batch.count(slot.feature), slot.out_offset : slot.out_offset + slot.dim]
+            out[slot.feature] = JaggedTensor.from_values_and_lengths(emb, batch.lengths[slot.feature])
         return out
 
     # -- fused update (used by make_update) ----------------------------------------------------
-    def prepare_update(self, kjt: KeyedJaggedTensor, grads: Mapping[str, jax.Array]):
+    def update_operands(self, batch: SequenceBatch, grads: Mapping[str, jax.Array]):
+        """The per-id gradients laid out as the bag batch's pooled gradient (device ops)."""
         missing = [s.feature for s in self.layout.features if s.feature not in grads]
         if missing:
             raise ValueError(f"grads has no entry for feature(s) {missing}; give one [num_ids, dim] array per feature")
-        per_id, lengths = self._per_id(kjt)
-        pooled = np.zeros((per_id.stride(), sum(self.layout.output_dims)), np.float32)
+        pooled = jnp.zeros((batch.rows.stride, sum(self.layout.output_dims)), jnp.float32)
         for slot in self.layout.features:
-            g = np.asarray(grads[slot.feature], np.float32)
-            n = int(lengths[slot.feature].sum())
+            g = jnp.asarray(grads[slot.feature], jnp.float32)
+            n = batch.count(slot.feature)
             if g.shape != (n, slot.dim):
                 raise ValueError(
-                    f"grads[{slot.feature!r}] has shape {g.shape}; expected [{n}, {slot.dim}] (one row per id of the feature)"
+                    f"grads[{slot.feature!r}] has shape {tuple(g.shape)}; expected [{n}, {slot.dim}] (one row per id of the feature)"
                 )
-            pooled[:n, slot.out_offset : slot.out_offset + slot.dim] = g
-        from sparse_jax._update import _batch_sharded
+            pooled = pooled.at[:n, slot.out_offset : slot.out_offset + slot.dim].set(g)
+        return self.bags.update_operands(batch.rows, pooled)
 
-        return self.bags.batch(per_id), _batch_sharded(self.bags, pooled)
-
-    def update_fn(self, rule):
-        return self.bags.update_fn(rule)
+    def update_step(self, rule):
+        return self.bags.update_step(rule)

@@ -25,7 +25,6 @@ column block* (mean over the block's columns), as TorchRec does.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -40,10 +39,11 @@ from jax.sharding import PartitionSpec as P
 from sparse_jax import _lookup
 from sparse_jax._capacity import capacity_for
 from sparse_jax._keyed_tensor import KeyedTensor
+from sparse_jax._module import StoredBlock
 from sparse_jax._validate import is_concrete
 from sparse_jax.optim._apply import apply_row_rule
 from sparse_jax.optim._base import RowRule, SparseOptState, is_row_leaf
-from sparse_jax.sharding._local_batch import LocalBatches, split_batch
+from sparse_jax.sharding._local_batch import LocalBatches, route_need, split_batch
 from sparse_jax.sharding._plan import ShardingPlan
 from sparse_jax.sharding._work import ShardBuffer, build_buffers
 
@@ -104,7 +104,7 @@ class ShardedEmbeddingBagCollection:
         self.ebc, self.mesh, self.ladder = ebc, mesh, ladder
         self.input_dist, self.max_route_capacity = input_dist, max_route_capacity
         self._route_high_water = 0
-        self._count_jit = jax.jit(self._route_counts)
+        self.prepare_count = 0
         self.layout = ebc.layout
         self.is_weighted, self.bounds_check = ebc.is_weighted, ebc.bounds_check
         self.mesh_axes = {a: int(s) for a, s in mesh.shape.items()}
@@ -119,8 +119,23 @@ class ShardedEmbeddingBagCollection:
     def tables(self):
         return self.layout.tables
 
-    def _check(self, kjt) -> None:
-        self.ebc._check(kjt)
+    @property
+    def feature_names(self) -> list[str]:
+        return self.layout.feature_names
+
+    @property
+    def output_dims(self) -> list[int]:
+        return self.layout.output_dims
+
+    def stored_blocks(self):
+        """Every shard block: where it sits in its shard buffer (rows of all coordinates
+        stacked) and which rows and columns of its table it holds."""
+        for buf in self.buffers:
+            for table, c, local, r0, rn, c0, cn in buf.blocks:
+                yield StoredBlock(buf.name, table, c * buf.rows_per_device + local, r0, rn, c0, cn)
+
+    def lookup_compile_count(self) -> int:
+        return self._apply_jit._cache_size()
 
     # -- placement --------------------------------------------------------------------
     def _spec(self, buf: ShardBuffer) -> P:
@@ -188,27 +203,32 @@ class ShardedEmbeddingBagCollection:
     def _dim(self, table):
         return next(t.embedding_dim for t in self.tables if t.name == table)
 
-    def batch(self, kjt) -> LocalBatches:
-        """The global KJT split per device and placed on the mesh (eager).
+    def prepare(self, kjt, *, device=None) -> LocalBatches:  # noqa: ARG002 (placed on the mesh)
+        """The global KJT checked on the host, split per device, padded once and placed on
+        the mesh (once per batch; see `SparseModule`).
 
         Capacity and length cap never shrink below the largest seen so far, so a steady
-        loop compiles once per high-water mark instead of flipping between rungs."""
-        parts = split_batch(kjt, self.num_devices, self.ladder, min_capacity=self._high_water[0],
+        loop compiles once per high-water mark instead of flipping between rungs. With
+        `input_dist="all_to_all"` the route capacity is counted here, on the host copy of
+        the ids (exact, so no id can overflow and no device value is read)."""
+        host = self.ebc.check_host(kjt)
+        parts = split_batch(host, self.num_devices, self.ladder, min_capacity=self._high_water[0],
                             min_length_cap=self._high_water[1])
         self._high_water = (parts["values"].shape[1], parts["length_cap"])
+        route_capacity = 0
+        if self.input_dist == "all_to_all" and any(b.axes for b in self.buffers):
+            route_capacity = self._route_capacity(parts)
         sharding = NamedSharding(self.mesh, P(self._all_axes))
         arrays = {k: _global_array(parts[k], sharding) for k in ("values", "lengths", "weights")}
-        local = LocalBatches(**arrays, keys=parts["keys"], local_batch=parts["local_batch"], length_cap=parts["length_cap"])
-        if self.input_dist == "all_to_all" and any(b.axes for b in self.buffers):
-            local = dataclasses.replace(local, route_capacity=self._route_capacity(local))
-        return local
+        self.prepare_count += 1
+        return LocalBatches(**arrays, keys=parts["keys"], local_batch=parts["local_batch"],
+                            length_cap=parts["length_cap"], route_capacity=route_capacity)
 
-    def _route_capacity(self, local: LocalBatches) -> int:
+    def _route_capacity(self, parts: dict) -> int:
         """The all_to_all buffer size for this batch: the most ids any device sends to any
-        peer (counted on the devices), raised to a ladder rung and never below the last one.
-        A batch that needs more than the current rung is routed at the next rung (logged);
-        above `max_route_capacity` it raises. No id is ever dropped."""
-        need = int(np.max(_host(self._count_jit(local))))
+        peer (counted on the host), raised to a ladder rung and never below the last one.
+        Above `max_route_capacity` it raises. No id is ever dropped."""
+        need = route_need(self.buffers, self.layout, parts, clamp=self.bounds_check == "clamp")
         current = self._route_high_water
         if need > current:
             rung = capacity_for(need, self.ladder, what="all_to_all input dist")
@@ -218,21 +238,9 @@ class ShardedEmbeddingBagCollection:
                     f"{self.max_route_capacity}; raise it, use a smaller batch, or input_dist='all_gather'"
                 )
             if current:
-                log.info("all_to_all input dist: %d ids overflow capacity %d; redone at capacity %d", need, current, rung)
+                log.info("all_to_all input dist: %d ids to one peer exceed capacity %d; now %d", need, current, rung)
             self._route_high_water = rung
         return self._route_high_water
-
-    def _route_counts(self, local: LocalBatches):
-        def body(loc):
-            need = jnp.zeros((), jnp.int32)
-            for buf in self.buffers:
-                if buf.axes:
-                    _, _, valid = self._send_positions(buf, loc)
-                    need = jnp.maximum(need, valid.reshape(buf.group_size, -1).sum(axis=1).max())
-            return jax.lax.pmax(need, self._all_axes)
-
-        specs = jax.tree_util.tree_map(lambda _: P(self._all_axes), local)
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(specs,), out_specs=P(), check_vma=False)(local)
 
     # -- per-device pieces (inside shard_map) -----------------------------------------------
     def _positions(self, buf: ShardBuffer, local: LocalBatches):
@@ -306,7 +314,8 @@ class ShardedEmbeddingBagCollection:
         def pack(x, fill):
             return jnp.full((n_a, cap + 1), fill, x.dtype).at[dest, slot].set(x.reshape(n_a, -1))[:, :cap]
 
-        send = (pack(rows, buf.rows_per_device), pack(item_bag, 0), pack(w, 0.0))
+        # padding entries: an out-of-range row and bag (dropped by every scatter and segment sum)
+        send = (pack(rows, buf.rows_per_device), pack(item_bag, rows.shape[1] * b_l), pack(w, 0.0))
         recv = [jax.lax.all_to_all(x, buf.axes, 0, 0) for x in send]  # [n_A sources, cap]
         r, ib, sc = recv
         src = jnp.arange(n_a, dtype=jnp.int32)[:, None]
@@ -475,11 +484,10 @@ class ShardedEmbeddingBagCollection:
                            out_specs=P(self._all_axes), check_vma=False)
         return fn(params, local)
 
-    def apply(self, params, kjt) -> KeyedTensor:
-        """Pooled embeddings `[B, sum of dims]`, batch-sharded over every device."""
-        if not isinstance(kjt, LocalBatches):
-            self._check(kjt)
-        local = kjt if isinstance(kjt, LocalBatches) else self.batch(kjt)
+    def apply(self, params, batch) -> KeyedTensor:
+        """Pooled embeddings `[B, sum of dims]`, batch-sharded over every device. `batch`:
+        `prepare(kjt)`'s result (or a KJT, prepared here)."""
+        local = batch if isinstance(batch, LocalBatches) else self.prepare(batch)
         values = self._apply_jit(params, local) if is_concrete(*jax.tree_util.tree_leaves(params)) else self._apply(params, local)
         return KeyedTensor(self.layout.feature_names, self.layout.output_dims, values)
 
@@ -493,15 +501,20 @@ class ShardedEmbeddingBagCollection:
         }
         return SparseOptState(count=P(), tables=tables)
 
-    def update_fn(self, rule: RowRule):
-        """The traceable fused update `(params, opt_state, LocalBatches, grad) -> (params, opt_state)`."""
+    def update_operands(self, local: LocalBatches, grad):
+        """(the prepared batch, the pooled gradient batch-sharded on the mesh)."""
+        if isinstance(grad, KeyedTensor):
+            grad = grad.values()
+        want = (local.local_batch * self.num_devices, sum(self.layout.output_dims))
+        if tuple(grad.shape) != want:
+            raise ValueError(f"pooled_grad has shape {tuple(grad.shape)}; expected [batch, sum of dims] = {list(want)}")
+        return local, batch_sharded(self.mesh, grad)
 
-        def step(params, opt_state, local, grad):
-            if isinstance(grad, KeyedTensor):
-                grad = grad.values()
-            want = (local.local_batch * self.num_devices, sum(self.layout.output_dims))
-            if tuple(grad.shape) != want:
-                raise ValueError(f"pooled_grad has shape {tuple(grad.shape)}; expected [batch, sum of dims] = {list(want)}")
+    def update_step(self, rule: RowRule):
+        """The traceable fused update `(params, opt_state, (LocalBatches, grad)) -> (params, opt_state)`."""
+
+        def step(params, opt_state, operands):
+            local, grad = operands
             specs = jax.tree_util.tree_map(lambda _: P(self._all_axes), local)
             state_specs = self._state_specs(opt_state)
 
@@ -517,6 +530,19 @@ class ShardedEmbeddingBagCollection:
             return new_params, SparseOptState(count=count, tables=tables)
 
         return step
+
+
+def batch_sharded(mesh, grad) -> jax.Array:
+    """`grad` placed batch-sharded over every axis of `mesh` (explicit-axis meshes from
+    `jax.make_mesh` do not reshard inputs implicitly). An array already laid out so is
+    returned as it is; a host value (the same on every process) is placed shard by shard."""
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    if isinstance(grad, jax.Array):
+        if grad.sharding.is_equivalent_to(sharding, grad.ndim):
+            return grad
+        return jax.device_put(grad, sharding)
+    host = np.asarray(grad)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def shard(

@@ -1,0 +1,77 @@
+"""Host-side batch preparation: a KJT read to numpy once, padded once, ready to place.
+
+`prepare` (the sparse-module contract, `_module.py`) runs here before anything reaches a
+device: the ids are checked on the host copy that the loader produced (so the check never
+waits for a device), padded to a ladder rung with power-of-two length caps that only grow
+(`LengthCaps`), and placed with one `device_put`. A KJT built from numpy (as `hybrid`
+builds it from torch tensors) is read without a copy; a KJT already on a device is read
+back once (documented: feed host batches to keep the step free of device reads).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from sparse_jax import _capacity, _validate
+from sparse_jax._jagged import KeyedJaggedTensor
+
+__all__ = ["LengthCaps", "host_kjt", "pad_host"]
+
+
+def host_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """`kjt` with numpy leaves (no copy for numpy leaves; one read for device arrays)."""
+    children, aux = kjt.tree_flatten()
+    return KeyedJaggedTensor.tree_unflatten(aux, tuple(None if c is None else np.asarray(c) for c in children))
+
+
+def pad_host(kjt: KeyedJaggedTensor, ladder: Sequence[int] | None, caps: Sequence[int]) -> KeyedJaggedTensor:
+    """A host KJT padded to `ladder`'s rung (padding ids 0, weight 0, after the last bag),
+    with the given static length caps (one per key)."""
+    offsets = np.asarray(kjt.offsets(), np.int32)
+    n = int(offsets[-1]) if offsets.size else 0
+    cap = _capacity.capacity_for(max(n, 1), ladder, what="sparse batch")
+    lengths = np.asarray(kjt.lengths(), np.int32)
+    ids = _validate.as_id_array(
+        np.asarray(kjt.values())[:n], what="sparse batch",
+        where=lambda i: _validate.locate(i, lengths, kjt.keys(), kjt.stride()),
+    )  # int32 (x64 off): an id that does not fit raises, never truncated
+    padded = np.zeros(cap, ids.dtype)
+    padded[:n] = ids
+    weights = kjt.weights_or_none()
+    if weights is not None:
+        w = np.zeros(cap, np.float32)
+        w[:n] = np.asarray(weights)[:n]
+        weights = w
+    return KeyedJaggedTensor.tree_unflatten(
+        (tuple(kjt.keys()), kjt.stride(), tuple(int(c) for c in caps)), (padded, weights, lengths, offsets)
+    )
+
+
+class LengthCaps:
+    """Per-feature bag-length caps that only grow (so a steady loop keeps one program).
+
+    `observe(kjt)` returns the caps for this host batch (power of two >= its longest bag,
+    never below what was seen before) and records them. Thread-safe: a pipeline prepares
+    batches on a background thread.
+    """
+
+    def __init__(self):
+        self._caps: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, kjt: KeyedJaggedTensor) -> tuple[int, ...]:
+        keys, stride = kjt.keys(), kjt.stride()
+        lengths = np.asarray(kjt.lengths()).reshape(len(keys), stride)
+        longest = lengths.max(axis=1) if stride else np.zeros(len(keys), np.int64)
+        with self._lock:
+            caps = tuple(
+                max(self._caps.get(k, 1), _capacity.length_cap(int(m))) for k, m in zip(keys, longest, strict=True)
+            )
+            self._caps.update(zip(keys, caps, strict=True))
+        return caps
+
+    def floor(self, key: str) -> int:
+        return self._caps.get(key, 1)
