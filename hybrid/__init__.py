@@ -1,7 +1,11 @@
 """hybrid: JAX embedding tables and PyTorch dense towers in one model (the only package
 importing both).
 
-- `Model`: the user's entry point, a `torch.nn.Module` (sparse update inside backward).
+- `Model`: the user's entry point, a `torch.nn.Module` (sparse update inside backward);
+  `model.prepare(sparse)` prepares a batch once (checked, padded, split, placed).
+- `TrainPipeline`: TorchRec's `TrainPipelineSparseDist`: batch i+1 is prepared while step
+  i runs (`pipeline.progress(batch_iter)` once per step).
+- `torch_device`: the torch device of this process's JAX device (dense tower, features, labels).
 - `jax_to_torch` / `torch_to_jax` / `torch_ids_to_jax`: the DLPack bridge (zero-copy where
   possible, copies counted in `bridge_stats()`).
 - `torch_kjt` / `as_kjt`: sparse batches from torch tensors (ids range-checked to int32).
@@ -17,16 +21,21 @@ importing both).
 
 from hybrid._batch import as_kjt, torch_kjt
 from hybrid._bridge import BridgeStats, bridge_stats, jax_to_torch, torch_ids_to_jax, torch_to_jax
+from hybrid._device import torch_device
 from hybrid._distributed import DistributedEnv, init_distributed, read_torchrun_env
 from hybrid._gpu_env import configure_gpu_env
 from hybrid._mesh import make_mesh, parse_mesh
 from hybrid._model import Model
+from hybrid._pipeline import BatchPreparationError, PipelineStats, TrainPipeline
 from hybrid._state_dict import from_torchrec_state_dict
 
 __all__ = [
+    "BatchPreparationError",
     "BridgeStats",
     "DistributedEnv",
     "Model",
+    "PipelineStats",
+    "TrainPipeline",
     "as_kjt",
     "bridge_stats",
     "configure_gpu_env",
@@ -37,6 +46,7 @@ __all__ = [
     "parse_mesh",
     "read_torchrun_env",
     "torch_ids_to_jax",
+    "torch_device",
     "torch_kjt",
     "torch_to_jax",
 ]

@@ -65,6 +65,7 @@ def _build_sparse(
     kernel: str = "auto",
     bounds_check: str = "error",
     ladder: Sequence[int] | None = None,
+    input_dist: str = "all_gather",
 ):
     """The sparse module for `tables` on `mesh` following `plan`. `ladder`: capacity rungs
     for a whole batch; a sharded module pads each device's part, so it gets the rungs
@@ -82,7 +83,7 @@ def _build_sparse(
     if mesh is None or (mesh.devices.size == 1 and plan is None):
         return _collection(tables, is_weighted, kernel, bounds_check, ladder)
     ebc = _collection(tables, is_weighted, kernel, bounds_check)
-    return shard(ebc, mesh, plan, ladder=_per_device(ladder, mesh.devices.size))
+    return shard(ebc, mesh, plan, ladder=_per_device(ladder, mesh.devices.size), input_dist=input_dist)
 
 
 def _per_device(ladder: tuple[int, ...] | None, devices: int) -> tuple[int, ...] | None:

@@ -68,6 +68,8 @@ class Model(nn.Module):
       seed: initializes the tables (`jax.random.key(seed)`).
       capacity_ladder: sorted id capacities batches are padded to (default
         `sparse_jax.DEFAULT_LADDER`).
+      input_dist: on a sharded mesh, how ids reach the tables' shards: "all_gather"
+        (default) or "all_to_all" (see `sparse_jax.sharding.shard`).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class Model(nn.Module):
         is_weighted: bool = False,
         seed: int = 0,
         capacity_ladder: Sequence[int] | None = None,
+        input_dist: str = "all_gather",
     ):
         super().__init__()
         if not isinstance(dense, nn.Module):
@@ -89,7 +92,8 @@ class Model(nn.Module):
             )
         self.capacity_ladder = tuple(DEFAULT_LADDER if capacity_ladder is None else capacity_ladder)
         module = _build_sparse(
-            tables, is_weighted=is_weighted, mesh=mesh, plan=plan, ladder=self.capacity_ladder
+            tables, is_weighted=is_weighted, mesh=mesh, plan=plan, ladder=self.capacity_ladder,
+            input_dist=input_dist,
         )
         rule = DEFAULT_SPARSE_OPTIMIZER if sparse_optimizer is None else sparse_optimizer
         self._tables = SparseTables(module, rule, jax.random.key(seed), device=mesh_device(mesh))
@@ -125,6 +129,12 @@ class Model(nn.Module):
     def table_weights(self) -> dict[str, torch.Tensor]:
         """{table: [num_embeddings, dim]} full weights as torch tensors (copies)."""
         return self._tables.table_weights_torch()
+
+    def wait_for_sparse_update(self) -> None:
+        """Block until every sparse update dispatched so far has finished (the update runs
+        asynchronously after `loss.backward()`). Reads no value; a timer or a torch
+        collective that must not overlap JAX's work calls this first."""
+        jax.block_until_ready((self._tables.params, self._tables.opt_state))
 
     def compile_counts(self) -> dict[str, int]:
         """Programs the sparse lookup and update have compiled (steady training: constant)."""

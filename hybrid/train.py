@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         from hybrid._distributed import read_torchrun_env
 
         env = read_torchrun_env()
+        from jax._src import xla_bridge
+
+        from hybrid._gpu_env import configure_gpu_env
+
+        if not xla_bridge.backends_are_initialized():  # (in-process callers started it already)
+            configure_gpu_env()  # before JAX starts: torch and JAX share each GPU
         _ensure_cpu_devices(config.train.mesh, 1 if env is None else env.world_size)
         if env is not None:
             if config.checkpoint.dir:
@@ -323,12 +329,13 @@ def evaluate(model, data, batch_size: int) -> dict[str, float]:
     from hybrid.data import eval_batches
 
     procs = _Processes()
+    device = next(model.dense_parameters()).device
     model.eval()
     logits = []
     with torch.no_grad():
         for (dense, sparse, _), valid in eval_batches(data, batch_size):
-            local = model(procs.local(dense), sparse).reshape(-1)
-            logits.append(procs.gather_rows(local)[:valid])
+            local = model(procs.local(dense).to(device), sparse).reshape(-1)
+            logits.append(procs.gather_rows(local).cpu()[:valid])
     model.train()
     return eval_metrics(torch.cat(logits), torch.from_numpy(data.labels))
 
@@ -378,6 +385,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
     import torch
     from tqdm import tqdm
 
+    import hybrid
     from hybrid import _checkpoint
     from hybrid._metrics import LossTracker
     from hybrid.data import BatchLoader
@@ -390,6 +398,8 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
     torch.set_num_threads(config.train.torch_threads)
     try:
         model, dense_opt, train, evaluation, num_devices = build(config)
+        device = hybrid.torch_device()  # the torch device of this process's JAX device
+        model.dense.to(device)
         loader = BatchLoader(train, config.train.batch_size, seed=config.seed)
         total = config.train.steps or config.train.epochs * loader.steps_per_epoch
         tracker = LossTracker(config.log.loss_window)
@@ -445,22 +455,39 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
             disable=True if procs.rank else None,
         )
         t_last, n_last = time.perf_counter(), 0
+        batch_size = config.train.batch_size
+
+        def batches():  # this process's share of each global batch, in step order
+            for step in range(start, total):
+                dense, sparse, labels = loader.batch(step)
+                yield procs.local(dense), sparse, procs.local(labels)
+
+        def loss_fn(logits, labels):  # this process's share of the global batch's mean loss
+            return torch.nn.functional.binary_cross_entropy_with_logits(
+                logits.reshape(-1), labels, reduction="sum"
+            ) / batch_size
+
+        pipeline = hybrid.TrainPipeline(
+            model, dense_opt, loss_fn, device=device,
+            dense_grad_hook=(lambda m: procs.sum_grads(m.dense_parameters())) if procs.dist else None,
+        )
+        items = batches()
+        pending: list[torch.Tensor] = []  # losses not read yet: read every log.every steps
+
+        def read_losses(first_step: int) -> float:
+            values = procs.all_sum(torch.stack(pending).detach()).cpu().tolist()
+            pending.clear()
+            for i, value in enumerate(values):
+                tracker.add(value)
+                losses[first_step + i] = value
+            return values[-1]
+
         for step in bar:
-            dense, sparse, labels = loader.batch(step)
-            logits = model(procs.local(dense), sparse).reshape(-1)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, procs.local(labels), reduction="sum"
-            ) / len(labels)  # this process's share of the global batch's mean loss
-            loss.backward()  # dense grads + the fused sparse update
-            procs.sum_grads(model.dense_parameters())
-            dense_opt.step()
-            dense_opt.zero_grad()
-            value = float(procs.all_sum(loss.detach().clone()))
-            tracker.add(value)
-            losses[step + 1] = value
-            n_last += len(labels)
+            pending.append(pipeline.progress(items))  # batch step+1 is prepared meanwhile
+            n_last += batch_size
             done = step + 1
             if done % config.log.every == 0 or done == total:
+                value = read_losses(done - len(pending) + 1)
                 now = time.perf_counter()
                 rate = n_last / max(now - t_last, 1e-9)
                 t_last, n_last = now, 0
@@ -479,10 +506,17 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                     echo(
                         f"step {done}/{total}  loss {tracker.windowed:.4f} (window)  {rate:.0f} samples/s"
                     )
-            if config.train.eval_every and done % config.train.eval_every == 0 and done != total:
-                metrics = run_eval(done)
-            if config.checkpoint.every and done % config.checkpoint.every == 0 and done != total:
-                checkpoint(done)
+            evaluating = config.train.eval_every and done % config.train.eval_every == 0
+            saving = config.checkpoint.every and done % config.checkpoint.every == 0
+            if (evaluating or saving) and done != total:
+                if pending:  # the checkpoint's loss tracker includes every step
+                    read_losses(done - len(pending) + 1)
+                pipeline.wait_prepared()  # no preparation runs beside eval / the checkpoint
+                if evaluating:
+                    metrics = run_eval(done)
+                if saving:
+                    checkpoint(done)
+        pipeline.close()
         bar.close()
         metrics = run_eval(total)
         checkpoint(total)
