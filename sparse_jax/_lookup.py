@@ -191,9 +191,12 @@ def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bou
 def id_stream(kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str):
     """Flat per-id triples for one group: (row, bag, scale), each `[capacity]`.
 
-    `row` indexes the group buffer (`num_rows` of the group for ids that contribute
-    nothing), `bag = j * B + b` for the group's j-th feature and sample b, `scale` is the
-    id's weight (times 1/length for MEAN; 0 for padding and skipped ids).
+    `row` indexes the group buffer, `bag = j * B + b` for the group's j-th feature and
+    sample b, `scale` is the id's weight (times 1/length for MEAN). Ids that contribute
+    nothing (padding, skipped, other groups' features) get row `num_rows` of the group, bag
+    `F_g * B` (F_g: the group's features) and scale 0: both indices are out of range, so
+    every scatter and segment sum drops them instead of piling them onto one real row or
+    bag (on a GPU, one atomic hot spot).
     """
     total_rows = layout.groups[group][0]
     stride = kjt.stride()
@@ -209,7 +212,8 @@ def id_stream(kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_ch
     num_rows = np.ones(n_keys + 1, np.int32)
     pos_in_group = np.zeros(n_keys + 1, np.int32)
     is_mean = np.zeros(n_keys + 1, bool)
-    for j, i in enumerate(i for i, s in enumerate(layout.features) if s.group == group):
+    members = [i for i, s in enumerate(layout.features) if s.group == group]
+    for j, i in enumerate(members):
         slot, ki = layout.features[i], key_indices[i]
         in_group[ki], row_off[ki], num_rows[ki] = True, slot.row_offset, slot.num_rows
         pos_in_group[ki], is_mean[ki] = j, slot.pooling is PoolingType.MEAN
@@ -221,7 +225,7 @@ def id_stream(kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_ch
     else:
         valid = valid & (ids >= 0) & (ids < n_rows)
     rows = jnp.where(valid, ids + jnp.asarray(row_off)[key_of_slot], total_rows)
-    bag = jnp.asarray(pos_in_group)[key_of_slot] * stride + sample
+    bag = jnp.where(valid, jnp.asarray(pos_in_group)[key_of_slot] * stride + sample, len(members) * stride)
     scale = jnp.where(valid, _per_id_weights(kjt, weighted), 0.0)
     lengths = jnp.concatenate([kjt.lengths(), jnp.ones(1, kjt.lengths().dtype)])
     bag_len = jnp.maximum(lengths[jnp.minimum(seg, num_bags)], 1).astype(jnp.float32)
@@ -230,7 +234,10 @@ def id_stream(kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_ch
 
 
 def pooled_segment_sum(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str):
-    """Reference: gather every id's row, weight it, `segment_sum` per bag."""
+    """Reference: gather every id's row, weight it, `segment_sum` per bag.
+
+    Padding and skipped ids carry the out-of-range bag `F_g * B` (`id_stream`): the segment
+    sum drops them rather than adding zeros into bag 0."""
     stride = kjt.stride()
     out: list = [None] * len(layout.features)
     for group in layout.groups:

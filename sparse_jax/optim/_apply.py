@@ -6,8 +6,10 @@ Input: the flat per-id stream of one table buffer (`row`, `bag`, `scale`, from
 2. per-id gradient `grad[bag] * scale`, summed per slot (`segment_sum`);
 3. gather the unique rows and their state, step them with the rule (fp32);
 4. scatter rows and state back into the (donated) buffers.
-No `[rows, dim]` gradient is ever built; ids that contribute nothing carry the row index
-`num_rows` and are dropped by the scatter. All shapes are static (the stream's capacity).
+No `[rows, dim]` gradient is ever built. Ids that contribute nothing carry the row index
+`num_rows`; they get the out-of-range slot N (and bag index), which every scatter drops, so
+padding never lands on one shared address (one atomic hot spot on a GPU) and never on a
+real row. All shapes are static (the stream's capacity).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from sparse_jax.optim._base import RowRule, is_row_leaf
 __all__ = ["apply_row_rule", "dedup_row_grads"]
 
 
-def dedup_row_grads(rows, bag, scale, bag_grads):
+def dedup_row_grads(rows, bag, scale, bag_grads, *, num_rows: int):
     """(unique rows, summed grads): `[N]` int32 and `[N, dim]` fp32, aligned by slot.
 
     The ids are sorted alone (a one-operand sort; no permutation is carried); each id's slot
@@ -28,14 +30,21 @@ def dedup_row_grads(rows, bag, scale, bag_grads):
     gradients are summed into those slots. A slot holds its row if it is the first of its
     run, else -1 (and zero grads). Measured 0.64-0.78x of sorting (row, bag, scale)
     together (benchmarks/NOTES.md).
+
+    Ids whose row is outside `[0, num_rows)` (padding, skipped ids) get slot N, which
+    `segment_sum` drops: summing them into one slot would make every padding id an atomic
+    add on the same address on a GPU. No slot ever holds such a row (it reads -1). Their
+    bag may be out of range too: the gradient gather fills 0 there.
     """
     n = rows.shape[0]
     if n == 0:
         return rows, jnp.zeros((0, bag_grads.shape[1]), jnp.float32)
     rows_s = jnp.sort(rows)
-    slot = jnp.searchsorted(rows_s, rows, side="left").astype(jnp.int32)
+    inside = (rows >= 0) & (rows < num_rows)
+    slot = jnp.where(inside, jnp.searchsorted(rows_s, rows, side="left"), n).astype(jnp.int32)
     first = jnp.concatenate([jnp.ones(1, bool), rows_s[1:] != rows_s[:-1]])
-    grads = bag_grads.astype(jnp.float32)[bag] * scale[:, None]
+    first = first & (rows_s >= 0) & (rows_s < num_rows)
+    grads = bag_grads.astype(jnp.float32).at[bag].get(mode="fill", fill_value=0) * scale[:, None]
     summed = jax.ops.segment_sum(grads, slot, num_segments=n)
     return jnp.where(first, rows_s, -1), summed
 
@@ -60,11 +69,12 @@ def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grad
     if rule.name == "sgd" and table.dtype == jnp.float32:
         # SGD is linear: scatter-add every id's step, no dedup (measured 0.24-0.29x of the
         # sort + segment_sum form, benchmarks/NOTES.md); ids that contribute nothing carry
-        # the row index num_rows and are dropped
-        step_rows = bag_grads.astype(jnp.float32)[bag] * (-rule.hyperparams["lr"] * scale)[:, None]
+        # the row index num_rows (and an out-of-range bag, read as 0) and are dropped
+        g = bag_grads.astype(jnp.float32).at[bag].get(mode="fill", fill_value=0)
+        step_rows = g * (-rule.hyperparams["lr"] * scale)[:, None]
         return table.at[rows].add(step_rows, mode="drop"), state
-    unique, grads = dedup_row_grads(rows, bag, scale, bag_grads)
-    unique = jnp.where((unique < 0) | (unique >= num_rows), num_rows, unique)
+    unique, grads = dedup_row_grads(rows, bag, scale, bag_grads, num_rows=num_rows)
+    unique = jnp.where(unique < 0, num_rows, unique)  # -1 would wrap to the last row
     w = table.at[unique].get(mode="fill", fill_value=0).astype(jnp.float32)
     gather = lambda x: x.at[unique].get(mode="fill", fill_value=0) if is_row_leaf(x, num_rows) else x  # noqa: E731
     state_rows = jax.tree_util.tree_map(gather, state)
