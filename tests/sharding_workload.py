@@ -34,6 +34,6 @@ def run_workload(mesh) -> dict:
 
 
 def _host(array):
-    from sparse_jax.sharding._sharded import _host as host
+    from sparse_jax.sharding._placement import _host as host
 
     return host(array)

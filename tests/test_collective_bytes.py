@@ -16,9 +16,10 @@ from sparse_jax import (
     make_update,
     optim,
 )
+from sparse_jax.plan import _layout
 from sparse_jax.planner import estimate_collective_bytes
 from sparse_jax.planner._estimate import static_shapes
-from sparse_jax.sharding import ShardingPlan, ShardingType, _layout, shard
+from sparse_jax.sharding import ShardingPlan, ShardingType, shard
 
 PHASES = ("input_dist", "output_dist", "backward")
 MESHES = {"8": ((8,), ("model",)), "2x4": ((2, 4), ("data", "model"))}

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparse_jax._configs import EmbeddingBagConfig, EmbeddingConfig
+from sparse_jax.plan import _layout
 from sparse_jax.planner import (
     ParameterConstraints,
     Planner,
@@ -21,7 +22,6 @@ from sparse_jax.planner import (
 )
 from sparse_jax.planner.__main__ import criteo_tables, main
 from sparse_jax.planner._estimate import CostModel, _shard_traffic, _table_traffic
-from sparse_jax.sharding import _layout
 
 ST = ShardingType
 GiB = 2**30

@@ -1,11 +1,11 @@
 """Planner: topology + tables + batch size + constraints -> `ShardingPlan` (pure Python).
 
 `Planner(topology, constraints={...}).plan(tables, batch_size=...)`; the plan types are
-re-exported here from `sparse_jax.sharding`. `python -m sparse_jax.planner` prints the
+re-exported here from `sparse_jax.plan`. `python -m sparse_jax.planner` prints the
 plan of a 26-table Criteo-like model.
 """
 
-from sparse_jax.sharding import (
+from sparse_jax.plan import (
     ParameterSharding,
     Shard,
     ShardingEstimate,

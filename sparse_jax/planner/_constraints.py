@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from sparse_jax.sharding import ShardingType
+from sparse_jax.plan import ShardingType
 
 __all__ = ["DEFAULT_MIN_PARTITION", "ParameterConstraints", "PlannerError"]
 

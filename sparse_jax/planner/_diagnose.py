@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from sparse_jax.sharding import ParameterSharding, ShardingType
-from sparse_jax.sharding import _layout as L
-from sparse_jax.sharding._report import format_bytes
+from sparse_jax.plan import ParameterSharding, ShardingType
+from sparse_jax.plan import _layout as L
+from sparse_jax.plan._report import format_bytes
 
 from ._partition import loads
 

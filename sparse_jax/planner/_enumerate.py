@@ -23,8 +23,8 @@ import dataclasses
 import itertools
 from collections.abc import Hashable
 
-from sparse_jax.sharding import ParameterSharding, ShardingType
-from sparse_jax.sharding import _layout as L
+from sparse_jax.plan import ParameterSharding, ShardingType
+from sparse_jax.plan import _layout as L
 
 from ._constraints import DEFAULT_MIN_PARTITION, ParameterConstraints
 from ._topology import Topology

@@ -85,8 +85,8 @@ import numpy as np
 
 from sparse_jax._capacity import DEFAULT_LADDER, capacity_for, length_cap
 from sparse_jax._configs import EmbeddingBagConfig
-from sparse_jax.sharding import ParameterSharding, ShardingEstimate
-from sparse_jax.sharding._layout import devices_holding, group_size
+from sparse_jax.plan import ParameterSharding, ShardingEstimate
+from sparse_jax.plan._layout import devices_holding, group_size
 
 from ._topology import Topology
 

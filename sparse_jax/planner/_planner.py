@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from sparse_jax._configs import check_table_configs
-from sparse_jax.sharding import ShardingPlan, ShardingType
+from sparse_jax.plan import ShardingPlan, ShardingType
 
 from . import _diagnose
 from ._constraints import ParameterConstraints, PlannerError

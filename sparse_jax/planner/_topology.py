@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from sparse_jax.sharding._layout import check_mesh_axes
+from sparse_jax.plan._layout import check_mesh_axes
 
 __all__ = ["Topology"]
 

@@ -1,9 +1,10 @@
-"""Sharding: plan data types (`ShardingType`, `Shard`, `ParameterSharding`, `ShardingPlan`)."""
+"""Sharding: collections sharded over a device mesh (`shard`), and the plan types they run
+(`ShardingType`, `Shard`, `ParameterSharding`, `ShardingPlan`, re-exported from `sparse_jax.plan`)."""
 
-from ._plan import ShardingPlan
+from sparse_jax.plan import ParameterSharding, Shard, ShardingEstimate, ShardingPlan, ShardingType
+
 from ._sequence import ShardedEmbeddingCollection
 from ._sharded import ShardedEmbeddingBagCollection, shard
-from ._types import ParameterSharding, Shard, ShardingEstimate, ShardingType
 
 __all__ = [
     "ParameterSharding",

@@ -80,30 +80,3 @@ def split_batch(
     return dict(values=out_v, lengths=out_l, weights=out_w, keys=tuple(keys), local_batch=b_local,
                 length_cap=max(min_length_cap, _capacity.length_cap(max_len)))
 
-
-def route_need(buffers, layout, parts: dict, *, clamp: bool) -> int:
-    """The most ids any device sends to one peer under the all_to_all input dist, counted
-    on the host arrays of `split_batch` (the same positions `_send_positions` marks valid
-    on the devices: an id is sent once per work item of the peer whose shard rows hold it)."""
-    values, lengths = parts["values"], parts["lengths"]
-    b_l, num_keys = parts["local_batch"], len(parts["keys"])
-    key_of_feature = layout.key_indices(parts["keys"])
-    need = 0
-    for d in range(values.shape[0]):
-        offsets = np.concatenate([[0], np.cumsum(lengths[d])])
-        sorted_ids = {}
-        for k in range(num_keys):
-            sorted_ids[k] = np.sort(values[d, offsets[k * b_l] : offsets[(k + 1) * b_l]].astype(np.int64))
-        for buf in buffers:
-            if not buf.axes:
-                continue
-            for items in buf.items:  # one destination coordinate of the group
-                sent = 0
-                for it in items:
-                    ids = sorted_ids[key_of_feature[it.feature]]
-                    if clamp:
-                        ids = np.clip(ids, 0, it.num_rows - 1)  # stays sorted
-                    lo, hi = it.row_offset, min(it.row_offset + it.row_size, it.num_rows)
-                    sent += int(np.searchsorted(ids, hi, "left") - np.searchsorted(ids, lo, "left"))
-                need = max(need, sent)
-    return need

@@ -9,18 +9,24 @@ the global array is `[n_axes * rows_per_device, col_size]`, sharded over `axes` 
 A *work item* is one (shard, feature) pair: the device holding the shard pools that
 feature's ids that fall into the shard's rows, for the whole batch of its group. Work
 items are padded to the same count `M` per coordinate (padding items are invalid).
+
+`ShardedStatic` bundles these with the rest of what the per-device code reads (the table
+layout, the mesh axes, the collection's lookup flags): one frozen value that the placement,
+input dist, local lookup and byte accounting functions take as their first argument.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 
 import numpy as np
 
 from sparse_jax._configs import DataType, PoolingType
 from sparse_jax._layout import TableLayout
 
-__all__ = ["ShardBuffer", "WorkItem", "build_buffers"]
+__all__ = ["ShardBuffer", "ShardedStatic", "WorkItem", "build_buffers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +68,36 @@ class ShardBuffer:
                     out[f][c, j] = int(getattr(it, f))
                 out["valid"][c, j] = 1
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStatic:
+    """The static facts of a sharded collection (closed over under `jit`, never traced):
+    its shard buffers, its table layout, the mesh axes `{axis: size}` (mesh order) and
+    the collection's lookup flags."""
+
+    layout: TableLayout
+    buffers: tuple[ShardBuffer, ...]
+    mesh_axes: Mapping[str, int]
+    is_weighted: bool
+    bounds_check: str  # "error", "clamp" or "skip"
+    kernel: str  # the collection's lookup kernel ("auto", "xla", ...)
+
+    @property
+    def all_axes(self) -> tuple[str, ...]:
+        """Every mesh axis, in mesh order (the batch is split over all of them)."""
+        return tuple(self.mesh_axes)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh_axes.values())
+
+    def replica_axes(self, buf: ShardBuffer) -> tuple[str, ...]:
+        """The mesh axes `buf` is replicated over (those it is not sharded over)."""
+        return tuple(a for a in self.all_axes if a not in buf.axes)
+
+    def num_replicas(self, buf: ShardBuffer) -> int:
+        return math.prod(self.mesh_axes[a] for a in self.replica_axes(buf))
 
 
 def _linear(coord: tuple[int, ...], sizes: list[int]) -> int:

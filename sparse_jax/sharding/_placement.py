@@ -1,0 +1,157 @@
+"""Placement: host values put on the mesh, and whole tables assembled back from the shards.
+
+Each shard buffer is one global `[group_size * rows_per_device, width]` array, sharded on
+rows over the buffer's axes and replicated over the other mesh axes; coordinate `c`'s
+blocks start at row `c * rows_per_device` (see `_work.py`). Prepared batches and pooled
+gradients are split over every mesh axis (`batch_sharding`).
+
+Everything here is multi-controller safe: placing transfers only each process's
+addressable shards; reading back gathers the shards other processes hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sparse_jax.optim._base import SparseOptState, is_row_leaf
+from sparse_jax.sharding._work import ShardBuffer
+
+__all__ = [
+    "batch_sharded",
+    "batch_sharding",
+    "param_specs",
+    "place",
+    "place_batch",
+    "spec",
+    "state_specs",
+    "table_state",
+    "table_weights",
+    "with_table_weights",
+]
+
+
+def _global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from the same host value on every process (multi-controller safe:
+    each process transfers only its addressable shards)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _host(array: jax.Array) -> np.ndarray:
+    """The whole value on the host, also when other processes hold some shards."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+# -- partition specs ----------------------------------------------------------------------
+def spec(buf: ShardBuffer) -> P:
+    """A shard buffer's rows over its axes (replicated when it has none)."""
+    return P(buf.axes) if buf.axes else P()
+
+
+def param_specs(buffers: Sequence[ShardBuffer]) -> dict[str, P]:
+    return {b.name: spec(b) for b in buffers}
+
+
+def state_specs(buffers: Sequence[ShardBuffer], opt_state: SparseOptState) -> SparseOptState:
+    """Per-row state leaves are laid out as their buffer; the rest (scalars) replicated."""
+    tables = {
+        b.name: jax.tree_util.tree_map(
+            lambda x, b=b: spec(b) if is_row_leaf(x, b.group_size * b.rows_per_device) else P(),
+            opt_state.tables[b.name],
+        )
+        for b in buffers
+    }
+    return SparseOptState(count=P(), tables=tables)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """Split over every axis of `mesh` (the prepared batch and the pooled output/gradient)."""
+    return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+
+# -- tables -------------------------------------------------------------------------------
+def place(mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], weights: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """`{table: [num_embeddings, dim]}` host weights cut into blocks and placed as the
+    shard buffers (every table of every buffer must be in `weights`)."""
+    out = {}
+    for buf in buffers:
+        host = np.zeros((buf.group_size * buf.rows_per_device, buf.width), buf.data_type.numpy_dtype)
+        for table, c, local, r0, rn, c0, cn in buf.blocks:
+            start = c * buf.rows_per_device + local
+            host[start : start + rn] = np.asarray(weights[table])[r0 : r0 + rn, c0 : c0 + cn]
+        out[buf.name] = _global_array(host, NamedSharding(mesh, spec(buf)))
+    return out
+
+
+def table_weights(buffers: Sequence[ShardBuffer], tables: Sequence, params) -> dict[str, np.ndarray]:
+    """Full `[num_embeddings, dim]` weights per table, assembled from the shards (host copies)."""
+    out = {t.name: np.zeros((t.num_embeddings, t.embedding_dim), t.data_type.numpy_dtype) for t in tables}
+    for buf in buffers:
+        host = _host(params[buf.name])
+        for table, c, local, r0, rn, c0, cn in buf.blocks:
+            start = c * buf.rows_per_device + local
+            out[table][r0 : r0 + rn, c0 : c0 + cn] = host[start : start + rn]
+    return out
+
+
+def with_table_weights(mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], tables: Sequence, params,
+                       weights: Mapping) -> dict[str, jax.Array]:
+    """New params with the named tables replaced; weights are resharded on load."""
+    current = table_weights(buffers, tables, params)
+    for name, w in weights.items():
+        if name not in current:
+            raise ValueError(f"with_table_weights: no table named {name!r} (tables: {list(current)})")
+        if tuple(np.shape(w)) != current[name].shape:
+            raise ValueError(f"with_table_weights: table {name!r} is {list(current[name].shape)}, got {np.shape(w)}")
+        current[name] = np.asarray(w)
+    return place(mesh, buffers, current)
+
+
+def table_state(buffers: Sequence[ShardBuffer], tables: Sequence, opt_state: SparseOptState, key: str) -> dict:
+    """One per-row state leaf (e.g. "momentum1") assembled per table: `[rows, dim]` for
+    elementwise state; for one-value-per-row state `{(col_offset, col_size): [rows]}`
+    (one entry per column block, a single entry unless the table is column-sharded)."""
+    config = {t.name: t for t in tables}
+    out = {}
+    for buf in buffers:
+        host = _host(opt_state.tables[buf.name][key])
+        for table, c, local, r0, rn, c0, cn in buf.blocks:
+            start = c * buf.rows_per_device + local
+            block = host[start : start + rn]
+            rows = config[table].num_embeddings
+            if block.ndim == 1:  # one value per row of each column block
+                per_block = out.setdefault(table, {})
+                per_block.setdefault((c0, cn), np.zeros(rows, np.float32))[r0 : r0 + rn] = block
+                continue
+            full = out.setdefault(table, np.zeros((rows, config[table].embedding_dim), np.float32))
+            full[r0 : r0 + rn, c0 : c0 + cn] = block
+    return out
+
+
+# -- batches ------------------------------------------------------------------------------
+def place_batch(mesh: jax.sharding.Mesh, parts: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """The `[devices, ...]` host arrays of `split_batch` ("values", "lengths", "weights")
+    placed batch-sharded: device d gets row d."""
+    sharding = batch_sharding(mesh)
+    return {k: _global_array(parts[k], sharding) for k in ("values", "lengths", "weights")}
+
+
+def batch_sharded(mesh, grad) -> jax.Array:
+    """`grad` placed batch-sharded over every axis of `mesh` (explicit-axis meshes from
+    `jax.make_mesh` do not reshard inputs implicitly). An array already laid out so is
+    returned as it is; a host value (the same on every process) is placed shard by shard."""
+    sharding = batch_sharding(mesh)
+    if isinstance(grad, jax.Array):
+        if grad.sharding.is_equivalent_to(sharding, grad.ndim):
+            return grad
+        return jax.device_put(grad, sharding)
+    host = np.asarray(grad)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
