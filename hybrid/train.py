@@ -193,6 +193,10 @@ def _mesh(config):
 
     spec = config.train.mesh
     devices = jax.devices()
+    if not spec and jax.process_count() > 1:
+        # several processes need one global mesh (the tables are one model, not one per
+        # process): data parallel over every device unless a mesh is given
+        spec = f"data={len(devices)}"
     if not spec:
         return None, 1
     try:
@@ -280,13 +284,13 @@ def build(config):
 
 
 class _Processes:
-    """This process's share of each global batch under torchrun (all of it otherwise).
+    """This process's place under torchrun (rank 0 of 1 otherwise).
 
-    Every process builds the same global batch and feeds the whole sparse part (JAX splits
-    it over the global mesh); the pooled embeddings come back as this process's block of
-    rows (`rank * B / world` on), so the dense features and labels are sliced to match.
-    Dense gradients are summed over processes (the loss is each share's sum over the
-    global batch size), which gives exactly the single-process gradient.
+    Each process reads, prepares and places only its share of every global batch (samples
+    `rank * B / world` on: the rows its devices hold in the mesh); the pooled embeddings
+    come back as the same block of rows. Dense gradients are summed over processes (the
+    loss is each share's sum over the global batch size), which gives exactly the
+    single-process gradient.
     """
 
     def __init__(self):
@@ -295,10 +299,6 @@ class _Processes:
         self.dist = dist if dist.is_available() and dist.is_initialized() else None
         self.rank = self.dist.get_rank() if self.dist else 0
         self.world = self.dist.get_world_size() if self.dist else 1
-
-    def local(self, t):
-        n = t.shape[0] // self.world
-        return t[self.rank * n : (self.rank + 1) * n]
 
     def all_sum(self, t):
         if self.dist:
@@ -333,8 +333,8 @@ def evaluate(model, data, batch_size: int) -> dict[str, float]:
     model.eval()
     logits = []
     with torch.no_grad():
-        for (dense, sparse, _), valid in eval_batches(data, batch_size):
-            local = model(procs.local(dense).to(device), sparse).reshape(-1)
+        for (dense, sparse, _), valid in eval_batches(data, batch_size, part=(procs.rank, procs.world)):
+            local = model(dense.to(device), sparse).reshape(-1)
             logits.append(procs.gather_rows(local).cpu()[:valid])
     model.train()
     return eval_metrics(torch.cat(logits), torch.from_numpy(data.labels))
@@ -457,10 +457,9 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
         t_last, n_last = time.perf_counter(), 0
         batch_size = config.train.batch_size
 
-        def batches():  # this process's share of each global batch, in step order
+        def batches():  # this process's share of each global batch, read alone, in step order
             for step in range(start, total):
-                dense, sparse, labels = loader.batch(step)
-                yield procs.local(dense), sparse, procs.local(labels)
+                yield loader.batch(step, part=(procs.rank, procs.world))
 
         def loss_fn(logits, labels):  # this process's share of the global batch's mean loss
             return torch.nn.functional.binary_cross_entropy_with_logits(

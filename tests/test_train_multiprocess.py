@@ -65,7 +65,9 @@ def test_two_processes_match_one(tmp_path):
             f"--master-port={_free_port_pair()}",
             "-m",
             "hybrid.train",
-            *ARGS,
+            # no --mesh, as the README's torchrun command: several processes default to
+            # data=<every device>, the single run's mesh; each process reads only its share
+            *(a for a in ARGS if not a.startswith("--mesh")),
             f"--set=log.metrics_path='{two}'",
         ],
         env=env,

@@ -50,16 +50,26 @@ class BatchLoader:
         start = within * self.batch_size
         return self._epoch_order(epoch)[start : start + self.batch_size]
 
-    def batch(self, step: int):
-        """`(dense, (keys, values, lengths), labels)` for training step `step` (0-based)."""
-        return self.data.rows(self.indices(step))
+    def batch(self, step: int, *, part: tuple[int, int] = (0, 1)):
+        """`(dense, (keys, values, lengths), labels)` for training step `step` (0-based).
+        `part=(rank, world)`: only this process's share of the batch (samples
+        `rank * batch_size / world` on): each process reads only its own samples."""
+        rank, world = part
+        share = self.batch_size // world
+        return self.data.rows(self.indices(step)[rank * share : (rank + 1) * share])
 
 
-def eval_batches(data: ClickData, batch_size: int) -> Iterator[tuple[tuple, int]]:
-    """`(batch, valid)` over `data` in order; every batch has `batch_size` samples."""
+def eval_batches(
+    data: ClickData, batch_size: int, *, part: tuple[int, int] = (0, 1)
+) -> Iterator[tuple[tuple, int]]:
+    """`(batch, valid)` over `data` in order; every batch has `batch_size` samples, `valid`
+    of them real. `part=(rank, world)`: only this process's share of each batch (samples
+    `rank * batch_size / world` on), so no process reads the whole batch."""
+    rank, world = part
+    share = batch_size // world
     for start in range(0, len(data), batch_size):
         rows = np.arange(start, min(start + batch_size, len(data)))
         valid = len(rows)
         if valid < batch_size:
             rows = np.concatenate([rows, np.zeros(batch_size - valid, np.int64)])
-        yield data.rows(rows), valid
+        yield data.rows(rows[rank * share : (rank + 1) * share]), valid

@@ -80,3 +80,15 @@ def split_batch(
     return dict(values=out_v, lengths=out_l, weights=out_w, keys=tuple(keys), local_batch=b_local,
                 length_cap=max(min_length_cap, _capacity.length_cap(max_len)))
 
+
+
+def pad_parts(parts: dict, capacity: int, length_cap: int) -> dict:
+    """`split_batch`'s arrays with the id axis padded to `capacity` (padding: id 0, weight
+    0, after the last bag) and the length cap raised to `length_cap`."""
+    extra = capacity - parts["values"].shape[1]
+    if extra < 0:
+        raise ValueError(f"capacity {capacity} is below the batch's {parts['values'].shape[1]}")
+    out = dict(parts, length_cap=max(parts["length_cap"], length_cap))
+    for key in ("values", "weights"):
+        out[key] = np.pad(parts[key], ((0, 0), (0, extra)))
+    return out

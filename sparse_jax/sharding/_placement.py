@@ -137,11 +137,26 @@ def table_state(buffers: Sequence[ShardBuffer], tables: Sequence, opt_state: Spa
 
 
 # -- batches ------------------------------------------------------------------------------
-def place_batch(mesh: jax.sharding.Mesh, parts: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-    """The `[devices, ...]` host arrays of `split_batch` ("values", "lengths", "weights")
-    placed batch-sharded: device d gets row d."""
+def place_batch(
+    mesh: jax.sharding.Mesh, parts: Mapping[str, np.ndarray], rows: Sequence[int] | None = None
+) -> dict[str, jax.Array]:
+    """The host arrays of `split_batch` ("values", "lengths", "weights") placed
+    batch-sharded: the device at mesh position `rows[i]` gets row i (`rows`: this process's
+    positions; default every position, one process). Each process uploads only its rows."""
     sharding = batch_sharding(mesh)
-    return {k: _global_array(parts[k], sharding) for k in ("values", "lengths", "weights")}
+    n = mesh.devices.size
+    rows = tuple(range(n)) if rows is None else tuple(rows)
+    where = {r: i for i, r in enumerate(rows)}
+
+    def place(host: np.ndarray) -> jax.Array:
+        def block(index):
+            first = index[0].start or 0
+            stop = n if index[0].stop is None else index[0].stop
+            return host[[where[r] for r in range(first, stop)]][(slice(None), *index[1:])]
+
+        return jax.make_array_from_callback((n, *host.shape[1:]), sharding, block)
+
+    return {k: place(parts[k]) for k in ("values", "lengths", "weights")}
 
 
 def batch_sharded(mesh, grad) -> jax.Array:

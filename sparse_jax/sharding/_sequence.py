@@ -108,6 +108,12 @@ class ShardedEmbeddingCollection:
 
     def prepare(self, kjt: KeyedJaggedTensor, *, device=None) -> SequenceBatch:  # noqa: ARG002 (on the mesh)
         """Checked on the host, turned into the per-id bag batch, split and placed once."""
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "a sharded EmbeddingCollection across several processes is not supported yet: each "
+                "process's share of ids gives a different per-id batch size; use one process "
+                "(any number of devices), or an EmbeddingBagCollection"
+            )
         per_id, lengths = self._per_id(self.ec.check_host(kjt))
         self.prepare_count += 1
         return SequenceBatch(rows=self.bags.prepare(per_id), lengths=lengths, stride=kjt.stride())

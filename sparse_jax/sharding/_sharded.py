@@ -45,9 +45,10 @@ from sparse_jax._validate import is_concrete
 from sparse_jax.optim._base import RowRule, SparseOptState
 from sparse_jax.plan import ShardingPlan
 from sparse_jax.sharding import _placement
+from sparse_jax.sharding._agree import ProcessAgreement
 from sparse_jax.sharding._collective_bytes import collective_bytes
 from sparse_jax.sharding._input_dist import route_capacity, route_need
-from sparse_jax.sharding._local_batch import LocalBatches, split_batch
+from sparse_jax.sharding._local_batch import LocalBatches, pad_parts, split_batch
 from sparse_jax.sharding._local_lookup import forward_local, update_local
 from sparse_jax.sharding._work import ShardBuffer, ShardedStatic, build_buffers
 
@@ -106,6 +107,10 @@ class ShardedEmbeddingBagCollection:
         self.num_devices = self.static.num_devices
         self._apply_jit = jax.jit(self._apply)
         self._high_water = (0, 1)  # (capacity, length cap) seen so far: shapes only grow
+        me = jax.process_index()
+        # the mesh positions (rows of the batch arrays) whose devices this process drives
+        self._local_rows = tuple(i for i, d in enumerate(mesh.devices.flat) if d.process_index == me)
+        self._agree = ProcessAgreement()  # constructed in the same order on every process
 
     # -- static facts (see `ShardedStatic`) ---------------------------------------------------
     @property
@@ -172,30 +177,51 @@ class ShardedEmbeddingBagCollection:
 
     # -- the batch ------------------------------------------------------------------------------
     def prepare(self, kjt, *, device=None) -> LocalBatches:  # noqa: ARG002 (placed on the mesh)
-        """The global KJT checked on the host, split per device, padded once and placed on
-        the mesh (once per batch; see `SparseModule`).
+        """This process's samples checked on the host, split over its devices, padded once
+        and placed on the mesh (once per batch; see `SparseModule`).
+
+        One process: `kjt` is the whole batch. Several processes (`jax.distributed`): each
+        passes only its own samples (the rows its devices hold in the mesh, in mesh order:
+        `process_index * B / processes` on for a mesh laid out by process), and never reads
+        or uploads another's; the processes agree on the static shapes through
+        `ProcessAgreement` (host integers, no device collective).
 
         Capacity and length cap never shrink below the largest seen so far, so a steady
         loop compiles once per high-water mark instead of flipping between rungs. With
         `input_dist="all_to_all"` the route capacity is counted here, on the host copy of
         the ids (exact, so no id can overflow and no device value is read)."""
         host = self.ebc.check_host(kjt)
-        parts = split_batch(host, self.num_devices, self.ladder, min_capacity=self._high_water[0],
+        rows = self._local_rows
+        parts = split_batch(host, len(rows), self.ladder, min_capacity=self._high_water[0],
                             min_length_cap=self._high_water[1])
+        routed = self.input_dist == "all_to_all" and any(b.axes for b in self.buffers)
+        need = route_need(self.buffers, self.layout, parts, clamp=self.bounds_check == "clamp") if routed else 0
+        if len(rows) < self.num_devices:
+            parts, need = self._agree_shapes(parts, need)
         self._high_water = (parts["values"].shape[1], parts["length_cap"])
         route = 0
-        if self.input_dist == "all_to_all" and any(b.axes for b in self.buffers):
-            route = self._route_capacity(parts)
-        arrays = _placement.place_batch(self.mesh, parts)
+        if routed:
+            self._route_high_water = route_capacity(need, self._route_high_water, self.ladder, self.max_route_capacity)
+            route = self._route_high_water
+        arrays = _placement.place_batch(self.mesh, parts, rows)
         self.prepare_count += 1
         return LocalBatches(**arrays, keys=parts["keys"], local_batch=parts["local_batch"],
                             length_cap=parts["length_cap"], route_capacity=route)
 
-    def _route_capacity(self, parts: dict) -> int:
-        """The all_to_all buffer size for this batch (see `_input_dist.route_capacity`)."""
-        need = route_need(self.buffers, self.layout, parts, clamp=self.bounds_check == "clamp")
-        self._route_high_water = route_capacity(need, self._route_high_water, self.ladder, self.max_route_capacity)
-        return self._route_high_water
+    def _agree_shapes(self, parts: dict, need: int) -> tuple[dict, int]:
+        """Every process's parts padded to the largest capacity and length cap of any
+        process, and the largest route need; all must have the same samples per device."""
+        b_l = parts["local_batch"]
+        cap, length_cap, need, most, fewest = self._agree.max(
+            [parts["values"].shape[1], parts["length_cap"], need, b_l, -b_l]
+        )
+        if most != -fewest:
+            raise ValueError(
+                f"process {jax.process_index()} prepared {b_l} samples per device, but the processes' "
+                f"batches range from {-fewest} to {most} per device; give every process the same "
+                "number of samples (its share of the global batch)"
+            )
+        return pad_parts(parts, cap, length_cap), need
 
     def collective_bytes(self, local: LocalBatches) -> dict[str, dict[str, int]]:
         """Bytes each device receives through collectives per training step for `local`:
