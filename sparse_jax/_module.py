@@ -5,7 +5,8 @@
 
     batch = module.prepare(kjt)                    # once per batch, off the critical path
     out = module.apply(params, batch)              # forward on the prepared batch
-    params, state = update(params, state, batch, grad)   # update = make_update(module, rule)
+    params, state = update(params, state, batch, grad)   # update = make_update(module, rule):
+    #   jit(module.update_step(rule))(params, state, module.update_operands(batch, grad))
 
 `prepare` validates the ids once (on the host, before anything is placed), pads once to
 the capacity ladder, splits once per device and places the result on the tables' devices;
@@ -60,7 +61,7 @@ class StoredBlock(NamedTuple):
     num_cols: int
 
 
-UpdateStep = Callable[[Any, Any, PreparedBatch, Any], tuple[Any, Any]]
+UpdateStep = Callable[[Any, Any, Any], tuple[Any, Any]]  # (params, opt_state, operands)
 
 
 @runtime_checkable
@@ -89,8 +90,14 @@ class SparseModule(Protocol):
     def apply(self, params, batch):
         """The forward on a prepared batch (a raw KJT is prepared first)."""
 
+    def update_operands(self, batch: PreparedBatch, grad) -> Any:
+        """The fused update's device operands: the prepared batch's arrays and `grad` (the
+        gradient of `apply`'s output) in the static layout the step takes. Device work
+        only: nothing is read on the host."""
+
     def update_step(self, rule) -> UpdateStep:
-        """The traceable fused update `(params, opt_state, prepared, grad) -> (params, opt_state)`."""
+        """The traceable fused update `(params, opt_state, operands) -> (params, opt_state)`;
+        `make_update` jits it with params and state donated."""
 
     def table_weights(self, params) -> Mapping[str, Any]:
         """`{table: [num_embeddings, dim]}` full weights (copies)."""

@@ -121,7 +121,10 @@ class ShardedEmbeddingCollection:
     def apply(self, params, batch) -> dict[str, JaggedTensor]:
         if not isinstance(batch, SequenceBatch):
             batch = self.prepare(batch)
-        rows = self.bags.apply(params, batch.rows).values()
+        # replicated on the mesh (a device-side all-gather) so per-feature slices need no
+        # output sharding, also on explicit-axis meshes
+        rows = jax.device_put(self.bags.apply(params, batch.rows).values(),
+                              jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         out = {}
         for slot in self.layout.features:
             emb = rows[: batch.count(slot.feature), slot.out_offset : slot.out_offset + slot.dim]
