@@ -127,7 +127,7 @@ class XlaSide:
         """XLA's own accounting of the update program: temp bytes, donated (aliased) bytes."""
         if self.update is None:
             return None
-        args = (self.params, self.state, self._upd_kjt, self._upd_grad)
+        args = (self.params, self.state, self._operands)
         ma = self.update.jitted.lower(*args).compile().memory_analysis()
         if ma is None:
             return None
