@@ -26,6 +26,7 @@ from hybrid._distributed import DistributedEnv, init_distributed, read_torchrun_
 from hybrid._gpu_env import configure_gpu_env
 from hybrid._mesh import make_mesh, parse_mesh
 from hybrid._model import Model
+from hybrid._nonfinite import NonFiniteError
 from hybrid._pipeline import BatchPreparationError, PipelineStats, TrainPipeline
 from hybrid._state_dict import from_torchrec_state_dict
 
@@ -34,6 +35,7 @@ __all__ = [
     "BridgeStats",
     "DistributedEnv",
     "Model",
+    "NonFiniteError",
     "PipelineStats",
     "TrainPipeline",
     "as_kjt",

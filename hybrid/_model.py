@@ -130,6 +130,20 @@ class Model(nn.Module):
         """{table: [num_embeddings, dim]} full weights as torch tensors (copies)."""
         return self._tables.table_weights_torch()
 
+    def guard_update(self, ok: torch.Tensor) -> None:
+        """Make the sparse update of the last training forward depend on the device boolean
+        `ok` (e.g. `torch.isfinite(loss)`): when it is false the tables are left as they
+        were. Nothing is read on the host. (A non-finite pooled gradient is always skipped.)"""
+        step = self._tables.pending
+        if step is None:
+            raise RuntimeError("guard_update: no training forward is waiting for its backward")
+        step.ok = ok
+
+    def sparse_nonfinite(self):
+        """(sparse updates skipped as non-finite, index of the first or -1), as JAX device
+        scalars: read them when you log, not every step."""
+        return self._tables.nonfinite()
+
     def wait_for_sparse_update(self) -> None:
         """Block until every sparse update dispatched so far has finished (the update runs
         asynchronously after `loss.backward()`). Reads no value; a timer or a torch

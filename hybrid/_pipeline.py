@@ -17,6 +17,10 @@ dense tower's device, on one background thread. Each batch is in one explicit st
     ready   (prepared and placed: a `_Ready`)
     done    (its step ran; its loss was returned)
 
+A batch whose loss, pooled gradient or dense gradients are not finite updates nothing: the
+sparse update and the dense optimizer step are skipped on the device (no host read; see
+`_nonfinite.py`) and counted (`pipeline.nonfinite()`, read when you log).
+
 The pipelined loop computes exactly what the plain loop computes (same preparation, same
 step, same order), so losses and tables are bitwise equal to
 
@@ -42,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from hybrid._device import torch_device
+from hybrid._nonfinite import DenseGuard
 from sparse_jax import PreparedBatch
 
 __all__ = ["BatchPreparationError", "PipelineStats", "TrainPipeline"]
@@ -111,6 +116,7 @@ class TrainPipeline:
         self.device = torch.device(device) if device is not None else _dense_device(model)
         self.dense_grad_hook = dense_grad_hook
         self.stats = PipelineStats()
+        self._guard = DenseGuard(dense_optimizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-prepare")
         self._queued: Future | None = None  # the next batch, being prepared
         self._next_index = 0  # index of the next batch taken from the iterator
@@ -171,15 +177,26 @@ class TrainPipeline:
         self.model.train()
         logits = self.model(ready.dense, ready.sparse)
         loss = self.loss_fn(logits, ready.labels)
+        finite = torch.isfinite(loss.detach()).all()  # a device boolean, never read here
+        self.model.guard_update(finite)  # a non-finite loss leaves the tables untouched
         self.optimizer.zero_grad()
         loss.backward()  # dense grads; dispatches the fused sparse update (asynchronous)
         if self.dense_grad_hook is not None:
             self.model.wait_for_sparse_update()
             self.dense_grad_hook(self.model)
-        self.optimizer.step()
+        self._guard.step(finite, ready.index)  # skipped on the device unless all finite
         self.stats.steps += 1
         self.stats.step_s += time.perf_counter() - t0
         return loss.detach()
+
+    def nonfinite(self) -> dict[str, int]:
+        """Batches skipped because a loss, gradient or weight was not finite, read on the
+        host (call it when you log): `{"sparse": n, "dense": n, "first_batch": i or -1}`."""
+        sparse, first_sparse = (int(x) for x in self.model.sparse_nonfinite())
+        dense = 0 if self._guard.skipped is None else int(self._guard.skipped)
+        first_dense = -1 if self._guard.first is None else int(self._guard.first)
+        firsts = [f for f in (first_sparse, first_dense) if f >= 0]
+        return {"sparse": sparse, "dense": dense, "first_batch": min(firsts) if firsts else -1}
 
     def wait_prepared(self) -> None:
         """Wait until the batch being prepared is ready (kept for the next `progress`), so

@@ -39,6 +39,7 @@ class SparseStep:
         self.tables, self.batch = tables, batch
         self.pooled_sharding: jax.sharding.Sharding | None = None
         self.applied = False
+        self.ok: torch.Tensor | None = None  # set by `Model.guard_update` (e.g. the loss is finite)
 
     def forward(self) -> torch.Tensor:
         pooled = self.tables.lookup(self.batch).values()
@@ -55,7 +56,8 @@ class SparseStep:
         self.applied = True
         # back in the pooled array's layout (its device, or its batch sharding on a mesh)
         pooled_grad = torch_to_jax(grad.to(torch.float32), sharding=self.pooled_sharding)
-        self.tables.apply_gradient(self.batch, pooled_grad)
+        ok = None if self.ok is None else torch_to_jax(self.ok.reshape(()).to(torch.bool))
+        self.tables.apply_gradient(self.batch, pooled_grad, ok=ok)
 
 
 class _SparseLookup(torch.autograd.Function):
@@ -79,6 +81,7 @@ def sparse_lookup(tables: SparseTables, batch: PreparedBatch, *, train: bool) ->
     step = SparseStep(tables, batch)
     if not (train and torch.is_grad_enabled()):
         return step.forward()
+    tables.pending = step  # the step whose backward is next (Model.guard_update)
     # the anchor is a leaf that requires grad, so autograd records the Function and calls its
     # backward; it receives no gradient (backward returns None for it)
     anchor = torch.empty(0, requires_grad=True)

@@ -30,7 +30,7 @@ def _update_for(module, rule: RowRule):
     hit = _updates.get(key)
     if hit is not None and hit[0] is module and hit[1] is rule:
         return hit[2]
-    update = make_update(module, rule)
+    update = make_update(module, rule, skip_nonfinite=True)
     if len(_updates) >= _UPDATE_CACHE_SIZE:
         _updates.pop(next(iter(_updates)))
     _updates[key] = (module, rule, update)  # holding both keeps their ids from being reused
@@ -70,12 +70,14 @@ class SparseTables:
         if not isinstance(module, SparseModule):
             raise TypeError(f"{type(module).__name__} does not implement sparse_jax.SparseModule")
         self.module, self.rule, self.device = module, rule, device
+        self.pending = None  # the SparseStep whose backward runs next (set by its forward)
         params = module.init(key)
         # committed to one device from the start: the update returns committed arrays, and
         # jit keys its cache on commitment, so uncommitted first-step inputs would compile twice
         self._params = _committed(params, device)
         self._opt_state = _committed(rule.init(self._params), device)
-        self._update = _update_for(module, rule)
+        # shared compiled step, this model's own counters of skipped (non-finite) batches
+        self._update = _update_for(module, rule).with_fresh_counters()
 
     @property
     def params(self) -> dict[str, jax.Array]:
@@ -111,12 +113,17 @@ class SparseTables:
         """Pooled embeddings of a prepared batch (JAX KeyedTensor)."""
         return self.module.apply(self._params, batch)
 
-    def apply_gradient(self, batch: PreparedBatch, pooled_grad: jax.Array) -> None:
+    def apply_gradient(self, batch: PreparedBatch, pooled_grad: jax.Array, ok=None) -> None:
         """One fused update on the forward's prepared batch; the old params and state are
-        donated (deleted)."""
+        donated (deleted). Skipped, on the device, when the gradient is not finite or the
+        device boolean `ok` is false."""
         self._params, self._opt_state = self._update(
-            self._params, self._opt_state, batch, pooled_grad
+            self._params, self._opt_state, batch, pooled_grad, ok=ok
         )
+
+    def nonfinite(self) -> tuple[jax.Array, jax.Array]:
+        """(updates skipped as non-finite, index of the first such update or -1): device scalars."""
+        return self._update.nonfinite()
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled so far by the lookup and the update (for recompilation checks;

@@ -17,7 +17,10 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              the planner's plan); batch_size (global, divisible by the device count);
              steps (0: epochs x batches per epoch); epochs; eval_every (steps, 0: at the
              end); eval_batch_size; capacity_ladder ([]: derived from the batch sizes);
-             torch_threads
+             torch_threads; nonfinite ("stop": a batch with a non-finite loss or gradient
+             is skipped, never applied, and training stops at the next log line naming
+             it, exit code 3; "skip": such batches are skipped and counted, and training
+             stops once more than max_nonfinite were skipped)
     [checkpoint] dir ("" = none); every (steps; 0 = only at the end); keep
     [log]    metrics_path (JSON lines; "" = none); every (steps); loss_window
 
@@ -90,6 +93,8 @@ class TrainSection:
     eval_batch_size: int = 4096
     capacity_ladder: list[int] = dataclasses.field(default_factory=list)
     torch_threads: int = 1
+    nonfinite: str = "stop"
+    max_nonfinite: int = 10
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,6 +135,7 @@ _CHOICES = {
     "model.arch": ("DLRM", "DLRM_DCN", "two_tower"),
     "sparse_optimizer.name": ("rowwise_adagrad", "adagrad", "adam", "sgd"),
     "dense_optimizer.name": ("adam", "sgd"),
+    "train.nonfinite": ("stop", "skip"),
 }
 _POSITIVE = {
     "model.embedding_dim",
@@ -148,7 +154,14 @@ _POSITIVE = {
     "model.dcn_num_layers",
     "model.dcn_low_rank_dim",
 }
-_NON_NEGATIVE = {"seed", "train.steps", "train.eval_every", "checkpoint.every", "data.max_rows"}
+_NON_NEGATIVE = {
+    "seed",
+    "train.steps",
+    "train.eval_every",
+    "train.max_nonfinite",
+    "checkpoint.every",
+    "data.max_rows",
+}
 
 
 def _type_name(hint) -> str:

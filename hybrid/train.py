@@ -113,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CriteoFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from hybrid._nonfinite import NonFiniteError
+
+        if not isinstance(e, NonFiniteError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -477,9 +484,24 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
             values = procs.all_sum(torch.stack(pending).detach()).cpu().tolist()
             pending.clear()
             for i, value in enumerate(values):
-                tracker.add(value)
+                if math.isfinite(value):  # a skipped batch's loss stays out of the averages
+                    tracker.add(value)
                 losses[first_step + i] = value
+            check_nonfinite()
             return values[-1]
+
+        def check_nonfinite() -> None:  # read with the losses, not every step
+            bad = pipeline.nonfinite()
+            skipped = max(bad["sparse"], bad["dense"])
+            t = config.train
+            if skipped and (t.nonfinite == "stop" or skipped > t.max_nonfinite):
+                raise hybrid.NonFiniteError(
+                    f"step {start + bad['first_batch'] + 1} had a non-finite loss or gradient "
+                    f"({skipped} batch(es) so far: {bad['sparse']} sparse and {bad['dense']} dense "
+                    "updates skipped, so no weight or checkpoint holds a NaN); lower the learning "
+                    "rates, check the input features, or set train.nonfinite = \"skip\" "
+                    f"(train.max_nonfinite = {t.max_nonfinite}) to skip such batches"
+                )
 
         for step in bar:
             pending.append(pipeline.progress(items))  # batch step+1 is prepared meanwhile

@@ -54,31 +54,93 @@ def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOp
 class _Update:
     """Callable returned by `make_update`: the module's update operands, then the jitted,
     donating step. A prepared batch (`module.prepare`) is used as it is; a raw KJT is
-    prepared first (one preparation)."""
+    prepared first (one preparation).
 
-    def __init__(self, module, rule: RowRule):
+    With `skip_nonfinite`, a batch whose gradient (or weights) holds a NaN or an infinity,
+    or whose `ok` flag is false, leaves the tables and optimizer state exactly as they were
+    (a `lax.cond` inside the program: decided on the device, nothing is read on the host,
+    buffers stay in place). `nonfinite()` gives, as device arrays, how many calls were
+    skipped and the index of the first one (-1: none); read them when you log."""
+
+    def __init__(self, module, rule: RowRule, *, skip_nonfinite: bool = False):
         if not isinstance(rule, RowRule):
             raise ValueError(f"make_update needs a sparse_jax.optim row rule, got {type(rule).__name__}")
-        self.module, self.rule = module, rule
-        self.jitted = jax.jit(module.update_step(rule), donate_argnums=(0, 1))
+        self.module, self.rule, self.skip_nonfinite = module, rule, bool(skip_nonfinite)
+        step = module.update_step(rule)
+        if self.skip_nonfinite:
+            self.jitted = jax.jit(_guarded(step), donate_argnums=(0, 1))
+            self._skipped = (jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32))
+            self._calls = 0
+        else:
+            self.jitted = jax.jit(step, donate_argnums=(0, 1))
 
     @property
     def collection(self):
         return self.module
 
-    def __call__(self, params, opt_state, batch, pooled_grad):
+    def __call__(self, params, opt_state, batch, pooled_grad, *, ok=None):
+        """One fused update. `ok`: an extra device boolean (e.g. "the loss is finite"); with
+        `skip_nonfinite`, the update is skipped when it is false."""
         if not isinstance(batch, PreparedBatch):
             batch = self.module.prepare(batch)
-        return self.jitted(params, opt_state, self.module.update_operands(batch, pooled_grad))
+        operands = self.module.update_operands(batch, pooled_grad)
+        if not self.skip_nonfinite:
+            if ok is not None:
+                raise ValueError("ok= needs make_update(..., skip_nonfinite=True)")
+            return self.jitted(params, opt_state, operands)
+        # the flag placed like the optimizer's step count (a scalar on the tables' devices)
+        flag = jax.device_put(jnp.ones((), bool) if ok is None else ok, opt_state.count.sharding)
+        params, opt_state, self._skipped = self.jitted(
+            params, opt_state, operands, flag, self._skipped, jnp.int32(self._calls)
+        )
+        self._calls += 1
+        return params, opt_state
+
+    def with_fresh_counters(self) -> _Update:
+        """The same compiled step with its own skip counters (one per model sharing it)."""
+        other = object.__new__(_Update)
+        other.__dict__.update(self.__dict__)
+        if self.skip_nonfinite:
+            other._skipped = (jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32))
+            other._calls = 0
+        return other
+
+    def nonfinite(self) -> tuple[jax.Array, jax.Array]:
+        """(calls skipped, index of the first skipped call or -1), device scalars."""
+        if not self.skip_nonfinite:
+            raise ValueError("this update was made without skip_nonfinite=True")
+        return self._skipped
 
     def compile_count(self) -> int:
         """How many programs the jitted step has compiled (one per distinct input shape)."""
         return self.jitted._cache_size()
 
 
-def make_update(module, rule: RowRule) -> _Update:
+def all_finite(tree) -> jax.Array:
+    """A device boolean: every floating-point leaf of `tree` is finite."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+             if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.ones((), bool)
+
+
+def _guarded(step):
+    """`step` run only when its operands are finite and `ok` holds (`lax.cond`: the skipped
+    branch returns the donated buffers untouched, in place)."""
+
+    def run(params, opt_state, operands, ok, skipped, call):
+        good = ok & all_finite(operands)
+        params, opt_state = jax.lax.cond(good, step, lambda p, s, _: (p, s), params, opt_state, operands)
+        count, first = skipped
+        first = jnp.where(~good & (first < 0), call, first)
+        return params, opt_state, (count + (~good).astype(jnp.int32), first)
+
+    return run
+
+
+def make_update(module, rule: RowRule, *, skip_nonfinite: bool = False) -> _Update:
     """The fused update step for a sparse module with the row rule `rule` (params, state donated).
 
     `update(params, opt_state, batch, grad)`: `batch` is `module.prepare(kjt)` (or a KJT,
-    prepared here), `grad` the gradient of `module.apply(params, batch)`."""
-    return _Update(module, rule)
+    prepared here), `grad` the gradient of `module.apply(params, batch)`. With
+    `skip_nonfinite=True` a non-finite gradient never reaches the tables (see `_Update`)."""
+    return _Update(module, rule, skip_nonfinite=skip_nonfinite)
