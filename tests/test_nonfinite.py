@@ -12,7 +12,13 @@ import pytest
 import torch
 
 import hybrid
-from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, make_update, optim
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    make_update,
+    optim,
+)
 from sparse_jax.sharding import shard
 from tests.test_pipeline import _batches, _loss, _model
 
