@@ -3,6 +3,7 @@ values in steady steps, and `hybrid.TrainPipeline` equal to the plain loop."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -257,3 +258,20 @@ def test_torch_device_follows_the_jax_device():
     assert hybrid.torch_device(Fake("rocm", 1)) == torch.device("cuda", 1)
     assert hybrid.torch_device(Fake("cpu", 0)) == torch.device("cpu")
     assert hybrid.torch_device() == torch.device("cpu")  # this machine's JAX device
+
+
+def test_the_dense_grad_hook_runs_only_after_the_sparse_update_finished():
+    """A torch collective in the hook (the dense all-reduce) never overlaps JAX's update."""
+    seen = []
+
+    def hook(model):
+        leaves = jax.tree_util.tree_leaves((model.sparse_params, model.sparse_opt_state))
+        seen.append(all(x.is_ready() for x in leaves))
+
+    model = _model()
+    pipeline = hybrid.TrainPipeline(model, torch.optim.SGD(model.dense_parameters(), lr=0.1), _loss,
+                                    dense_grad_hook=hook)
+    it = iter(_batches(3))
+    for _ in range(3):
+        pipeline.progress(it)
+    assert seen == [True, True, True]
