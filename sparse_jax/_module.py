@@ -26,7 +26,25 @@ import jax
 
 from sparse_jax._jagged import KeyedJaggedTensor
 
-__all__ = ["PaddedBatch", "PreparedBatch", "SparseModule", "StoredBlock", "UpdateStep"]
+__all__ = ["LayoutFacts", "PaddedBatch", "PreparedBatch", "SparseModule", "StoredBlock", "UpdateStep"]
+
+
+class LayoutFacts:
+    """The contract's table and output facts, read off the module's `layout`."""
+
+    layout: Any  # a TableLayout
+
+    @property
+    def tables(self):
+        return self.layout.tables
+
+    @property
+    def feature_names(self) -> list[str]:
+        return self.layout.feature_names
+
+    @property
+    def output_dims(self) -> list[int]:
+        return self.layout.output_dims
 
 
 class PreparedBatch:

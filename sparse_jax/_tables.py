@@ -11,29 +11,17 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax._layout import TableLayout
-from sparse_jax._module import StoredBlock
+from sparse_jax._module import LayoutFacts, StoredBlock
 
 __all__ = ["TableCollection"]
 
 
-class TableCollection:
+class TableCollection(LayoutFacts):
     """The unsharded half of the `SparseModule` contract that both collections share."""
 
     layout: TableLayout
     plan = None  # unsharded: no ShardingPlan
     mesh_axes = None
-
-    @property
-    def tables(self):
-        return self.layout.tables
-
-    @property
-    def feature_names(self) -> list[str]:
-        return self.layout.feature_names
-
-    @property
-    def output_dims(self) -> list[int]:
-        return self.layout.output_dims
 
     def stored_blocks(self):
         """Each table whole, at its offset in its group's stacked buffer."""

@@ -21,13 +21,7 @@ from sparse_jax import (
 from sparse_jax._lookup import id_stream, pooled_segment_sum
 from sparse_jax.optim._apply import dedup_row_grads
 from tests import reference
-
-RULES = {
-    "sgd": dict(lr=0.1),
-    "adagrad": dict(lr=0.1, eps=1e-8),
-    "rowwise_adagrad": dict(lr=0.1, eps=1e-8),
-    "adam": dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
-}
+from tests.test_optim import RULES  # the same rules and hyperparameters
 
 # Tables a and b share one stacked buffer (dim 4), c has its own (dim 8). Skipped ids:
 # 7 in a's features (= a's num_rows: read unchecked, it would be b's first row), -2 and

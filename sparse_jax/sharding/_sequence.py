@@ -20,11 +20,12 @@ from sparse_jax._configs import EmbeddingBagConfig
 from sparse_jax._embedding import SequenceBatch
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
+from sparse_jax._module import LayoutFacts
 
 __all__ = ["ShardedEmbeddingCollection"]
 
 
-class ShardedEmbeddingCollection:
+class ShardedEmbeddingCollection(LayoutFacts):
     """Build with `shard(ec, mesh, plan)`; `apply` returns `{feature: JaggedTensor}` as the
     unsharded `EmbeddingCollection` does, and `make_update` takes `{feature: [ids, dim]}`."""
 
@@ -52,10 +53,6 @@ class ShardedEmbeddingCollection:
         self.plan, self.mesh = self.bags.plan, mesh
         self.prepare_count = 0
 
-    @property
-    def tables(self):
-        return self.ec.tables
-
     def init(self, key):
         return self.bags.init(key)
 
@@ -67,14 +64,6 @@ class ShardedEmbeddingCollection:
 
     def table_state(self, opt_state, key: str):
         return self.bags.table_state(opt_state, key)
-
-    @property
-    def feature_names(self) -> list[str]:
-        return self.layout.feature_names
-
-    @property
-    def output_dims(self) -> list[int]:
-        return self.layout.output_dims
 
     @property
     def mesh_axes(self):

@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax._keyed_tensor import KeyedTensor
-from sparse_jax._module import StoredBlock
+from sparse_jax._module import LayoutFacts, StoredBlock
 from sparse_jax._validate import is_concrete
 from sparse_jax.optim._base import RowRule, SparseOptState
 from sparse_jax.plan import ShardingPlan
@@ -75,7 +75,7 @@ def _resolve_plan(plan, tables, mesh_axes) -> ShardingPlan:
     raise ValueError(f"plan must be a ShardingPlan, a {{table: sharding type}} dict or None, got {type(plan).__name__}")
 
 
-class ShardedEmbeddingBagCollection:
+class ShardedEmbeddingBagCollection(LayoutFacts):
     """An EBC whose tables live on `mesh` as `plan` says. Build with `shard(ebc, mesh, plan)`."""
 
     def __init__(
@@ -132,18 +132,6 @@ class ShardedEmbeddingBagCollection:
     @property
     def bounds_check(self) -> str:
         return self.static.bounds_check
-
-    @property
-    def tables(self):
-        return self.layout.tables
-
-    @property
-    def feature_names(self) -> list[str]:
-        return self.layout.feature_names
-
-    @property
-    def output_dims(self) -> list[int]:
-        return self.layout.output_dims
 
     def stored_blocks(self):
         """Every shard block: where it sits in its shard buffer (rows of all coordinates
