@@ -11,11 +11,18 @@ starts N processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_POR
   (the port beside torch's), one local GPU per process (`local_device_ids=[LOCAL_RANK]`,
   modulo the visible GPUs), gloo cross-process collectives on CPU.
 Call it before the first JAX operation. With WORLD_SIZE unset or 1 it does nothing.
+
+Timeouts are short enough that a dead peer is not waited for for minutes (JAX's heartbeat
+and shutdown barrier, torch's collectives); the fast path is `hybrid._watchdog`, which
+`python -m hybrid.train` starts right after `init_distributed()`: when one process dies,
+the others exit non-zero within seconds, naming the lost rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import inspect
 import os
 from collections.abc import Mapping
 
@@ -26,6 +33,13 @@ import torch.distributed as dist
 __all__ = ["DistributedEnv", "init_distributed", "read_torchrun_env"]
 
 _VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+# backstops behind hybrid._watchdog (seconds): JAX's coordination service declares a process
+# dead after this long without heartbeats (default 100), its shutdown barrier gives up after
+# this long (default 300), torch's collectives after this long (default 30 min for gloo)
+JAX_HEARTBEAT_TIMEOUT_S = 20
+JAX_SHUTDOWN_TIMEOUT_S = 60
+TORCH_TIMEOUT_S = 300
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,6 +123,7 @@ def init_distributed(
             init_method=init_method,
             rank=env.rank,
             world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=TORCH_TIMEOUT_S),
         )
     if not jax.distributed.is_initialized():
         if not gpu:
@@ -118,5 +133,16 @@ def init_distributed(
             num_processes=env.world_size,
             process_id=env.rank,
             local_device_ids=[gpu_index] if gpu else None,
+            **_jax_timeouts(),
         )
     return env
+
+
+def _jax_timeouts() -> dict:
+    """The timeout arguments this JAX's `jax.distributed.initialize` takes."""
+    params = inspect.signature(jax.distributed.initialize).parameters
+    wanted = {
+        "heartbeat_timeout_seconds": JAX_HEARTBEAT_TIMEOUT_S,
+        "shutdown_timeout_seconds": JAX_SHUTDOWN_TIMEOUT_S,
+    }
+    return {k: v for k, v in wanted.items() if k in params}

@@ -109,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             import hybrid
 
             hybrid.init_distributed()
+            from hybrid._watchdog import start_watchdog
+
+            watchdog = start_watchdog(env)  # a dead peer makes this process exit in seconds
         run(config, resume=args.resume)
+        if env is not None and watchdog is not None:
+            watchdog.finish()  # every rank finished: exiting peers are not failures
     except (ConfigError, CriteoFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -88,8 +88,7 @@ class _Update:
             if ok is not None:
                 raise ValueError("ok= needs make_update(..., skip_nonfinite=True)")
             return self.jitted(params, opt_state, operands)
-        # the flag placed like the optimizer's step count (a scalar on the tables' devices)
-        flag = jax.device_put(jnp.ones((), bool) if ok is None else ok, opt_state.count.sharding)
+        flag = _flag_on_devices(jnp.ones((), bool) if ok is None else ok, opt_state.count.sharding)
         params, opt_state, self._skipped = self.jitted(
             params, opt_state, operands, flag, self._skipped, jnp.int32(self._calls)
         )
@@ -116,6 +115,19 @@ class _Update:
         return self.jitted._cache_size()
 
 
+def _flag_on_devices(ok: jax.Array, like: jax.sharding.Sharding) -> jax.Array:
+    """This process's boolean as one entry per device of the tables' mesh (`[devices]`,
+    sharded over every axis), so the program ANDs every process's flag: all replicas take
+    the same decision. Built from per-device copies of the local flag (no host read, no
+    cross-process transfer). One device: the flag on it."""
+    if not isinstance(like, jax.sharding.NamedSharding):
+        return jax.device_put(ok.reshape(1), like)
+    mesh = like.mesh
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
+    local = [jax.device_put(ok.reshape(1), d) for d in sharding.addressable_devices_indices_map((mesh.size,))]
+    return jax.make_array_from_single_device_arrays((mesh.size,), sharding, local)
+
+
 def all_finite(tree) -> jax.Array:
     """A device boolean: every floating-point leaf of `tree` is finite."""
     flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
@@ -128,7 +140,7 @@ def _guarded(step):
     branch returns the donated buffers untouched, in place)."""
 
     def run(params, opt_state, operands, ok, skipped, call):
-        good = ok & all_finite(operands)
+        good = jnp.all(ok) & all_finite(operands)
         params, opt_state = jax.lax.cond(good, step, lambda p, s, _: (p, s), params, opt_state, operands)
         count, first = skipped
         first = jnp.where(~good & (first < 0), call, first)
