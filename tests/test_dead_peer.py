@@ -131,7 +131,7 @@ def test_without_torchrun_the_survivor_exits(tmp_path, victim):
     procs = _explicit(tmp_path, steps=10**9)
     _wait_for([tmp_path / "training0", tmp_path / "training1"], procs)
     procs[victim].send_signal(signal.SIGKILL)
-    procs[victim].wait()
+    procs[victim].communicate()  # reaps it and closes its pipes
     code, err, took = _exit_within(procs[1 - victim], 10)
     # EXIT_PEER_LOST, or EXIT_ERROR where the collective failed first (gloo: connection reset)
     assert code != 0, err[-3000:]
