@@ -5,9 +5,22 @@ values written as hex strings (may be empty). Dense features are `log(1 + max(x,
 (missing -> 0). Categorical feature f has a table of `num_embeddings[f]` rows: id 0 means
 missing, and a present value hashes to `1 + int(hex, 16) % (num_embeddings[f] - 1)`.
 
+Accepted field syntax (anything else is an error, never silently coerced):
+
+- label: exactly `0` or `1`.
+- integer feature: empty (missing) or ASCII decimal digits with an optional leading `-` or
+  `+` (`[-+]?[0-9]+`); no spaces, underscores or non-ASCII digits.
+- categorical feature: empty (missing) or 1 to 16 hex digits, lower- or uppercase
+  (`[0-9a-fA-F]{1,16}`, at most 64 bits); no `0x` prefix, no sign, no spaces or
+  underscores. The public Criteo 1TB / Kaggle files write 8 lowercase digits.
+
 `iter_criteo_tsv` streams the files in chunks of `chunk_rows` samples (`ClickData` each);
-`read_criteo_tsv` reads them whole. A malformed line raises `CriteoFormatError` naming the
-file, the line number and what is wrong.
+`read_criteo_tsv` reads them whole. Every problem raises `CriteoFormatError` (a
+`ValueError`) whose message starts `<file>, line <n>:` -- a malformed line (with the
+column number and the offending value for a bad field), a missing file, a directory, a
+file that cannot be read, an empty file (or one of blank lines only; reported at line 1 or
+at the line after the last one), a truncated or corrupt `.gz` (at the line where the
+compressed stream broke off). Raw `OSError` / `EOFError` / `gzip.BadGzipFile` never leak.
 """
 
 from __future__ import annotations
@@ -15,6 +28,8 @@ from __future__ import annotations
 import gzip
 import math
 import os
+import re
+import zlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -31,12 +46,58 @@ class CriteoFormatError(ValueError):
     """A line of a Criteo TSV file that cannot be read (the message names file and line)."""
 
 
+_HEX = re.compile(r"[0-9a-fA-F]{1,16}")
+_INT = re.compile(r"[-+]?[0-9]+")
+# what a damaged gzip stream raises while it is read (zlib.error: corrupt deflate data)
+_READ_ERRORS = (OSError, EOFError, zlib.error)
+
+
 def _open(path: str | os.PathLike):
-    """The file as binary lines (gzip recognized by its magic bytes, not its name)."""
-    path = os.fspath(path)
-    with open(path, "rb") as probe:
-        magic = probe.read(2)
-    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+    """The file as binary lines (gzip recognized by its magic bytes, not its name).
+
+    Raises `CriteoFormatError` for a missing file, a directory or an unreadable file."""
+    name = os.fspath(path)
+    try:
+        if os.path.isdir(name):
+            raise IsADirectoryError(f"{name!r} is a directory")
+        with open(name, "rb") as probe:
+            magic = probe.read(2)
+        return gzip.open(name, "rb") if magic == b"\x1f\x8b" else open(name, "rb")
+    except FileNotFoundError:
+        raise CriteoFormatError(f"{name}, line 1: no such file") from None
+    except IsADirectoryError:
+        raise CriteoFormatError(
+            f"{name}, line 1: is a directory, not a Criteo TSV file (list the day files inside it)"
+        ) from None
+    except OSError as e:
+        raise CriteoFormatError(f"{name}, line 1: cannot be opened ({e.strerror or e})") from None
+
+
+def _lines(path: str | os.PathLike, f) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line), turning a read failure (truncated / corrupt gzip, I/O error)
+    into `CriteoFormatError` at the line that could not be read."""
+    name, lines, number = os.fspath(path), iter(f), 0
+    while True:
+        try:
+            raw = next(lines)
+        except StopIteration:
+            return
+        except EOFError:
+            raise CriteoFormatError(
+                f"{name}, line {number + 1}: the gzip stream ends early (truncated .gz file; "
+                f"{number} complete line(s) were read before it)"
+            ) from None
+        except _READ_ERRORS as e:
+            kind = (
+                "corrupt gzip data"
+                if isinstance(e, gzip.BadGzipFile | zlib.error)
+                else "read error"
+            )
+            raise CriteoFormatError(
+                f"{name}, line {number + 1}: {kind} ({e}); {number} complete line(s) were read before it"
+            ) from None
+        number += 1
+        yield number, raw
 
 
 def _sizes(num_embeddings: int | Sequence[int]) -> tuple[int, ...]:
@@ -63,24 +124,24 @@ def _parse(line: str, where: str, sizes: tuple[int, ...]):
     for i, text in enumerate(fields[1 : 1 + NUM_DENSE]):
         if text == "":
             dense.append(0.0)
-            continue
-        try:
+        elif _INT.fullmatch(text):
             dense.append(math.log1p(max(int(text), 0)))
-        except ValueError:
+        else:
             raise CriteoFormatError(
-                f"{where}: integer feature I{i + 1} is {text!r}, not an integer (leave it empty if missing)"
-            ) from None
+                f"{where}: integer feature I{i + 1} is {text!r} (column {i + 2}), not an integer "
+                "(ASCII digits with an optional sign; leave it empty if missing)"
+            )
     ids = []
     for i, text in enumerate(fields[1 + NUM_DENSE :]):
         if text == "":
             ids.append(0)
-            continue
-        try:
+        elif _HEX.fullmatch(text):
             ids.append(1 + int(text, 16) % (sizes[i] - 1))
-        except ValueError:
+        else:
             raise CriteoFormatError(
-                f"{where}: categorical feature C{i + 1} is {text!r}, not a hex string"
-            ) from None
+                f"{where}: categorical feature C{i + 1} is {text!r} (column {i + 2 + NUM_DENSE}), "
+                "not a hex string of 1-16 digits without prefix or sign (leave it empty if missing)"
+            )
     return float(fields[0]), dense, ids
 
 
@@ -109,8 +170,11 @@ def iter_criteo_tsv(
     paths = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     labels, dense, ids, total = [], [], [], 0
     for path in paths:
+        if max_rows is not None and total >= max_rows:
+            break
         with _open(path) as f:
-            for number, raw in enumerate(f, start=1):
+            samples, number = 0, 0
+            for number, raw in _lines(path, f):
                 if max_rows is not None and total >= max_rows:
                     break
                 where = f"{os.fspath(path)}, line {number}"
@@ -121,6 +185,7 @@ def iter_criteo_tsv(
                 if not line.strip():
                     continue
                 label, d, i = _parse(line, where, sizes)
+                samples += 1
                 labels.append(label)
                 dense.extend(d)
                 ids.extend(i)
@@ -128,6 +193,11 @@ def iter_criteo_tsv(
                 if len(labels) == chunk_rows:
                     yield _chunk(labels, dense, ids, sizes)
                     labels, dense, ids = [], [], []
+            if samples == 0 and (max_rows is None or total < max_rows):
+                what = "the file is empty" if number == 0 else f"all {number} lines are blank"
+                raise CriteoFormatError(
+                    f"{os.fspath(path)}, line {number + 1}: no samples ({what})"
+                )
     if labels:
         yield _chunk(labels, dense, ids, sizes)
 

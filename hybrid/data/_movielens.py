@@ -5,6 +5,14 @@ package is never installed or imported) into the cache directory, the three file
 `recbole/dataset_example/ml-100k/ml-100k.{inter,user,item}` are read with `zipfile`, and
 the prepared arrays are cached as `movielens100k_v1.npz` beside the wheel.
 
+Both artifacts are verified before use. The wheel must hash to `WHEEL_SHA256` (the
+sha256 of the file PyPI serves for recbole 1.2.1); any other file is refused with an
+error naming it, both hashes, and telling to delete it so it is downloaded again. The
+`.npz` is written first, then a sidecar `movielens100k_v1.json` recording the npz's sha256
+and the wheel's; on reuse the npz bytes must match that record and load cleanly, otherwise
+(missing or stale record, edited, truncated or corrupt npz) it is rebuilt from the wheel
+with a warning on the `hybridrec.data` logger -- never a raw traceback.
+
 Task: click = rating >= 4. Sparse features (one table each, id 0 = unknown):
 user, item, gender, occupation, zip, age_bucket (one id per sample) and genres (multi-hot:
 the item's genres, 1..6 ids). Dense features: age, timestamp, release year (missing ->
@@ -17,11 +25,15 @@ Cache directory: `$HYBRIDREC_DATA` if set, else `data_cache/` at the repository 
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import logging
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 import numpy as np
@@ -30,9 +42,15 @@ from hybrid.data._arrays import ClickData
 
 __all__ = ["MOVIELENS_FEATURES", "data_cache_dir", "load_movielens"]
 
+log = logging.getLogger("hybridrec.data")
+
 WHEEL = "recbole-1.2.1-py3-none-any.whl"
+# sha256 of recbole-1.2.1-py3-none-any.whl as served by PyPI (checked 2026-11-23 against a
+# fresh `pip download`); pinned so a corrupt, truncated or substituted wheel is refused.
+WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"
 _MEMBER = "recbole/dataset_example/ml-100k/ml-100k.{}"
 _CACHE_NAME = "movielens100k_v1.npz"
+_RECORD_NAME = "movielens100k_v1.json"  # sidecar: sha256 of the npz (and of its wheel)
 MOVIELENS_FEATURES = ("user", "item", "gender", "occupation", "zip", "age_bucket", "genres")
 _AGE_EDGES = np.array([18, 25, 35, 45, 50, 56])  # MovieLens-1M's age groups
 
@@ -44,10 +62,34 @@ def data_cache_dir() -> pathlib.Path:
     return pathlib.Path(__file__).resolve().parents[2] / "data_cache"
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sha256_file(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verify_wheel(path: pathlib.Path) -> pathlib.Path:
+    """`path` if its sha256 is `WHEEL_SHA256`; else RuntimeError naming file and both hashes."""
+    actual = _sha256_file(path)
+    if actual != WHEEL_SHA256:
+        raise RuntimeError(
+            f"{path}: sha256 mismatch for the MovieLens source wheel (recbole==1.2.1): expected "
+            f"{WHEEL_SHA256}, got {actual}. The file is corrupt, truncated or not the published "
+            f"wheel; delete it to re-download it (or put the genuine {WHEEL} there by hand)."
+        )
+    return path
+
+
 def _wheel(cache: pathlib.Path) -> pathlib.Path:
     path = cache / WHEEL
-    if path.exists():
-        return path
+    if path.is_file():
+        return _verify_wheel(path)
     cache.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "recbole==1.2.1", "-d", str(cache)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -57,7 +99,7 @@ def _wheel(cache: pathlib.Path) -> pathlib.Path:
             f"{done.stderr[-2000:]}\nPut {WHEEL} into {cache} by hand, or set HYBRIDREC_DATA to a "
             "directory holding it"
         )
-    return path
+    return _verify_wheel(path)
 
 
 def _table(z: zipfile.ZipFile, ext: str) -> dict[str, list[str]]:
@@ -159,16 +201,78 @@ def _prepare(wheel: pathlib.Path) -> dict[str, np.ndarray]:
     return {**train.to_arrays("train_"), **evaluation.to_arrays("eval_")}
 
 
+def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+    """Write via a unique temporary file + rename: readers and concurrent writers never see
+    a partial file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_cache(prepared: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
+    """The npz, then its sidecar record (so a record never vouches for an unwritten npz)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    data = buffer.getvalue()
+    _atomic_write(prepared, data)
+    record = {
+        "format": 1,
+        "npz": prepared.name,
+        "npz_sha256": _sha256(data),
+        "npz_bytes": len(data),
+        "wheel_sha256": WHEEL_SHA256,
+    }
+    _atomic_write(prepared.with_name(_RECORD_NAME), (json.dumps(record, indent=1) + "\n").encode())
+
+
+def _read_cache(prepared: pathlib.Path) -> dict[str, np.ndarray] | None:
+    """The cached arrays if the npz matches its sidecar record and loads; else None, with
+    the reason logged (the caller rebuilds)."""
+    record_path = prepared.with_name(_RECORD_NAME)
+    if not prepared.exists():
+        return None
+    try:
+        record = json.loads(record_path.read_text())
+        expected = record["npz_sha256"]
+        wheel_sha = record["wheel_sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        problem = f"its checksum record {record_path} is missing or unreadable ({type(err).__name__}: {err})"
+    else:
+        try:
+            data = prepared.read_bytes()
+        except OSError as err:
+            problem = f"it cannot be read ({err})"
+        else:
+            actual = _sha256(data)
+            if wheel_sha != WHEEL_SHA256:
+                problem = f"it was built from a different wheel (sha256 {wheel_sha})"
+            elif actual != expected:
+                problem = f"its sha256 is {actual}, the record {record_path.name} says {expected} (edited, truncated or corrupt)"
+            else:
+                try:
+                    with np.load(io.BytesIO(data)) as npz:
+                        arrays = {k: npz[k] for k in npz.files}
+                    ClickData.from_arrays(arrays, "train_"), ClickData.from_arrays(arrays, "eval_")
+                    return arrays
+                except Exception as err:  # noqa: BLE001 -- any unreadable cache is rebuilt
+                    problem = f"it does not load ({type(err).__name__}: {err})"
+    log.warning(
+        "MovieLens cache %s is not reused, rebuilding it from the wheel: %s", prepared, problem
+    )
+    return None
+
+
 def load_movielens(cache_dir: str | os.PathLike | None = None) -> tuple[ClickData, ClickData]:
     """`(train, eval)` MovieLens-100K click data (see the module docstring)."""
     cache = pathlib.Path(cache_dir) if cache_dir else data_cache_dir()
     prepared = cache / _CACHE_NAME
-    if not prepared.exists():
+    arrays = _read_cache(prepared)
+    if arrays is None:
         arrays = _prepare(_wheel(cache))
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        tmp = prepared.with_suffix(".tmp")
-        tmp.write_bytes(buffer.getvalue())
-        os.replace(tmp, prepared)
-    with np.load(prepared) as arrays:
-        return ClickData.from_arrays(arrays, "train_"), ClickData.from_arrays(arrays, "eval_")
+        _write_cache(prepared, arrays)
+    return ClickData.from_arrays(arrays, "train_"), ClickData.from_arrays(arrays, "eval_")
