@@ -53,10 +53,11 @@ __all__ = [
     "torch_to_jax",
 ]
 
-from hybrid._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from hybrid._checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from hybrid._metrics import LossTracker, eval_metrics  # noqa: E402
 
 __all__ += [
+    "CheckpointError",
     "LossTracker",
     "eval_metrics",
     "latest_checkpoint",

@@ -21,7 +21,11 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              is skipped, never applied, and training stops at the next log line naming
              it, exit code 3; "skip": such batches are skipped and counted, and training
              stops once more than max_nonfinite were skipped)
-    [checkpoint] dir ("" = none); every (steps; 0 = only at the end); keep
+    [checkpoint] dir ("" = none); every (steps; 0 = only at the end); keep (newest intact
+             checkpoints of this run kept); overwrite (a fresh run into a directory holding
+             another run's checkpoints moves them aside into <dir>/.replaced-*/ instead of
+             refusing); allow_config_change (--resume with a changed seed,
+             train.batch_size or [data] instead of refusing: no longer exact)
     [log]    metrics_path (JSON lines; "" = none); every (steps); loss_window
 
 Tables come from the dataset: one `t_<feature>` per sparse feature with the feature's
@@ -102,6 +106,8 @@ class CheckpointSection:
     dir: str = ""
     every: int = 0
     keep: int = 2
+    overwrite: bool = False
+    allow_config_change: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -410,6 +410,20 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
     torch.set_num_threads(config.train.torch_threads)
     try:
         model, dense_opt, train, evaluation, num_devices = build(config)
+        ckpt_run = (  # preflight before any step: writable, room, checkpointable, run identity
+            _checkpoint.prepare_run(
+                config.checkpoint.dir,
+                config=config.to_dict(),
+                model=model,
+                dense_optimizer=dense_opt,
+                resume=resume,
+                overwrite=config.checkpoint.overwrite,
+                allow_config_change=config.checkpoint.allow_config_change,
+                echo=echo,
+            )
+            if config.checkpoint.dir
+            else None
+        )
         device = hybrid.torch_device()  # the torch device of this process's JAX device
         model.dense.to(device)
         loader = BatchLoader(train, config.train.batch_size, seed=config.seed)
@@ -420,7 +434,9 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
         if resume:
             if not ckpt_dir:
                 raise ConfigError("--resume needs checkpoint.dir (--set checkpoint.dir=runs/x)")
-            latest = _checkpoint.latest_checkpoint(ckpt_dir)
+            for bad, why in ckpt_run.skipped:  # damaged newer checkpoints: reported, kept
+                echo(f"--resume: skipped {bad.name}: {why}")
+            latest = ckpt_run.resume_from  # the newest intact checkpoint
             if latest is None:
                 echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
             else:
@@ -446,6 +462,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                     dense_optimizer=dense_opt,
                     keep=config.checkpoint.keep,
                     meta={"loss_tracker": tracker.state_dict(), "config": config.to_dict()},
+                    run_id=ckpt_run.run_id,
                 )
 
         def run_eval(step: int) -> dict:

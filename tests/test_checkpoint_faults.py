@@ -1,0 +1,277 @@
+"""Checkpoints never lose work: run identity, verified files, preflight, fault injection."""
+
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import hybrid
+from hybrid import _checkpoint, train
+from hybrid._checkpoint import CheckpointError
+from hybrid._train_config import ConfigError, load_config
+
+SMALL = [
+    "data.source=synthetic",
+    "data.num_samples=1024",
+    "data.num_eval_samples=256",
+    "data.num_sparse=3",
+    "data.num_dense=3",
+    "data.num_embeddings=64",
+    "train.batch_size=64",
+    "train.eval_batch_size=256",
+    "model.embedding_dim=8",
+    "model.dense_arch_layer_sizes=[8, 8]",
+    "model.over_arch_layer_sizes=[8, 1]",
+    "sparse_optimizer.lr=0.1",
+    "log.every=1",
+]
+FILES = ("tables.npz", "dense.pt", "meta.json", "manifest.json")
+
+
+def _quiet(*_args):
+    pass
+
+
+def _config(ckpt, *extra, steps=8, every=4):
+    return load_config(
+        None,
+        [
+            *SMALL,
+            f"train.steps={steps}",
+            f"checkpoint.every={every}",
+            f"checkpoint.dir='{ckpt}'",
+            *extra,
+        ],
+    )
+
+
+def _run(ckpt, *extra, resume=False, **kw):
+    lines = []
+    result = train.run(_config(ckpt, *extra, **kw), resume=resume, echo=lines.append)
+    return result, "\n".join(map(str, lines))
+
+
+def _snapshot(root):
+    """{relative path: sha256} of every file under root."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _damage(path, how):
+    if how == "flip":
+        data = bytearray(path.read_bytes())
+        for i in range(len(data) // 2, min(len(data), len(data) // 2 + 8)):
+            data[i] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    else:
+        path.unlink()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 8-step run with checkpoints at steps 4 and 8 (copied per test)."""
+    ckpt = tmp_path_factory.mktemp("trained") / "ckpt"
+    result, _ = _run(ckpt)
+    return ckpt, result
+
+
+@pytest.fixture
+def ckpt(trained, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(trained[0], path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fresh_model():
+    model, dense_opt, *_ = train.build(load_config(None, SMALL))
+    return model, dense_opt
+
+
+def test_run_json_and_manifest_are_written(ckpt):
+    run = json.loads((ckpt / "run.json").read_text())
+    assert run["config"]["seed"] == 0 and run["run_id"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["run.json", "step_00000004", "step_00000008"]
+    for step in ("step_00000004", "step_00000008"):
+        meta = _checkpoint.verify_checkpoint(ckpt / step)
+        assert meta["run_id"] == run["run_id"]
+        files = json.loads((ckpt / step / "manifest.json").read_text())["files"]
+        assert sorted(files) == ["dense.pt", "meta.json", "tables.npz"]
+
+
+def test_fresh_run_into_used_dir_refuses_and_deletes_nothing(ckpt):
+    before = _snapshot(ckpt)
+    run_id = json.loads((ckpt / "run.json").read_text())["run_id"]
+    with pytest.raises(ConfigError) as e:
+        _run(ckpt)
+    message = str(e.value)
+    for part in (str(ckpt), run_id, "--resume", "another checkpoint.dir", "checkpoint.overwrite"):
+        assert part in message
+    assert _snapshot(ckpt) == before
+    assert hybrid.CheckpointError is CheckpointError
+
+
+def test_overwrite_moves_the_old_run_aside(ckpt):
+    before = _snapshot(ckpt)
+    _, out = _run(ckpt, "checkpoint.overwrite=true", steps=4, every=0)
+    (aside,) = [p for p in ckpt.iterdir() if p.name.startswith(".replaced-")]
+    assert _snapshot(aside) == before  # the old run's files, intact
+    assert "moved the checkpoints" in out
+    assert sorted(p.name for p in _checkpoint._step_dirs(ckpt)) == ["step_00000004"]
+    new_id = json.loads((ckpt / "run.json").read_text())["run_id"]
+    assert _checkpoint._run_id_of(ckpt / "step_00000004") == new_id
+
+
+def test_rotation_keeps_newest_intact_and_never_another_runs(ckpt, tmp_path, fresh_model):
+    model, dense_opt = fresh_model
+    run_id = json.loads((ckpt / "run.json").read_text())["run_id"]
+    other = tmp_path / "other"
+    _checkpoint.save_checkpoint(other, step=900, model=model, dense_optimizer=dense_opt)
+    shutil.copytree(other / "step_00000900", ckpt / "step_00000900")  # another run's, copied in
+    # the newest of this run is damaged: the next save must keep step 4 (newest intact
+    # before it) and drop the damaged step 8
+    _damage(ckpt / "step_00000008" / "tables.npz", "flip")
+    save = dict(model=model, dense_optimizer=dense_opt, run_id=run_id, keep=2)
+    _checkpoint.save_checkpoint(ckpt, step=12, **save)
+    names = [p.name for p in _checkpoint._step_dirs(ckpt)]
+    assert names == ["step_00000004", "step_00000012", "step_00000900"]
+    _checkpoint.save_checkpoint(ckpt, step=16, **{**save, "keep": 1})
+    names = [p.name for p in _checkpoint._step_dirs(ckpt)]
+    assert names == ["step_00000016", "step_00000900"]  # another run's step 900 survives
+    with pytest.raises(CheckpointError, match="belongs to run"):
+        _checkpoint.save_checkpoint(ckpt, step=20, **{**save, "run_id": "someone-else"})
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+@pytest.mark.parametrize("name", FILES)
+def test_damaged_file_raises_naming_it(ckpt, fresh_model, name, how):
+    model, dense_opt = fresh_model
+    path = ckpt / "step_00000008"
+    _damage(path / name, how)
+    with pytest.raises(CheckpointError) as e:
+        _checkpoint.load_checkpoint(path, model=model, dense_optimizer=dense_opt)
+    message = str(e.value)
+    assert name in message and str(path) in message
+    reason = {
+        "flip": "unreadable json" if name == "manifest.json" else "hash mismatch",
+        "truncate": "unreadable json" if name == "manifest.json" else "truncated",
+        "delete": "missing",
+    }[how]
+    assert reason in message
+    assert _checkpoint.latest_checkpoint(ckpt).name == "step_00000004"
+
+
+def test_resume_falls_back_to_newest_intact_and_reports_it(ckpt, trained):
+    _damage(ckpt / "step_00000008" / "dense.pt", "truncate")
+    result, out = _run(ckpt, resume=True, steps=12)
+    assert "skipped step_00000008" in out and "dense.pt is truncated" in out
+    assert "resumed from" in out and "step_00000004 at step 4" in out
+    assert sorted(result["losses"]) == list(range(5, 13))
+    # exact: steps 5..8 of the resumed run are those of the uninterrupted run
+    np.testing.assert_array_equal(
+        [result["losses"][s] for s in range(5, 9)], [trained[1]["losses"][s] for s in range(5, 9)]
+    )
+    assert [p.name for p in _checkpoint._step_dirs(ckpt)] == ["step_00000008", "step_00000012"]
+
+
+def test_resume_with_every_checkpoint_damaged_refuses(ckpt):
+    for step in ("step_00000004", "step_00000008"):
+        _damage(ckpt / step / "meta.json", "flip")
+    with pytest.raises(ConfigError, match="no intact checkpoint.*meta.json hash mismatch"):
+        _run(ckpt, resume=True, steps=12)
+
+
+def test_unwritable_dir_fails_before_training(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    targets = [blocker / "ckpt"]  # cannot be created, even by root
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    os.chmod(readonly, 0o555)
+    if not os.access(readonly, os.W_OK):  # not root: a real read-only directory too
+        targets.append(readonly)
+    try:
+        for target in targets:
+            with pytest.raises(ConfigError, match="is not writable") as e:
+                _run(target, f"log.metrics_path='{metrics}'")
+            assert str(target) in str(e.value)
+            assert not metrics.exists()  # no step ran
+    finally:
+        os.chmod(readonly, 0o755)
+
+
+def test_no_room_for_two_checkpoints_fails_before_training(tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(_checkpoint.shutil, "disk_usage", lambda _p: usage._replace(free=1000))
+    with pytest.raises(ConfigError, match="MiB free on its disk but two checkpoints need"):
+        _run(tmp_path / "ckpt")
+
+
+def test_sgd_checkpoints_and_resumes_exactly(tmp_path):
+    sgd = "sparse_optimizer.name=sgd"
+    reference, _ = _run(tmp_path / "ref", sgd, steps=12, every=0)
+    first, _ = _run(tmp_path / "ckpt", sgd, steps=8, every=4)
+    resumed, out = _run(tmp_path / "ckpt", sgd, resume=True, steps=12)
+    assert "step_00000008 at step 8" in out
+    np.testing.assert_array_equal(
+        [resumed["losses"][s] for s in range(9, 13)],
+        [reference["losses"][s] for s in range(9, 13)],
+    )
+    assert resumed["eval"]["auc"] == reference["eval"]["auc"]
+
+
+def test_config_change_on_resume_refuses_unless_allowed(ckpt):
+    with pytest.raises(ConfigError) as e:
+        _run(ckpt, "seed=3", "train.batch_size=32", resume=True, steps=12)
+    message = str(e.value)
+    assert "seed: 0 -> 3" in message and "train.batch_size: 64 -> 32" in message
+    assert "checkpoint.allow_config_change=true" in message
+    with pytest.raises(ConfigError, match=r"data.num_samples: 1024 -> 2048"):
+        _run(ckpt, "data.num_samples=2048", resume=True, steps=12)
+    result, out = _run(ckpt, "seed=3", "checkpoint.allow_config_change=true", resume=True, steps=12)
+    assert "resuming with changed seed" in out and result["step"] == 12
+
+
+def test_interrupted_save_leaves_no_partial_checkpoint(ckpt, fresh_model, monkeypatch):
+    model, dense_opt = fresh_model
+    run_id = json.loads((ckpt / "run.json").read_text())["run_id"]
+    real = _checkpoint._write_file
+
+    def dying(path, data):
+        if path.name == "dense.pt":  # tables.npz is written, then the process "dies"
+            raise KeyboardInterrupt("killed during save")
+        return real(path, data)
+
+    monkeypatch.setattr(_checkpoint, "_write_file", dying)
+    before = _snapshot(ckpt)
+    for step in (12, 8):  # a new step, and rewriting an existing one
+        with pytest.raises(KeyboardInterrupt):
+            _checkpoint.save_checkpoint(
+                ckpt, step=step, model=model, dense_optimizer=dense_opt, run_id=run_id
+            )
+        assert _snapshot(ckpt) == before  # nothing visible, nothing lost, no .tmp-* left
+    monkeypatch.undo()
+    latest = _checkpoint.latest_checkpoint(ckpt)
+    assert latest.name == "step_00000008"
+    meta = _checkpoint.load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+    assert meta["step"] == 8
+
+
+def test_killed_save_leftover_is_ignored_and_cleaned_on_resume(ckpt):
+    leftover = ckpt / ".tmp-abc123"
+    leftover.mkdir()
+    (leftover / "tables.npz").write_bytes(b"partial")
+    assert _checkpoint.latest_checkpoint(ckpt).name == "step_00000008"
+    _, out = _run(ckpt, resume=True, steps=8)
+    assert "at step 8" in out and not leftover.exists()
