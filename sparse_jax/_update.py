@@ -89,6 +89,8 @@ class _Update:
                 raise ValueError("ok= needs make_update(..., skip_nonfinite=True)")
             return self.jitted(params, opt_state, operands)
         flag = _flag_on_devices(jnp.ones((), bool) if ok is None else ok, opt_state.count.sharding)
+        if self._calls == 0:  # committed like the outputs that replace them: one program
+            self._skipped = jax.device_put(self._skipped, opt_state.count.sharding)
         params, opt_state, self._skipped = self.jitted(
             params, opt_state, operands, flag, self._skipped, jnp.int32(self._calls)
         )

@@ -115,6 +115,9 @@ class _FakeModel(nn.Module):
     def dense_parameters(self):
         return self.dense.parameters()
 
+    def guard_update(self, ok) -> None:  # the pipeline's non-finite flag: the fake never skips
+        pass
+
     def prepare(self, sparse):
         t0 = time.perf_counter()
         time.sleep(self.prep_s)
@@ -260,8 +263,8 @@ def test_round_state_is_what_the_real_update_replaces():
     returned = []
     inner = model._tables._update
 
-    def spy(*args):
-        out = inner(*args)
+    def spy(*args, **kwargs):
+        out = inner(*args, **kwargs)
         returned.append(out)
         return out
 
