@@ -190,3 +190,25 @@ def test_training_with_skip_policy_skips_and_finishes(tmp_path, monkeypatch):
     assert result["step"] == 6
     assert math.isnan(result["losses"][3]) and all(math.isfinite(v) for k, v in result["losses"].items() if k != 3)
     assert math.isfinite(result["eval"]["auc"])
+
+
+def test_a_diverging_learning_rate_stops_before_poisoning_anything(tmp_path):
+    from hybrid.train import run
+
+    config = _train_config(tmp_path, **{"dense_optimizer.name": '"sgd"', "dense_optimizer.lr": "1e30",
+                                        "checkpoint.every": "1"})
+    with pytest.raises(hybrid.NonFiniteError, match=r"step \d+ had a non-finite loss"):
+        run(config, echo=lambda *a: None)
+    from hybrid import latest_checkpoint, load_checkpoint
+
+    last = latest_checkpoint(tmp_path / "ckpt")
+    if last is not None:  # whatever was saved holds finite weights only
+        model_config = _train_config(tmp_path)
+        from hybrid.train import build
+
+        model, dense_opt, *_ = build(model_config)
+        load_checkpoint(last, model=model, dense_optimizer=dense_opt)
+        for w in model.table_weights().values():
+            assert torch.isfinite(w).all()
+        for p in model.dense_parameters():
+            assert torch.isfinite(p).all()
