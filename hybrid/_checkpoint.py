@@ -53,6 +53,7 @@ import jax
 import numpy as np
 import torch
 
+from hybrid._hashing import sha256_file
 from sparse_jax.optim import SparseOptState
 
 __all__ = [
@@ -246,14 +247,6 @@ def _write_json_atomic(path: pathlib.Path, value) -> None:
     _fsync_dir(path.parent)
 
 
-def _sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _read_json(path: pathlib.Path, what: str):
     """JSON of `path`, or CheckpointError naming it (missing / unreadable)."""
     try:
@@ -304,7 +297,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
                 f"{where}: {name} has {size} bytes, the manifest says {entry['size']} (hash mismatch)"
             )
         try:
-            digest = _sha256(file)
+            digest = sha256_file(file)
         except OSError as e:
             raise CheckpointError(f"{where}: {name} is unreadable ({e})") from None
         if digest != entry["sha256"]:

@@ -3,7 +3,6 @@
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import time
 import pytest
 
 from hybrid._watchdog import EXIT_ERROR, EXIT_PEER_LOST, Watchdog
+from tests.test_hybrid_distributed import _free_port_pair
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -46,22 +46,6 @@ WORKER = textwrap.dedent(
     print("finished", env.rank, flush=True)
     """
 )
-
-
-def _free_port_pair() -> int:
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65534:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))  # jax.distributed's coordinator
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two free adjacent ports on loopback")
 
 
 def _base_env() -> dict:

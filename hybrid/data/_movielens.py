@@ -38,6 +38,7 @@ import zipfile
 
 import numpy as np
 
+from hybrid._hashing import sha256_file
 from hybrid.data._arrays import ClickData
 
 __all__ = ["MOVIELENS_FEATURES", "data_cache_dir", "load_movielens"]
@@ -66,17 +67,9 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _sha256_file(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _verify_wheel(path: pathlib.Path) -> pathlib.Path:
     """`path` if its sha256 is `WHEEL_SHA256`; else RuntimeError naming file and both hashes."""
-    actual = _sha256_file(path)
+    actual = sha256_file(path)
     if actual != WHEEL_SHA256:
         raise RuntimeError(
             f"{path}: sha256 mismatch for the MovieLens source wheel (recbole==1.2.1): expected "
