@@ -26,7 +26,6 @@ from sparse_jax._configs import EmbeddingConfig
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PreparedBatch
-from sparse_jax._prepare import host_kjt
 from sparse_jax._tables import TableCollection
 from sparse_jax.optim._apply import apply_row_rule
 from sparse_jax.optim._base import RowRule, SparseOptState
@@ -72,14 +71,6 @@ class EmbeddingCollection(TableCollection):
         self.ladder = ladder
         self.prepare_count = 0
         self._programs: set = set()
-
-    def check_host(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The batch on the host, keys and (with bounds_check="error") ids checked."""
-        self.layout.key_indices(kjt.keys())
-        host = host_kjt(kjt)
-        if self.bounds_check == "error":
-            _lookup.check_ids(host, self.layout)
-        return host
 
     def _group_rows(self, kjt: KeyedJaggedTensor) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Per group the rows of its features' ids, concatenated (an out-of-range row,

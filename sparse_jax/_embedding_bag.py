@@ -23,7 +23,7 @@ from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PaddedBatch
-from sparse_jax._prepare import LengthCaps, host_kjt, pad_host
+from sparse_jax._prepare import LengthCaps, pad_host
 from sparse_jax._tables import TableCollection
 from sparse_jax._update import fused_update
 from sparse_jax._validate import is_concrete
@@ -80,15 +80,7 @@ class EmbeddingBagCollection(TableCollection):
         """Keys and weights fit this collection (no id is read)."""
         if self.is_weighted and kjt.weights_or_none() is None:
             raise ValueError("this EmbeddingBagCollection is weighted (is_weighted=True) but the KJT has no weights")
-        self.layout.key_indices(kjt.keys())
-
-    def check_host(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The batch on the host, its structure and (with bounds_check="error") its ids checked."""
-        self.check_structure(kjt)
-        host = host_kjt(kjt)
-        if self.bounds_check == "error":
-            _lookup.check_ids(host, self.layout)
-        return host
+        super().check_structure(kjt)
 
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> PaddedBatch:
         """Validate (on the host), pad to the ladder with growing length caps, place on

@@ -72,6 +72,3 @@ class LengthCaps:
             )
             self._caps.update(zip(keys, caps, strict=True))
         return caps
-
-    def floor(self, key: str) -> int:
-        return self._caps.get(key, 1)

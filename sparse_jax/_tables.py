@@ -10,8 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sparse_jax import _lookup
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import LayoutFacts, StoredBlock
+from sparse_jax._prepare import host_kjt
 
 __all__ = ["TableCollection"]
 
@@ -22,6 +24,18 @@ class TableCollection(LayoutFacts):
     layout: TableLayout
     plan = None  # unsharded: no ShardingPlan
     mesh_axes = None
+
+    def check_structure(self, kjt) -> None:
+        """The KJT's keys fit this collection (no id is read); collections add their checks."""
+        self.layout.key_indices(kjt.keys())
+
+    def check_host(self, kjt):
+        """The batch on the host, its structure and (with bounds_check="error") its ids checked."""
+        self.check_structure(kjt)
+        host = host_kjt(kjt)
+        if self.bounds_check == "error":
+            _lookup.check_ids(host, self.layout)
+        return host
 
     def stored_blocks(self):
         """Each table whole, at its offset in its group's stacked buffer."""

@@ -69,8 +69,7 @@ class _Update:
         step = module.update_step(rule)
         if self.skip_nonfinite:
             self.jitted = jax.jit(_guarded(step), donate_argnums=(0, 1))
-            self._skipped = (jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32))
-            self._calls = 0
+            self._reset_counters()
         else:
             self.jitted = jax.jit(step, donate_argnums=(0, 1))
 
@@ -102,9 +101,12 @@ class _Update:
         other = object.__new__(_Update)
         other.__dict__.update(self.__dict__)
         if self.skip_nonfinite:
-            other._skipped = (jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32))
-            other._calls = 0
+            other._reset_counters()
         return other
+
+    def _reset_counters(self) -> None:
+        self._skipped = (jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32))  # (skipped, first)
+        self._calls = 0
 
     def nonfinite(self) -> tuple[jax.Array, jax.Array]:
         """(calls skipped, index of the first skipped call or -1), device scalars."""

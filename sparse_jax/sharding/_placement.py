@@ -84,8 +84,7 @@ def place(mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], weights: Mapp
     out = {}
     for buf in buffers:
         host = np.zeros((buf.group_size * buf.rows_per_device, buf.width), buf.data_type.numpy_dtype)
-        for table, c, local, r0, rn, c0, cn in buf.blocks:
-            start = c * buf.rows_per_device + local
+        for _, table, start, r0, rn, c0, cn in buf.stored_blocks():
             host[start : start + rn] = np.asarray(weights[table])[r0 : r0 + rn, c0 : c0 + cn]
         out[buf.name] = _global_array(host, NamedSharding(mesh, spec(buf)))
     return out
@@ -96,8 +95,7 @@ def table_weights(buffers: Sequence[ShardBuffer], tables: Sequence, params) -> d
     out = {t.name: np.zeros((t.num_embeddings, t.embedding_dim), t.data_type.numpy_dtype) for t in tables}
     for buf in buffers:
         host = _host(params[buf.name])
-        for table, c, local, r0, rn, c0, cn in buf.blocks:
-            start = c * buf.rows_per_device + local
+        for _, table, start, r0, rn, c0, cn in buf.stored_blocks():
             out[table][r0 : r0 + rn, c0 : c0 + cn] = host[start : start + rn]
     return out
 
@@ -123,8 +121,7 @@ def table_state(buffers: Sequence[ShardBuffer], tables: Sequence, opt_state: Spa
     out = {}
     for buf in buffers:
         host = _host(opt_state.tables[buf.name][key])
-        for table, c, local, r0, rn, c0, cn in buf.blocks:
-            start = c * buf.rows_per_device + local
+        for _, table, start, r0, rn, c0, cn in buf.stored_blocks():
             block = host[start : start + rn]
             rows = config[table].num_embeddings
             if block.ndim == 1:  # one value per row of each column block
@@ -148,7 +145,7 @@ def place_batch(
     rows = tuple(range(n)) if rows is None else tuple(rows)
     where = {r: i for i, r in enumerate(rows)}
 
-    def place(host: np.ndarray) -> jax.Array:
+    def place_rows(host: np.ndarray) -> jax.Array:
         def block(index):
             first = index[0].start or 0
             stop = n if index[0].stop is None else index[0].stop
@@ -156,7 +153,7 @@ def place_batch(
 
         return jax.make_array_from_callback((n, *host.shape[1:]), sharding, block)
 
-    return {k: place(parts[k]) for k in ("values", "lengths", "weights")}
+    return {k: place_rows(parts[k]) for k in ("values", "lengths", "weights")}
 
 
 def batch_sharded(mesh, grad) -> jax.Array:
@@ -168,5 +165,4 @@ def batch_sharded(mesh, grad) -> jax.Array:
         if grad.sharding.is_equivalent_to(sharding, grad.ndim):
             return grad
         return jax.device_put(grad, sharding)
-    host = np.asarray(grad)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return _global_array(np.asarray(grad), sharding)

@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax._keyed_tensor import KeyedTensor
-from sparse_jax._module import LayoutFacts, StoredBlock
+from sparse_jax._module import LayoutFacts
 from sparse_jax._validate import is_concrete
 from sparse_jax.optim._base import RowRule, SparseOptState
 from sparse_jax.plan import ShardingPlan
@@ -137,8 +137,7 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
         """Every shard block: where it sits in its shard buffer (rows of all coordinates
         stacked) and which rows and columns of its table it holds."""
         for buf in self.buffers:
-            for table, c, local, r0, rn, c0, cn in buf.blocks:
-                yield StoredBlock(buf.name, table, c * buf.rows_per_device + local, r0, rn, c0, cn)
+            yield from buf.stored_blocks()
 
     def lookup_compile_count(self) -> int:
         return self._apply_jit._cache_size()

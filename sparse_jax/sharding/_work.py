@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
 from sparse_jax._configs import DataType, PoolingType
 from sparse_jax._layout import TableLayout
+from sparse_jax._module import StoredBlock
 
 __all__ = ["ShardBuffer", "ShardedStatic", "WorkItem", "build_buffers"]
 
@@ -56,6 +57,12 @@ class ShardBuffer:
     @property
     def max_items(self) -> int:
         return max(1, max(len(i) for i in self.items))
+
+    def stored_blocks(self) -> Iterator[StoredBlock]:
+        """Each block with the row of this buffer's global array it starts at (coordinate
+        `c`'s blocks start at row `c * rows_per_device`)."""
+        for table, c, local, r0, rn, c0, cn in self.blocks:
+            yield StoredBlock(self.name, table, c * self.rows_per_device + local, r0, rn, c0, cn)
 
     def item_table(self) -> dict[str, np.ndarray]:
         """Per-field `[group_size, max_items]` int arrays; `valid` marks real items."""
