@@ -53,7 +53,7 @@ import jax
 import numpy as np
 import torch
 
-from hybrid._hashing import sha256_file
+from hybrid._files import fsync_dir, sha256_file, write_atomic, write_fsynced
 from sparse_jax.optim import SparseOptState
 
 __all__ = [
@@ -213,38 +213,14 @@ def _restore_sparse(model, arrays, where: str) -> None:
 # -- files: written with fsync, verified against the manifest ---------------------------
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: pathlib.Path, data: bytes) -> dict:
     """Write `data` to `path`, fsync it; its manifest entry (sha256, size)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_fsynced(path, data)
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
 def _write_json_atomic(path: pathlib.Path, value) -> None:
-    """`path` holds the old content or the new, never a part: tmp + fsync + rename."""
-    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
-    try:
-        _write_file(tmp, json.dumps(value, indent=1, default=str).encode())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    write_atomic(path, json.dumps(value, indent=1, default=str).encode())
 
 
 def _read_json(path: pathlib.Path, what: str):
@@ -440,12 +416,12 @@ def save_checkpoint(
             tmp / "meta.json", json.dumps(info, indent=1, default=str).encode()
         )
         _write_json_atomic(tmp / _MANIFEST, {"version": 1, "files": files})  # last
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # (re)writing a step: the old one goes only once the new is in place
             old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not final.exists():
@@ -599,7 +575,7 @@ def _moved_aside(root: pathlib.Path, old_id: str) -> pathlib.Path:
         os.rename(p, aside / p.name)
     if (root / _RUN_FILE).exists():
         os.rename(root / _RUN_FILE, aside / _RUN_FILE)
-    _fsync_dir(root)
+    fsync_dir(root)
     return aside
 
 

@@ -33,12 +33,11 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 import zipfile
 
 import numpy as np
 
-from hybrid._hashing import sha256_file
+from hybrid._files import sha256_file, write_atomic
 from hybrid.data._arrays import ClickData
 
 __all__ = ["MOVIELENS_FEATURES", "data_cache_dir", "load_movielens"]
@@ -194,25 +193,12 @@ def _prepare(wheel: pathlib.Path) -> dict[str, np.ndarray]:
     return {**train.to_arrays("train_"), **evaluation.to_arrays("eval_")}
 
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-    """Write via a unique temporary file + rename: readers and concurrent writers never see
-    a partial file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_cache(prepared: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
     """The npz, then its sidecar record (so a record never vouches for an unwritten npz)."""
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     data = buffer.getvalue()
-    _atomic_write(prepared, data)
+    write_atomic(prepared, data)
     record = {
         "format": 1,
         "npz": prepared.name,
@@ -220,7 +206,7 @@ def _write_cache(prepared: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
         "npz_bytes": len(data),
         "wheel_sha256": WHEEL_SHA256,
     }
-    _atomic_write(prepared.with_name(_RECORD_NAME), (json.dumps(record, indent=1) + "\n").encode())
+    write_atomic(prepared.with_name(_RECORD_NAME), (json.dumps(record, indent=1) + "\n").encode())
 
 
 def _read_cache(prepared: pathlib.Path) -> dict[str, np.ndarray] | None:
