@@ -31,7 +31,11 @@ from benchmarks.workloads import Batch, Workload
 
 __all__ = ["OPTIMIZERS", "FbgemmSide", "supports", "version"]
 
-OPTIMIZERS = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
+OPTIMIZERS = {
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "sgd": EmbOptimType.EXACT_SGD,
+}
 _PRECISION = {"fp32": SparseType.FP32, "fp16": SparseType.FP16}
 
 
@@ -121,7 +125,9 @@ class FbgemmSide:
         return np.stack([v.detach().float().numpy().copy() for v in self.tbe.split_embedding_weights()])
 
     def row_state(self) -> np.ndarray | None:
-        """Row-wise Adagrad's per-row sum of mean squared grads, [T, E]; None for SGD."""
-        if self.optimizer != "rowwise_adagrad":
+        """The Adagrad state: row-wise [T, E] (per-row sum of mean squared grads) or
+        elementwise [T, E, D]; None for SGD."""
+        if self.optimizer == "sgd":
             return None
-        return np.stack([s[0].detach().float().numpy().copy().reshape(-1) for s in self.tbe.split_optimizer_states()])
+        shape = (self.w.E,) if self.optimizer == "rowwise_adagrad" else (self.w.E, self.w.D)
+        return np.stack([s[0].detach().float().numpy().copy().reshape(shape) for s in self.tbe.split_optimizer_states()])

@@ -33,13 +33,15 @@ from sparse_jax import (
 
 __all__ = ["RULES", "XlaSide", "make_rule"]
 
-RULES = ("rowwise_adagrad", "sgd")
+RULES = ("rowwise_adagrad", "adagrad", "sgd")
 _DATA_TYPE = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
 
 
 def make_rule(name: str, *, lr: float, eps: float):
     if name == "rowwise_adagrad":
         return optim.rowwise_adagrad(lr=lr, eps=eps)
+    if name == "adagrad":
+        return optim.adagrad(lr=lr, eps=eps)
     if name == "sgd":
         return optim.sgd(lr=lr)
     raise ValueError(f"optimizer {name!r} is not one of {RULES}")
@@ -150,7 +152,9 @@ class XlaSide:
         return x.reshape(self.w.T, self.w.E, self.w.D)
 
     def row_state(self) -> np.ndarray | None:
-        if self.optimizer != "rowwise_adagrad":
+        """The Adagrad state as FbgemmSide.row_state gives it; None for SGD."""
+        if self.optimizer not in ("rowwise_adagrad", "adagrad"):
             return None
         m = self.state.tables[self.group]["momentum1"]
-        return np.array(m, dtype=np.float32, copy=True).reshape(self.w.T, self.w.E)
+        shape = (self.w.T, self.w.E) if self.optimizer == "rowwise_adagrad" else (self.w.T, self.w.E, self.w.D)
+        return np.array(m, dtype=np.float32, copy=True).reshape(shape)

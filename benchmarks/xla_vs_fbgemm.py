@@ -36,7 +36,7 @@ from benchmarks.workloads import DTYPES, Workload, default_set, make_batch, tiny
 __all__ = ["main", "run_workload", "parse_args"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-OPTIMIZERS = ("rowwise_adagrad", "sgd")
+OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 PATHS = ("auto", "xla", "reference")  # ours: the library default (kernel="auto"), pure XLA, reference
 TINY = dict(T=2, E=1000, D=16, B=64, L=4)
 FAULTS = ("weights", "update")

@@ -7,7 +7,9 @@
 `pooled_grad` is the gradient of the loss w.r.t. `ebc.apply(params, kjt).values()`
 (`[B, sum of feature dims]`, or that KeyedTensor). The step never forms a table-sized
 gradient: per buffer it streams the batch's ids through `apply_row_rule` (sort, dedup,
-gather touched rows + state, row rule, scatter) into the donated `params` and `opt_state`.
+gather touched rows + state, row rule, scatter) into the donated `params` and `opt_state`;
+fp32 buffers on CPU with the C++ kernels take one custom call that reads the KJT and the
+pooled gradient in place (`_kernels.jagged_fused_update`).
 After the call the arrays passed in are deleted (donated); use the returned ones.
 """
 
@@ -16,7 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparse_jax import _lookup
+from sparse_jax import _kernels, _lookup
+from sparse_jax._configs import PoolingType
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PreparedBatch
@@ -32,6 +35,24 @@ def _bag_grads(layout: TableLayout, group: str, pooled_grad, stride: int):
     return jnp.concatenate(blocks, axis=0)
 
 
+def _jagged_kernel_update(layout: TableLayout, group: str, rule: RowRule, table, state, kjt, pooled_grad, *,
+                          weighted: bool, bounds_check: str):
+    """The C++ kernel's update of one fp32 buffer, read from the KJT and the pooled gradient
+    in place (no id stream, no stacked bag gradients)."""
+    key_indices = layout.key_indices(kjt.keys())
+    members = [i for i, s in enumerate(layout.features) if s.group == group]
+    slots = [layout.features[i] for i in members]
+    leaf = state.get("momentum1") if isinstance(state, dict) else None
+    new_table, new_leaf = _kernels.jagged_fused_update(
+        rule.name, table, leaf, kjt.values(), kjt.offsets(), kjt.weights() if weighted else None, pooled_grad,
+        stride=kjt.stride(), keys=[key_indices[i] for i in members], row_offsets=[s.row_offset for s in slots],
+        num_rows=[s.num_rows for s in slots], mean=[s.pooling is PoolingType.MEAN for s in slots],
+        grad_columns=[s.out_offset for s in slots], clamp=bounds_check == "clamp",
+        lr=rule.hyperparams["lr"], eps=rule.hyperparams.get("eps", 0.0),
+    )
+    return new_table, ({"momentum1": new_leaf} if leaf is not None else state)
+
+
 def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOptState, kjt, pooled_grad, *,
                  weighted: bool, bounds_check: str, kernel: str = "xla"):
     """The traceable step (no donation, no checks): used by `make_update` and by sharded code."""
@@ -43,6 +64,11 @@ def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOp
     step = opt_state.count + 1
     new_params, new_states = {}, {}
     for group in layout.groups:
+        if rule.name in _kernels.RULES and _lookup.use_ffi(kernel, params[group]):
+            new_params[group], new_states[group] = _jagged_kernel_update(
+                layout, group, rule, params[group], opt_state.tables[group], kjt, pooled_grad,
+                weighted=weighted, bounds_check=bounds_check)
+            continue
         rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
         new_params[group], new_states[group] = apply_row_rule(
             rule, params[group], opt_state.tables[group], step, rows, bag, scale,

@@ -1,10 +1,17 @@
 """Fused CPU kernels (XLA custom calls through `jax.ffi`), with the pure-XLA path as fallback.
 
 `available()` says whether the kernels can run here (CPU backend, library built or
-buildable). `pooled_sum` and `fused_update` are traceable and run inside `jit` and
+buildable). The lookups and the updates are traceable and run inside `jit` and
 `shard_map` like any other op.
 """
 
-from sparse_jax._kernels._ffi import RULES, available, fused_update, jagged_pooled_sum, pooled_sum
+from sparse_jax._kernels._ffi import (
+    RULES,
+    available,
+    fused_update,
+    jagged_fused_update,
+    jagged_pooled_sum,
+    pooled_sum,
+)
 
-__all__ = ["RULES", "available", "fused_update", "jagged_pooled_sum", "pooled_sum"]
+__all__ = ["RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "pooled_sum"]

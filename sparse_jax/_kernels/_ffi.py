@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RULES", "available", "fused_update", "jagged_pooled_sum", "pooled_sum"]
+__all__ = ["RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "pooled_sum"]
 
 log = logging.getLogger("hybridrec.kernels")
 RULES = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2}
@@ -27,7 +27,8 @@ def _register() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(_build.build()))
     except (RuntimeError, OSError) as err:
         return f"hybridrec CPU kernels unavailable, using the XLA path: {err}"
-    for name in ("HybridrecPooledSum", "HybridrecJaggedPooledSum", "HybridrecFusedUpdate"):
+    for name in ("HybridrecPooledSum", "HybridrecJaggedPooledSum", "HybridrecFusedUpdate",
+                 "HybridrecJaggedFusedUpdate"):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None
 
@@ -69,12 +70,35 @@ def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row
     )
 
 
-def fused_update(rule: str, table, state, rows, bags, scale, bag_grads, *, lr: float, eps: float = 0.0):
-    """One fused row-rule step in place (outputs alias `table` and `state`)."""
+def _update_call(target: str, table, state):
+    """The in-place call (outputs alias `table` and `state`) and the state it is given."""
     _register()
     if state is None or (hasattr(state, "size") and state.size == 0):
         state = jnp.zeros((1,), jnp.float32)
     outs = (jax.ShapeDtypeStruct(table.shape, jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
-    call = jax.ffi.ffi_call("HybridrecFusedUpdate", outs, input_output_aliases={0: 0, 1: 1})
+    return jax.ffi.ffi_call(target, outs, input_output_aliases={0: 0, 1: 1}), state
+
+
+def fused_update(rule: str, table, state, rows, bags, scale, bag_grads, *, lr: float, eps: float = 0.0):
+    """One fused row-rule step in place from an id stream: per id its row, its bag (a row of
+    `bag_grads`) and its scale; ids with a row or bag out of range, or scale 0, are dropped."""
+    call, state = _update_call("HybridrecFusedUpdate", table, state)
     return call(table, state, rows.astype(jnp.int32), bags.astype(jnp.int32), scale.astype(jnp.float32),
                 bag_grads.astype(jnp.float32), rule=np.int32(RULES[rule]), lr=np.float32(lr), eps=np.float32(eps))
+
+
+def jagged_fused_update(rule: str, table, state, values, offsets, weights, pooled_grad, *, stride: int, keys,
+                        row_offsets, num_rows, mean, grad_columns, clamp: bool, lr: float, eps: float = 0.0):
+    """One fused row-rule step in place, read straight from a KJT's values / offsets and the
+    pooled gradient `[stride, total_dim]` (no id stream, no gradient copy).
+
+    keys / row_offsets / num_rows / mean / grad_columns: per feature of the buffer, its KJT
+    key index, first row in `table`, table rows, MEAN flag and first column in `pooled_grad`
+    (static). Ids outside their table are clamped (`clamp`) or dropped."""
+    call, state = _update_call("HybridrecJaggedFusedUpdate", table, state)
+    meta = [jnp.asarray(np.asarray(x, np.int32)) for x in (keys, row_offsets, num_rows, mean, grad_columns)]
+    weighted = weights is not None
+    weights = weights.astype(jnp.float32) if weighted else jnp.zeros((1,), jnp.float32)
+    return call(table, state, values.astype(jnp.int32), offsets.astype(jnp.int32), weights, *meta,
+                pooled_grad.astype(jnp.float32), stride=np.int64(stride), clamp=np.int32(clamp),
+                weighted=np.int32(weighted), rule=np.int32(RULES[rule]), lr=np.float32(lr), eps=np.float32(eps))

@@ -30,7 +30,7 @@ __all__ = ["build", "library_path", "record_path"]
 log = logging.getLogger("hybridrec.kernels")
 
 SOURCE = pathlib.Path(__file__).with_name("embedding_cpu.cc")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-w"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-w"]
 
 
 def _sha256(path: pathlib.Path) -> str:

@@ -1,11 +1,14 @@
 // Fused CPU kernels for hybridrec's embedding lookups and sparse updates (XLA FFI).
 //
-// PooledSum:   out[b, :] = sum_l w[b, l] * table[rows[b, l], :]   (w == 0 skips the row)
-// FusedUpdate: dedup the (row, bag, scale) stream with a row->slot map, sum
-//              scale * bag_grads[bag] per unique row, then apply the row rule in place
-//              (table and state are aliased to the outputs; XLA donates them).
-// Both are multi-threaded (OpenMP): bags split over threads for PooledSum; for FusedUpdate
-// each row is owned by one thread (a hash of the row), so no two threads touch a row.
+// PooledSum:         out[b, :] = sum_l w[b, l] * table[rows[b, l], :]   (w == 0 skips the row)
+// JaggedPooledSum:   the same, read straight from a KJT's values / offsets.
+// FusedUpdate:       one optimizer step from a (row, bag, scale) id stream and bag_grads.
+// JaggedFusedUpdate: the same from a KJT's values / offsets and the pooled gradient read in
+//                    place. Both group the ids by row with a parallel radix sort, sum each
+//                    row's gradient once and apply the rule in place (table and state are
+//                    aliased to the outputs; XLA donates them).
+// All are multi-threaded (OpenMP): bags split over threads for the lookups; for the updates
+// the sort passes split the ids, and each thread owns a contiguous range of unique rows.
 #include <omp.h>
 
 #include <algorithm>
@@ -173,99 +176,291 @@ ffi::Error JaggedPooledSumImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
-// rule: 0 = sgd, 1 = rowwise adagrad (state [rows]), 2 = adagrad (state [rows, dim]).
+// ---- the fused update ---------------------------------------------------------------------
+// Every id becomes a record: a 64-bit key (row << 32 | record index) and, by record index,
+// where its gradient row starts and its scale. A stable LSD radix sort on the row's bits
+// (the record index rides along) groups each row's records in their original order; each
+// thread then takes a contiguous range of unique rows (ascending: table and state are read
+// and written in address order), sums its rows' gradients in registers and applies the rule
+// once per row. Summation order is the records' order whatever the thread count, so the
+// result is deterministic. Ids that contribute nothing get row `num_rows`: they sort last
+// and are never applied. No [rows] or [unique, dim] buffer is built; scratch is 16 bytes
+// per id, reused across calls (per calling thread: several devices may call at once).
+
+struct Scratch {
+  std::vector<uint64_t> keys, tmp;
+  std::vector<int32_t> gofs;
+  std::vector<float> scale;
+  std::vector<int64_t> hist;
+  void reserve(int64_t n) {
+    if (static_cast<int64_t>(keys.size()) < n) {
+      keys.resize(n);
+      tmp.resize(n);
+      gofs.resize(n);
+      scale.resize(n);
+    }
+  }
+};
+
+Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+int ThreadsFor(int64_t work) {
+  const int64_t most = std::max(1, omp_get_max_threads());
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(most, work / 16384 + 1)));
+}
+
+inline uint32_t RowOf(uint64_t key) { return static_cast<uint32_t>(key >> 32); }
+
+// Sorts keys[0, n) by RowOf (rows in [0, max_row]); returns the buffer holding the result.
+uint64_t* SortByRow(uint64_t* keys, uint64_t* tmp, int64_t n, uint64_t max_row, int threads,
+                    std::vector<int64_t>& hist) {
+  const int bits = 64 - __builtin_clzll(max_row | 1);
+  const int passes = (bits + 10) / 11;
+  const int digit = (bits + passes - 1) / passes;
+  const int64_t bins = int64_t{1} << digit;
+  const uint64_t mask = static_cast<uint64_t>(bins - 1);
+  hist.assign(static_cast<size_t>(threads) * bins, 0);
+  uint64_t* src = keys;
+  uint64_t* dst = tmp;
+  for (int p = 0; p < passes; ++p) {
+    const int shift = 32 + p * digit;
+#pragma omp parallel num_threads(threads)
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t lo = n * tid / nt, hi = n * (tid + 1) / nt;
+      int64_t* h = hist.data() + tid * bins;
+      std::fill(h, h + bins, 0);
+      for (int64_t i = lo; i < hi; ++i) ++h[(src[i] >> shift) & mask];
+#pragma omp barrier
+#pragma omp single
+      {
+        int64_t running = 0;
+        for (int64_t d = 0; d < bins; ++d) {
+          for (int t = 0; t < nt; ++t) {
+            const int64_t c = hist[t * bins + d];
+            hist[t * bins + d] = running;
+            running += c;
+          }
+        }
+      }
+      for (int64_t i = lo; i < hi; ++i) dst[h[(src[i] >> shift) & mask]++] = src[i];
+    }
+    std::swap(src, dst);
+  }
+  return src;
+}
+
+// The first record at or after k that starts a new row (so thread ranges split between rows).
+inline int64_t RunStart(const uint64_t* keys, int64_t n, int64_t k) {
+  if (k <= 0) return 0;
+  while (k < n && RowOf(keys[k]) == RowOf(keys[k - 1])) ++k;
+  return k;
+}
+
+// Rule 0 = sgd, 1 = rowwise adagrad (state [rows]), 2 = adagrad (state [rows, dim]).
+template <int64_t DIM>
+void ApplySorted(const uint64_t* keys, int64_t n, uint32_t num_rows, const float* grad,
+                 const int32_t* gofs, int64_t gmul, const float* scale, float* t, float* s,
+                 int64_t dim, int rule, float lr, float eps, int threads) {
+  const int64_t d = DIM > 0 ? DIM : dim;
+  constexpr int64_t AHEAD = 8;  // records whose gradient row is prefetched
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = RunStart(keys, n, n * tid / nt), hi = RunStart(keys, n, n * (tid + 1) / nt);
+    float acc_fixed[DIM > 0 ? DIM : 1];
+    std::vector<float> acc_dyn(DIM > 0 ? 0 : d);
+    float* acc = DIM > 0 ? acc_fixed : acc_dyn.data();
+    int64_t i = lo;
+    while (i < hi) {
+      const uint32_t row = RowOf(keys[i]);
+      if (row >= num_rows) break;  // ids that contribute nothing sort last
+      for (int64_t k = 0; k < d; ++k) acc[k] = 0.0f;
+      int64_t j = i;
+      for (; j < hi && RowOf(keys[j]) == row; ++j) {
+        if (j + AHEAD < hi) {
+          const uint32_t ahead = static_cast<uint32_t>(keys[j + AHEAD]);
+          const char* p = reinterpret_cast<const char*>(grad + static_cast<int64_t>(gofs[ahead]) * gmul);
+          for (int64_t line = 0; line < d * 4; line += 64) __builtin_prefetch(p + line);
+        }
+        const uint32_t rec = static_cast<uint32_t>(keys[j]);
+        const float a = scale[rec];
+        const float* g = grad + static_cast<int64_t>(gofs[rec]) * gmul;
+        for (int64_t k = 0; k < d; ++k) acc[k] += a * g[k];
+      }
+      if (j < hi) {  // the next row, and its state
+        const int64_t next = RowOf(keys[j]);
+        if (next < num_rows) {
+          const char* p = reinterpret_cast<const char*>(t + next * d);
+          for (int64_t line = 0; line < d * 4; line += 64) __builtin_prefetch(p + line, 1);
+          if (rule == 1) __builtin_prefetch(s + next, 1);
+        }
+      }
+      float* w = t + static_cast<int64_t>(row) * d;
+      if (rule == 0) {
+        for (int64_t k = 0; k < d; ++k) w[k] -= lr * acc[k];
+      } else if (rule == 1) {
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 lanes: the sum vectorises
+        int64_t k = 0;
+        for (; k + 8 <= d; k += 8) {
+          for (int q = 0; q < 8; ++q) part[q] += acc[k + q] * acc[k + q];
+        }
+        float sq = 0.0f;
+        for (; k < d; ++k) sq += acc[k] * acc[k];
+        sq += ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+        s[row] += sq / static_cast<float>(d);
+        const float mult = lr / (std::sqrt(s[row]) + eps);
+        for (k = 0; k < d; ++k) w[k] -= mult * acc[k];
+      } else {
+        float* sr = s + static_cast<int64_t>(row) * d;
+        for (int64_t k = 0; k < d; ++k) {
+          sr[k] += acc[k] * acc[k];
+          w[k] -= lr * acc[k] / (std::sqrt(sr[k]) + eps);
+        }
+      }
+      i = j;
+    }
+  }
+}
+
+void Apply(const uint64_t* keys, int64_t n, uint32_t num_rows, const float* grad, const int32_t* gofs,
+           int64_t gmul, const float* scale, float* t, float* s, int64_t dim, int rule, float lr,
+           float eps, int threads) {
+#define HYBRIDREC_APPLY(D) ApplySorted<D>(keys, n, num_rows, grad, gofs, gmul, scale, t, s, dim, rule, lr, eps, threads)
+  switch (dim) {
+    case 8: HYBRIDREC_APPLY(8); break;
+    case 16: HYBRIDREC_APPLY(16); break;
+    case 32: HYBRIDREC_APPLY(32); break;
+    case 64: HYBRIDREC_APPLY(64); break;
+    case 128: HYBRIDREC_APPLY(128); break;
+    default: HYBRIDREC_APPLY(0); break;
+  }
+#undef HYBRIDREC_APPLY
+}
+
+ffi::Error CheckUpdateBuffers(const ffi::Buffer<ffi::F32>& table, const ffi::Buffer<ffi::F32>& state,
+                              int32_t rule) {
+  if (table.dimensions().size() != 2) return ffi::Error::InvalidArgument("FusedUpdate: table must be [rows, dim]");
+  const int64_t rows = table.dimensions()[0], dim = table.dimensions()[1];
+  if (rows >= (int64_t{1} << 31)) return ffi::Error::InvalidArgument("FusedUpdate: more than 2^31 - 1 rows");
+  const int64_t want = rule == 1 ? rows : rule == 2 ? rows * dim : -1;
+  if (want >= 0 && static_cast<int64_t>(state.element_count()) != want) {
+    return ffi::Error::InvalidArgument("FusedUpdate: optimizer state does not match the table");
+  }
+  return ffi::Error::Success();
+}
+
+void CopyInputs(const ffi::Buffer<ffi::F32>& table, const ffi::Buffer<ffi::F32>& state, float* t, float* s) {
+  if (t != table.typed_data()) std::memcpy(t, table.typed_data(), table.size_bytes());
+  if (s != state.typed_data()) std::memcpy(s, state.typed_data(), state.size_bytes());
+}
+
+// The id stream form: per id its row, bag (a row of bag_grads [bags, dim]) and scale.
 ffi::Error FusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> state,
                            ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> bags,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bag_grads,
                            ffi::ResultBuffer<ffi::F32> table_out,
                            ffi::ResultBuffer<ffi::F32> state_out, int32_t rule, float lr,
                            float eps) {
+  if (auto err = CheckUpdateBuffers(table, state, rule); err.failure()) return err;
   const int64_t num_rows = table.dimensions()[0], dim = table.dimensions()[1];
   const int64_t n = rows.element_count();
   const int64_t num_bags = bag_grads.dimensions()[0];
   float* t = table_out->typed_data();
   float* s = state_out->typed_data();
-  if (t != table.typed_data()) std::memcpy(t, table.typed_data(), table.size_bytes());
-  if (s != state.typed_data()) std::memcpy(s, state.typed_data(), state.size_bytes());
+  CopyInputs(table, state, t, s);
   const int32_t* r = rows.typed_data();
   const int32_t* bg = bags.typed_data();
   const float* sc = scale.typed_data();
-  const float* g = bag_grads.typed_data();
-  std::vector<int32_t> slot_of;  // row -> slot (per call: concurrent calls from several devices)
-  if (slot_of.size() < static_cast<size_t>(num_rows)) slot_of.assign(num_rows, -1);
-  const int threads = std::max(1, omp_get_max_threads());
-#pragma omp parallel num_threads(threads)
-  {
-    const int tid = omp_get_thread_num();
-    const uint64_t nt = static_cast<uint64_t>(omp_get_num_threads());
-    // owner thread of a row: a multiply-shift hash (no division in the hot loops)
-    auto mine = [&](int64_t row) {
-      return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(row) * 0x9E3779B1u) * nt) >> 32) == tid;
-    };
-    // Counting sort of this thread's ids (the rows it owns) by unique row, so each
-    // row's gradient is summed in registers and the rule applied once: no [rows, dim] or
-    // [unique, dim] buffer is ever built.
-    static thread_local std::vector<int32_t> unique, start, order;
-    unique.clear();
-    start.clear();
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t row = r[i];
-      if (row < 0 || row >= num_rows || sc[i] == 0.0f || bg[i] < 0 || bg[i] >= num_bags || !mine(row)) continue;
-      int32_t slot = slot_of[row];
-      if (slot < 0) {
-        slot = slot_of[row] = static_cast<int32_t>(unique.size());
-        unique.push_back(static_cast<int32_t>(row));
-        start.push_back(0);
-      }
-      ++start[slot];
-    }
-    int32_t total = 0;
-    for (auto& c : start) {  // counts -> exclusive prefix sums
-      const int32_t count = c;
-      c = total;
-      total += count;
-    }
-    order.resize(total);
-    start.push_back(total);
-    std::vector<int32_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t row = r[i];
-      if (row < 0 || row >= num_rows || sc[i] == 0.0f || bg[i] < 0 || bg[i] >= num_bags || !mine(row)) continue;
-      order[fill[slot_of[row]]++] = static_cast<int32_t>(i);
-    }
-    std::vector<float> acc(dim);
-    for (size_t u = 0; u < unique.size(); ++u) {
-      const int64_t row = unique[u];
-      if (u + 4 < unique.size()) {  // the row (and its state) four rows ahead
-        const char* p = reinterpret_cast<const char*>(t + static_cast<int64_t>(unique[u + 4]) * dim);
-        for (int64_t line = 0; line < dim * 4; line += 64) __builtin_prefetch(p, 1), p += 64;
-        __builtin_prefetch(s + (rule == 2 ? static_cast<int64_t>(unique[u + 4]) * dim : unique[u + 4]), 1);
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int32_t j = start[u]; j < start[u + 1]; ++j) {
-        const int64_t i = order[j];
-        axpy(acc.data(), g + static_cast<int64_t>(bg[i]) * dim, sc[i], dim);
-      }
-      float* w = t + row * dim;
-      const float* gr = acc.data();
-      if (rule == 0) {
-        for (int64_t k = 0; k < dim; ++k) w[k] -= lr * gr[k];
-      } else if (rule == 1) {
-        float sq = 0.0f;
-        for (int64_t k = 0; k < dim; ++k) sq += gr[k] * gr[k];
-        s[row] += sq / static_cast<float>(dim);
-        const float mult = lr / (std::sqrt(s[row]) + eps);
-        for (int64_t k = 0; k < dim; ++k) w[k] -= mult * gr[k];
-      } else {
-        float* sr = s + row * dim;
-        for (int64_t k = 0; k < dim; ++k) {
-          sr[k] += gr[k] * gr[k];
-          w[k] -= lr * gr[k] / (std::sqrt(sr[k]) + eps);
+  Scratch& x = scratch();
+  x.reserve(n);
+  const int threads = ThreadsFor(n);
+  uint64_t* keys = x.keys.data();
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = r[i];
+    const bool ok = row >= 0 && row < num_rows && bg[i] >= 0 && bg[i] < num_bags && sc[i] != 0.0f;
+    keys[i] = (static_cast<uint64_t>(ok ? row : num_rows) << 32) | static_cast<uint64_t>(i);
+  }
+  const uint64_t* sorted = SortByRow(keys, x.tmp.data(), n, num_rows, threads, x.hist);
+  Apply(sorted, n, static_cast<uint32_t>(num_rows), bag_grads.typed_data(), bg, dim, sc, t, s, dim, rule, lr,
+        eps, threads);
+  return ffi::Error::Success();
+}
+
+// The jagged form: ids straight from a KJT's values / offsets (as JaggedPooledSum reads
+// them) and the pooled gradient [stride, total_dim] read in place: feature f's gradient
+// for sample b starts at b * total_dim + col_off[f]. Ids outside the table are clamped
+// (clamp = 1) or contribute nothing; mean[f] divides by the bag's length.
+ffi::Error JaggedFusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> state,
+                                 ffi::Buffer<ffi::S32> values, ffi::Buffer<ffi::S32> offsets,
+                                 ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> key,
+                                 ffi::Buffer<ffi::S32> row_off, ffi::Buffer<ffi::S32> nrows,
+                                 ffi::Buffer<ffi::S32> mean, ffi::Buffer<ffi::S32> col_off,
+                                 ffi::Buffer<ffi::F32> grad, ffi::ResultBuffer<ffi::F32> table_out,
+                                 ffi::ResultBuffer<ffi::F32> state_out, int64_t stride, int32_t clamp,
+                                 int32_t weighted, int32_t rule, float lr, float eps) {
+  if (auto err = CheckUpdateBuffers(table, state, rule); err.failure()) return err;
+  const int64_t num_rows = table.dimensions()[0], dim = table.dimensions()[1];
+  if (grad.dimensions().size() != 2 || grad.dimensions()[0] != stride) {
+    return ffi::Error::InvalidArgument("JaggedFusedUpdate: the pooled gradient must be [stride, total_dim]");
+  }
+  const int64_t total_dim = grad.dimensions()[1];
+  if (stride * total_dim >= (int64_t{1} << 31)) {
+    return ffi::Error::InvalidArgument("JaggedFusedUpdate: pooled gradient has 2^31 or more elements");
+  }
+  float* t = table_out->typed_data();
+  float* s = state_out->typed_data();
+  CopyInputs(table, state, t, s);
+  const int64_t features = key.element_count();
+  const int32_t* v = values.typed_data();
+  const int32_t* off = offsets.typed_data();
+  const float* w = weights.typed_data();
+  const int32_t *k = key.typed_data(), *ro = row_off.typed_data(), *nr = nrows.typed_data();
+  const int32_t *mn = mean.typed_data(), *co = col_off.typed_data();
+  std::vector<int64_t> base(features + 1, 0);  // first record of each feature
+  for (int64_t f = 0; f < features; ++f) {
+    base[f + 1] = base[f] + (off[(static_cast<int64_t>(k[f]) + 1) * stride] - off[static_cast<int64_t>(k[f]) * stride]);
+  }
+  const int64_t n = base[features];
+  Scratch& x = scratch();
+  x.reserve(n);
+  const int threads = ThreadsFor(n);
+  uint64_t* keys = x.keys.data();
+  int32_t* gofs = x.gofs.data();
+  float* sc = x.scale.data();
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t bag = 0; bag < features * stride; ++bag) {
+    const int64_t f = bag / stride, b = bag % stride;  // feature-major: records are written in order
+    const int64_t first = off[static_cast<int64_t>(k[f]) * stride];
+    const int64_t seg = static_cast<int64_t>(k[f]) * stride + b;
+    const int64_t start = off[seg], end = off[seg + 1];
+    const int64_t rows_f = nr[f];
+    const float len = static_cast<float>(end - start);
+    const int32_t g0 = static_cast<int32_t>(b * total_dim + co[f]);
+    for (int64_t i = start; i < end; ++i) {
+      const int64_t rec = base[f] + (i - first);
+      int64_t id = v[i];
+      bool ok = true;
+      if (id < 0 || id >= rows_f) {
+        if (clamp) {
+          id = id < 0 ? 0 : rows_f - 1;
+        } else {
+          ok = false;
         }
       }
-      slot_of[row] = -1;
+      const float a = weighted ? w[i] : 1.0f;
+      keys[rec] = (static_cast<uint64_t>(ok ? id + ro[f] : num_rows) << 32) | static_cast<uint64_t>(rec);
+      gofs[rec] = g0;
+      sc[rec] = mn[f] ? a / len : a;
     }
   }
+  const uint64_t* sorted = SortByRow(keys, x.tmp.data(), n, num_rows, threads, x.hist);
+  Apply(sorted, n, static_cast<uint32_t>(num_rows), grad.typed_data(), gofs, 1, sc, t, s, dim, rule, lr, eps,
+        threads);
   return ffi::Error::Success();
 }
 
@@ -288,6 +483,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecFusedUpdate, FusedUpdateImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("rule")
+                                  .Attr<float>("lr")
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecJaggedFusedUpdate, JaggedFusedUpdateImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("stride")
+                                  .Attr<int32_t>("clamp")
+                                  .Attr<int32_t>("weighted")
                                   .Attr<int32_t>("rule")
                                   .Attr<float>("lr")
                                   .Attr<float>("eps"));
