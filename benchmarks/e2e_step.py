@@ -552,7 +552,7 @@ def _gate(w: dict, pool: list) -> dict:
     for dense, sparse, labels in pool[:2]:
         keys, values, lengths = sparse
         batch = (keys, values, lengths, dense, labels)
-        losses.append((e2e._step_ours(model, opt_o, batch), e2e._step_torchrec(dmp, opt_t, batch)))
+        losses.append((float(e2e._step_ours(model, opt_o, batch)), float(e2e._step_torchrec(dmp, opt_t, batch))))
     theirs = e2e._tables_of_dmp(dmp)
     ours = {k: v.numpy() for k, v in model.table_weights().items()}
     table_err = max(

@@ -9,7 +9,11 @@ dense tower. TorchRec runs under `DistributedModelParallel` (gloo, one CPU rank,
 optimizer in the backward); ours is `hybrid.Model` on one XLA CPU device. A step is
 forward + BCE loss + backward (which applies the sparse update on both sides) + dense SGD
 step. Before timing, the first steps' losses and the final tables must agree (the gate).
-Steps are interleaved (ours, theirs, ours, ...) and reported as medians and a ratio.
+Timing is back to back with all work finished: each round runs `steps_per_round` steps on
+one side and then waits for everything they started (ours: the asynchronous JAX sparse
+update, `model.wait_for_sparse_update()`; TorchRec on CPU is synchronous); rounds
+alternate between the sides, and the figure is the median per-step time over rounds.
+`python -m benchmarks.e2e_step` is the fuller version (pipelines, breakdown, TorchRec alone).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ __all__ = ["main", "run"]
 
 def _workload(tiny: bool) -> dict:
     if tiny:
-        return dict(T=3, E=500, D=16, B=64, L=4, n_dense=13, steps=6, warmup=2)
-    return dict(T=8, E=100_000, D=64, B=2048, L=20, n_dense=13, steps=15, warmup=3)
+        return dict(T=3, E=500, D=16, B=64, L=4, n_dense=13, steps=6, warmup=2, steps_per_round=2)
+    return dict(T=8, E=100_000, D=64, B=2048, L=20, n_dense=13, steps=15, warmup=3, steps_per_round=5)
 
 
 def _batches(w: dict, count: int, seed: int = 0):
@@ -117,10 +121,12 @@ def _step_torchrec(dmp, opt, batch):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return float(loss.detach())
+    return loss.detach()
 
 
 def _step_ours(model, opt, batch):
+    """One step; returns the loss unread. The sparse update it dispatched may still be
+    running: `model.wait_for_sparse_update()` waits for it."""
     import hybrid
 
     keys, values, lengths, dense, labels = batch
@@ -129,7 +135,17 @@ def _step_ours(model, opt, batch):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return float(loss.detach())
+    return loss.detach()
+
+
+def _per_step_s(step, finish, batches) -> float:
+    """Seconds per step of `batches` run back to back, until `finish()` has waited for all
+    the work they started."""
+    t0 = time.perf_counter()
+    for batch in batches:
+        step(batch)
+    finish()
+    return (time.perf_counter() - t0) / len(batches)
 
 
 def _tables_of_dmp(dmp) -> dict[str, np.ndarray]:
@@ -147,30 +163,36 @@ def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -
     lr = 0.01
     dmp, opt_t, start = _torchrec_side(w, lr)
     model, opt_o = _our_side(w, lr, start)
-    batches = list(_batches(w, w["steps"] + 2))
+    batches = list(_batches(w, 2 + w["warmup"] + w["steps"]))
     # the gate: two identical steps give the same losses and tables
     gate = []
     for batch in batches[:2]:
-        gate.append((_step_ours(model, opt_o, batch), _step_torchrec(dmp, opt_t, batch)))
+        gate.append((float(_step_ours(model, opt_o, batch)), float(_step_torchrec(dmp, opt_t, batch))))
     theirs = _tables_of_dmp(dmp)
     ours = {k: v.numpy() for k, v in model.table_weights().items()}
     table_err = max(float(np.abs(ours[k] - theirs[k]).max() / (np.abs(theirs[k]).max() + 1e-12)) for k in theirs)
     loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in gate)
     if table_err > 1e-4 or loss_err > 1e-4:
         raise RuntimeError(f"correctness gate failed: loss rel err {loss_err:.2e}, table rel err {table_err:.2e}")
+    sides = {
+        "hybridrec": (lambda b: _step_ours(model, opt_o, b), model.wait_for_sparse_update),
+        "torchrec": (lambda b: _step_torchrec(dmp, opt_t, b), lambda: None),
+    }
+    for step, finish in sides.values():  # warm-up, all work finished
+        _per_step_s(step, finish, batches[2 : 2 + w["warmup"]])
+    k = w["steps_per_round"]
+    timed = batches[2 + w["warmup"] :]
     times: dict[str, list[float]] = {"hybridrec": [], "torchrec": []}
-    for i, batch in enumerate(batches[2:]):
-        for name, fn in (("hybridrec", lambda b=batch: _step_ours(model, opt_o, b)),
-                         ("torchrec", lambda b=batch: _step_torchrec(dmp, opt_t, b))):
-            t0 = time.perf_counter()
-            fn()
-            if i >= w["warmup"]:
-                times[name].append(time.perf_counter() - t0)
+    for r, start in enumerate(range(0, len(timed) - k + 1, k)):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for name in order:
+            times[name].append(_per_step_s(*sides[name], timed[start : start + k]))
     med = {k: float(np.median(v)) for k, v in times.items()}
     result = {
         "workload": w,
         "gate": {"loss_rel_err": loss_err, "table_rel_err": table_err},
         "median_step_s": med,
+        "timing": f"rounds of {k} steps back to back per side, all work finished, sides alternating",
         "samples_per_s": {k: w["B"] / v for k, v in med.items()},
         "ratio_time_ours_over_torchrec": med["hybridrec"] / med["torchrec"],
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},

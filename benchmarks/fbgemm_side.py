@@ -12,8 +12,6 @@ CPU TBE has no bf16 weights ("not implemented for 'BFloat16'").
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
@@ -105,19 +103,15 @@ class FbgemmSide:
     def step(self) -> None:
         self.forward().backward(self.grad)
 
-    # -- timing cases (each blocks: FBGEMM on CPU is synchronous) ----------------------------
-    def time_forward(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        self.forward()
-        return {"total": time.perf_counter() - t0}
+    # -- timing cases (`timing.clocked`; FBGEMM on CPU returns computed tensors) -------------------
+    def time_forward(self, clock):
+        clock.mark("fwd", self.forward())
 
-    def time_step(self) -> dict[str, float]:
-        t0 = time.perf_counter()
+    def time_step(self, clock):
         out = self.forward()
-        t1 = time.perf_counter()
+        clock.mark("fwd", out)
         out.backward(self.grad)
-        t2 = time.perf_counter()
-        return {"fwd": t1 - t0, "bwd": t2 - t1, "total": t2 - t0}
+        clock.mark("bwd")
 
     # -- state ---------------------------------------------------------------------------------
     def tables(self) -> np.ndarray:

@@ -16,7 +16,8 @@ __all__ = ["write_all", "markdown", "plot"]
 PATH_LABEL = {"auto": "hybridrec default (kernel=auto)", "xla": "hybridrec xla", "reference": "hybridrec reference",
               "fbgemm": "FBGEMM TBE"}
 OURS = ("auto", "xla", "reference")
-PHASE_LABEL = {"forward": "forward", "rowwise_adagrad": "fwd+bwd+rowwise adagrad", "sgd": "fwd+bwd+sgd"}
+PHASE_LABEL = {"forward": "forward", "rowwise_adagrad": "fwd+bwd+rowwise adagrad", "adagrad": "fwd+bwd+adagrad",
+               "sgd": "fwd+bwd+sgd"}
 
 
 def _mib(x) -> str:
@@ -62,17 +63,17 @@ def markdown(results: dict) -> str:
         "",
         "## Ratios (ours / FBGEMM)",
         "",
-        "| workload | path | forward | fwd+bwd+rowwise adagrad | fwd+bwd+sgd |",
-        "|---|---|---|---|---|",
+        "| workload | path | " + " | ".join(PHASE_LABEL.values()) + " |",
+        "|---|---|" + "---|" * len(PHASE_LABEL),
     ]
     for wr in results["workloads"]:
         name = wr["workload"]["name"]
         if not wr.get("gate_ok"):
-            lines.append(f"| {name} | - | GATE FAILED: not timed | | |")
+            lines.append(f"| {name} | - | GATE FAILED: not timed |" + " |" * len(PHASE_LABEL))
             continue
         for path in OURS:
             cells = []
-            for phase in ("forward", "rowwise_adagrad", "sgd"):
+            for phase in PHASE_LABEL:
                 block = wr["forward"] if phase == "forward" else wr.get("train", {}).get(phase)
                 cells.append(_ratio_cell((block or {}).get("ratios", {}).get(path)) if block else "-")
             if all(c == "-" for c in cells):
@@ -126,6 +127,8 @@ def markdown(results: dict) -> str:
                 lines.append(f"| | FBGEMM backward path: {block['fbgemm_path']} | | | | | | |")
             if block.get("reference_note"):
                 lines.append(f"| | {block['reference_note']} | | | | | | |")
+        lines += _alone_lines(wr)
+        lines += _update_phase_lines(wr)
         mem = wr.get("memory")
         if mem:
             lines += [
@@ -148,6 +151,40 @@ def markdown(results: dict) -> str:
             if mem.get("note"):
                 lines += ["", mem["note"]]
     return "\n".join(lines) + "\n"
+
+
+def _alone_lines(wr: dict) -> list[str]:
+    rows = [(phase, side, c) for phase, block in _phases(wr) for side, c in block.get("vs_alone", {}).items()]
+    if not rows:
+        return []
+    verdict = "every side agrees" if wr.get("alone_ok") else "**VOID: a side disagrees; do not quote these ratios**"
+    out = ["", f"Each side timed alone in a fresh process (same batch, warm-up and rounds) beside its time in the "
+           f"harness: {verdict}.", "",
+           "| phase | side | in harness ms | alone ms | harness / alone | agrees |", "|---|---|---|---|---|---|"]
+    for phase, side, c in rows:
+        out.append(f"| {PHASE_LABEL[phase]} | {PATH_LABEL[side]} | {c['harness_ms']:.2f} | {c['alone_ms']:.2f} | "
+                   f"{c['harness_over_alone']:.2f} | {'yes' if c['agrees'] else '**NO**'} |")
+    return out
+
+
+def _update_phase_lines(wr: dict) -> list[str]:
+    roof = wr["roofline"]["roofline_gbps"]
+    rows = [(opt, block["update_phases"]) for opt, block in wr.get("train", {}).items() if block.get("update_phases")]
+    if not rows:
+        return []
+    out = ["", "Where the default (C++) update's time goes (medians of waited-for updates; bytes are the least "
+           "each phase must move; % of the pooled-gather roofline):", "",
+           "| optimizer | unique rows | records ms (GB/s, %) | sort ms, radix passes (GB/s, %) | "
+           "apply: sum gradients + rule + write back ms (GB/s, %) |", "|---|---|---|---|---|"]
+    for opt, ph in rows:
+        cells = []
+        for name in ("records", "sort", "apply"):
+            x = ph[name]
+            gbps = x["bytes"] / (x["median_ms"] / 1e3) / 1e9 if x["median_ms"] > 0 else float("nan")
+            extra = f", {ph['radix_passes']} passes" if name == "sort" else ""
+            cells.append(f"{x['median_ms']:.2f}{extra} ({gbps:.1f}, {100 * gbps / roof:.0f}%)")
+        out.append(f"| {opt} | {ph['unique_rows']:,} | " + " | ".join(cells) + " |")
+    return out
 
 
 def plot(results: dict, path: str) -> bool:

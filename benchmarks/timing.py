@@ -7,19 +7,67 @@ within the same few hundred milliseconds, so load drift largely cancels).
 
 A case is a callable that runs one repetition and returns its segments in seconds, e.g.
 `{"fwd": ..., "bwd": ..., "total": ...}`; it must block until its results are ready.
+`clocked(fn)` makes such a case from `fn(clock)`, and the harness does the waiting:
+`clock.mark(segment, *outputs)` waits until every JAX array in `outputs` is computed
+before it reads the time, and whatever `fn` returns is waited for before "total" stops. A
+JAX call only dispatches its work; a timer that stops before the results exist measures
+the dispatch, and the work then runs during whatever is timed next.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["interleaved", "paired_ratio", "summarize"]
+__all__ = ["Clock", "clocked", "interleaved", "paired_ratio", "settle", "summarize"]
 
 Case = Callable[[], dict[str, float]]
+
+
+def settle(outputs: Any) -> None:
+    """Wait until every JAX array in `outputs` (any pytree) is computed. torch on CPU is
+    synchronous; a CUDA tensor waits for its stream."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.block_until_ready(outputs)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Clock:
+    """One repetition's clock. `mark(segment, *outputs)` settles the outputs, then records
+    the time since the previous mark (or the start) under `segment`."""
+
+    def __init__(self):
+        self.start = self._last = time.perf_counter()
+        self.segments: dict[str, float] = {}
+
+    def mark(self, segment: str, *outputs: Any) -> None:
+        settle(outputs)
+        now = time.perf_counter()
+        self.segments[segment] = now - self._last
+        self._last = now
+
+    def finish(self, outputs: Any) -> dict[str, float]:
+        settle(outputs)
+        return {**self.segments, "total": time.perf_counter() - self.start}
+
+
+def clocked(fn: Callable[[Clock], Any]) -> Case:
+    """A timing case from `fn(clock)`: its marks, and "total" from the start until what it
+    returned is computed."""
+
+    def case() -> dict[str, float]:
+        clock = Clock()
+        return clock.finish(fn(clock))
+
+    return case
 
 
 def interleaved(

@@ -15,8 +15,6 @@ timing case blocks on its results with `jax.block_until_ready`.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +75,8 @@ class XlaSide:
             weights=None if psw is None else psw,
         ))
         self.grad = jnp.array(batch.pooled_grad, copy=True)
+        table_of_id = np.repeat(np.arange(w.T), w.B * w.L)  # bags are key-major, L ids each
+        self.unique_rows = int(np.unique(table_of_id * w.E + batch.ids).size)
         self.update = None
         self.state = None
         if optimizer is not None:
@@ -100,29 +100,60 @@ class XlaSide:
     def pooled(self) -> np.ndarray:
         return np.array(self.forward(), dtype=np.float32, copy=True)
 
-    def _update(self) -> None:
+    def _dispatch_update(self) -> int:
+        """Dispatch one update (not waited for); returns the table's buffer address before it."""
         before = self.params[self.group].unsafe_buffer_pointer()
         self.params, self.state = self.update.jitted(self.params, self.state, self._operands)
-        jax.block_until_ready((self.params, self.state))
+        return before
+
+    def _note_in_place(self, before: int) -> None:
         self.in_place.append(self.params[self.group].unsafe_buffer_pointer() == before)
+
+    def update(self) -> None:
+        """One update, waited for."""
+        before = self._dispatch_update()
+        jax.block_until_ready((self.params, self.state))
+        self._note_in_place(before)
 
     def step(self) -> None:
         self.forward().block_until_ready()
-        self._update()
+        self.update()
 
-    # -- timing cases --------------------------------------------------------------------------
-    def time_forward(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        self.forward().block_until_ready()
-        return {"total": time.perf_counter() - t0}
+    # -- timing cases (`timing.clocked`: each mark waits for the arrays it is given) ------------
+    def time_forward(self, clock):
+        clock.mark("fwd", self.forward())
 
-    def time_step(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        self.forward().block_until_ready()
-        t1 = time.perf_counter()
-        self._update()
-        t2 = time.perf_counter()
-        return {"fwd": t1 - t0, "bwd": t2 - t1, "total": t2 - t0}
+    def time_step(self, clock):
+        clock.mark("fwd", self.forward())
+        before = self._dispatch_update()
+        clock.mark("bwd", self.params, self.state)
+        self._note_in_place(before)
+
+    def update_phases(self, warmup: int, repeats: int) -> dict:
+        """The C++ update's phases (medians over `repeats` updates, each waited for), with
+        the bytes each one moves at least: records (ids in, 16 B per id out), sort (two
+        8-byte moves per id per radix pass), apply (record + gradient row per id; row and
+        optimizer state read and written per unique row)."""
+        from sparse_jax import _kernels
+
+        for _ in range(warmup):
+            self.step()
+        seen: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            self.step()
+            for name, sec in _kernels.last_update_phases().items():
+                seen.setdefault(name, []).append(sec)
+        w, n = self.w, self.w.num_ids
+        rows = self.w.T * self.w.E
+        passes = -(-max(1, int(rows).bit_length()) // 11)
+        state_row = {"rowwise_adagrad": 4, "adagrad": 4 * w.D, "sgd": 0}[self.optimizer]
+        moved = {
+            "records": n * (4 + 16),
+            "sort": n * 16 * passes,
+            "apply": n * (12 + 4 * w.D) + self.unique_rows * 2 * (4 * w.D + state_row),
+        }
+        return {name: {"median_ms": float(np.median(v) * 1e3), "bytes": moved[name]} for name, v in seen.items()} | {
+            "unique_rows": self.unique_rows, "radix_passes": passes}
 
     # -- compiled-program facts -------------------------------------------------------------------
     def update_memory(self) -> dict[str, int] | None:

@@ -1,8 +1,8 @@
 """hybridrec (JAX) vs FBGEMM's CPU table-batched embedding: forward, and forward +
-backward + fused update (EXACT_ROWWISE_ADAGRAD, EXACT_SGD), same tables / ids / offsets /
-weights on both sides. Ours runs three ways: the library default (kernel="auto": the fused
-C++ kernels through jax.ffi when built, else XLA), kernel="xla" and kernel="reference"
-(forward only unless --reference-backward: its update is the xla update).
+backward + fused update (EXACT_ROWWISE_ADAGRAD, EXACT_ADAGRAD, EXACT_SGD), same tables / ids
+/ offsets / weights on both sides. Ours runs two ways, both timed: the library default
+(kernel="auto": the fused C++ kernels through jax.ffi when built, else XLA) and
+kernel="xla" (the path a GPU runs); kernel="reference" is gated, and timed with --reference.
 
     python -m benchmarks.xla_vs_fbgemm                 # default set: W1 uniform, W1 Zipf(1.15)
     python -m benchmarks.xla_vs_fbgemm --tiny          # smoke run (seconds)
@@ -10,9 +10,12 @@ C++ kernels through jax.ffi when built, else XLA), kernel="xla" and kernel="refe
 
 Per workload: the roofline (stream copy, random-row gather), the correctness gate (pooled
 outputs and the weights after one update must match FBGEMM; nothing is timed otherwise),
-interleaved timing, and peak RSS of each side in its own process. Results go to
-`--out` (default benchmarks/results/): xla_vs_fbgemm.json / .md / .png. Exit status 1 if
-any gate failed.
+interleaved timing (every timer stops only when the JAX arrays its case produced are
+computed: `timing.clocked`), the default update's phases, every side timed again alone in
+a fresh process (`benchmarks.alone`), and peak RSS of each side in its own process. Results
+go to `--out` (default benchmarks/results/): xla_vs_fbgemm.json / .md / .png. Exit status 1
+if any gate failed, 3 if a side's time in the harness is more than 15% away from its time
+alone (the ratios are then void).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 import numpy as np
 
 from benchmarks import gate, report, roofline
-from benchmarks.timing import interleaved, paired_ratio, summarize
+from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
 from benchmarks.workloads import DTYPES, Workload, default_set, make_batch, tiny_set
 
 __all__ = ["main", "run_workload", "parse_args"]
@@ -39,7 +42,8 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 PATHS = ("auto", "xla", "reference")  # ours: the library default (kernel="auto"), pure XLA, reference
 TINY = dict(T=2, E=1000, D=16, B=64, L=4)
-FAULTS = ("weights", "update")
+FAULTS = ("weights", "update", "harness-delay")
+HARNESS_DELAY_S = 0.05  # --inject-fault harness-delay: added to FBGEMM's cases in the harness only
 
 
 # -- machine / versions ---------------------------------------------------------------------
@@ -166,6 +170,40 @@ def _block(w: Workload, samples: dict, roof: float) -> dict:
     return out
 
 
+def _harness_case(fn, args, side: str):
+    """`fn(clock)` as a timing case; under --inject-fault harness-delay, FBGEMM's cases are
+    slowed inside the harness only (the alone comparison must catch it)."""
+    if args.inject_fault == "harness-delay" and side == "fbgemm":
+        def slowed(clock):
+            time.sleep(HARNESS_DELAY_S)
+            return fn(clock)
+
+        return clocked(slowed)
+    return clocked(fn)
+
+
+def _time_block(cases: dict, args) -> dict:
+    return interleaved(cases, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s)
+
+
+def _alone_checks(w: Workload, res: dict, harness: dict, args, log) -> None:
+    """Every timed side again, alone in a fresh process; each block gets `vs_alone`."""
+    from benchmarks import alone
+
+    phases = ["forward", *args.optimizers]
+    for side in sorted({s for segs in harness.values() for s in segs}):
+        log(f"== {w.name}: {side} alone in a fresh process")
+        spec = {"side": side, "workload": {k: v for k, v in w.as_dict().items() if k != "name"},
+                "phases": [p for p in phases if side in harness.get(p, {})], "lr": args.lr, "eps": args.eps,
+                "fbgemm_dtype": res["fbgemm_timing_dtype"], "torch_threads": args.torch_threads,
+                "warmup": args.warmup, "repeats": args.repeats, "budget_s": args.budget_s}
+        for phase, rounds in alone.time_alone(spec).items():
+            block = res["forward"] if phase == "forward" else res["train"][phase]
+            block.setdefault("vs_alone", {})[side] = alone.compare(harness[phase][side], rounds, args.alone_tolerance)
+    checks = [c for block in [res["forward"], *res["train"].values()] for c in block.get("vs_alone", {}).values()]
+    res["alone_ok"] = all(c["agrees"] for c in checks)
+
+
 def run_workload(w: Workload, args, log) -> dict:
     from benchmarks.fbgemm_side import FbgemmSide, backward_path, supports
     from benchmarks.xla_side import XlaSide
@@ -186,6 +224,7 @@ def run_workload(w: Workload, args, log) -> dict:
     fb_batch = dataclasses.replace(batch, tables=fb_tables)
     fb_lr = args.lr * (1.01 if args.inject_fault == "update" else 1.0)
     res["train"] = {}
+    harness: dict[str, dict[str, list[float]]] = {}  # phase -> side -> total seconds per round
     kw = dict(lr=args.lr, eps=args.eps)
     for k, opt in enumerate(args.optimizers):
         log(f"== {w.name}: {opt}: build + correctness gate")
@@ -204,30 +243,35 @@ def run_workload(w: Workload, args, log) -> dict:
             return res
         if time_dtype != gate_dtype:
             fb = FbgemmSide(w, batch, opt, lr=args.lr, eps=args.eps, dtype=time_dtype)
+        timed = {p: side for p, side in ours.items() if p != "reference" or args.reference}
         if k == 0:
             log(f"== {w.name}: forward timing")
-            cases = {p: side.time_forward for p, side in ours.items()}
-            cases["fbgemm"] = fb.time_forward
-            samples = interleaved(cases, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s)
+            cases = {p: _harness_case(side.time_forward, args, p) for p, side in timed.items()}
+            cases["fbgemm"] = _harness_case(fb.time_forward, args, "fbgemm")
+            samples = _time_block(cases, args)
+            harness["forward"] = {p: seg["total"] for p, seg in samples.items()}
             res["forward"] = _block(w, samples, roof)
             res["xla_forward_program_memory"] = ours["xla"].forward_memory()
         log(f"== {w.name}: {opt}: forward + backward + update timing")
-        cases = {p: side.time_step for p, side in ours.items() if p != "reference" or args.reference_backward}
-        cases["fbgemm"] = fb.time_step
-        samples = interleaved(cases, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s)
+        cases = {p: _harness_case(side.time_step, args, p) for p, side in timed.items()
+                 if p != "reference" or args.reference_backward}
+        cases["fbgemm"] = _harness_case(fb.time_step, args, "fbgemm")
+        samples = _time_block(cases, args)
+        harness[opt] = {p: seg["total"] for p, seg in samples.items()}
         block = _block(w, samples, roof)
         block["fbgemm_path"] = backward_path(opt, time_dtype)
-        if not args.reference_backward:
-            block["reference_note"] = (
-                "reference: forward only (its update is the same make_update program as xla's; "
-                "fwd+bwd = its forward + the xla row's bwd)")
-        block["update_in_place"] = {p: bool(side.in_place) and all(side.in_place) for p, side in ours.items()}
+        if "auto" in ours and opt in _kernels_rules():
+            block["update_phases"] = ours["auto"].update_phases(args.warmup, max(5, args.repeats // 2))
+        block["update_in_place"] = {p: bool(side.in_place) and all(side.in_place) for p, side in ours.items()
+                                    if side.in_place}
         block["update_program_memory"] = {p: ours[p].update_memory() for p in ours if p != "reference"}
         block["table_bytes"] = ours["xla"].table_bytes()
         block["state_bytes"] = ours["xla"].state_bytes()
         res["train"][opt] = block
-        del ours, fb
+        del ours, fb, timed
     res["gate_ok"] = True
+    if args.alone:
+        _alone_checks(w, res, harness, args, log)
     if args.memory:
         from benchmarks import memory
 
@@ -239,6 +283,12 @@ def run_workload(w: Workload, args, log) -> dict:
         note = _memory_note(w, sides)
         res["memory"] = {"optimizer": opt, "sides": sides, "note": note}
     return res
+
+
+def _kernels_rules() -> tuple[str, ...]:
+    from sparse_jax import _kernels
+
+    return tuple(_kernels.RULES)
 
 
 def _memory_note(w: Workload, sides: dict) -> str:
@@ -279,15 +329,26 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=20.0, help="stop a block's rounds after this many seconds")
     p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=False,
+                   help="also time the reference forward (gather + segment_sum; it is always gated)")
     p.add_argument("--reference-backward", action=argparse.BooleanOptionalAction, default=False,
-                   help="also time reference forward + update (its update is the same program as xla's)")
+                   help="with --reference, also time reference forward + update (the same program as xla's)")
+    p.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
+                   help="time every side again alone in a fresh process and compare (exit 3 on disagreement)")
+    p.add_argument("--alone-tolerance", type=float, default=None,
+                   help="largest |harness / alone - 1| accepted (default benchmarks.alone.TOLERANCE = 0.15)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="peak RSS per side (one subprocess each)")
     p.add_argument("--out", default=RESULTS_DIR, help="output directory")
     p.add_argument("--inject-fault", choices=FAULTS, default=None,
-                   help="gate self-test: feed FBGEMM wrong initial weights / a wrong lr")
+                   help="self-tests: feed FBGEMM wrong initial weights / a wrong lr (the gate must refuse), "
+                        "or slow FBGEMM inside the harness only (the alone comparison must refuse)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.alone_tolerance is None:
+        from benchmarks.alone import TOLERANCE
+
+        args.alone_tolerance = TOLERANCE
     base = dict(TINY) if args.tiny else {}
     for k in ("T", "E", "D", "B", "L"):
         if getattr(args, k) is not None:
@@ -329,7 +390,9 @@ def main(argv=None) -> int:
             "config": {
                 "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s,
                 "torch_threads": args.torch_threads, "lr": args.lr, "eps": args.eps,
-                "optimizers": list(args.optimizers), "reference_backward": args.reference_backward,
+                "optimizers": list(args.optimizers), "reference": args.reference,
+                "reference_backward": args.reference_backward, "alone": args.alone,
+                "alone_tolerance": args.alone_tolerance,
                 "gate_rtol": gate.RTOL, "inject_fault": args.inject_fault,
                 "byte_convention": "fwd = B*T*L*D*bytes + B*T*D*4; bwd = 2x fwd (FBGEMM benchmark)",
             },
@@ -345,7 +408,15 @@ def main(argv=None) -> int:
     log(f"wrote {', '.join(paths.values())} in {results['elapsed_s']:.0f} s")
     if not args.quiet:
         print(report.markdown(results))
-    return 0 if all(wr["gate_ok"] for wr in results["workloads"]) else 1
+    if not all(wr["gate_ok"] for wr in results["workloads"]):
+        return 1
+    disagree = [wr["workload"]["name"] for wr in results["workloads"] if not wr.get("alone_ok", True)]
+    if disagree:
+        print(f"BASELINE VOID: a side timed in the harness is more than {args.alone_tolerance:.0%} away from the "
+              f"same side timed alone in a fresh process ({', '.join(disagree)}); see the 'alone' columns. "
+              "Do not quote these ratios.", file=sys.stderr)
+        return 3
+    return 0
 
 
 if __name__ == "__main__":

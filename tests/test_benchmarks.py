@@ -26,30 +26,116 @@ FAST = ["--tiny", "--alpha", "1.15", "--repeats", "3", "--warmup", "1", "--budge
 
 @pytest.mark.parity
 def test_tiny_run_passes_gate_and_writes_outputs(tmp_path, fbgemm):
-    rc = xla_vs_fbgemm.main([*FAST, "--no-memory", "--out", str(tmp_path)])
+    # tiny cases take well under a millisecond: the alone comparison runs, with a loose tolerance
+    rc = xla_vs_fbgemm.main([*FAST, "--no-memory", "--alone-tolerance", "3", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "xla_vs_fbgemm.json").read_text())
     (wr,) = res["workloads"]
     assert wr["gate_ok"] and wr["gate"] and all(c["ok"] for c in wr["gate"])
-    # per path of ours: pooled output, weights after one update per optimizer, row state (adagrad)
-    ours = [p for p in ("auto", "xla", "reference") if p in wr["forward"]["cases"]]
+    # per path of ours and optimizer: pooled output, weights after one update, Adagrad state (2 of 3)
+    ours = [p for p in ("auto", "xla", "reference") if wr["paths"].get(p) and (p != "auto" or wr["paths"][p] != "xla")]
     assert {"xla", "reference"} <= set(ours)
-    assert len(wr["gate"]) == 3 * len(ours) + 2 * len(ours)
+    assert len(wr["gate"]) == 8 * len(ours)
+    assert set(wr["train"]) == {"rowwise_adagrad", "adagrad", "sgd"}
+    timed = set(ours) - {"reference"}  # the reference is gated, timed only with --reference
     for block in [wr["forward"], *wr["train"].values()]:
-        assert set(block["ratios"]) >= {"xla"}
-        assert block["ratios"]["xla"]["ratio_of_medians"] > 0
+        assert set(block["cases"]) == timed | {"fbgemm"}
+        for p in timed:
+            r = block["ratios"][p]["ratio_of_medians"]
+            want = block["cases"][p]["total"]["median_ms"] / block["cases"]["fbgemm"]["total"]["median_ms"]
+            assert r == pytest.approx(want)
         assert block["cases"]["fbgemm"]["total"]["n"] >= 3
-    assert set(wr["train"]) == {"rowwise_adagrad", "sgd"}
-    assert all(wr["train"]["rowwise_adagrad"]["update_in_place"].values())
+        assert set(block["vs_alone"]) == timed | {"fbgemm"}  # every timed side, alone too
+        for c in block["vs_alone"].values():
+            assert c["harness_over_alone"] == pytest.approx(c["harness_ms"] / c["alone_ms"])
+    assert wr["alone_ok"]
+    for opt, block in wr["train"].items():
+        assert block["update_in_place"] and all(block["update_in_place"].values()), opt
+        if "auto" in timed:
+            ph = block["update_phases"]
+            assert set(ph) >= {"records", "sort", "apply"} and ph["unique_rows"] <= 2 * 64 * 4
     assert wr["roofline"]["copy"]["gbps"] > 0 and wr["roofline"]["gather_pooled"]["gbps"] > 0
     for key in ("cpu_model", "cores"):
         assert res["machine"][key]
     for key in ("jax", "torch", "fbgemm_gpu"):
         assert res["versions"][key]
     md = (tmp_path / "xla_vs_fbgemm.md").read_text()
-    assert "ours / FBGEMM" in md and wr["workload"]["name"] in md
+    assert "ours / FBGEMM" in md and wr["workload"]["name"] in md and "alone ms" in md
     pytest.importorskip("matplotlib")
     assert (tmp_path / "xla_vs_fbgemm.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parity
+def test_a_side_slowed_only_inside_the_harness_voids_the_run(tmp_path, fbgemm):
+    """FBGEMM slowed by 50 ms per repetition inside the harness only: its time alone in a
+    fresh process disagrees, the report says VOID and the CLI exits 3."""
+    rc = xla_vs_fbgemm.main([*FAST, "--no-memory", "--optimizers", "sgd", "--alone-tolerance", "3",
+                             "--inject-fault", "harness-delay", "--out", str(tmp_path)])
+    assert rc == 3
+    (wr,) = json.loads((tmp_path / "xla_vs_fbgemm.json").read_text())["workloads"]
+    assert not wr["alone_ok"]
+    for block in (wr["forward"], wr["train"]["sgd"]):
+        assert not block["vs_alone"]["fbgemm"]["agrees"]
+        assert block["vs_alone"]["fbgemm"]["harness_ms"] >= 1e3 * xla_vs_fbgemm.HARNESS_DELAY_S
+        assert all(c["agrees"] for side, c in block["vs_alone"].items() if side != "fbgemm")
+    assert "VOID" in (tmp_path / "xla_vs_fbgemm.md").read_text()
+
+
+def test_clocked_cases_wait_for_asynchronous_jax_work():
+    """A JAX call returns before its work is done. A clocked case's marks and its total wait
+    for the arrays they are given / it returns: a case whose slow work is still running
+    when it returns times as slow as that work, not as its dispatch."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.timing import clocked
+
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 60, lambda i, a: jnp.tanh(a @ a), x))
+    x = jnp.full((384, 384), 1e-3, jnp.float32)
+    slow(x).block_until_ready()
+    waited, dispatched = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        y = slow(x)
+        dispatched.append(time.perf_counter() - t0)
+        y.block_until_ready()
+        waited.append(time.perf_counter() - t0)
+    work = min(waited)
+    assert max(dispatched) < 0.3 * work  # the test can tell dispatch from work
+
+    def tail(clock):  # marks a fast segment, returns the slow work unmarked
+        clock.mark("fwd", jnp.ones(2))
+        return slow(x)
+
+    def inside(clock):
+        clock.mark("bwd", slow(x))
+
+    assert clocked(tail)()["total"] >= 0.7 * work
+    segments = clocked(inside)()
+    assert segments["bwd"] >= 0.7 * work and segments["total"] >= segments["bwd"]
+
+
+def test_our_step_case_waits_for_the_update_it_dispatched(monkeypatch):
+    """XlaSide.time_step's clock settles the table and optimizer state the update returns."""
+    from benchmarks import timing
+    from benchmarks.xla_side import XlaSide
+
+    w = Workload(T=2, E=200, D=8, B=16, L=3)
+    side = XlaSide(w, make_batch(w), "xla", "rowwise_adagrad", lr=0.01, eps=1e-8)
+    settled = []
+    real = timing.settle
+    monkeypatch.setattr(timing, "settle", lambda out: (settled.extend(jax_leaves(out)), real(out)))
+    timing.clocked(side.time_step)()
+    produced = jax_leaves((side.params, side.state))
+    assert produced and all(any(a is b for b in settled) for a in produced)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
 
 
 @pytest.mark.parity

@@ -11,7 +11,9 @@ from sparse_jax._kernels._ffi import (
     fused_update,
     jagged_fused_update,
     jagged_pooled_sum,
+    last_update_phases,
     pooled_sum,
 )
 
-__all__ = ["RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "pooled_sum"]
+__all__ = ["RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "last_update_phases",
+           "pooled_sum"]

@@ -10,10 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "pooled_sum"]
+__all__ = [
+    "RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "last_update_phases",
+    "pooled_sum",
+]
 
 log = logging.getLogger("hybridrec.kernels")
 RULES = {"sgd": 0, "rowwise_adagrad": 1, "adagrad": 2}
+
+
+_LIB: list = []  # the loaded library, once registered
 
 
 @functools.cache
@@ -27,6 +33,7 @@ def _register() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(_build.build()))
     except (RuntimeError, OSError) as err:
         return f"hybridrec CPU kernels unavailable, using the XLA path: {err}"
+    _LIB.append(lib)
     for name in ("HybridrecPooledSum", "HybridrecJaggedPooledSum", "HybridrecFusedUpdate",
                  "HybridrecJaggedFusedUpdate"):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
@@ -42,6 +49,17 @@ def available() -> bool:
         log.warning(problem)
         return False
     return True
+
+
+def last_update_phases() -> dict[str, float]:
+    """Seconds spent by the last fused update in this process, per phase: building the
+    per-id records, sorting them by row, applying the rule (summing each row's gradient,
+    reading and writing its row and state). For the benchmarks' breakdown."""
+    if _register() is not None:
+        raise RuntimeError("the CPU kernels are not available")
+    out = (ctypes.c_int64 * 3)()
+    _LIB[0].HybridrecLastUpdatePhases(out)
+    return {name: out[i] / 1e9 for i, name in enumerate(("records", "sort", "apply"))}
 
 
 def pooled_sum(table: jax.Array, rows: jax.Array, weights: jax.Array) -> jax.Array:

@@ -12,6 +12,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -186,6 +188,21 @@ ffi::Error JaggedPooledSumImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32
 // result is deterministic. Ids that contribute nothing get row `num_rows`: they sort last
 // and are never applied. No [rows] or [unique, dim] buffer is built; scratch is 16 bytes
 // per id, reused across calls (per calling thread: several devices may call at once).
+
+// Wall-clock nanoseconds of the last update's phases (build records, sort, apply), for the
+// benchmarks' breakdown: HybridrecLastUpdatePhases copies them out.
+std::atomic<int64_t> g_phase_ns[3];
+
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline void RecordPhases(int64_t t0, int64_t t1, int64_t t2, int64_t t3) {
+  g_phase_ns[0].store(t1 - t0);
+  g_phase_ns[1].store(t2 - t1);
+  g_phase_ns[2].store(t3 - t2);
+}
 
 struct Scratch {
   std::vector<uint64_t> keys, tmp;
@@ -379,15 +396,19 @@ ffi::Error FusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> st
   x.reserve(n);
   const int threads = ThreadsFor(n);
   uint64_t* keys = x.keys.data();
+  const int64_t t0 = NowNs();
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = r[i];
     const bool ok = row >= 0 && row < num_rows && bg[i] >= 0 && bg[i] < num_bags && sc[i] != 0.0f;
     keys[i] = (static_cast<uint64_t>(ok ? row : num_rows) << 32) | static_cast<uint64_t>(i);
   }
+  const int64_t t1 = NowNs();
   const uint64_t* sorted = SortByRow(keys, x.tmp.data(), n, num_rows, threads, x.hist);
+  const int64_t t2 = NowNs();
   Apply(sorted, n, static_cast<uint32_t>(num_rows), bag_grads.typed_data(), bg, dim, sc, t, s, dim, rule, lr,
         eps, threads);
+  RecordPhases(t0, t1, t2, NowNs());
   return ffi::Error::Success();
 }
 
@@ -432,6 +453,7 @@ ffi::Error JaggedFusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F
   uint64_t* keys = x.keys.data();
   int32_t* gofs = x.gofs.data();
   float* sc = x.scale.data();
+  const int64_t t0 = NowNs();
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t bag = 0; bag < features * stride; ++bag) {
     const int64_t f = bag / stride, b = bag % stride;  // feature-major: records are written in order
@@ -458,13 +480,20 @@ ffi::Error JaggedFusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F
       sc[rec] = mn[f] ? a / len : a;
     }
   }
+  const int64_t t1 = NowNs();
   const uint64_t* sorted = SortByRow(keys, x.tmp.data(), n, num_rows, threads, x.hist);
+  const int64_t t2 = NowNs();
   Apply(sorted, n, static_cast<uint32_t>(num_rows), grad.typed_data(), gofs, 1, sc, t, s, dim, rule, lr, eps,
         threads);
+  RecordPhases(t0, t1, t2, NowNs());
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+extern "C" void HybridrecLastUpdatePhases(int64_t* out) {
+  for (int i = 0; i < 3; ++i) out[i] = g_phase_ns[i].load();
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecPooledSum, PooledSumImpl,
                               ffi::Ffi::Bind()
