@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, _kernels, make_update, optim
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    _kernels,
+    make_update,
+    optim,
+)
 from tests import reference
 
 pytestmark = pytest.mark.skipif(not _kernels.available(), reason="the C++ kernels are not built here")
