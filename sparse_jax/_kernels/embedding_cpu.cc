@@ -32,7 +32,7 @@ inline void axpy(float* __restrict acc, const float* __restrict row, float w, in
 // One bag at a time with the accumulator in registers: DIM known at compile time for the
 // common widths, a runtime loop otherwise. Rows are prefetched PREFETCH ids ahead, across
 // bag boundaries (the id matrix is contiguous).
-constexpr int64_t PREFETCH = 8;
+constexpr int64_t PREFETCH = 16;
 
 template <int64_t DIM>
 void PoolBags(const float* t, int64_t num_rows, const int32_t* r, const float* w, float* o,
@@ -108,7 +108,7 @@ void PoolJagged(const float* t, const int32_t* v, const int32_t* off, const floa
   const int64_t d = DIM > 0 ? DIM : dim;
 #pragma omp parallel for schedule(static)
   for (int64_t bag = 0; bag < features * stride; ++bag) {
-    const int64_t b = bag / features, f = bag % features;  // sample-major: writes stay local
+    const int64_t f = bag / stride, b = bag % stride;  // feature-major: one table's hot rows stay cached
     const int64_t seg = static_cast<int64_t>(key[f]) * stride + b;
     const int64_t start = off[seg], end = off[seg + 1];
     const int64_t feature_end = off[(static_cast<int64_t>(key[f]) + 1) * stride];
