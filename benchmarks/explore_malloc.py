@@ -56,7 +56,7 @@ def _worker(spec: dict) -> None:
         if cmd == "fwd":
             side.forward().block_until_ready()
         else:
-            side.update()
+            side.run_update()
         dt = time.perf_counter() - t0
         f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         print(json.dumps({"t": dt, "faults": f1 - f0}), flush=True)

@@ -335,7 +335,7 @@ def explore_update(w: Workload, opt: str, args, log) -> dict:
             side.update.jitted = update_variant(side.ebc, side.update.rule, cand, ucap)
         sides[v] = side
     for side in sides.values():  # one step each from identical starts
-        side.update()
+        side.run_update()
     ref_t, ref_s = sides["lib"].tables(), sides["lib"].row_state()
     checks = []
     for v, side in sides.items():
@@ -348,7 +348,7 @@ def explore_update(w: Workload, opt: str, args, log) -> dict:
     if not all(c["ok"] for c in checks):
         return {"checks": checks, "error": "an update candidate disagrees with the library"}
     for v, side in sides.items():
-        fns[v] = _timer(lambda s=side: s.update())
+        fns[v] = _timer(lambda s=side: s.run_update())
     if args.fbgemm:
         from benchmarks.fbgemm_side import FbgemmSide
 

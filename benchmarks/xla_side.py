@@ -109,7 +109,7 @@ class XlaSide:
     def _note_in_place(self, before: int) -> None:
         self.in_place.append(self.params[self.group].unsafe_buffer_pointer() == before)
 
-    def update(self) -> None:
+    def run_update(self) -> None:
         """One update, waited for."""
         before = self._dispatch_update()
         jax.block_until_ready((self.params, self.state))
@@ -117,7 +117,7 @@ class XlaSide:
 
     def step(self) -> None:
         self.forward().block_until_ready()
-        self.update()
+        self.run_update()
 
     # -- timing cases (`timing.clocked`: each mark waits for the arrays it is given) ------------
     def time_forward(self, clock):
