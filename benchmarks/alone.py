@@ -56,7 +56,8 @@ def _child(spec: dict) -> dict:
     for phase, side in _build(spec).items():  # one phase at a time, as the harness's blocks
         case = clocked(side.time_forward if phase == "forward" else side.time_step)
         samples = interleaved({"alone": case}, warmup=spec["warmup"], repeats=spec["repeats"],
-                              budget_s=spec["budget_s"])
+                              budget_s=spec["budget_s"], pause_s=spec.get("pause_s", 0.0),
+                              lead_in_s=spec.get("lead_in_s", 0.0))
         out[phase] = samples["alone"]["total"]
         del side
     return out

@@ -51,7 +51,10 @@ def markdown(results: dict) -> str:
         f"python {v['python']}, hybridrec {v.get('hybridrec_commit', '?')}.",
         f"Command: `{results['command']}`; {results['elapsed_s']:.0f} s. Timing: {results['config']['warmup']} "
         f"warm-up rounds, up to {results['config']['repeats']} interleaved rounds (budget "
-        f"{results['config']['budget_s']} s per block), medians.",
+        f"{results['config']['budget_s']} s per block; in each round, a case runs untimed for "
+        f"{results['config'].get('lead_in_ms', 0):g} ms (at least once) right before its timed run, and an untimed {results['config'].get('pause_ms', 0):g} ms "
+        "pause before each case), medians; every clock stops only once the JAX arrays its case produced are "
+        "computed.",
         "",
         "Ratio = ours / FBGEMM median time (lower is better; < 1 means ours is faster). "
         "GB/s: FBGEMM's convention, forward bytes = B*T*L*D*bytes + B*T*D*4; backward = 2x forward "

@@ -77,9 +77,18 @@ def interleaved(
     repeats: int = 30,
     min_repeats: int = 5,
     budget_s: float | None = None,
+    pause_s: float = 0.0,
+    lead_in_s: float = 0.0,
 ) -> dict[str, dict[str, list[float]]]:
     """{case: {segment: [seconds per round]}}. Stops after `repeats` rounds, or earlier once
-    `budget_s` is spent (but never before `min_repeats` rounds)."""
+    `budget_s` is spent (but never before `min_repeats` rounds). `pause_s`: an untimed sleep
+    before each case, so that the thread pools the previous case woke (OpenMP teams of torch
+    and of our kernels, XLA's pool) stop spinning before the next case's clock starts; on 2
+    cores their spinning otherwise steals the next case's first milliseconds. `lead_in_s`:
+    before its timed run in a round, a case runs untimed (at least once) until this many
+    seconds have passed, so the timed run finds its own thread pools awake and the previous
+    case's asleep (an idle OpenMP worker spins for milliseconds before it sleeps), as in a
+    loop of that case alone."""
     names = list(cases)
     for _ in range(warmup):
         for n in names:
@@ -93,6 +102,13 @@ def interleaved(
         for r in range(repeats):
             k = r % len(names)
             for n in names[k:] + names[:k]:
+                if pause_s:
+                    time.sleep(pause_s)
+                if lead_in_s > 0:
+                    until = time.perf_counter() + lead_in_s
+                    cases[n]()
+                    while time.perf_counter() < until:
+                        cases[n]()
                 for seg, t in cases[n]().items():
                     samples[n].setdefault(seg, []).append(t)
             if budget_s is not None and r + 1 >= min_repeats and time.perf_counter() - start > budget_s:

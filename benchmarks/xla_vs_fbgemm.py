@@ -183,7 +183,8 @@ def _harness_case(fn, args, side: str):
 
 
 def _time_block(cases: dict, args) -> dict:
-    return interleaved(cases, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s)
+    return interleaved(cases, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s,
+                       pause_s=args.pause_ms / 1e3, lead_in_s=args.lead_in_ms / 1e3)
 
 
 def _alone_checks(w: Workload, res: dict, harness: dict, args, log) -> None:
@@ -196,7 +197,8 @@ def _alone_checks(w: Workload, res: dict, harness: dict, args, log) -> None:
         spec = {"side": side, "workload": {k: v for k, v in w.as_dict().items() if k != "name"},
                 "phases": [p for p in phases if side in harness.get(p, {})], "lr": args.lr, "eps": args.eps,
                 "fbgemm_dtype": res["fbgemm_timing_dtype"], "torch_threads": args.torch_threads,
-                "warmup": args.warmup, "repeats": args.repeats, "budget_s": args.budget_s}
+                "warmup": args.warmup, "repeats": args.repeats, "budget_s": args.budget_s,
+                "pause_s": args.pause_ms / 1e3, "lead_in_s": args.lead_in_ms / 1e3}
         for phase, rounds in alone.time_alone(spec).items():
             block = res["forward"] if phase == "forward" else res["train"][phase]
             block.setdefault("vs_alone", {})[side] = alone.compare(harness[phase][side], rounds, args.alone_tolerance)
@@ -329,6 +331,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=20.0, help="stop a block's rounds after this many seconds")
     p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--pause-ms", type=float, default=0.0,
+                   help="untimed sleep before each case in a round (idle thread pools stop spinning)")
+    p.add_argument("--lead-in-ms", type=float, default=60.0,
+                   help="untimed runs of each case (at least one) for this long right before its timed run in a "
+                        "round: its thread pools awake, the previous case's asleep, as in a loop of it alone")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=False,
                    help="also time the reference forward (gather + segment_sum; it is always gated)")
     p.add_argument("--reference-backward", action=argparse.BooleanOptionalAction, default=False,
@@ -388,7 +395,8 @@ def main(argv=None) -> int:
             "machine": machine_info(),
             "versions": versions(),
             "config": {
-                "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s,
+                "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s, "pause_ms": args.pause_ms,
+                "lead_in_ms": args.lead_in_ms,
                 "torch_threads": args.torch_threads, "lr": args.lr, "eps": args.eps,
                 "optimizers": list(args.optimizers), "reference": args.reference,
                 "reference_backward": args.reference_backward, "alone": args.alone,
