@@ -6,25 +6,34 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test lint bench clean-venv
+.PHONY: train test test-lowest lint bench clean-venv
 
 $(STAMP): pyproject.toml Makefile
+	@echo "== [1/5] virtual environment $(VENV)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	# CPU build of torch first: it satisfies the project's torch range, so nothing bigger is pulled.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,parity]'
-	# torchrec names the CUDA fbgemm-gpu; the parity extra installed fbgemm-gpu-cpu instead.
-	$(PIP) install -q --no-deps torchrec==1.8.0
-	# the fused CPU kernels (C++ through jax.ffi); without g++ the XLA path is used
+	$(PIP) install --progress-bar on --upgrade pip
+	@echo "== [2/5] torch 2.13.0, CPU build (~1 min; first, so nothing pulls the multi-GB CUDA build)"
+	$(PIP) install --progress-bar on torch==2.13.0
+	@echo "== [3/5] hybridrec with the test and parity extras: jax, optax, fbgemm-gpu-cpu, ... (~2 min)"
+	$(PIP) install --progress-bar on -e '.[test,parity]'
+	@echo "== [4/5] torchrec 1.8.0 without its dependencies (it names the CUDA fbgemm-gpu)"
+	$(PIP) install --progress-bar on --no-deps torchrec==1.8.0
+	@echo "== [5/5] the fused CPU kernels (C++ through jax.ffi; without g++ the XLA path is used)"
 	$(PY) -m sparse_jax._kernels.build || echo "CPU kernels not built: the XLA path will be used"
 	touch $(STAMP)
+	@echo "== ready: $(VENV)"
 
 train: $(STAMP)
 	$(PY) -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The suite on the oldest supported torchmetrics (1.0.3, what torchrec 1.8 was released with),
+# overlaid on .venv; `make test` covers the newest.
+test-lowest: $(STAMP)
+	$(PIP) install --progress-bar on --no-deps --upgrade --target $(VENV)/lowest torchmetrics==1.0.3
+	PYTHONPATH=$(VENV)/lowest $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(PY) -m ruff check sparse_jax dense_torch hybrid tests benchmarks

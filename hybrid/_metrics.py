@@ -1,7 +1,8 @@
 """Click-model metrics: exact over an eval set, windowed and lifetime for training loss.
 
 `eval_metrics(logits, labels)` over the whole eval set (not averaged per batch):
-- `auc`: ROC AUC (torchmetrics' `binary_auroc`, ties counted half);
+- `auc`: ROC AUC (`binary_auc`: the rank statistic, ties counted half, as torchmetrics'
+  `binary_auroc`; NaN when the labels are all one class);
 - `log_loss`: mean binary cross-entropy of `sigmoid(logits)`;
 - `ne`: normalized entropy, `log_loss / H(p)` with `p` the eval set's click rate and
   `H(p) = -p log p - (1-p) log(1-p)` (1.0 = no better than predicting the base rate);
@@ -16,9 +17,8 @@ import collections
 import math
 
 import torch
-from torchmetrics.functional.classification import binary_auroc
 
-__all__ = ["LossTracker", "eval_metrics", "normalized_entropy"]
+__all__ = ["LossTracker", "binary_auc", "eval_metrics", "normalized_entropy"]
 
 
 def normalized_entropy(log_loss: float, base_rate: float) -> float:
@@ -27,6 +27,27 @@ def normalized_entropy(log_loss: float, base_rate: float) -> float:
         return math.inf
     entropy = -(base_rate * math.log(base_rate) + (1 - base_rate) * math.log(1 - base_rate))
     return log_loss / entropy
+
+
+def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """ROC AUC of `scores [N]` against 0/1 `labels [N]`: the probability that a random
+    positive scores above a random negative, a tie counting half (the Mann-Whitney rank
+    statistic, with tied scores given their average rank). Equals torchmetrics'
+    `binary_auroc`; NaN when the labels hold one class only (no pair to compare; torchmetrics
+    warns and returns 0 there)."""
+    s = scores.detach().reshape(-1).to(torch.float64)
+    pos = labels.detach().reshape(-1) > 0.5
+    n_pos = int(pos.sum())
+    n_neg = s.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    order = torch.argsort(s)
+    _, inverse, counts = torch.unique_consecutive(s[order], return_inverse=True, return_counts=True)
+    last = torch.cumsum(counts, 0).to(torch.float64)  # 1-based rank of each tie group's last member
+    average = last - (counts.to(torch.float64) - 1) / 2
+    ranks = torch.empty_like(s)
+    ranks[order] = average[inverse]
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
 def eval_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -40,7 +61,7 @@ def eval_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]
     log_loss = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
     base_rate = float(labels.mean())
     return {
-        "auc": float(binary_auroc(logits, labels.long())),
+        "auc": binary_auc(logits, labels),
         "log_loss": log_loss,
         "ne": normalized_entropy(log_loss, base_rate),
         "accuracy": float(((logits > 0).to(torch.float64) == labels).to(torch.float64).mean()),

@@ -3,7 +3,7 @@
 Four Zipf-distributed sparse features (JAX tables, row-wise Adagrad applied inside
 backward) and four dense features feed `dense_torch.DLRM` through `hybrid.Model`; torch's
 Adam steps the dense tower. Prints the training loss, then the held-out AUC
-(torchmetrics) beside the Bayes AUC of the data (the AUC of the true logits).
+(`hybrid._metrics.binary_auc`) beside the Bayes AUC of the data (the AUC of the true logits).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 import torch
-from torchmetrics.functional.classification import binary_auroc
 
 import dense_torch
 import hybrid
+from hybrid._metrics import binary_auc
 from hybrid._synthetic import planted_signal_data
 from sparse_jax import EmbeddingBagConfig
 from sparse_jax.optim import rowwise_adagrad
@@ -37,7 +37,7 @@ def evaluate(model: hybrid.Model, data, batch_size: int = EVAL_BATCH) -> float:
             dense, sparse, _ = data.batch(start, min(start + batch_size, len(data)))
             scores.append(model(dense, sparse).squeeze(-1))
     model.train()
-    return float(binary_auroc(torch.cat(scores), torch.from_numpy(data.labels).long()))
+    return binary_auc(torch.cat(scores), torch.from_numpy(data.labels))
 
 
 def train(
@@ -135,9 +135,7 @@ def _train(
             print(f"step {step + 1:4d}  loss {np.mean(losses[-log_every:]):.4f}", flush=True)
     train_seconds = time.perf_counter() - t0
     auc = evaluate(model, eval_data)
-    bayes = float(
-        binary_auroc(torch.from_numpy(eval_data.logits), torch.from_numpy(eval_data.labels).long())
-    )
+    bayes = binary_auc(torch.from_numpy(eval_data.logits), torch.from_numpy(eval_data.labels))
     window = max(1, min(50, steps // 5))
     return {
         "steps": steps,

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hybrid._metrics import LossTracker, eval_metrics, normalized_entropy
+from hybrid._metrics import LossTracker, binary_auc, eval_metrics, normalized_entropy
 
 
 def _pairwise_auc(scores, labels):
@@ -56,3 +56,33 @@ def test_loss_tracker_window_and_lifetime():
 def test_eval_metrics_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="3 logits and 2 labels"):
         eval_metrics(torch.zeros(3), torch.zeros(2))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_binary_auc_equals_the_pairwise_count(seed):
+    """Random sizes, heavy ties (few distinct scores), both classes: the rank statistic
+    equals counting every (positive, negative) pair, ties half."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 60, (1,), generator=g))
+    scores = torch.randint(0, 1 + seed % 7, (n,), generator=g).to(torch.float32) / 3
+    labels = torch.randint(0, 2, (n,), generator=g)
+    labels[0], labels[1] = 0, 1
+    assert binary_auc(scores, labels) == pytest.approx(_pairwise_auc(scores.tolist(), labels.tolist()), abs=1e-12)
+
+
+def test_binary_auc_of_one_class_is_nan():
+    assert math.isnan(binary_auc(torch.tensor([0.1, 0.2]), torch.tensor([1, 1])))
+    assert math.isnan(binary_auc(torch.tensor([0.1, 0.2]), torch.tensor([0, 0])))
+
+
+@pytest.mark.parity
+def test_binary_auc_equals_torchmetrics():
+    tm = pytest.importorskip("torchmetrics.functional.classification")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(2, 300, (1,), generator=g))
+        logits = torch.round(torch.randn(n, generator=g, dtype=torch.float64) * 4) / 4  # ties
+        labels = torch.randint(0, 2, (n,), generator=g)
+        labels[0], labels[1] = 0, 1
+        want = float(tm.binary_auroc(logits, labels))
+        assert binary_auc(logits, labels) == pytest.approx(want, abs=1e-6)  # torchmetrics sums in fp32
