@@ -411,9 +411,8 @@ def test_one_device_mesh_keeps_tables_on_that_device():
     "plan", [{"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"}, {"t0": "grid_shard", "t1": "data_parallel"}, None]
 )
 def test_sharded_mesh_matches_one_device(plan):
-    # elementwise adagrad: row-wise adagrad keeps one state per row *per column block* on
-    # column-split tables (as TorchRec does), which is not the unsharded rule
-    rule = sparse_optim.adagrad(lr=0.1)
+    # row-wise adagrad: column-split tables sum each row's statistic over their blocks
+    rule = sparse_optim.rowwise_adagrad(lr=0.1)
     single = _model(sparse_optimizer=rule)
     sharded = _model(mesh=hybrid.make_mesh("data=2,model=4"), plan=plan, sparse_optimizer=rule)
     sharded.load_state_dict(single.state_dict())  # the same starting tables and tower

@@ -18,8 +18,9 @@ backward  the mirror all_to_all brings each shard owner the pooled gradient of i
           all-gathered over R so every replica applies the identical fused update
           (TorchRec's 2D parallel: replicas stay in sync); then `apply_row_rule`.
 
-Row-wise adagrad on a column-wise sharded table keeps one state value per row *per
-column block* (mean over the block's columns), as TorchRec does.
+Every plan trains the model the unsharded collection trains, for every optimizer: row-wise
+Adagrad on a column-split table sums each row's statistic over its column blocks before
+the rule (`_row_stat.py`; TorchRec keeps one state per row per block instead).
 
 The class here holds the collection's state (plan, buffers, high-water marks) and the
 `SparseModule` contract; the work is done by plain functions of its `ShardedStatic`:
