@@ -1,0 +1,67 @@
+"""The README is a contract: its Python blocks run as written, in order, in one fresh
+session, and every `python -m` / `torchrun` command it shows names a module and flags that
+exist (training commands: the arguments parse and the config file is there)."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def blocks(kind: str) -> list[tuple[int, str]]:
+    """(line number, code) of every fenced block of `kind` in the README."""
+    with open(README) as f:
+        text = f.read()
+    return [(text[: m.start()].count("\n") + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1) == kind]
+
+
+def test_every_python_block_runs_in_order():
+    code = "\n".join(
+        f"print('README block at line {line}', flush=True)\n{body}" for line, body in blocks("python")
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the README's own lines must set it
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    started = [ln for ln in done.stdout.splitlines() if ln.startswith("README block at line")]
+    assert done.returncode == 0, f"{started[-1] if started else 'before the first block'} failed:\n{done.stderr[-3000:]}"
+    assert len(started) == len(blocks("python")) >= 6
+
+
+def _commands() -> list[list[str]]:
+    """Every `python -m ...` / `torchrun ... -m ...` line of the README's bash blocks, as
+    [module, *args] (comments dropped)."""
+    out = []
+    for _, body in blocks("bash"):
+        for line in body.splitlines():
+            words = shlex.split(line, comments=True)
+            if "-m" in words and any(w.endswith("python") or w == "torchrun" for w in words[:1]):
+                i = words.index("-m")
+                out.append(words[i + 1 :])
+    return out
+
+
+def test_the_readme_shows_commands():
+    modules = {c[0] for c in _commands()}
+    assert {"hybrid.train", "benchmarks.xla_vs_fbgemm", "benchmarks.e2e_step"} <= modules
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c)[:60])
+def test_every_command_names_a_module_and_flags_that_exist(command):
+    module, args = command[0], command[1:]
+    if module == "hybrid.train":
+        from hybrid.train import _parser
+
+        parsed = _parser().parse_args(args)  # exits (fails the test) on an unknown flag
+        if parsed.config:
+            assert os.path.exists(os.path.join(ROOT, parsed.config)), parsed.config
+        return
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
