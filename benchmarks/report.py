@@ -167,6 +167,16 @@ def _alone_lines(wr: dict) -> list[str]:
     for phase, side, c in rows:
         out.append(f"| {PHASE_LABEL[phase]} | {PATH_LABEL[side]} | {c['harness_ms']:.2f} | {c['alone_ms']:.2f} | "
                    f"{c['harness_over_alone']:.2f} | {'yes' if c['agrees'] else '**NO**'} |")
+    ours = [p for p in OURS if any(p in b.get("vs_alone", {}) for _, b in _phases(wr))]
+    out += ["", "Ours / FBGEMM from the times alone (each side in its own fresh process):", "",
+            "| path | " + " | ".join(PHASE_LABEL[p] for p, _ in _phases(wr)) + " |",
+            "|---|" + "---|" * len(_phases(wr))]
+    for path in ours:
+        cells = []
+        for _, block in _phases(wr):
+            a = block.get("vs_alone", {})
+            cells.append(f"{a[path]['alone_ms'] / a['fbgemm']['alone_ms']:.2f}x" if path in a and "fbgemm" in a else "-")
+        out.append(f"| {PATH_LABEL[path]} | " + " | ".join(cells) + " |")
     return out
 
 

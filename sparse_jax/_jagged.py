@@ -48,8 +48,11 @@ def _checked_arrays(values, weights, lengths, offsets, *, what: str, keys=None, 
     the feature and position), the missing one of lengths/offsets derived either way."""
     if _validate.is_concrete(values, weights, lengths, offsets):
         n = int(np.shape(values)[0])
-        if lengths is None:
-            lengths = _validate.check_offsets(offsets, n, what=what)
+        if offsets is not None:
+            from_offsets = _validate.check_offsets(offsets, n, what=what)
+            if lengths is not None:
+                _validate.check_agree(lengths, from_offsets, what=what, keys=keys, stride=stride)
+            lengths = from_offsets
         lengths = _validate.check_lengths(lengths, n, what=what, keys=keys, stride=stride)
         values = _validate.as_id_array(
             values, what=what, where=lambda i: _validate.locate(i, lengths, keys, stride)
@@ -179,6 +182,9 @@ class KeyedJaggedTensor(_JaggedArrays):
         if lengths is None and offsets is None:
             raise ValueError(f"{what}: give lengths or offsets (ids per bag, num_keys * batch_size entries)")
         num_bags = int(np.shape(lengths if lengths is not None else offsets)[0]) - (lengths is None)
+        if not keys and num_bags:
+            raise ValueError(f"{what}: no keys but {num_bags} bags; give one key per feature (lengths are "
+                             "num_keys * batch_size entries in key-major order)")
         if stride is None:
             if keys and num_bags % len(keys):
                 raise ValueError(

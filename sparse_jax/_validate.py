@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-__all__ = ["is_concrete", "as_id_array", "check_lengths", "check_offsets", "check_weights", "locate"]
+__all__ = ["is_concrete", "as_id_array", "check_agree", "check_lengths", "check_offsets", "check_weights", "locate"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _INT32_MIN = np.iinfo(np.int32).min
@@ -86,6 +86,21 @@ def check_lengths(lengths, num_values: int, *, what: str, keys=None, stride: int
             "to exactly one bag, so the two must match"
         )
     return arr
+
+
+def check_agree(lengths, from_offsets: np.ndarray, *, what: str, keys=None, stride: int = 1) -> None:
+    """Lengths and offsets given together must describe the same bags (TorchRec trusts one of
+    them silently; a disagreement is a bug in the caller)."""
+    arr = np.asarray(lengths)
+    if arr.shape != from_offsets.shape:
+        raise ValueError(f"{what}: {arr.shape[0] if arr.ndim else arr.size} lengths but offsets describe "
+                         f"{from_offsets.shape[0]} bags; give one of them, or both for the same bags")
+    bad = np.flatnonzero(arr != from_offsets)
+    if bad.size:
+        i = int(bad[0])
+        where = f"feature {keys[i // stride]!r}, batch position {i % stride}" if keys else f"bag {i}"
+        raise ValueError(f"{what}: at {where}, lengths says {int(arr[i])} ids but offsets say "
+                         f"{int(from_offsets[i])}; give one of them, or both for the same bags")
 
 
 def check_offsets(offsets, num_values: int, *, what: str) -> np.ndarray:

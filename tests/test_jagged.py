@@ -185,3 +185,20 @@ def test_capacity_ladder_errors():
     kjt = KeyedJaggedTensor(["a"], np.arange(10), lengths=np.array([10]))
     with pytest.raises(ValueError, match="capacity 8 is below the 10 ids"):
         kjt.pad(capacity=8)
+
+
+def test_lengths_and_offsets_that_disagree_are_refused():
+    with pytest.raises(ValueError, match=r"feature 'b', batch position 0, lengths says 2 ids but offsets say 1"):
+        KeyedJaggedTensor(["a", "b"], np.array([1, 2, 3]), lengths=np.array([1, 1, 2, 0]),
+                          offsets=np.array([0, 1, 2, 3, 3]))
+    with pytest.raises(ValueError, match="lengths but offsets describe"):
+        KeyedJaggedTensor(["a"], np.array([1, 2]), lengths=np.array([2]), offsets=np.array([0, 1, 2]))
+    ok = KeyedJaggedTensor(["a", "b"], np.array([1, 2, 3]), lengths=np.array([1, 1, 1, 0]),
+                           offsets=np.array([0, 1, 2, 3, 3]))
+    assert np.asarray(ok.lengths()).tolist() == [1, 1, 1, 0]
+
+
+def test_no_keys_with_bags_is_refused():
+    with pytest.raises(ValueError, match="no keys but 2 bags"):
+        KeyedJaggedTensor([], np.array([1, 2]), lengths=np.array([1, 1]))
+    assert KeyedJaggedTensor([], np.zeros(0, np.int64), lengths=np.zeros(0, np.int64)).stride() == 0
