@@ -30,9 +30,9 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 
              "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_COUNTED = {"all-gather", "all-to-all"}
+_COUNTED = {"all-gather", "all-to-all", "all-reduce"}
 # Collectives this scheme never emits: seeing one means the count below would miss bytes.
-_UNEXPECTED = {"all-reduce", "reduce-scatter", "collective-permute", "collective-broadcast",
+_UNEXPECTED = {"reduce-scatter", "collective-permute", "collective-broadcast",
                "ragged-all-to-all", "all-gather-start", "all-to-all-start", "all-reduce-start",
                "collective-permute-start", "send", "recv"}
 
@@ -46,9 +46,10 @@ def _group_size(line: str) -> int:
 
 
 def hlo_received_bytes(hlo: str) -> int:
-    """Bytes one device receives through the all-gather / all-to-all ops of a compiled SPMD
-    program: an all-gather's result is the group's n pieces and an all-to-all's result
-    (array or tuple form) n chunks, of which n - 1 come from the other devices."""
+    """Bytes one device receives through the all-gather / all-to-all / all-reduce ops of a
+    compiled SPMD program: an all-gather's result is the group's n pieces and an
+    all-to-all's result (array or tuple form) n chunks, of which n - 1 come from the other
+    devices; an all-reduce needs the n - 1 other devices' whole vectors."""
     total = 0
     for line in hlo.splitlines():
         m = _INSTRUCTION.match(line)
@@ -62,6 +63,9 @@ def hlo_received_bytes(hlo: str) -> int:
             for dtype, dims in _ARRAY.findall(m["shape"])
         )
         n = _group_size(line)
+        if m["op"] == "all-reduce":
+            total += size * (n - 1)
+            continue
         assert size % n == 0, line
         total += size // n * (n - 1)
     return total
@@ -130,8 +134,11 @@ def test_analytic_bytes_equal_what_the_compiled_programs_move(kind, mesh_name, w
     ebc = EmbeddingBagCollection([table], is_weighted=weighted)
     sharded = shard(ebc, _mesh(mesh_name), {"t": kind}, input_dist=input_dist)
     local, forward, update = _hlo_bytes(sharded, _kjt([table], _random_lengths, weighted=weighted))
-    got = sharded.collective_bytes(local)
-    assert set(got) == {*(b.name for b in sharded.buffers), "total"}
+    got = sharded.collective_bytes(local, "rowwise_adagrad")
+    split = kind in ("column_wise", "table_column_wise", "grid_shard")
+    assert set(got) == {*(b.name for b in sharded.buffers), "total"} | ({"row_stat"} if split else set())
+    if split:  # by hand: one psum over the 8 devices of the table's rows, fp32
+        assert got["row_stat"]["backward"] == 7 * table.num_embeddings * 4
     total = got["total"]
     assert forward == total["input_dist"] + total["output_dist"]
     assert update == total["backward"]
@@ -167,7 +174,8 @@ def test_identical_gathers_of_several_buffers_count_once():
     sharded = shard(EmbeddingBagCollection([table], is_weighted=True), mesh, plan)
     first, second = (buf.name for buf in sharded.buffers)
     local, forward, update = _hlo_bytes(sharded, _kjt([table], _random_lengths, weighted=True))
-    got = sharded.collective_bytes(local)
+    got = sharded.collective_bytes(local, "rowwise_adagrad")
+    assert got["row_stat"]["backward"] == 7 * 1000 * 4  # the two blocks' row statistic, one psum
     assert got[first]["input_dist"] > 0 and got[second]["input_dist"] == 0
     # the second buffer's update gathers only its own bag gradients over "data"
     assert got[second]["backward"] == got[second]["output_dist"] + 1 * 2 * 4 * (BATCH // 8) * 4 * 4

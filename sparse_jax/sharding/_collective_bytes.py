@@ -19,6 +19,10 @@ input_dist = (n_A - 1) * route_capacity * 12 (row, bag, weight triples), and its
 replica stream has N = n_A * route_capacity entries (the routing's capacity is counted
 on the host when the batch is prepared, so it moves no bytes).
 
+Row-wise Adagrad with column-split tables (`optimizer="rowwise_adagrad"`) adds one psum of
+the per-row statistic (`_row_stat.py`) over all D devices, counted under "row_stat" as the
+partial vectors every device needs from the others: (D - 1) * split_rows * 4.
+
 `apply` moves input_dist + output_dist; the step from `make_update` moves backward
 (a separate program: it recomputes the positions, so it all-gathers the KJT again).
 Counted as the compiled programs move them: XLA merges identical collectives, so an
@@ -35,15 +39,18 @@ import math
 import numpy as np
 
 from sparse_jax.sharding._local_batch import LocalBatches
+from sparse_jax.sharding._row_stat import row_space
 from sparse_jax.sharding._work import ShardedStatic
 
 __all__ = ["collective_bytes"]
 
 
-def collective_bytes(static: ShardedStatic, local: LocalBatches) -> dict[str, dict[str, int]]:
+def collective_bytes(static: ShardedStatic, local: LocalBatches, optimizer: str | None = None
+                     ) -> dict[str, dict[str, int]]:
     """Bytes each device receives through collectives per training step for `local`:
-    `{buffer name: {"input_dist", "output_dist", "backward"}, ..., "total": {...}}`
-    (formula in the module docstring)."""
+    `{buffer name: {"input_dist", "output_dist", "backward"}, ..., "total": {...}}`, and
+    "row_stat" when `optimizer` is "rowwise_adagrad" and a table is column-split (formula
+    in the module docstring)."""
     if not isinstance(local, LocalBatches):
         raise ValueError(
             f"collective_bytes takes the LocalBatches of `sharded.prepare(kjt)`, got {type(local).__name__}"
@@ -93,5 +100,8 @@ def collective_bytes(static: ShardedStatic, local: LocalBatches) -> dict[str, di
             "output_dist": output_dist,
             "backward": input_dist + output_dist + replicas,
         }
+    if optimizer == "rowwise_adagrad" and (space := row_space(static)).size and static.num_devices > 1:
+        out["row_stat"] = {"input_dist": 0, "output_dist": 0,
+                           "backward": (static.num_devices - 1) * nbytes(space.size)}
     out["total"] = {k: sum(v[k] for v in out.values()) for k in ("input_dist", "output_dist", "backward")}
     return out

@@ -211,11 +211,12 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
             )
         return pad_parts(parts, cap, length_cap), need
 
-    def collective_bytes(self, local: LocalBatches) -> dict[str, dict[str, int]]:
+    def collective_bytes(self, local: LocalBatches, optimizer: str | None = None) -> dict[str, dict[str, int]]:
         """Bytes each device receives through collectives per training step for `local`:
-        `{buffer name: {"input_dist", "output_dist", "backward"}, ..., "total": {...}}`
+        `{buffer name: {"input_dist", "output_dist", "backward"}, ..., "total": {...}}`;
+        with `optimizer="rowwise_adagrad"` and a column-split table, also "row_stat"
         (formula and what is counted: `_collective_bytes.py`)."""
-        return collective_bytes(self.static, local)
+        return collective_bytes(self.static, local, optimizer)
 
     # -- public, jitted -------------------------------------------------------------------------
     def _apply(self, params, local: LocalBatches):
