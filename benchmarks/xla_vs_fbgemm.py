@@ -43,7 +43,7 @@ OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 PATHS = ("auto", "xla", "reference")  # ours: the library default (kernel="auto"), pure XLA, reference
 TINY = dict(T=2, E=1000, D=16, B=64, L=4)
 FAULTS = ("weights", "update", "harness-delay")
-HARNESS_DELAY_S = 0.05  # --inject-fault harness-delay: added to FBGEMM's cases in the harness only
+HARNESS_DELAY_S = 0.2  # --inject-fault harness-delay: added to FBGEMM's cases in the harness only
 
 
 # -- machine / versions ---------------------------------------------------------------------

@@ -135,10 +135,45 @@ class JaggedTensor(_JaggedArrays):
             flat_w = np.concatenate([np.asarray(w, np.float32).reshape(-1) for w in weights])
         return cls(np.asarray(flat, dtype=np.int64 if len(flat) == 0 else None), flat_w, lengths)
 
+    @classmethod
+    def empty(cls, is_weighted: bool = False) -> JaggedTensor:
+        """No bags (TorchRec's `JaggedTensor.empty`): empty values, lengths and offsets `[0]`."""
+        return cls(np.zeros(0, np.int32), np.zeros(0, np.float32) if is_weighted else None,
+                   lengths=np.zeros(0, np.int32))
+
+    @classmethod
+    def from_dense_lengths(cls, values, lengths, weights=None) -> JaggedTensor:
+        """Bag b is the first `lengths[b]` entries of row b of the padded `values [B, N]`
+        (and of `weights [B, N]`), as TorchRec's `JaggedTensor.from_dense_lengths` (eager)."""
+        dense = np.asarray(values)
+        lens = np.asarray(lengths)
+        if dense.ndim != 2 or lens.shape != (dense.shape[0],):
+            raise ValueError(f"JaggedTensor.from_dense_lengths: values must be [B, N] and lengths [B]; got "
+                             f"{dense.shape} and {lens.shape}")
+        if lens.size and (lens.min() < 0 or lens.max() > dense.shape[1]):
+            b = int(np.flatnonzero((lens < 0) | (lens > dense.shape[1]))[0])
+            raise ValueError(f"JaggedTensor.from_dense_lengths: length {int(lens[b])} of bag {b} is outside "
+                             f"[0, {dense.shape[1]}] (the padded width)")
+        keep = np.arange(dense.shape[1])[None, :] < lens[:, None]
+        flat_w = None
+        if weights is not None:
+            w = np.asarray(weights, np.float32)
+            if w.shape != dense.shape:
+                raise ValueError(f"JaggedTensor.from_dense_lengths: weights {w.shape} must match values {dense.shape}")
+            flat_w = w[keep]
+        return cls(dense[keep], flat_w, lengths=lens.astype(np.int32))
+
     def to_dense(self) -> list[jax.Array]:
         """One array of ids per bag (eager)."""
         o = np.asarray(self._offsets)
         return [self._values[o[i] : o[i + 1]] for i in range(len(o) - 1)]
+
+    def to_dense_weights(self) -> list[jax.Array] | None:
+        """One array of weights per bag (eager); None without weights (as TorchRec)."""
+        if self._weights is None:
+            return None
+        o = np.asarray(self._offsets)
+        return [self._weights[o[i] : o[i + 1]] for i in range(len(o) - 1)]
 
     def to_padded_dense(self, desired_length: int | None = None, padding_value=0) -> jax.Array:
         """[num_bags, desired_length] ids, each bag truncated or padded with `padding_value`.
@@ -245,6 +280,28 @@ class KeyedJaggedTensor(_JaggedArrays):
             cat([jt.values() for jt in jt_dict.values()]),
             weights=None if ws and ws[0] is None or not ws else cat(ws),
             lengths=cat([jt.lengths() for jt in jt_dict.values()]),
+        )
+
+    @staticmethod
+    def concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """The keys of every KJT side by side, in order (TorchRec's `KeyedJaggedTensor.concat`):
+        same stride, distinct keys, all weighted or none (eager)."""
+        if not kjts:
+            raise ValueError("KeyedJaggedTensor.concat: give at least one KeyedJaggedTensor")
+        strides = [k.stride() for k in kjts]
+        if len(set(strides)) > 1:
+            raise ValueError(f"KeyedJaggedTensor.concat: strides {strides} differ; every KJT needs the same batch size")
+        weighted = [k.weights_or_none() is not None for k in kjts]
+        if any(weighted) and not all(weighted):
+            raise ValueError(f"KeyedJaggedTensor.concat: weighted {weighted}; either every KJT has weights or none does")
+        n = [int(np.asarray(k.offsets())[-1]) for k in kjts]  # real ids (a padded KJT's padding is dropped)
+        cat = lambda xs: np.concatenate([np.asarray(x) for x in xs])  # noqa: E731
+        return KeyedJaggedTensor(
+            [key for k in kjts for key in k.keys()],  # duplicate keys are refused by the constructor
+            cat([k.values()[:m] for k, m in zip(kjts, n, strict=True)]),
+            weights=cat([k.weights()[:m] for k, m in zip(kjts, n, strict=True)]) if all(weighted) else None,
+            lengths=cat([k.lengths() for k in kjts]),
+            stride=strides[0],
         )
 
     # -- accessors ----------------------------------------------------------------------------

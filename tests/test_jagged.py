@@ -202,3 +202,37 @@ def test_no_keys_with_bags_is_refused():
     with pytest.raises(ValueError, match="no keys but 2 bags"):
         KeyedJaggedTensor([], np.array([1, 2]), lengths=np.array([1, 1]))
     assert KeyedJaggedTensor([], np.zeros(0, np.int64), lengths=np.zeros(0, np.int64)).stride() == 0
+
+
+def test_jagged_tensor_empty_from_dense_lengths_and_dense_weights():
+    e = JaggedTensor.empty()
+    assert e.values().shape == (0,) and e.lengths().shape == (0,) and np.asarray(e.offsets()).tolist() == [0]
+    assert e.weights_or_none() is None and JaggedTensor.empty(is_weighted=True).weights().shape == (0,)
+    dense = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    w = dense / 10.0
+    jt = JaggedTensor.from_dense_lengths(dense, np.array([2, 0, 3]), weights=w)
+    assert [np.asarray(x).tolist() for x in jt.to_dense()] == [[1, 2], [], [7, 8, 9]]
+    got_w = jt.to_dense_weights()
+    for got, want in zip(got_w, [[0.1, 0.2], [], [0.7, 0.8, 0.9]], strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    assert JaggedTensor.from_dense([[1], [2, 3]]).to_dense_weights() is None
+    with pytest.raises(ValueError, match="length 4 of bag 1 is outside"):
+        JaggedTensor.from_dense_lengths(dense, np.array([1, 4, 0]))
+
+
+def test_kjt_concat_puts_keys_side_by_side():
+    a = KeyedJaggedTensor(["a"], np.array([1, 2, 3]), lengths=np.array([2, 1]), weights=np.array([1.0, 2.0, 3.0]))
+    b = KeyedJaggedTensor(["b", "c"], np.array([4, 5]), lengths=np.array([0, 1, 1, 0]),
+                          weights=np.array([4.0, 5.0]))
+    both = KeyedJaggedTensor.concat([a, b.pad(capacity=8)])  # a padded KJT's padding is dropped
+    assert both.keys() == ["a", "b", "c"] and both.stride() == 2
+    assert np.asarray(both.values()).tolist() == [1, 2, 3, 4, 5]
+    assert np.asarray(both.lengths()).tolist() == [2, 1, 0, 1, 1, 0]
+    assert np.asarray(both.weights()).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [np.asarray(x).tolist() for x in both["c"].to_dense()] == [[5], []]
+    with pytest.raises(ValueError, match="strides"):
+        KeyedJaggedTensor.concat([a, KeyedJaggedTensor(["d"], np.array([1]), lengths=np.array([1]))])
+    with pytest.raises(ValueError, match="appears twice"):
+        KeyedJaggedTensor.concat([a, a])
+    with pytest.raises(ValueError, match="weighted"):
+        KeyedJaggedTensor.concat([a, KeyedJaggedTensor(["d"], np.array([1]), lengths=np.array([1, 0]))])
