@@ -1,4 +1,5 @@
-"""The fused update on both kernel paths against plain loops: every rule the C++ kernel has,
+"""The fused update on both kernel paths, and the pooled lookup on all three, against plain
+loops: every rule the C++ kernel has,
 SUM and MEAN, per-id weights, ids at and past the table's bounds under "clamp" and "skip",
 several features on one buffer, dims with and without a compiled width; the C++ kernel's
 id-stream form (what sharded code calls) with dropped entries; the same bits whatever the
@@ -173,3 +174,35 @@ def test_update_bits_do_not_depend_on_the_thread_count():
         assert done.returncode == 0, done.stderr[-2000:]
         digests.append(done.stdout.strip().splitlines()[-1])
     assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("bounds", ["clamp", "skip"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("kernel", ["xla", "ffi", "reference"])
+def test_forward_with_boundary_ids_matches_loops(bounds, weighted, kernel):
+    """The pooled lookup on every path, ids -1, 0, E-1 and E in the bags: clamp moves an id
+    to the nearest row, skip drops it, and MEAN divides by the bag's full length (skipped
+    ids included, as TorchRec's `bounds_check_mode` does)."""
+    rng = np.random.default_rng([weighted, bounds == "skip", len(kernel)])
+    ebc = EmbeddingBagCollection(_configs(), is_weighted=weighted, bounds_check=bounds, kernel=kernel)
+    params = ebc.init(jax.random.key(1))
+    tables = {k: np.asarray(v, np.float64) for k, v in ebc.table_weights(params).items()}
+    bags = _bags(rng)
+    weights = {f: [list(rng.uniform(0.25, 2.0, size=len(b))) for b in bs] for f, bs in bags.items()}
+    got = np.asarray(ebc.apply(params, _kjt(bags, weights, sorted(bags))).values())
+    col = 0
+    for name, e, d, pooling, feats in TABLES:
+        for f in feats:
+            for b, ids in enumerate(bags[f]):
+                want = np.zeros(d)
+                for j, i in enumerate(ids):
+                    if not 0 <= i < e:
+                        if bounds == "skip":
+                            continue
+                        i = min(max(i, 0), e - 1)
+                    want += (weights[f][b][j] if weighted else 1.0) * tables[name][i]
+                if pooling == "MEAN" and ids:
+                    want /= len(ids)
+                np.testing.assert_allclose(got[b, col : col + d], want, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{kernel} {f} bag {b} ids {ids}")
+            col += d
