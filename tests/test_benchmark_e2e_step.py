@@ -518,7 +518,9 @@ def test_tiny_run_writes_consistent_json_and_markdown(tmp_path, torchrec, capsys
     step_ms = {side: s["step"]["median_ms"] for side, s in r["sides"].items()}
     # with 2 rounds a median is a mean, so per-round inequalities carry over to the medians
     plain = seg("hybridrec plain")
-    assert set(plain) == set(e2e_step.SEGMENTS)
+    # device_wait needs the waiter's "ready" stamp of a step, which a fast update can miss (the
+    # next update donates the buffers first); every other segment is always there
+    assert set(e2e_step.SEGMENTS) - {"device_wait"} <= set(plain) <= set(e2e_step.SEGMENTS)
     assert plain["host_prep"] == plain["host_prep_critical"] > 0
     assert plain["host_prep"] + plain["lookup"] + plain["dense"] <= step_ms["hybridrec plain"] * (1 + 1e-9)
     assert plain["sparse_update"] > 0
