@@ -26,8 +26,15 @@ class TableCollection(LayoutFacts):
     mesh_axes = None
 
     def check_structure(self, kjt) -> None:
-        """The KJT's keys fit this collection (no id is read); collections add their checks."""
+        """The KJT's keys and id dtype fit this collection (no id is read); collections add
+        their checks."""
         self.layout.key_indices(kjt.keys())
+        values = kjt.values()
+        if values.ndim != 1 or not jnp.issubdtype(values.dtype, jnp.integer):
+            raise ValueError(
+                f"{type(self).__name__}: the KeyedJaggedTensor's values must be integer ids of shape [N], got "
+                f"{values.dtype} {tuple(values.shape)}; a KJT of floats or [N, D] rows is not a lookup batch"
+            )
 
     def check_host(self, kjt):
         """The batch on the host, its structure and (with bounds_check="error") its ids checked."""

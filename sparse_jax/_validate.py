@@ -12,7 +12,10 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-__all__ = ["is_concrete", "as_id_array", "check_agree", "check_lengths", "check_offsets", "check_weights", "locate"]
+__all__ = [
+    "as_id_array", "as_values_array", "bag_position", "canonical_int", "check_agree", "check_lengths", "check_offsets",
+    "check_weights", "is_concrete", "locate",
+]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _INT32_MIN = np.iinfo(np.int32).min
@@ -23,14 +26,24 @@ def is_concrete(*arrays) -> bool:
     return not any(isinstance(a, jax.core.Tracer) for a in arrays if a is not None)
 
 
-def locate(index: int, lengths: np.ndarray, keys: Sequence[str] | None, stride: int) -> str:
+def bag_position(bag: int, keys: Sequence[str], stride) -> str:
+    """Where flat bag `bag` sits, as "feature 'k', batch position b"; `stride` is the batch
+    size, or one batch size per key (a variable-stride KJT)."""
+    if isinstance(stride, int | np.integer):
+        return f"feature {keys[bag // stride]!r}, batch position {bag % stride}" if stride else f"bag {bag}"
+    starts = np.cumsum([0, *stride])
+    k = int(np.searchsorted(starts, bag, side="right")) - 1
+    return f"feature {keys[k]!r}, batch position {bag - int(starts[k])}"
+
+
+def locate(index: int, lengths: np.ndarray, keys: Sequence[str] | None, stride) -> str:
     """Describe where value `index` sits: feature, batch position, and index in the bag."""
     ends = np.cumsum(lengths)
     seg = int(np.searchsorted(ends, index, side="right"))
     start = int(ends[seg - 1]) if seg > 0 else 0
     if not keys:
         return f"bag {seg}, index {index - start} in the bag"
-    return f"feature {keys[seg // stride]!r}, batch position {seg % stride}, index {index - start} in the bag"
+    return f"{bag_position(seg, keys, stride)}, index {index - start} in the bag"
 
 
 def as_id_array(values, *, what: str, where=None) -> jax.Array | np.ndarray:
@@ -53,16 +66,52 @@ def as_id_array(values, *, what: str, where=None) -> jax.Array | np.ndarray:
     if jax.config.jax_enable_x64:
         return arr.astype(np.int64, copy=False)
     if arr.size and (arr.dtype.itemsize > 4 or arr.dtype == np.uint32):
-        bad = np.flatnonzero((arr > _INT32_MAX) | (arr < _INT32_MIN))
-        if bad.size:
-            i = int(bad[0])
-            loc = where(i) if where is not None else f"index {i}"
-            raise ValueError(
-                f"{what}: id {int(arr[i])} at {loc} does not fit in int32 and jax x64 is off "
-                f"({bad.size} such ids); hash or remap ids into the table's range, or enable "
-                "jax.config.update('jax_enable_x64', True)"
-            )
+        _fits_int32(arr, what=what, where=where)
     return arr.astype(np.int32, copy=False)
+
+
+def _fits_int32(arr: np.ndarray, *, what: str, where=None, kind: str = "id") -> None:
+    bad = np.flatnonzero((arr > _INT32_MAX) | (arr < _INT32_MIN))
+    if bad.size:
+        i = int(bad[0])
+        loc = where(i) if where is not None else f"index {i}"
+        raise ValueError(
+            f"{what}: {kind} {int(arr[i])} at {loc} does not fit in int32 and jax x64 is off "
+            f"({bad.size} such values); hash or remap ids into the table's range, or enable "
+            "jax.config.update('jax_enable_x64', True)"
+        )
+
+
+def as_values_array(values, *, what: str, where=None) -> np.ndarray:
+    """Jagged values of any numeric dtype and trailing shape (`[N]` ids, `[N, D]` rows, floats),
+    in the dtype JAX keeps: the given one, except 64-bit types when x64 is off (int64/uint64
+    become int32 after a range check, never truncated; float64 becomes float32)."""
+    arr = np.asarray(values)
+    if arr.ndim < 1:
+        raise ValueError(f"{what}: values must have at least one dimension (one entry per id), got a scalar")
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
+                                   or arr.dtype.name == "bfloat16"):
+        raise ValueError(f"{what}: values must be numbers, got dtype {arr.dtype}; hash strings to integers first")
+    if jax.config.jax_enable_x64:
+        return arr
+    if np.issubdtype(arr.dtype, np.integer) and (arr.dtype.itemsize > 4 or arr.dtype == np.uint32):
+        if arr.size:  # per row its largest and smallest entry, so the message names the row
+            rows = arr.reshape(arr.shape[0], -1)
+            _fits_int32(rows.max(axis=1), what=what, where=where)
+            _fits_int32(rows.min(axis=1), what=what, where=where)
+        return arr.astype(np.int32)
+    if arr.dtype == np.float64:
+        return arr.astype(np.float32)
+    if arr.dtype == np.complex128:
+        return arr.astype(np.complex64)
+    return arr
+
+
+def canonical_int(arr: np.ndarray) -> np.ndarray:
+    """Lengths/offsets in the integer dtype JAX keeps: as given with x64, int32 without."""
+    if not jax.config.jax_enable_x64 and arr.dtype.itemsize > 4:
+        return arr.astype(np.int32)
+    return arr
 
 
 def check_lengths(lengths, num_values: int, *, what: str, keys=None, stride: int = 1, exact=True):
@@ -75,9 +124,7 @@ def check_lengths(lengths, num_values: int, *, what: str, keys=None, stride: int
     neg = np.flatnonzero(arr < 0)
     if neg.size:
         i = int(neg[0])
-        where = (
-            f"feature {keys[i // stride]!r}, batch position {i % stride}" if keys else f"bag {i}"
-        )
+        where = bag_position(i, keys, stride) if keys else f"bag {i}"
         raise ValueError(f"{what}: length {int(arr[i])} at {where} is negative; lengths count ids per bag")
     total = int(arr.sum())
     if (exact and total != num_values) or total > num_values:
@@ -98,7 +145,7 @@ def check_agree(lengths, from_offsets: np.ndarray, *, what: str, keys=None, stri
     bad = np.flatnonzero(arr != from_offsets)
     if bad.size:
         i = int(bad[0])
-        where = f"feature {keys[i // stride]!r}, batch position {i % stride}" if keys else f"bag {i}"
+        where = bag_position(i, keys, stride) if keys else f"bag {i}"
         raise ValueError(f"{what}: at {where}, lengths says {int(arr[i])} ids but offsets say "
                          f"{int(from_offsets[i])}; give one of them, or both for the same bags")
 

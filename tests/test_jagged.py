@@ -152,7 +152,7 @@ def test_keyed_tensor_to_dict_and_regroup():
         (dict(keys=["a", "b"], values=[1, 2, 3], lengths=[1, 1, 1]), r"3 lengths for 2 keys"),
         (dict(keys=["a", "a"], values=[1, 2], lengths=[1, 1]), r"key 'a' appears twice"),
         (dict(keys=["a"], values=[1, 2], lengths=[2], weights=[1.0]), r"weights has shape \(1,\) but values holds 2"),
-        (dict(keys=["a"], values=[1.5, 2.0], lengths=[2]), r"integer ids, got dtype float64"),
+        (dict(keys=["a"], values=["x", "y"], lengths=[2]), r"values must be numbers, got dtype <U1"),
         (dict(keys=["a"], values=[1, 2], offsets=[0, 3]), r"offsets end at 3 but values holds 2"),
         (dict(keys=["a"], values=[1, 2], offsets=[1, 2]), r"offsets must start at 0"),
     ],
