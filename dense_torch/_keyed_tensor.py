@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 __all__ = ["KeyedTensor"]
 
@@ -36,6 +37,8 @@ class KeyedTensor:
         length_per_key: Sequence[int],
         values: torch.Tensor,
         key_dim: int = 1,
+        offset_per_key: Sequence[int] | None = None,
+        index_per_key: dict[str, int] | None = None,
     ) -> None:
         keys = list(keys)
         length_per_key = [int(n) for n in length_per_key]
@@ -80,6 +83,17 @@ class KeyedTensor:
         self._key_dim = key_dim
         self._offset_per_key = [0, *itertools.accumulate(length_per_key)]
         self._index_per_key = {key: i for i, key in enumerate(keys)}
+        # TorchRec's caches: accepted, and checked against the keys and lengths
+        if offset_per_key is not None and [int(x) for x in offset_per_key] != self._offset_per_key:
+            raise ValueError(
+                f"KeyedTensor offset_per_key={list(offset_per_key)} but the lengths give "
+                f"{self._offset_per_key}; leave it out (it is computed) or fix it."
+            )
+        if index_per_key is not None and dict(index_per_key) != self._index_per_key:
+            raise ValueError(
+                f"KeyedTensor index_per_key={dict(index_per_key)} but the keys give "
+                f"{self._index_per_key}; leave it out (it is computed) or fix it."
+            )
 
     @staticmethod
     def from_tensor_list(
@@ -128,6 +142,16 @@ class KeyedTensor:
 
     def device(self) -> torch.device:
         return self._values.device
+
+    def index_per_key(self) -> dict[str, int]:
+        return dict(self._index_per_key)
+
+    def size_in_bytes(self) -> int:
+        return self._values.element_size() * self._values.numel()
+
+    def record_stream(self, stream) -> None:
+        """Mark `values()` as in use on `stream` (CUDA streams; see `torch.Tensor.record_stream`)."""
+        self._values.record_stream(stream)
 
     def _index(self, key: str) -> int:
         try:
@@ -230,3 +254,28 @@ class KeyedTensor:
             f"KeyedTensor({{{blocks}}}, values={tuple(self._values.shape)} "
             f"{self._values.dtype}, key_dim={self._key_dim})"
         )
+
+
+# A torch pytree node (values is the leaf; keys, lengths and key_dim are its context), so
+# `torch.utils._pytree`, `torch.compile` and `torch.export` see through it.
+def _flatten(kt: KeyedTensor):
+    return [kt.values()], (tuple(kt.keys()), tuple(kt.length_per_key()), kt.key_dim())
+
+
+def _unflatten(children, context) -> KeyedTensor:
+    keys, lengths, key_dim = context
+    return KeyedTensor(list(keys), list(lengths), children[0], key_dim)
+
+
+def _flatten_with_keys(kt: KeyedTensor):
+    children, context = _flatten(kt)
+    return [(pytree.GetAttrKey("_values"), children[0])], context
+
+
+pytree.register_pytree_node(
+    KeyedTensor,
+    _flatten,
+    _unflatten,
+    serialized_type_name="dense_torch.KeyedTensor",
+    flatten_with_keys_fn=_flatten_with_keys,
+)

@@ -5,6 +5,7 @@ Never imports torch. Names follow TorchRec where the concept is the same.
 
 from sparse_jax._capacity import DEFAULT_LADDER, capacity_for, length_cap, make_ladder
 from sparse_jax._configs import (
+    BaseEmbeddingConfig,
     DataType,
     EmbeddingBagConfig,
     EmbeddingConfig,
@@ -12,12 +13,13 @@ from sparse_jax._configs import (
 )
 from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
-from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
+from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
 from sparse_jax._update import make_update
 
 __all__ = [
+    "BaseEmbeddingConfig",
     "DEFAULT_LADDER",
     "DataType",
     "EmbeddingBagConfig",
@@ -33,6 +35,8 @@ __all__ = [
     "StoredBlock",
     "PoolingType",
     "capacity_for",
+    "jt_is_equal",
+    "kjt_is_equal",
     "length_cap",
     "make_ladder",
     "make_update",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -20,6 +20,7 @@ __all__ = [
     "EmbeddingConfig",
     "PoolingType",
     "check_table_configs",
+    "embedding_names_by_table",
 ]
 
 
@@ -65,20 +66,47 @@ def _as_enum(enum_cls, value, field: str, table: str):
     raise ValueError(f"table {table!r}: {field}={value!r} is not one of {choices}")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+# TorchRec config fields that configure features hybridrec does not have: accepted at their
+# default (so TorchRec code that spells them out runs), refused otherwise, with the reason.
+_UNSUPPORTED_FIELDS = {
+    "num_embeddings_post_pruning": (None, "row pruning for inference is not supported"),
+    "need_pos": (False, "position-weighted features (TorchRec's FP modules) are not supported"),
+    "input_dim": (None, "virtual (key-value) tables are not supported; see issue #16 for raw ids"),
+    "total_num_buckets": (None, "virtual (key-value) tables are not supported; see issue #16 for raw ids"),
+    "use_virtual_table": (False, "virtual (key-value) tables are not supported; see issue #16 for raw ids"),
+    "virtual_table_eviction_policy": (None, "virtual (key-value) tables are not supported"),
+    "enable_embedding_update": (False, "write-back embedding updates (TorchRec inference) are not supported"),
+    "stash_weights": (False, "weight stashing is not supported"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class BaseEmbeddingConfig:
-    """Fields shared by bag and sequence tables (TorchRec's `BaseEmbeddingConfig`).
+    """Fields shared by bag and sequence tables (TorchRec's `BaseEmbeddingConfig`, same
+    field order, so positional `EmbeddingBagConfig(rows, dim, name)` works too).
 
     `weight_init_min` / `weight_init_max` default to TorchRec's +-sqrt(1/num_embeddings).
+    `init_fn(key, shape, dtype) -> array` (a `jax.nn.initializers` initializer, e.g.
+    `jax.nn.initializers.normal(0.01)`) replaces the uniform init; TorchRec's `init_fn`
+    fills a torch tensor in place, which has no JAX meaning.
     """
 
-    name: str
     num_embeddings: int
     embedding_dim: int
-    feature_names: tuple[str, ...] = ()
+    name: str = ""
     data_type: DataType = DataType.FP32
-    weight_init_min: float | None = None
+    feature_names: tuple[str, ...] = ()
     weight_init_max: float | None = None
+    weight_init_min: float | None = None
+    num_embeddings_post_pruning: int | None = None
+    init_fn: Callable | None = None
+    need_pos: bool = False
+    input_dim: int | None = None
+    total_num_buckets: int | None = None
+    use_virtual_table: bool = False
+    virtual_table_eviction_policy: object = None
+    enable_embedding_update: bool = False
+    stash_weights: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -89,6 +117,12 @@ class BaseEmbeddingConfig:
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"table {table!r}: {field} must be an integer >= 1, got {value!r}")
             object.__setattr__(self, field, int(value))
+        for field, (default, why) in _UNSUPPORTED_FIELDS.items():
+            if getattr(self, field) != default:
+                raise ValueError(f"table {table!r}: {field}={getattr(self, field)!r}: {why}; leave it at {default!r}")
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise ValueError(f"table {table!r}: init_fn must be callable as init_fn(key, shape, dtype), got "
+                             f"{self.init_fn!r}")
         names = self.feature_names
         if isinstance(names, str):
             raise ValueError(
@@ -116,8 +150,28 @@ class BaseEmbeddingConfig:
     def num_features(self) -> int:
         return len(self.feature_names)
 
+    def get_weight_init_max(self) -> float:
+        return self.weight_init_max
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+    def get_weight_init_min(self) -> float:
+        return self.weight_init_min
+
+    def initial_weights(self, key) -> np.ndarray | object:
+        """`[num_embeddings, embedding_dim]` fp32 starting rows: `init_fn(key, shape, float32)`,
+        else uniform in [weight_init_min, weight_init_max]."""
+        import jax
+        import jax.numpy as jnp
+
+        shape = (self.num_embeddings, self.embedding_dim)
+        if self.init_fn is None:
+            return jax.random.uniform(key, shape, jnp.float32, self.weight_init_min, self.weight_init_max)
+        w = jnp.asarray(self.init_fn(key, shape, jnp.float32))
+        if w.shape != shape:
+            raise ValueError(f"table {self.name!r}: init_fn returned shape {tuple(w.shape)}; expected {shape}")
+        return w.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
 class EmbeddingBagConfig(BaseEmbeddingConfig):
     """A pooled table: every bag of ids becomes one `embedding_dim` vector (SUM or MEAN)."""
 
@@ -134,29 +188,32 @@ class EmbeddingBagConfig(BaseEmbeddingConfig):
         object.__setattr__(self, "pooling", pooling)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class EmbeddingConfig(BaseEmbeddingConfig):
     """An unpooled (sequence) table: every id gets its own row back."""
 
 
 def check_table_configs(tables: Sequence[BaseEmbeddingConfig]) -> tuple[BaseEmbeddingConfig, ...]:
-    """Validate a collection's tables together: unique table names, each feature in one table."""
+    """Validate a collection's tables together: unique table names. A feature listed by
+    several tables looks up each (its outputs are named `feature@table`, as TorchRec)."""
     tables = tuple(tables)
     if not tables:
         raise ValueError("an embedding collection needs at least one table config")
     seen_tables: set[str] = set()
-    owner: dict[str, str] = {}
     for t in tables:
         if not isinstance(t, BaseEmbeddingConfig):
             raise ValueError(f"expected EmbeddingBagConfig/EmbeddingConfig, got {type(t).__name__}")
         if t.name in seen_tables:
             raise ValueError(f"table name {t.name!r} is used by two tables; table names must be unique")
         seen_tables.add(t.name)
-        for f in t.feature_names:
-            if f in owner:
-                raise ValueError(
-                    f"feature {f!r} is listed by tables {owner[f]!r} and {t.name!r}; a feature looks up "
-                    "exactly one table (to share a table, list several features on one table)"
-                )
-            owner[f] = t.name
     return tables
+
+
+def embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> list[list[str]]:
+    """Per table, the output name of each of its features: the feature's name, or
+    `feature@table` when several tables list the feature (TorchRec's rule)."""
+    count: dict[str, int] = {}
+    for t in tables:
+        for f in t.feature_names:
+            count[f] = count.get(f, 0) + 1
+    return [[f if count[f] == 1 else f"{f}@{t.name}" for f in t.feature_names] for t in tables]

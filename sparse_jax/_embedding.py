@@ -30,7 +30,15 @@ from sparse_jax._tables import TableCollection
 from sparse_jax.optim._apply import apply_row_rule
 from sparse_jax.optim._base import RowRule, SparseOptState
 
-__all__ = ["EmbeddingCollection"]
+__all__ = ["EmbeddingCollection", "with_indices"]
+
+
+def with_indices(jt: JaggedTensor, batch: SequenceBatch, name: str) -> JaggedTensor:
+    """`jt` with the output's ids as weights when the batch carries them (need_indices)."""
+    if batch.indices is None:
+        return jt
+    return JaggedTensor.tree_unflatten(None, (jt.values(), jax.device_put(batch.indices[name]), jt.lengths(),
+                                              jt.offsets()))
 
 
 @jax.jit
@@ -44,11 +52,13 @@ class SequenceBatch(PreparedBatch):
 
     `rows`: what the tables' devices read (unsharded: per group, the rows of the group's
     ids, padded to a capacity with an out-of-range row; sharded: the per-id bag batch).
-    `lengths`: per feature, the host lengths the output JaggedTensors are cut by."""
+    `lengths`: per output, the host lengths the output JaggedTensors are cut by.
+    `indices`: per output, its ids (the outputs' weights with `need_indices=True`)."""
 
     rows: object
     lengths: Mapping[str, np.ndarray]
     stride: int
+    indices: Mapping[str, np.ndarray] | None = None  # per output its ids (need_indices=True)
 
     def count(self, feature: str) -> int:
         return int(self.lengths[feature].sum())
@@ -58,8 +68,10 @@ class EmbeddingCollection(TableCollection):
     """Sequence embedding tables (TorchRec's `EmbeddingCollection`), functional."""
 
     is_weighted = False
+    expands_variable_stride = False
 
-    def __init__(self, tables: Sequence[EmbeddingConfig], *, bounds_check: str = "error", ladder=None):
+    def __init__(self, tables: Sequence[EmbeddingConfig], need_indices: bool = False, *, bounds_check: str = "error",
+                 ladder=None):
         for t in tables:
             if not isinstance(t, EmbeddingConfig):
                 raise ValueError(
@@ -67,31 +79,34 @@ class EmbeddingCollection(TableCollection):
                     f"{type(t).__name__} (use EmbeddingBagCollection for pooled tables)"
                 )
         self.layout = TableLayout.build(tables)
+        self._need_indices = bool(need_indices)
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
         self.ladder = ladder
         self.prepare_count = 0
         self._programs: set = set()
 
-    def _group_rows(self, kjt: KeyedJaggedTensor) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    def _group_rows(self, kjt: KeyedJaggedTensor):
         """Per group the rows of its features' ids, concatenated (an out-of-range row,
-        dropped by every scatter and read as zeros, for skipped ids); per feature its lengths."""
+        dropped by every scatter and read as zeros, for skipped ids); per output its lengths
+        and its ids (a variable-batch KJT keeps each feature's own bags)."""
         rows: dict[str, list] = {g: [] for g in self.layout.groups}
-        lengths = {}
-        offsets = np.asarray(kjt.offsets())
-        values = np.asarray(kjt.values())
-        stride = kjt.stride()
+        lengths, indices = {}, {}
+        values, all_lengths = np.asarray(kjt.values()), np.asarray(kjt.lengths())
         for slot, ki in zip(self.layout.features, self.layout.key_indices(kjt.keys()), strict=True):
-            ids = values[int(offsets[ki * stride]) : int(offsets[(ki + 1) * stride])].astype(np.int64)
+            a, b = kjt._key_slice(ki)
+            first, last = kjt._bag_range(ki)
+            ids = values[a:b].astype(np.int64)
             if self.bounds_check == "clamp":
                 ids = np.clip(ids, 0, slot.num_rows - 1)
             inside = (ids >= 0) & (ids < slot.num_rows)
             rows[slot.group].append(np.where(inside, ids + slot.row_offset, self.layout.groups[slot.group][0]))
-            lengths[slot.feature] = np.asarray(kjt.lengths())[ki * stride : (ki + 1) * stride].astype(np.int32)
-        return {g: np.concatenate(r) if r else np.zeros(0, np.int64) for g, r in rows.items()}, lengths
+            lengths[slot.name] = all_lengths[first:last].astype(np.int32)
+            indices[slot.name] = values[a:b]
+        return {g: np.concatenate(r) if r else np.zeros(0, np.int64) for g, r in rows.items()}, lengths, indices
 
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> SequenceBatch:
         """Check on the host, build each group's padded row stream, place it (once per batch)."""
-        rows, lengths = self._group_rows(self.check_host(kjt))
+        rows, lengths, indices = self._group_rows(self.check_host(kjt))
         placed = {}
         for group, r in rows.items():
             cap = _capacity.capacity_for(max(len(r), 1), self.ladder, what=f"ids of buffer {group!r}")
@@ -99,7 +114,8 @@ class EmbeddingCollection(TableCollection):
             padded[: len(r)] = r
             placed[group] = jax.device_put(padded, device)
         self.prepare_count += 1
-        return SequenceBatch(rows=placed, lengths=lengths, stride=kjt.stride())
+        return SequenceBatch(rows=placed, lengths=lengths, stride=kjt.stride(),
+                             indices=indices if self.need_indices else None)
 
     def apply(self, params, batch) -> dict[str, JaggedTensor]:
         """{feature: JaggedTensor} whose values are the `[num_ids, dim]` rows (skipped ids: zeros)."""
@@ -111,18 +127,44 @@ class EmbeddingCollection(TableCollection):
             emb = _gather_rows(params[group], rows)
             start = 0
             for slot in self.layout.slots_of_group(group):
-                n = batch.count(slot.feature)
-                out[slot.feature] = JaggedTensor.from_values_and_lengths(emb[start : start + n], batch.lengths[slot.feature])
+                n = batch.count(slot.name)
+                out[slot.name] = with_indices(
+                    JaggedTensor.from_values_and_lengths(emb[start : start + n], batch.lengths[slot.name]),
+                    batch, slot.name)
                 start += n
         return {f: out[f] for f in self.layout.feature_names}
 
     def lookup_compile_count(self) -> int:
         return len(self._programs)
 
+    # -- TorchRec's accessors --------------------------------------------------------------------
+    @property
+    def need_indices(self) -> bool:
+        """Whether `apply`'s JaggedTensors carry each row's id as its weight (TorchRec)."""
+        return self._need_indices
+
+    def forward(self, params, batch) -> dict[str, JaggedTensor]:
+        """`apply` under TorchRec's name (the module is functional: params come first)."""
+        return self.apply(params, batch)
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return list(self.layout.tables)
+
+    def embedding_dim(self) -> int:
+        """The tables' common dim (TorchRec's EC has one); an error when dims differ."""
+        dims = sorted({t.embedding_dim for t in self.layout.tables})
+        if len(dims) != 1:
+            raise ValueError(f"EmbeddingCollection.embedding_dim: the tables have dims {dims} (hybridrec allows "
+                             "several; read each table's embedding_dim)")
+        return dims[0]
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return self.layout.embedding_names_by_table()
+
     # -- fused update (used by make_update) ----------------------------------------------------
     def update_operands(self, batch: SequenceBatch, grads: Mapping[str, jax.Array]):
         """Per buffer (rows, per-id grads padded to the rows' capacity); device ops only."""
-        missing = [s.feature for s in self.layout.features if s.feature not in grads]
+        missing = [s.name for s in self.layout.features if s.name not in grads]
         if missing:
             raise ValueError(f"grads has no entry for feature(s) {missing}; give one [num_ids, dim] array per feature")
         streams = {}
@@ -130,10 +172,10 @@ class EmbeddingCollection(TableCollection):
             dim = self.layout.groups[group][1]
             gs = []
             for s in self.layout.slots_of_group(group):
-                g = jnp.asarray(grads[s.feature], jnp.float32)
-                if g.shape != (batch.count(s.feature), dim):
+                g = jnp.asarray(grads[s.name], jnp.float32)
+                if g.shape != (batch.count(s.name), dim):
                     raise ValueError(
-                        f"grads[{s.feature!r}] has shape {tuple(g.shape)}; expected [{batch.count(s.feature)}, {dim}] "
+                        f"grads[{s.name!r}] has shape {tuple(g.shape)}; expected [{batch.count(s.name)}, {dim}] "
                         "(one row per id of the feature)"
                     )
                 gs.append(g)

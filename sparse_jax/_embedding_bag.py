@@ -118,6 +118,14 @@ class EmbeddingBagCollection(TableCollection):
     def lookup_compile_count(self) -> int:
         return self._apply_jit._cache_size()
 
+    # -- TorchRec's accessors --------------------------------------------------------------------
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self.layout.tables)
+
+    def forward(self, params, batch) -> KeyedTensor:
+        """`apply` under TorchRec's name (the module is functional: params come first)."""
+        return self.apply(params, batch)
+
     # -- fused update (make_update) ------------------------------------------------------------
     def update_operands(self, batch: PaddedBatch, grad):
         """(padded KJT without length caps, pooled grad values): the update reads no caps, so

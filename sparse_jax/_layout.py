@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from sparse_jax._configs import BaseEmbeddingConfig, DataType, PoolingType, check_table_configs
+from sparse_jax._configs import BaseEmbeddingConfig, DataType, PoolingType, check_table_configs, embedding_names_by_table
 
 __all__ = ["FeatureSlot", "TableLayout", "group_name"]
 
@@ -21,7 +21,7 @@ def group_name(dim: int, data_type: DataType) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class FeatureSlot:
-    feature: str
+    feature: str  # the KJT key it reads
     table: str
     group: str
     row_offset: int  # first row of the table inside the group buffer
@@ -29,6 +29,11 @@ class FeatureSlot:
     dim: int
     pooling: PoolingType | None
     out_offset: int  # first column of this feature in the pooled output
+    name: str = ""  # its output name: `feature`, or `feature@table` when several tables read it
+
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self.feature)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +57,23 @@ class TableLayout:
             groups[g] = (rows + t.num_embeddings, t.embedding_dim)
             group_dtype[g] = t.data_type
         features, col = [], 0
-        for t in tables:
+        for t, names in zip(tables, embedding_names_by_table(tables), strict=True):
             g, off = table_group[t.name]
-            for f in t.feature_names:
+            for f, name in zip(t.feature_names, names, strict=True):
                 features.append(
-                    FeatureSlot(f, t.name, g, off, t.num_embeddings, t.embedding_dim, getattr(t, "pooling", None), col)
+                    FeatureSlot(f, t.name, g, off, t.num_embeddings, t.embedding_dim, getattr(t, "pooling", None), col,
+                                name)
                 )
                 col += t.embedding_dim
         return cls(tables, groups, group_dtype, table_group, tuple(features))
 
     @property
     def feature_names(self) -> list[str]:
-        return [s.feature for s in self.features]
+        """Output names in order (`feature@table` for a feature several tables read)."""
+        return [s.name for s in self.features]
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return [[s.name for s in self.features if s.table == t.name] for t in self.tables]
 
     @property
     def output_dims(self) -> list[int]:
@@ -75,7 +85,7 @@ class TableLayout:
     def key_indices(self, kjt_keys: Sequence[str]) -> list[int]:
         """Index in the KJT of each feature, in output order; a missing feature is an error."""
         keys = list(kjt_keys)
-        missing = [s.feature for s in self.features if s.feature not in keys]
+        missing = sorted({s.feature for s in self.features if s.feature not in keys})
         if missing:
             raise ValueError(
                 f"feature(s) {missing} of tables {sorted({s.table for s in self.features if s.feature in missing})} "

@@ -47,9 +47,8 @@ def check_ids(kjt: KeyedJaggedTensor, layout: TableLayout) -> None:
         return
     values = np.asarray(kjt.values())
     offsets = np.asarray(kjt.offsets())
-    stride = kjt.stride()
     for slot, ki in zip(layout.features, layout.key_indices(kjt.keys()), strict=True):
-        a, b = int(offsets[ki * stride]), int(offsets[(ki + 1) * stride])
+        a, b = kjt._key_slice(ki)
         ids = values[a:b]
         bad = np.flatnonzero((ids < 0) | (ids >= slot.num_rows))
         if bad.size:
@@ -57,7 +56,7 @@ def check_ids(kjt: KeyedJaggedTensor, layout: TableLayout) -> None:
             bag = int(np.searchsorted(offsets, i, side="right")) - 1
             raise ValueError(
                 f"feature {slot.feature!r} (table {slot.table!r}, num_embeddings={slot.num_rows}): "
-                f"id {int(values[i])} at batch position {bag - ki * stride}, index {i - int(offsets[bag])} "
+                f"id {int(values[i])} at batch position {bag - kjt._bag_range(ki)[0]}, index {i - int(offsets[bag])} "
                 f"in the bag is outside [0, {slot.num_rows}) ({bad.size} such ids); fix the ids, or pass "
                 "bounds_check='clamp' or 'skip'"
             )

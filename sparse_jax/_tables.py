@@ -29,6 +29,9 @@ class TableCollection(LayoutFacts):
         """The KJT's keys and id dtype fit this collection (no id is read); collections add
         their checks."""
         self.layout.key_indices(kjt.keys())
+        if kjt.variable_stride_per_key() and self.expands_variable_stride:
+            raise ValueError(f"{type(self).__name__}: a variable-batch KJT is expanded by prepare(); pass it to "
+                             "prepare() or apply() outside jit, or call expand_to_batch() first")
         values = kjt.values()
         if values.ndim != 1 or not jnp.issubdtype(values.dtype, jnp.integer):
             raise ValueError(
@@ -36,10 +39,17 @@ class TableCollection(LayoutFacts):
                 f"{values.dtype} {tuple(values.shape)}; a KJT of floats or [N, D] rows is not a lookup batch"
             )
 
+    # pooled collections expand a variable-batch KJT to the batch by its inverse indices
+    # before the lookup (the pooled rows TorchRec's expanded output holds); sequence
+    # collections keep each feature's own bags
+    expands_variable_stride = True
+
     def check_host(self, kjt):
         """The batch on the host, its structure and (with bounds_check="error") its ids checked."""
-        self.check_structure(kjt)
         host = host_kjt(kjt)
+        if self.expands_variable_stride:
+            host = host.expand_to_batch()
+        self.check_structure(host)
         if self.bounds_check == "error":
             _lookup.check_ids(host, self.layout)
         return host
@@ -51,19 +61,17 @@ class TableCollection(LayoutFacts):
             yield StoredBlock(group, t.name, offset, 0, t.num_embeddings, 0, t.embedding_dim)
 
     def init(self, key: jax.Array) -> dict[str, jax.Array]:
-        """Uniform(weight_init_min, weight_init_max) per table, stacked per group (fresh buffers)."""
+        """Per table its `init_fn`, else uniform(weight_init_min, weight_init_max), with
+        `fold_in(key, table index)`; stacked per group in the table's dtype (fresh buffers)."""
         parts: dict[str, list] = {g: [] for g in self.layout.groups}
         for i, t in enumerate(self.layout.tables):
             g, _ = self.layout.table_group[t.name]
-            w = jax.random.uniform(
-                jax.random.fold_in(key, i),
-                (t.num_embeddings, t.embedding_dim),
-                jnp.float32,
-                t.weight_init_min,
-                t.weight_init_max,
-            )
-            parts[g].append(w.astype(t.data_type.numpy_dtype))
+            parts[g].append(t.initial_weights(jax.random.fold_in(key, i)).astype(t.data_type.numpy_dtype))
         return {g: jnp.array(jnp.concatenate(ws), copy=True) for g, ws in parts.items()}
+
+    def reset_parameters(self, key: jax.Array) -> dict[str, jax.Array]:
+        """Fresh parameters (TorchRec's `reset_parameters`; functional: returns them)."""
+        return self.init(key)
 
     def table_weights(self, params) -> dict[str, jax.Array]:
         """{table name: [num_embeddings, dim]} views of the stacked buffers (copies)."""

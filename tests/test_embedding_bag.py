@@ -121,11 +121,17 @@ def test_ids_out_of_range_error_clamp_skip():
             lambda: EmbeddingBagCollection(
                 [
                     EmbeddingBagConfig(name="a", num_embeddings=3, embedding_dim=2, feature_names=["f"]),
-                    EmbeddingBagConfig(name="b", num_embeddings=3, embedding_dim=2, feature_names=["f"]),
+                    EmbeddingBagConfig(name="a", num_embeddings=3, embedding_dim=2, feature_names=["g"]),
                 ]
             ),
-            "feature 'f' is listed by tables 'a' and 'b'",
+            "table name 'a' is used by two tables",
         ),
+        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, need_pos=True),
+         "need_pos=True: position-weighted features .* leave it at False"),
+        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, use_virtual_table=True),
+         "use_virtual_table=True: virtual"),
+        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, init_fn=0.5),
+         "init_fn must be callable as init_fn\\(key, shape, dtype\\)"),
         (lambda: EmbeddingBagCollection([EmbeddingConfig(name="s", num_embeddings=3, embedding_dim=2)]), "use EmbeddingCollection"),
         (lambda: EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2)], kernel="fast"), "kernel='fast'"),
     ],

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax._configs import EmbeddingBagConfig
-from sparse_jax._embedding import SequenceBatch
+from sparse_jax._embedding import SequenceBatch, with_indices
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 from sparse_jax._module import LayoutFacts
@@ -39,10 +39,11 @@ class ShardedEmbeddingCollection(LayoutFacts):
         bags = [
             EmbeddingBagConfig(
                 name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                feature_names=list(t.feature_names), data_type=t.data_type,
-                weight_init_min=t.weight_init_min, weight_init_max=t.weight_init_max,
+                # the per-id batch is keyed by output names (`feature@table` when shared)
+                feature_names=names, data_type=t.data_type,
+                weight_init_min=t.weight_init_min, weight_init_max=t.weight_init_max, init_fn=t.init_fn,
             )
-            for t in ec.tables
+            for t, names in zip(ec.tables, ec.layout.embedding_names_by_table(), strict=True)
         ]
         self.bags = ShardedEmbeddingBagCollection(
             # ids are checked once, by the sequence collection's prepare ("skip" computes what
@@ -79,12 +80,12 @@ class ShardedEmbeddingCollection(LayoutFacts):
         """The per-id host KJT (one id per bag, features padded to one batch) and each
         feature's lengths."""
         features = self.layout.feature_names
-        offsets, all_values, all_lengths = np.asarray(kjt.offsets()), np.asarray(kjt.values()), np.asarray(kjt.lengths())
-        stride = kjt.stride()
+        all_values, all_lengths = np.asarray(kjt.values()), np.asarray(kjt.lengths())
         per_feature = {}
         for f, ki in zip(features, self.layout.key_indices(kjt.keys()), strict=True):
-            a, b = int(offsets[ki * stride]), int(offsets[(ki + 1) * stride])
-            per_feature[f] = (all_values[a:b], all_lengths[ki * stride : (ki + 1) * stride].astype(np.int32))
+            a, b = kjt._key_slice(ki)
+            first, last = kjt._bag_range(ki)
+            per_feature[f] = (all_values[a:b], all_lengths[first:last].astype(np.int32))
         counts = [len(per_feature[f][0]) for f in features]
         n = self.bags.num_devices
         bags = max(n, -(-max(counts, default=0) // n) * n)
@@ -103,9 +104,14 @@ class ShardedEmbeddingCollection(LayoutFacts):
                 "process's share of ids gives a different per-id batch size; use one process "
                 "(any number of devices), or an EmbeddingBagCollection"
             )
-        per_id, lengths = self._per_id(self.ec.check_host(kjt))
+        host = self.ec.check_host(kjt)
+        per_id, lengths = self._per_id(host)
         self.prepare_count += 1
-        return SequenceBatch(rows=self.bags.prepare(per_id), lengths=lengths, stride=kjt.stride())
+        indices = None
+        if self.ec.need_indices:
+            indices = {f: np.asarray(host.values())[slice(*host._key_slice(ki))]
+                       for f, ki in zip(self.layout.feature_names, self.layout.key_indices(host.keys()), strict=True)}
+        return SequenceBatch(rows=self.bags.prepare(per_id), lengths=lengths, stride=kjt.stride(), indices=indices)
 
     def apply(self, params, batch) -> dict[str, JaggedTensor]:
         if not isinstance(batch, SequenceBatch):
@@ -116,23 +122,24 @@ class ShardedEmbeddingCollection(LayoutFacts):
                               jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         out = {}
         for slot in self.layout.features:
-            emb = rows[: batch.count(slot.feature), slot.out_offset : slot.out_offset + slot.dim]
-            out[slot.feature] = JaggedTensor.from_values_and_lengths(emb, batch.lengths[slot.feature])
+            emb = rows[: batch.count(slot.name), slot.out_offset : slot.out_offset + slot.dim]
+            out[slot.name] = with_indices(JaggedTensor.from_values_and_lengths(emb, batch.lengths[slot.name]), batch,
+                                          slot.name)
         return out
 
     # -- fused update (used by make_update) ----------------------------------------------------
     def update_operands(self, batch: SequenceBatch, grads: Mapping[str, jax.Array]):
         """The per-id gradients laid out as the bag batch's pooled gradient (device ops)."""
-        missing = [s.feature for s in self.layout.features if s.feature not in grads]
+        missing = [s.name for s in self.layout.features if s.name not in grads]
         if missing:
             raise ValueError(f"grads has no entry for feature(s) {missing}; give one [num_ids, dim] array per feature")
         pooled = jnp.zeros((batch.rows.stride, sum(self.layout.output_dims)), jnp.float32)
         for slot in self.layout.features:
-            g = jnp.asarray(grads[slot.feature], jnp.float32)
-            n = batch.count(slot.feature)
+            g = jnp.asarray(grads[slot.name], jnp.float32)
+            n = batch.count(slot.name)
             if g.shape != (n, slot.dim):
                 raise ValueError(
-                    f"grads[{slot.feature!r}] has shape {tuple(g.shape)}; expected [{n}, {slot.dim}] (one row per id of the feature)"
+                    f"grads[{slot.name!r}] has shape {tuple(g.shape)}; expected [{n}, {slot.dim}] (one row per id of the feature)"
                 )
             pooled = pooled.at[:n, slot.out_offset : slot.out_offset + slot.dim].set(g)
         return self.bags.update_operands(batch.rows, pooled)
