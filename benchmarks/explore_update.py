@@ -183,7 +183,7 @@ def update_variant(ebc, rule, variant: str, ucap: int | None = None):
         count = opt_state.count + 1
         new_p, new_s = {}, {}
         for group in layout.groups:
-            rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=ebc.is_weighted,
+            rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=ebc.is_weighted(),
                                                  bounds_check=ebc.bounds_check)
             new_p[group], new_s[group] = _apply_variant(
                 variant, rule, params[group], opt_state.tables[group], count, rows, bag, scale,
@@ -235,7 +235,7 @@ def forward_variant(ebc, variant: str, exact_caps: tuple[int, ...]):
         blocks = []
         for i, slot in enumerate(layout.features):
             ki = key_indices[i]
-            rows, w = _lookup._position_matrix(kjt, ki, caps[ki], slot, ebc.is_weighted, ebc.bounds_check)
+            rows, w = _lookup._position_matrix(kjt, ki, caps[ki], slot, ebc.is_weighted(), ebc.bounds_check)
             blocks.append((rows, w))
         (group,) = layout.groups
         if variant.startswith("bmajor"):
@@ -391,7 +391,7 @@ def explore_pieces(w: Workload, args, log) -> dict:
     side = XlaSide(w, batch, "xla", "rowwise_adagrad", lr=args.lr, eps=args.eps)
     ebc, kjt, grad = side.ebc, side.kjt, side.grad
     (group,) = ebc.layout.groups
-    stream = jax.jit(lambda kjt: _lookup.id_stream(kjt, ebc.layout, group, weighted=ebc.is_weighted,
+    stream = jax.jit(lambda kjt: _lookup.id_stream(kjt, ebc.layout, group, weighted=ebc.is_weighted(),
                                                    bounds_check=ebc.bounds_check))
     rows, bag, scale = stream(kjt)
     bag_grads = jax.jit(lambda g: _bag_grads(ebc.layout, group, g, kjt.stride()))(grad)

@@ -67,7 +67,6 @@ class SequenceBatch(PreparedBatch):
 class EmbeddingCollection(TableCollection):
     """Sequence embedding tables (TorchRec's `EmbeddingCollection`), functional."""
 
-    is_weighted = False
     expands_variable_stride = False
 
     def __init__(self, tables: Sequence[EmbeddingConfig], need_indices: bool = False, *, bounds_check: str = "error",
@@ -115,7 +114,7 @@ class EmbeddingCollection(TableCollection):
             placed[group] = jax.device_put(padded, device)
         self.prepare_count += 1
         return SequenceBatch(rows=placed, lengths=lengths, stride=kjt.stride(),
-                             indices=indices if self.need_indices else None)
+                             indices=indices if self._need_indices else None)
 
     def apply(self, params, batch) -> dict[str, JaggedTensor]:
         """{feature: JaggedTensor} whose values are the `[num_ids, dim]` rows (skipped ids: zeros)."""
@@ -138,10 +137,12 @@ class EmbeddingCollection(TableCollection):
         return len(self._programs)
 
     # -- TorchRec's accessors --------------------------------------------------------------------
-    @property
     def need_indices(self) -> bool:
         """Whether `apply`'s JaggedTensors carry each row's id as its weight (TorchRec)."""
         return self._need_indices
+
+    def is_weighted(self) -> bool:
+        return False
 
     def forward(self, params, batch) -> dict[str, JaggedTensor]:
         """`apply` under TorchRec's name (the module is functional: params come first)."""

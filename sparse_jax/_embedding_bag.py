@@ -67,7 +67,7 @@ class EmbeddingBagCollection(TableCollection):
         if kernel not in KERNELS:
             raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
         self.layout = TableLayout.build(tables)
-        self.is_weighted = bool(is_weighted)
+        self._is_weighted = bool(is_weighted)
         self.kernel = kernel
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
         self.ladder = None if ladder is None else tuple(ladder)
@@ -78,7 +78,7 @@ class EmbeddingBagCollection(TableCollection):
     # -- preparation (once per batch) ----------------------------------------------------------
     def check_structure(self, kjt: KeyedJaggedTensor) -> None:
         """Keys and weights fit this collection (no id is read)."""
-        if self.is_weighted and kjt.weights_or_none() is None:
+        if self._is_weighted and kjt.weights_or_none() is None:
             raise ValueError("this EmbeddingBagCollection is weighted (is_weighted=True) but the KJT has no weights")
         super().check_structure(kjt)
 
@@ -92,7 +92,7 @@ class EmbeddingBagCollection(TableCollection):
 
     # -- forward ---------------------------------------------------------------------------
     def _apply(self, params, kjt: KeyedJaggedTensor) -> KeyedTensor:
-        opts = dict(weighted=self.is_weighted, bounds_check=self.bounds_check)
+        opts = dict(weighted=self._is_weighted, bounds_check=self.bounds_check)
         if self.kernel == "reference":
             blocks = _lookup.pooled_segment_sum(params, kjt, self.layout, **opts)
         else:
@@ -119,6 +119,9 @@ class EmbeddingBagCollection(TableCollection):
         return self._apply_jit._cache_size()
 
     # -- TorchRec's accessors --------------------------------------------------------------------
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self.layout.tables)
 
@@ -137,7 +140,7 @@ class EmbeddingBagCollection(TableCollection):
     def update_step(self, rule: RowRule):
         def step(params, opt_state, operands):
             kjt, pooled_grad = operands
-            return fused_update(self.layout, rule, params, opt_state, kjt, pooled_grad, weighted=self.is_weighted,
+            return fused_update(self.layout, rule, params, opt_state, kjt, pooled_grad, weighted=self._is_weighted,
                                 bounds_check=self.bounds_check, kernel=self.kernel)
 
         return step

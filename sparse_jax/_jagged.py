@@ -137,9 +137,12 @@ class _JaggedArrays:
         return self._offsets
 
     def size_in_bytes(self) -> int:
-        """Bytes of values, weights, lengths and offsets."""
+        """Bytes of values, weights, lengths and offsets (and a variable-stride KJT's int32
+        per-key-per-rank strides, as TorchRec counts them)."""
         arrays = (self._values, self._weights, self._lengths, self._offsets)
-        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
+        size = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
+        spkpr = getattr(self, "_spkpr", None)
+        return size + (4 * sum(len(r) for r in spkpr) if spkpr is not None else 0)
 
     def device(self) -> jax.Device:
         """The device holding the values (concrete arrays only)."""
@@ -507,7 +510,7 @@ class KeyedJaggedTensor(_JaggedArrays):
         if not kjts:
             raise ValueError("KeyedJaggedTensor.concat: give at least one KeyedJaggedTensor")
         variable = [k.variable_stride_per_key() for k in kjts]
-        strides = [k.stride() for k in kjts]
+        strides = [k.stride() for k in kjts if k.keys()] or [kjts[0].stride()]  # a KJT without keys adds nothing
         if not any(variable) and len(set(strides)) > 1:
             raise ValueError(f"KeyedJaggedTensor.concat: strides {strides} differ; every KJT needs the same batch size")
         weighted = [k.weights_or_none() is not None for k in kjts]
@@ -517,7 +520,7 @@ class KeyedJaggedTensor(_JaggedArrays):
         cat = lambda xs: np.concatenate([np.asarray(x) for x in xs])  # noqa: E731
         spkpr = None
         if any(variable):
-            spkpr = [list(r) for k in kjts for r in k.stride_per_key_per_rank()]
+            spkpr = [list(r) for k in kjts for r in (k.stride_per_key_per_rank() or [[k.stride()]] * len(k.keys()))]
         return KeyedJaggedTensor(
             [key for k in kjts for key in k.keys()],  # duplicate keys are refused by the constructor
             cat([k.values()[:m] for k, m in zip(kjts, n, strict=True)]),
@@ -547,9 +550,9 @@ class KeyedJaggedTensor(_JaggedArrays):
         return [sum(r) for r in self._spkpr]
 
     def stride_per_key_per_rank(self) -> list[list[int]]:
-        """Per key its per-rank batch sizes (`[[stride]]` per key for a uniform KJT)."""
+        """Per key its per-rank batch sizes; `[]` for a uniform KJT (as TorchRec)."""
         if self._spkpr is None:
-            return [[self._stride] for _ in self._keys]
+            return []
         return [list(r) for r in self._spkpr]
 
     def inverse_indices(self) -> tuple[list[str], jax.Array]:

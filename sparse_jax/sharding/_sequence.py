@@ -29,7 +29,8 @@ class ShardedEmbeddingCollection(LayoutFacts):
     """Build with `shard(ec, mesh, plan)`; `apply` returns `{feature: JaggedTensor}` as the
     unsharded `EmbeddingCollection` does, and `make_update` takes `{feature: [ids, dim]}`."""
 
-    is_weighted = False
+    def is_weighted(self) -> bool:
+        return False
 
     def __init__(self, ec, mesh, plan=None, **shard_kw):
         from sparse_jax.sharding._sharded import ShardedEmbeddingBagCollection
@@ -108,7 +109,7 @@ class ShardedEmbeddingCollection(LayoutFacts):
         per_id, lengths = self._per_id(host)
         self.prepare_count += 1
         indices = None
-        if self.ec.need_indices:
+        if self.ec.need_indices():
             indices = {f: np.asarray(host.values())[slice(*host._key_slice(ki))]
                        for f, ki in zip(self.layout.feature_names, self.layout.key_indices(host.keys()), strict=True)}
         return SequenceBatch(rows=self.bags.prepare(per_id), lengths=lengths, stride=kjt.stride(), indices=indices)

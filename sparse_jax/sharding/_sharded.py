@@ -101,7 +101,7 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
             layout=ebc.layout,
             buffers=tuple(build_buffers(ebc.layout, self.plan, mesh_axes)),
             mesh_axes=mesh_axes,
-            is_weighted=ebc.is_weighted,
+            is_weighted=ebc.is_weighted(),
             bounds_check=ebc.bounds_check,
             kernel=ebc.kernel,
         )
@@ -126,7 +126,6 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
     def mesh_axes(self) -> dict[str, int]:
         return self.static.mesh_axes
 
-    @property
     def is_weighted(self) -> bool:
         return self.static.is_weighted
 
