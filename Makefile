@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test test-lowest lint bench clean-venv
+.PHONY: train test test-lowest lint bench mutation clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== [1/5] virtual environment $(VENV)"
@@ -37,6 +37,14 @@ test-lowest: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check sparse_jax dense_torch hybrid tests benchmarks
+
+# Mutation testing, one module at a time (mutmut 3, forkserver workers; see tools/mutation.sh):
+#   make mutation MODULE=sparse_jax/planner/_constraints.py TESTS=tests/test_planner.py
+MODULE ?= sparse_jax/_validate.py
+TESTS  ?= tests/test_jagged.py tests/test_embedding_bag.py
+mutation: $(STAMP)
+	$(PIP) install --progress-bar off '.[mutation]'
+	PY=$(PY) tools/mutation.sh $(MODULE) $(TESTS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.xla_vs_fbgemm

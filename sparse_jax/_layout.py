@@ -10,7 +10,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from sparse_jax._configs import BaseEmbeddingConfig, DataType, PoolingType, check_table_configs, embedding_names_by_table
+from sparse_jax._configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    PoolingType,
+    check_table_configs,
+    embedding_names_by_table,
+)
 
 __all__ = ["FeatureSlot", "TableLayout", "group_name"]
 

@@ -46,15 +46,11 @@ def locate(index: int, lengths: np.ndarray, keys: Sequence[str] | None, stride) 
     return f"{bag_position(seg, keys, stride)}, index {index - start} in the bag"
 
 
-def as_id_array(values, *, what: str, where=None) -> jax.Array | np.ndarray:
-    """Integer ids as int32 (or int64 with x64 on). Never truncates: out-of-range ids raise.
+def as_id_array(values, *, what: str, where=None) -> np.ndarray:
+    """Host integer ids as int32 (or int64 with x64 on). Never truncates: out-of-range ids raise.
 
     `where(i)` turns a value index into a location string for the error message.
     """
-    if not is_concrete(values):
-        if not np.issubdtype(values.dtype, np.integer):
-            raise ValueError(f"{what}: values must be integer ids, got dtype {values.dtype}")
-        return values
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{what}: values must be 1-D, got shape {arr.shape}")
@@ -94,7 +90,7 @@ def as_values_array(values, *, what: str, where=None) -> np.ndarray:
         raise ValueError(f"{what}: values must be numbers, got dtype {arr.dtype}; hash strings to integers first")
     if jax.config.jax_enable_x64:
         return arr
-    if np.issubdtype(arr.dtype, np.integer) and (arr.dtype.itemsize > 4 or arr.dtype == np.uint32):
+    if np.issubdtype(arr.dtype, np.integer) and arr.dtype.itemsize > 4:
         if arr.size:  # per row its largest and smallest entry, so the message names the row
             rows = arr.reshape(arr.shape[0], -1)
             _fits_int32(rows.max(axis=1), what=what, where=where)
