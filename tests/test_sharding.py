@@ -210,3 +210,40 @@ def test_all_to_all_route_capacity_grows_with_a_skewed_batch_and_never_drops_ids
         capped.apply(capped.init(jax.random.key(0)), skewed.kjt)
     with pytest.raises(ValueError, match="input_dist='scatter' is not one of"):
         shard(ebc, mesh, types, input_dist="scatter")
+
+
+@pytest.mark.parametrize("plan", [{"a": "row_wise", "b": "table_wise"}, {"a": "column_wise", "b": "data_parallel"}])
+def test_a_feature_shared_by_two_tables_sharded_matches_unsharded(plan):
+    """TorchRec's shared features: 'f' feeds tables a and b, its outputs are 'f@a' and 'f@b';
+    forward and a fused update agree sharded and unsharded, and a variable batch per key
+    (inverse indices) pools as its expanded batch does."""
+    from sparse_jax import EmbeddingBagConfig, KeyedJaggedTensor
+
+    tables = [EmbeddingBagConfig(40, 8, "a", feature_names=["f", "g"]), EmbeddingBagConfig(30, 4, "b", feature_names=["f"])]
+    ebc = EmbeddingBagCollection(tables)
+    sharded = shard(ebc, _mesh("2x4"), plan)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 4, size=16)
+    kjt = KeyedJaggedTensor(["f", "g"], rng.integers(0, 30, size=int(lengths.sum())), lengths=lengths)
+    params, sparams = ebc.init(jax.random.key(0)), sharded.init(jax.random.key(0))
+    out, sout = ebc.apply(params, kjt), sharded.apply(sparams, kjt)
+    assert out.keys() == sout.keys() == ["f@a", "g", "f@b"]
+    np.testing.assert_allclose(sout.values(), out.values(), rtol=1e-5, atol=1e-6)
+    # 'f@a' is table a's rows for f's ids: an oracle that does not go through the collection
+    weights = ebc.table_weights(params)
+    f_ids = np.split(np.asarray(kjt.values())[: int(lengths[:8].sum())], np.cumsum(lengths[:8])[:-1])
+    want = np.stack([np.asarray(weights["a"])[ids].sum(0) if len(ids) else np.zeros(8) for ids in f_ids])
+    np.testing.assert_allclose(out.to_dict()["f@a"], want, rtol=1e-5, atol=1e-6)
+    rule = optim.rowwise_adagrad(lr=0.1)
+    state, sstate = rule.init(params), rule.init(sparams)
+    grad = jnp.asarray(rng.normal(size=(8, 20)).astype(np.float32))
+    params, _ = make_update(ebc, rule)(params, state, kjt.pad(capacity=64), grad)
+    sparams, _ = make_update(sharded, rule)(sparams, sstate, kjt, grad)
+    _check_tables(ebc, sharded, params, sparams)
+    vbe = KeyedJaggedTensor(
+        ["f", "g"], np.array([1, 2, 3, 4, 5]), lengths=np.array([2, 1, 1, 1]), stride_per_key_per_rank=[[1], [3]],
+        inverse_indices=(["f", "g"], np.array([[0] * 8, [0, 1, 2, 0, 1, 2, 0, 1]])),
+    )
+    expanded = ebc.apply(params, vbe.expand_to_batch()).values()
+    np.testing.assert_allclose(ebc.apply(params, vbe).values(), expanded, rtol=1e-6)
+    np.testing.assert_allclose(sharded.apply(sparams, vbe).values(), expanded, rtol=1e-5, atol=1e-6)
