@@ -110,8 +110,9 @@ def canonical_int(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def check_lengths(lengths, num_values: int, *, what: str, keys=None, stride: int = 1, exact=True):
-    """Lengths are integers >= 0 summing to `num_values` (or at most it when `exact=False`)."""
+def check_lengths(lengths, num_values: int, *, what: str, keys, stride, exact=True):
+    """Lengths are integers >= 0 summing to `num_values` (or at most it when `exact=False`);
+    `keys` and `stride` locate a bag for the message (`keys=None`: a keyless JaggedTensor)."""
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise ValueError(f"{what}: lengths must be 1-D, got shape {arr.shape}")
@@ -131,13 +132,13 @@ def check_lengths(lengths, num_values: int, *, what: str, keys=None, stride: int
     return arr
 
 
-def check_agree(lengths, from_offsets: np.ndarray, *, what: str, keys=None, stride: int = 1) -> None:
+def check_agree(lengths, from_offsets: np.ndarray, *, what: str, keys, stride) -> None:
     """Lengths and offsets given together must describe the same bags (TorchRec trusts one of
     them silently; a disagreement is a bug in the caller)."""
     arr = np.asarray(lengths)
     if arr.shape != from_offsets.shape:
-        raise ValueError(f"{what}: {arr.shape[0] if arr.ndim else arr.size} lengths but offsets describe "
-                         f"{from_offsets.shape[0]} bags; give one of them, or both for the same bags")
+        raise ValueError(f"{what}: lengths has shape {arr.shape} but offsets describe {from_offsets.shape[0]} "
+                         "bags; give one of them, or both for the same bags")
     bad = np.flatnonzero(arr != from_offsets)
     if bad.size:
         i = int(bad[0])

@@ -29,17 +29,19 @@ def _jt(**kw):
         (dict(offsets=np.array([], I32)), "offsets must be 1-D with at least one entry (0), got shape (0,)"),
         (dict(offsets=np.array([2, 3])), "offsets must start at 0, got 2"),
         (dict(offsets=np.array([0, 2])), "offsets end at 2 but values holds 3 ids"),
+        (dict(offsets=np.array([0, 1, 2])), "offsets end at 2 but values holds 3 ids"),
+        (dict(lengths=np.array([[1, 2]]), offsets=np.array([0, 1, 3])), "lengths has shape (1, 2) but offsets describe 2 bags"),
         (dict(offsets=np.array([0.0, 3.0])), "offsets must be integers, got dtype float64"),
         (dict(lengths=np.array([[3]])), "lengths must be 1-D, got shape (1, 1)"),
         (dict(lengths=np.array([3.0])), "lengths must be integers, got dtype float64"),
         (dict(lengths=np.array([4, -1])), "length -1 at bag 1 is negative"),
-        (dict(lengths=np.array([1, 1])), "sum(lengths)=2 but values holds 3 ids"),
-        (dict(lengths=np.array([1, 2]), offsets=np.array([0, 2, 3])), "at bag 0, lengths says 1 ids but offsets say 2"),
+        (dict(lengths=np.array([1, 1])), "sum(lengths)=2 but values holds 3 ids; every id belongs to exactly one bag, so the two must match"),
+        (dict(lengths=np.array([1, 2]), offsets=np.array([0, 2, 3])), "at bag 0, lengths says 1 ids but offsets say 2; give one of them, or both for the same bags"),
         (dict(lengths=np.array([2, 0, 1]), offsets=np.array([0, 2, 2, 3])[[0, 1, 3, 3]]),
          "at bag 1, lengths says 0 ids but offsets say 1"),
-        (dict(lengths=np.array([1, 2, 0]), offsets=np.array([0, 2, 3])), "3 lengths but offsets describe 2 bags"),
+        (dict(lengths=np.array([1, 2, 0]), offsets=np.array([0, 2, 3])), "lengths has shape (3,) but offsets describe 2 bags; give one of them, or both for the same bags"),
         (dict(lengths=np.array([3]), weights=np.array([1, 2, 3])), "weights must be floating point, got dtype int64"),
-        (dict(lengths=np.array([3]), weights=np.ones(2, np.float32)), "weights has shape (2,) but values holds 3 ids"),
+        (dict(lengths=np.array([3]), weights=np.ones(2, np.float32)), "weights has shape (2,) but values holds 3 ids; give one weight per id"),
         (dict(values=np.array(3), lengths=np.array([0])), "values must have at least one dimension"),
         (dict(values=np.array(["a", "b", "c"]), lengths=np.array([3])), "values must be numbers, got dtype <U1"),
         (dict(values=np.array([1, 2**31], np.uint64), lengths=np.array([2])),
@@ -47,7 +49,8 @@ def _jt(**kw):
         (dict(values=np.array([2**33, 1], np.int64), lengths=np.array([1, 1])),
          "id 8589934592 at bag 0, index 0 in the bag does not fit in int32"),
         (dict(values=np.array([1, 2, -(2**33)], np.int64), lengths=np.array([2, 1])),
-         "id -8589934592 at bag 1, index 0 in the bag does not fit in int32 and jax x64 is off (1 such values)"),
+         "id -8589934592 at bag 1, index 0 in the bag does not fit in int32 and jax x64 is off (1 such values); "
+         "hash or remap ids into the table's range, or enable jax.config.update('jax_enable_x64', True)"),
     ],
 )
 def test_jagged_tensor_input_errors(kw, message):
@@ -115,6 +118,8 @@ def test_dtypes_kept_with_x64():
         assert jt.weights().dtype == jnp.float64
         assert _validate.as_id_array(np.array([2**40], np.int64), what="w").dtype == np.int64
         assert _validate.as_id_array(np.array([7], I32), what="w").dtype == np.int64
+        ids = np.array([5, 7], np.int64)
+        assert np.shares_memory(_validate.as_id_array(ids, what="w"), ids)
         assert _validate.canonical_int(np.array([1], np.int64)).dtype == np.int64
 
 
@@ -125,7 +130,7 @@ def test_as_id_array():
         assert out.dtype == np.int32 and out.tolist() == [-(2**31), 0, 2**31 - 1]
         assert _validate.as_id_array(np.array([], np.int64), what="w").dtype == np.int32
         assert _validate.as_id_array(np.array([], np.float32), what="w").dtype == np.int32
-        with pytest.raises(ValueError, match=re.escape("w: values must be integer ids, got dtype float32; convert")):
+        with pytest.raises(ValueError, match=re.escape("w: values must be integer ids, got dtype float32; convert with astype(int32) or hash strings to integers first")):
             _validate.as_id_array(np.array([1.0], np.float32), what="w")
         with pytest.raises(ValueError, match=re.escape("w: values must be 1-D, got shape (1, 1)")):
             _validate.as_id_array(np.array([[1]]), what="w")
@@ -138,6 +143,8 @@ def test_as_id_array():
                 np.array([1, 2**32 - 1], np.uint32), what="w",
                 where=lambda i: _validate.locate(i, np.array([1, 1]), None, 1),
             )
+        ids = np.array([5, 7], I32)
+        assert np.shares_memory(_validate.as_id_array(ids, what="w"), ids)  # int32 ids are not copied
         with pytest.raises(ValueError, match=re.escape("(2 such values)")):
             _validate.as_id_array(np.array([2**31, 2**32], np.uint64), what="w")
 
@@ -159,15 +166,15 @@ def test_locate_and_bag_position():
 def test_check_helpers_directly():
     """Each helper's own contract, called as `_jagged` calls it (keys and stride given)."""
     assert _validate.check_offsets(np.array([0, 0, 2, 5]), 5, what="w").tolist() == [0, 2, 3]
-    assert _validate.check_lengths(np.array([1, 2]), 5, what="w", exact=False).tolist() == [1, 2]
+    assert _validate.check_lengths(np.array([1, 2]), 5, what="w", keys=None, stride=1, exact=False).tolist() == [1, 2]
     with pytest.raises(ValueError, match=re.escape("w: sum(lengths)=6 but values holds 5 ids")):
-        _validate.check_lengths(np.array([3, 3]), 5, what="w", exact=False)
+        _validate.check_lengths(np.array([3, 3]), 5, what="w", keys=None, stride=1, exact=False)
     with pytest.raises(ValueError, match=re.escape("w: length -2 at feature 'b', batch position 0 is negative")):
         _validate.check_lengths(np.array([1, 1, -2]), 0, what="w", keys=["a", "b"], stride=2)
     with pytest.raises(ValueError, match=re.escape("w: at feature 'b', batch position 1, lengths says 1")):
         _validate.check_agree(np.array([0, 0, 0, 1]), np.array([0, 0, 0, 2]), what="w", keys=["a", "b"], stride=2)
-    with pytest.raises(ValueError, match=re.escape("w: 1 lengths but offsets describe 2 bags")):
-        _validate.check_agree(np.array([1]), np.array([1, 0]), what="w")
+    with pytest.raises(ValueError, match=re.escape("w: lengths has shape (1,) but offsets describe 2 bags")):
+        _validate.check_agree(np.array([1]), np.array([1, 0]), what="w", keys=None, stride=1)
     assert _validate.check_weights(np.array([], np.int64), 0, what="w").shape == (0,)
     assert _validate.is_concrete(np.ones(1), None) and _validate.is_concrete()
     traced = []
