@@ -135,15 +135,12 @@ def _sum_positions(table, rows, w):
 
 def _caps(kjt: KeyedJaggedTensor, key_indices: Sequence[int]) -> list[int]:
     caps = kjt.length_caps()
-    if caps is not None:
-        return [caps[ki] for ki in key_indices]
-    if not is_concrete(kjt.lengths()):
+    if caps is None:
         raise ValueError(
-            "the per-position lookup needs static bag-length caps: call kjt.pad(...) before jit, "
-            "or use kernel='reference'"
+            "the per-position lookup needs static bag-length caps: prepare the batch "
+            "(module.prepare(kjt)) or call kjt.pad(...) first, or use kernel='reference'"
         )
-    lengths = np.asarray(kjt.lengths()).reshape(len(kjt.keys()), kjt.stride())
-    return [max(1, int(lengths[ki].max()) if lengths.shape[1] else 1) for ki in key_indices]
+    return [caps[ki] for ki in key_indices]
 
 
 def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str = "xla"):
@@ -240,9 +237,7 @@ def pooled_segment_sum(params, kjt, layout: TableLayout, *, weighted: bool, boun
     stride = kjt.stride()
     out: list = [None] * len(layout.features)
     for group in layout.groups:
-        members = [i for i, s in enumerate(layout.features) if s.group == group]
-        if not members:
-            continue
+        members = [i for i, s in enumerate(layout.features) if s.group == group]  # never empty
         rows, bag, scale = id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
         table = params[group]
         gathered = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * scale[:, None]

@@ -65,3 +65,23 @@ def test_every_command_names_a_module_and_flags_that_exist(command):
     done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_make_command_names_a_target_and_variables_the_makefile_has():
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        makefile = f.read()
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    variables = set(re.findall(r"^(\w+)\s*[?:]?=", makefile, re.M))
+    seen = 0
+    for _, body in blocks("bash"):
+        for line in body.splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] != ["make"]:
+                continue
+            seen += 1
+            for word in words[1:]:
+                if "=" in word:
+                    assert word.split("=", 1)[0] in variables, f"README: `{line}` sets a variable the Makefile lacks"
+                else:
+                    assert word in targets, f"README: `{line}` names a target the Makefile lacks"
+    assert seen >= 3
