@@ -16,11 +16,14 @@ from sparse_jax import (
 from tests import reference
 from tests.cases import random_case
 
+# Hyper-parameters at which a planted bug shows: eps large next to sqrt(state) (sqrt(s + eps)
+# or sqrt(s) + 2 eps are far off), betas far from 1 and from each other (a swapped beta or a
+# bias correction by the wrong power moves every row), weight decay large enough to see.
 RULES = {
     "sgd": dict(lr=0.1),
-    "adagrad": dict(lr=0.1, eps=1e-8),
-    "rowwise_adagrad": dict(lr=0.1, eps=1e-8),
-    "adam": dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+    "adagrad": dict(lr=0.1, eps=0.3),
+    "rowwise_adagrad": dict(lr=0.1, eps=0.3),
+    "adam": dict(lr=0.05, beta1=0.7, beta2=0.9, eps=0.2, weight_decay=0.1),
 }
 
 
