@@ -55,7 +55,12 @@ def test_tiny_run_passes_gate_and_writes_outputs(tmp_path, fbgemm):
         if "auto" in timed:
             ph = block["update_phases"]
             assert set(ph) >= {"records", "sort", "apply"} and ph["unique_rows"] <= 2 * 64 * 4
-    assert wr["roofline"]["copy"]["gbps"] > 0 and wr["roofline"]["gather_pooled"]["gbps"] > 0
+    roof = wr["roofline"]  # each bandwidth is its case's bytes over its median time
+    row, bags, L = roof["row_bytes"], roof["gather_bags"], roof["gather_L"]
+    assert roof["copy"]["gbps"] == pytest.approx(roof["copy_bytes"] / (roof["copy"]["median_ms"] / 1e3) / 1e9)
+    pooled_bytes = bags * L * row + bags * row  # the ids' rows read, one row written per bag
+    assert roof["gather_pooled"]["gbps"] == pytest.approx(pooled_bytes / (roof["gather_pooled"]["median_ms"] / 1e3) / 1e9)
+    assert roof["roofline_gbps"] == roof["gather_pooled"]["gbps"]
     for key in ("cpu_model", "cores"):
         assert res["machine"][key]
     for key in ("jax", "torch", "fbgemm_gpu"):

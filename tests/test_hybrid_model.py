@@ -1,7 +1,6 @@
 """hybrid.Model: training steps equal a pure-PyTorch model, eval never updates, state dicts."""
 
 import copy
-import time
 
 import jax
 import numpy as np
@@ -440,11 +439,9 @@ def test_plan_without_mesh_is_an_error():
 def test_dlrm_learns_a_planted_signal():
     from hybrid.demo import train
 
-    t0 = time.perf_counter()
     result = train(steps=120, batch_size=256, eval_samples=4096)
     assert result["eval_auc"] > 0.75, result
     assert result["last_loss"] < result["first_loss"], result
-    assert time.perf_counter() - t0 < 60, result
 
 
 def test_from_torchrec_state_dict_renames_keys():
