@@ -23,6 +23,7 @@ import os
 import pathlib
 
 import jax
+import jax.extend.backend  # noqa: F401  (used after fork; not imported by `import jax`)
 import pytest
 from hypothesis import settings
 
