@@ -70,3 +70,23 @@ def test_regroup_refusals_key_dim_and_empty_group():
     assert list(d) == ["g1", "g2"] and d["g2"].shape == (2, 3)
     _raises(ValueError, "KeyedTensor.regroup_as_dict: 2 groups but 1 keys; give one key per group",
             KeyedTensor.regroup_as_dict, [x], [["a"], ["b"]], ["g"])
+
+
+def test_pytree_device_to_and_repr():
+    import jax
+
+    kt = KeyedTensor(["a", "b"], [2, 4], jnp.asarray(V), key_dim=1)
+    out = jax.jit(lambda k: k)(kt)  # through jit: flattened and rebuilt
+    assert isinstance(out, KeyedTensor) and out.keys() == ["a", "b"] and out.length_per_key() == [2, 4]
+    assert out.key_dim() == 1
+    np.testing.assert_array_equal(out.values(), V)
+    devices = jax.devices()
+    assert kt.device() == devices[0]
+    moved = kt.to(devices[1], non_blocking=True)
+    assert moved.device() == devices[1] and moved.keys() == kt.keys() and moved.length_per_key() == [2, 4]
+    np.testing.assert_array_equal(moved["b"], V[:, 2:])
+    spread = jax.device_put(kt.values(), jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(devices[:2]), ("x",)), jax.sharding.PartitionSpec("x")))
+    _raises(ValueError, "this KeyedTensor's values span 2 devices", KeyedTensor(["a", "b"], [2, 4], spread).device)
+    assert repr(kt).startswith("KeyedTensor(keys=['a', 'b'], length_per_key=[2, 4], values=[[")
+    assert kt.size_in_bytes() == 12 * 4
