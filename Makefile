@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test test-lowest lint bench mutation clean-venv
+.PHONY: train test test-lowest lint bench mutation mutation-core clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== [1/5] virtual environment $(VENV)"
@@ -45,6 +45,12 @@ TESTS  ?= tests/test_jagged.py tests/test_embedding_bag.py
 mutation: $(STAMP)
 	$(PIP) install --progress-bar off '.[mutation]'
 	PY=$(PY) tools/mutation.sh $(MODULE) $(TESTS)
+
+# Every module of the numeric and safety core with its own test selection (tools/mutation_core.sh);
+# MODULES="sparse_jax/_update.py ..." picks some. The scores are in docs/mutation.md.
+mutation-core: $(STAMP)
+	$(PIP) install --progress-bar off '.[mutation]'
+	PY=$(PY) MODULES="$(MODULES)" tools/mutation_core.sh
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.xla_vs_fbgemm

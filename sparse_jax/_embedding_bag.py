@@ -31,7 +31,7 @@ from sparse_jax.optim._base import RowRule
 
 __all__ = ["EmbeddingBagCollection", "KERNELS"]
 
-KERNELS = ("auto", "ffi", "xla", "reference")
+KERNELS = _lookup.KERNELS
 
 
 class EmbeddingBagCollection(TableCollection):
@@ -64,8 +64,7 @@ class EmbeddingBagCollection(TableCollection):
                     f"EmbeddingBagCollection takes EmbeddingBagConfig tables; {getattr(t, 'name', t)!r} is a "
                     f"{type(t).__name__} (use EmbeddingCollection for unpooled tables)"
                 )
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+        _lookup.check_kernel(kernel)
         self.layout = TableLayout.build(tables)
         self._is_weighted = bool(is_weighted)
         self.kernel = kernel

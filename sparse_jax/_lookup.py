@@ -29,9 +29,10 @@ from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._layout import FeatureSlot, TableLayout
 from sparse_jax._validate import is_concrete
 
-__all__ = ["BOUNDS_CHECKS", "check_ids", "id_stream", "pooled_per_position", "pooled_segment_sum"]
+__all__ = ["BOUNDS_CHECKS", "KERNELS", "check_ids", "id_stream", "pooled_per_position", "pooled_segment_sum"]
 
 BOUNDS_CHECKS = ("error", "clamp", "skip")
+KERNELS = ("auto", "ffi", "xla", "reference")
 _UNROLL = 4  # positions per loop iteration of the XLA per-position pooling
 
 
@@ -39,6 +40,12 @@ def check_bounds_mode(mode: str) -> str:
     if mode not in BOUNDS_CHECKS:
         raise ValueError(f"bounds_check={mode!r} is not one of {BOUNDS_CHECKS}")
     return mode
+
+
+def check_kernel(kernel: str) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+    return kernel
 
 
 def check_ids(kjt: KeyedJaggedTensor, layout: TableLayout) -> None:
@@ -98,8 +105,9 @@ def _position_matrix(kjt, ki: int, cap: int, slot: FeatureSlot, weighted: bool, 
 
 
 def use_ffi(kernel: str, table) -> bool:
-    """Whether a buffer takes the fused C++ kernel: kernel "auto"/"ffi", fp32, CPU, built."""
-    if kernel not in ("auto", "ffi") or table.dtype != jnp.float32:
+    """Whether a buffer takes the fused C++ kernel: kernel "auto"/"ffi", fp32, CPU, built
+    (a name outside `KERNELS` is refused, never taken for "xla")."""
+    if check_kernel(kernel) not in ("auto", "ffi") or table.dtype != jnp.float32:
         return False
     from sparse_jax import _kernels
 

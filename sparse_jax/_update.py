@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from sparse_jax import _kernels, _lookup
 from sparse_jax._configs import PoolingType
-from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PreparedBatch
 from sparse_jax.optim._apply import apply_row_rule
@@ -29,7 +28,7 @@ from sparse_jax.optim._base import RowRule, SparseOptState
 __all__ = ["make_update", "fused_update"]
 
 
-def _bag_grads(layout: TableLayout, group: str, pooled_grad, stride: int):
+def _bag_grads(layout: TableLayout, group: str, pooled_grad):
     """`[F_g * B, dim]`: the pooled gradient of the group's features, stacked feature-major."""
     blocks = [pooled_grad[:, s.out_offset : s.out_offset + s.dim] for s in layout.slots_of_group(group)]
     return jnp.concatenate(blocks, axis=0)
@@ -54,10 +53,9 @@ def _jagged_kernel_update(layout: TableLayout, group: str, rule: RowRule, table,
 
 
 def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOptState, kjt, pooled_grad, *,
-                 weighted: bool, bounds_check: str, kernel: str = "xla"):
-    """The traceable step (no donation, no checks): used by `make_update` and by sharded code."""
-    if isinstance(pooled_grad, KeyedTensor):
-        pooled_grad = pooled_grad.values()
+                 weighted: bool, bounds_check: str, kernel: str):
+    """The traceable step of `EmbeddingBagCollection.update_step` (no donation, no checks);
+    `pooled_grad` is the `[B, sum of dims]` array (`update_operands` unwrapped a KeyedTensor)."""
     want = (kjt.stride(), sum(layout.output_dims))
     if tuple(pooled_grad.shape) != want:
         raise ValueError(f"pooled_grad has shape {tuple(pooled_grad.shape)}; expected [batch, sum of dims] = {list(want)}")
@@ -72,7 +70,7 @@ def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOp
         rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
         new_params[group], new_states[group] = apply_row_rule(
             rule, params[group], opt_state.tables[group], step, rows, bag, scale,
-            _bag_grads(layout, group, pooled_grad, kjt.stride()), kernel=kernel,
+            _bag_grads(layout, group, pooled_grad), kernel=kernel,
         )
     return new_params, SparseOptState(count=step, tables=new_states)
 
@@ -88,7 +86,7 @@ class _Update:
     buffers stay in place). `nonfinite()` gives, as device arrays, how many calls were
     skipped and the index of the first one (-1: none); read them when you log."""
 
-    def __init__(self, module, rule: RowRule, *, skip_nonfinite: bool = False):
+    def __init__(self, module, rule: RowRule, *, skip_nonfinite: bool):
         if not isinstance(rule, RowRule):
             raise ValueError(f"make_update needs a sparse_jax.optim row rule, got {type(rule).__name__}")
         self.module, self.rule, self.skip_nonfinite = module, rule, bool(skip_nonfinite)
@@ -113,8 +111,8 @@ class _Update:
             if ok is not None:
                 raise ValueError("ok= needs make_update(..., skip_nonfinite=True)")
             return self.jitted(params, opt_state, operands)
-        flag = _flag_on_devices(jnp.ones((), bool) if ok is None else ok, opt_state.count.sharding)
-        if self._calls == 0:  # committed like the outputs that replace them: one program
+        flag = _flag_on_devices(jnp.ones((), bool) if ok is None else ok, opt_state.count)
+        if self._calls == 0 and opt_state.count.committed:  # placed like the state: one program
             self._skipped = jax.device_put(self._skipped, opt_state.count.sharding)
         params, opt_state, self._skipped = self.jitted(
             params, opt_state, operands, flag, self._skipped, jnp.int32(self._calls)
@@ -145,13 +143,16 @@ class _Update:
         return self.jitted._cache_size()
 
 
-def _flag_on_devices(ok: jax.Array, like: jax.sharding.Sharding) -> jax.Array:
+def _flag_on_devices(ok: jax.Array, like_array: jax.Array) -> jax.Array:
     """This process's boolean as one entry per device of the tables' mesh (`[devices]`,
     sharded over every axis), so the program ANDs every process's flag: all replicas take
     the same decision. Built from per-device copies of the local flag (no host read, no
-    cross-process transfer). One device: the flag on it."""
+    cross-process transfer). One device: the flag on it, committed only if `like_array` is
+    (a committed flag beside uncommitted tables would be a second program, compiled again
+    once the tables come back committed from the first call)."""
+    like = like_array.sharding
     if not isinstance(like, jax.sharding.NamedSharding):
-        return jax.device_put(ok.reshape(1), like)
+        return jax.device_put(ok.reshape(1), like) if like_array.committed else ok.reshape(1)
     mesh = like.mesh
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
     local = [jax.device_put(ok.reshape(1), d) for d in sharding.addressable_devices_indices_map((mesh.size,))]

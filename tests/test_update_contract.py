@@ -1,0 +1,102 @@
+"""`make_update`'s contract beyond its numbers (those are in test_optim / test_kernel_update):
+which path its program takes, what it donates, how often it compiles, what its skip
+counters say, and its refusals, each matched in full."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    _kernels,
+    _lookup,
+    make_update,
+    optim,
+)
+from sparse_jax._update import all_finite
+
+TABLES = [EmbeddingBagConfig(16, 4, "t", feature_names=["f"]), EmbeddingBagConfig(8, 4, "u", feature_names=["g"])]
+
+
+def _setup(kernel="xla", rule=None, skip_nonfinite=False):
+    ebc = EmbeddingBagCollection(TABLES, kernel=kernel)
+    rule = rule or optim.rowwise_adagrad(lr=0.1)
+    params = ebc.init(jax.random.key(0))
+    kjt = KeyedJaggedTensor(["f", "g"], np.array([1, 2, 15, 0, 7, 3], np.int32), lengths=np.array([2, 1, 1, 2]))
+    return ebc, rule, params, rule.init(params), ebc.prepare(kjt), make_update(ebc, rule, skip_nonfinite=skip_nonfinite)
+
+
+def _grad(value=1.0):
+    return jnp.full((2, 8), value, jnp.float32)
+
+
+def test_a_kernel_name_outside_the_list_is_refused_not_taken_for_xla():
+    msg = "kernel='XLA' is not one of ('auto', 'ffi', 'xla', 'reference')"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        _lookup.use_ffi("XLA", np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        EmbeddingBagCollection(TABLES, kernel="XLA")
+    with pytest.raises(ValueError, match=re.escape("kernel=None is not one of")):
+        _lookup.use_ffi(None, np.zeros((2, 2), np.float32))
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_the_update_program_takes_the_path_its_kernel_names(rule):
+    """kernel='xla' (the GPU path): no C++ call in the update; 'auto' on CPU: the fused C++
+    update for the rules it knows, XLA for the others (adam)."""
+    for kernel in ("xla", "reference", "auto"):
+        ebc, r, params, state, batch, update = _setup(kernel, getattr(optim, rule)(lr=0.1))
+        text = update.jitted.lower(params, state, ebc.update_operands(batch, _grad())).as_text()
+        custom = re.search(r"custom_call @Hybridrec\w*Update", text) is not None
+        want = kernel == "auto" and _kernels.available() and rule in _kernels.RULES
+        assert custom == want, (kernel, rule)
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_the_update_donates_tables_and_state_and_compiles_once(skip_nonfinite):
+    ebc, rule, params, state, batch, update = _setup("xla", skip_nonfinite=skip_nonfinite)
+    for _ in range(3):
+        old_table, old_state = params["t_u" if "t_u" in params else next(iter(params))], state
+        params, state = update(params, state, batch, _grad())
+        assert old_table.is_deleted(), "the tables were not donated"
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(old_state.tables)), "the state was not donated"
+    assert update.compile_count() == 1
+
+
+def test_skip_counters_start_empty_and_keep_the_first_skipped_call():
+    ebc, rule, params, state, batch, update = _setup("xla", skip_nonfinite=True)
+    count, first = update.nonfinite()
+    assert (int(count), int(first)) == (0, -1) and count.dtype == first.dtype == jnp.int32
+    for g in (_grad(np.nan), _grad(), _grad(np.inf), _grad()):  # calls 0 and 2 are skipped
+        params, state = update(params, state, batch, g)
+    count, first = update.nonfinite()
+    assert (int(count), int(first)) == (2, 0)
+    assert int(state.count) == 2
+    assert update.compile_count() == 1  # the counters' dtype never changes the program
+
+
+def test_refusals_name_what_to_do():
+    ebc, rule, params, state, batch, update = _setup("xla")
+    with pytest.raises(ValueError, match=re.escape("make_update needs a sparse_jax.optim row rule, got str")):
+        make_update(ebc, "sgd")
+    with pytest.raises(ValueError, match=re.escape("ok= needs make_update(..., skip_nonfinite=True)")):
+        update(params, state, batch, _grad(), ok=jnp.ones((), bool))
+    with pytest.raises(ValueError, match=re.escape("this update was made without skip_nonfinite=True")):
+        update.nonfinite()
+
+
+def test_all_finite_reads_only_floating_leaves():
+    for tree, want in [
+        ({}, True),
+        ({"ids": jnp.array([1, 2 ** 31 - 1], jnp.int32)}, True),
+        ((jnp.array([1.0, 2.0]), jnp.array([3], jnp.int32)), True),
+        ((jnp.array([1.0, np.nan]), jnp.array([3], jnp.int32)), False),
+        ([jnp.zeros(3, jnp.bfloat16), jnp.array([-np.inf], jnp.float32)], False),
+    ]:
+        got = all_finite(tree)
+        assert got.shape == () and got.dtype == jnp.bool_ and bool(got) is want, tree
