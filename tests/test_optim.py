@@ -143,3 +143,90 @@ def test_bad_optimizer_arguments():
     kjt = KeyedJaggedTensor(["f"], np.array([1]), lengths=np.array([1])).pad(capacity=8)
     with pytest.raises(ValueError, match=r"pooled_grad has shape \(1, 4\); expected \[batch, sum of dims\] = \[1, 3\]"):
         make_update(ebc, optim.sgd())(params, optim.sgd().init(params), kjt, jnp.ones((1, 4), jnp.float32))
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_three_fused_steps_on_fp16_tables_match_loops(rule):
+    """Narrow tables take each rule's own row math (`update_rows`: fp32 tables take the
+    scatter-add SGD and the C++ kernel instead); rows are rounded to fp16 once per step."""
+    rng = np.random.default_rng(7)
+    case = random_case(np.random.default_rng(1), data_type="FP16")
+    ebc = EmbeddingBagCollection(case.tables, kernel="auto")
+    params = ebc.init(jax.random.key(0))
+    assert all(v.dtype == jnp.float16 for v in params.values())
+    opt = getattr(optim, rule)(**RULES[rule])
+    opt_state, update = opt.init(params), make_update(ebc, opt)
+    weights = {k: np.asarray(v, np.float64) for k, v in ebc.table_weights(params).items()}
+    states: dict = {}
+    for step in range(1, 4):
+        c = random_case(np.random.default_rng(step), hot_rows=5, batch=4, shuffle_keys=False, data_type="FP16")
+        c.tables = list(ebc.tables)
+        grad = rng.normal(size=(c.stride, sum(ebc.layout.output_dims))).astype(np.float32)
+        params, opt_state = update(params, opt_state, c.kjt.pad(capacity=64), jnp.asarray(grad))
+        reference.fused_step(rule, RULES[rule], weights, states,
+                             reference.row_gradients(c.features, c.bag_ids, _grad_blocks(c, grad), c.bag_weights), step)
+    got = ebc.table_weights(params)
+    for table, w in weights.items():
+        np.testing.assert_allclose(np.asarray(got[table], np.float64), w, rtol=4e-3, atol=4e-3, err_msg=f"table {table}")
+        assert not np.allclose(np.asarray(got[table], np.float64), np.asarray(ebc.table_weights(ebc.init(jax.random.key(0)))[table], np.float64))
+
+
+def test_rules_carry_their_names_and_documented_defaults():
+    assert (optim.sgd().name, optim.sgd().hyperparams) == ("sgd", {"lr": 0.01})
+    for name in ("adagrad", "rowwise_adagrad"):
+        rule = getattr(optim, name)()
+        assert (rule.name, rule.hyperparams) == (name, {"lr": 0.01, "eps": 1e-8})
+    adam = optim.adam()
+    assert (adam.name, adam.hyperparams) == ("adam", {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+                                                      "weight_decay": 0.0})
+    tx = optim.from_optax(optax.sgd(0.1))
+    assert (tx.name, tx.hyperparams) == ("optax", {})
+    assert optim.from_optax(optax.sgd(0.1), name="my_sgd").name == "my_sgd"
+    assert optim.sgd().init({"t": jnp.zeros((3, 2))}).tables == {"t": ()}
+
+
+def test_refusals_name_the_optimizer_and_the_value():
+    import re
+
+    for name in ("sgd", "adagrad", "rowwise_adagrad", "adam"):
+        with pytest.raises(ValueError, match=re.escape(f"{name}: lr=-1 must be a number >= 0")):
+            getattr(optim, name)(lr=-1)
+    with pytest.raises(ValueError, match=re.escape("adam: beta2=1.5 must be below 1")):
+        optim.adam(beta2=1.5)
+    with pytest.raises(ValueError, match=re.escape("adam: eps='x' must be a number >= 0")):
+        optim.adam(eps="x")
+
+    class OnlyInit:
+        def init(self, params):
+            return ()
+
+    for bad in (OnlyInit(), object()):
+        with pytest.raises(ValueError, match=re.escape(f"from_optax: expected an optax.GradientTransformation, got {type(bad).__name__}")):
+            optim.from_optax(bad)
+
+
+def test_state_is_fp32_even_with_x64_on():
+    with jax.enable_x64(True):
+        params = {"t": jnp.zeros((5, 3), jnp.float32)}
+        for rule in (optim.adagrad(), optim.rowwise_adagrad(), optim.adam(), optim.from_optax(optax.adam(0.1))):
+            leaves = [x for x in jax.tree_util.tree_leaves(rule.init(params).tables) if x.ndim]
+            assert leaves and all(x.dtype == jnp.float32 for x in leaves), rule.name
+
+
+def test_from_optax_adamw_equals_builtin_adam_with_weight_decay():
+    """optax's AdamW reads the params (the decay term): the rows must reach `tx.update`."""
+    rng = np.random.default_rng(11)
+    case = random_case(rng, hot_rows=4)
+    ebc = EmbeddingBagCollection(case.tables, kernel="xla")
+    grad = jnp.asarray(rng.normal(size=(case.stride, sum(ebc.layout.output_dims))).astype(np.float32))
+    kjt = case.kjt.pad(capacity=128)
+    results = []
+    for rule in (optim.adam(lr=0.05, beta1=0.7, beta2=0.9, eps=0.2, weight_decay=0.3),
+                 optim.from_optax(optax.adamw(0.05, b1=0.7, b2=0.9, eps=0.2, weight_decay=0.3))):
+        params = ebc.init(jax.random.key(1))
+        state, update = rule.init(params), make_update(ebc, rule)
+        for _ in range(3):
+            params, state = update(params, state, kjt, grad)
+        results.append(params)
+    for g in results[0]:
+        np.testing.assert_allclose(np.asarray(results[0][g]), np.asarray(results[1][g]), rtol=1e-5, atol=1e-6)
