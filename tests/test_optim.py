@@ -230,3 +230,16 @@ def test_from_optax_adamw_equals_builtin_adam_with_weight_decay():
         results.append(params)
     for g in results[0]:
         np.testing.assert_allclose(np.asarray(results[0][g]), np.asarray(results[1][g]), rtol=1e-5, atol=1e-6)
+
+
+def test_dedup_of_an_empty_and_a_one_id_stream():
+    from sparse_jax.optim._apply import dedup_row_grads
+
+    bag_grads = jnp.arange(15, dtype=jnp.float32).reshape(3, 5)
+    empty = jnp.zeros(0, jnp.int32)
+    unique, grads = dedup_row_grads(empty, empty, jnp.zeros(0, jnp.float32), bag_grads, num_rows=4)
+    assert unique.shape == (0,) and grads.shape == (0, 5) and grads.dtype == jnp.float32
+    unique, grads = dedup_row_grads(jnp.array([2], jnp.int32), jnp.array([1], jnp.int32),
+                                    jnp.array([0.5], jnp.float32), bag_grads, num_rows=4)
+    assert unique.tolist() == [2]
+    np.testing.assert_array_equal(np.asarray(grads), [[2.5, 3.0, 3.5, 4.0, 4.5]])
