@@ -243,3 +243,40 @@ def test_dedup_of_an_empty_and_a_one_id_stream():
                                     jnp.array([0.5], jnp.float32), bag_grads, num_rows=4)
     assert unique.tolist() == [2]
     np.testing.assert_array_equal(np.asarray(grads), [[2.5, 3.0, 3.5, 4.0, 4.5]])
+
+
+def test_dedup_drops_rows_and_bags_outside_their_range():
+    """Rows outside [0, num_rows) add to no slot (every slot without a row sums to 0); a bag
+    outside the gradient's bags reads 0 whatever its scale; grads are summed in fp32."""
+    from sparse_jax.optim._apply import dedup_row_grads
+
+    rows = jnp.array([2, 4, 0, 2, -1, 1, 1], jnp.int32)  # num_rows = 4: 4 and -1 are outside
+    bag = jnp.array([0, 1, 2, 1, 0, 3, 2], jnp.int32)  # 3 bags: bag 3 is outside
+    scale = jnp.array([1.0, 2.0, 1.0, 0.5, 1.0, 1.0, 3.0], jnp.float32)
+    bag_grads = jnp.array([[1, 2], [3, 4], [5, 6]], jnp.bfloat16)
+    unique, grads = dedup_row_grads(rows, bag, scale, bag_grads, num_rows=4)
+    assert grads.dtype == jnp.float32 and unique.shape == (7,)
+    unique, grads = np.asarray(unique), np.asarray(grads)
+    got = {int(u): grads[i].tolist() for i, u in enumerate(unique) if u >= 0}
+    assert got == {0: [5.0, 6.0], 1: [15.0, 18.0], 2: [2.5, 4.0]}
+    assert not grads[unique < 0].any()
+
+
+@pytest.mark.parametrize("spec", [("model",), (("data", "model"),), ()])
+def test_state_is_placed_like_its_table(spec):
+    """Per-row state leaves are sharded over the table's row axes, global leaves (optax's
+    count, the step count) replicated on the same mesh; on one device nothing is moved."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    table = jax.device_put(jnp.zeros((16, 3), jnp.float32), NamedSharding(mesh, P(*spec)))
+    for rule in (optim.rowwise_adagrad(), optim.adam(), optim.from_optax(optax.adam(0.1))):
+        state = rule.init({"t": table})
+        assert state.count.sharding == NamedSharding(mesh, P())
+        for leaf in jax.tree_util.tree_leaves(state.tables["t"]):
+            want = P(spec[0] if spec else None) if leaf.ndim and leaf.shape[0] == 16 else P()
+            assert leaf.sharding == NamedSharding(mesh, want), (rule.name, leaf.shape, leaf.sharding)
+            assert not np.asarray(leaf).any()
+    one = optim.adam().init({"t": jnp.zeros((4, 2), jnp.float32)})
+    assert all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(one))
