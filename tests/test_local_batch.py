@@ -103,3 +103,11 @@ def test_pad_parts_pads_ids_after_the_last_bag_and_only_raises_the_cap():
     assert parts["values"].shape == (1, 4)  # the input is not modified
     with pytest.raises(ValueError, match=re.escape("capacity 2 is below the batch's 4")):
         pad_parts(parts, 2, 1)
+
+
+@pytest.mark.parametrize("keys", [["f"], []])
+def test_a_zero_sample_batch_splits_into_empty_devices(keys):
+    kjt = KeyedJaggedTensor(keys, np.zeros(0, np.int32), lengths=np.zeros(0, np.int32))
+    parts = split_batch(kjt, 4, (8, 16))
+    assert parts["values"].shape == (4, 8) and parts["lengths"].shape == (4, 0)
+    assert parts["local_batch"] == 0 and parts["length_cap"] == 1 and not parts["weights"].any()

@@ -61,9 +61,9 @@ def split_batch(
     offsets = np.asarray(kjt.offsets())
     values = np.asarray(kjt.values())
     w = kjt.weights_or_none()
-    weights = np.ones_like(values, np.float32) if w is None else np.asarray(w, np.float32)
-    per_dev = lengths.reshape(len(keys), num_devices, b_local).sum(axis=(0, 2))
-    cap = _capacity.capacity_for(max(int(per_dev.max()) if per_dev.size else 0, min_capacity), ladder, what="local batch")
+    weights = None if w is None else np.asarray(w)
+    per_dev = lengths.reshape(len(keys), num_devices, b_local).sum(axis=(0, 2))  # [devices], never empty
+    cap = _capacity.capacity_for(max(int(per_dev.max()), min_capacity), ladder, what="local batch")
     out_v = np.zeros((num_devices, cap), values.dtype)
     out_w = np.zeros((num_devices, cap), np.float32)
     out_l = np.zeros((num_devices, len(keys) * b_local), np.int32)
@@ -73,10 +73,10 @@ def split_batch(
             a = int(offsets[k * stride + d * b_local])
             b = int(offsets[k * stride + (d + 1) * b_local])
             out_v[d, pos : pos + b - a] = values[a:b]
-            out_w[d, pos : pos + b - a] = weights[a:b]
+            out_w[d, pos : pos + b - a] = 1.0 if weights is None else weights[a:b]
             out_l[d, k * b_local : (k + 1) * b_local] = lengths[k, d * b_local : (d + 1) * b_local]
             pos += b - a
-    max_len = int(lengths.max()) if lengths.size else 0
+    max_len = int(lengths.max(initial=0))
     return dict(values=out_v, lengths=out_l, weights=out_w, keys=tuple(keys), local_batch=b_local,
                 length_cap=max(min_length_cap, _capacity.length_cap(max_len)))
 
