@@ -123,3 +123,12 @@ def test_refusals_in_full():
     for call, error, message in cases:
         with pytest.raises(error, match=f"^{re.escape(message)}$"):
             call()
+
+
+def test_two_device_arrays_replicated_cross_zero_copy_and_sharded_are_joined(stats):
+    mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2])
+    sharded = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("d")))
+    replicated = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P()))
+    for x in (sharded, replicated, replicated):
+        assert hybrid.jax_to_torch(x).tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert dict(stats.copies) == {"joined_shards": 1} and stats.zero_copy == 2
