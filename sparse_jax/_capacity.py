@@ -39,8 +39,8 @@ DEFAULT_LADDER: tuple[int, ...] = make_ladder()
 def capacity_for(n: int, ladder: Sequence[int] | None = None, *, what: str = "batch") -> int:
     """The smallest rung that holds `n` ids. Raises when `n` is above the top rung."""
     rungs = tuple(DEFAULT_LADDER if ladder is None else ladder)
-    if not rungs or any(b <= a for a, b in zip(rungs, rungs[1:], strict=False)):
-        raise ValueError(f"a capacity ladder must be a non-empty increasing list, got {rungs}")
+    if not rungs or rungs[0] < 1 or any(b <= a for a, b in zip(rungs, rungs[1:], strict=False)):
+        raise ValueError(f"a capacity ladder must be a non-empty increasing list of sizes >= 1, got {rungs}")
     for rung in rungs:
         if rung >= n:
             return rung

@@ -111,3 +111,12 @@ def test_a_zero_sample_batch_splits_into_empty_devices(keys):
     parts = split_batch(kjt, 4, (8, 16))
     assert parts["values"].shape == (4, 8) and parts["lengths"].shape == (4, 0)
     assert parts["local_batch"] == 0 and parts["length_cap"] == 1 and not parts["weights"].any()
+
+
+@pytest.mark.parametrize("ladder", [(), (0, 8), (8, 8), (16, 8)])
+def test_a_ladder_must_be_increasing_sizes_of_at_least_one(ladder):
+    from sparse_jax._capacity import capacity_for
+
+    msg = f"a capacity ladder must be a non-empty increasing list of sizes >= 1, got {ladder}"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        capacity_for(0, ladder)
