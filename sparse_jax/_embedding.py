@@ -192,7 +192,7 @@ class EmbeddingCollection(TableCollection):
                 n = rows.shape[0]
                 new_params[group], new_states[group] = apply_row_rule(
                     rule, params[group], opt_state.tables[group], count, rows,
-                    jnp.arange(n, dtype=jnp.int32), jnp.ones(n, jnp.float32), grad,
+                    jnp.arange(n, dtype=jnp.int32), jnp.ones(n, jnp.float32), grad, kernel="xla",
                 )
             return new_params, SparseOptState(count=count, tables=new_states)
 

@@ -274,9 +274,41 @@ def test_state_is_placed_like_its_table(spec):
     for rule in (optim.rowwise_adagrad(), optim.adam(), optim.from_optax(optax.adam(0.1))):
         state = rule.init({"t": table})
         assert state.count.sharding == NamedSharding(mesh, P())
-        for leaf in jax.tree_util.tree_leaves(state.tables["t"]):
+        leaves = jax.tree_util.tree_leaves(state.tables["t"])
+        assert len(leaves) == len(jax.tree_util.tree_leaves(rule.init_table(table))) >= 1
+        for leaf in leaves:
             want = P(spec[0] if spec else None) if leaf.ndim and leaf.shape[0] == 16 else P()
             assert leaf.sharding == NamedSharding(mesh, want), (rule.name, leaf.shape, leaf.sharding)
             assert not np.asarray(leaf).any()
     one = optim.adam().init({"t": jnp.zeros((4, 2), jnp.float32)})
     assert all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(one))
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_the_id_stream_update_on_the_cpu_kernel_equals_xla(rule):
+    """`apply_row_rule` (the sharded programs' update) with kernel='auto' runs the C++ id-stream
+    kernel on the buffer and its state leaf; kernel='xla' the XLA form: same numbers."""
+    from sparse_jax import _kernels
+    from sparse_jax.optim._apply import apply_row_rule
+
+    if not _kernels.available():
+        pytest.skip("CPU kernels not built")
+    rng = np.random.default_rng(3)
+    r = getattr(optim, rule)(**RULES[rule])
+    rows = jnp.asarray(rng.integers(0, 12, 40), jnp.int32).at[5].set(12)  # one id past the buffer
+    bag = jnp.asarray(rng.integers(0, 6, 40), jnp.int32)
+    scale = jnp.asarray(rng.random(40) + 0.5, jnp.float32)
+    bag_grads = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    out = {}
+    for kernel in ("auto", "xla"):
+        table = jnp.asarray(np.random.default_rng(0).normal(size=(12, 4)), jnp.float32)
+        state = r.init_table(table)
+        if rule != "sgd":
+            state = {"momentum1": state["momentum1"] + 0.25}  # a state that is not all zero
+        out[kernel] = apply_row_rule(r, table, state, jnp.int32(1), rows, bag, scale, bag_grads, kernel=kernel)
+        text = jax.jit(lambda t, s, r=r, k=kernel: apply_row_rule(r, t, s, jnp.int32(1), rows, bag, scale, bag_grads,
+                                                                   kernel=k)).lower(table, state).as_text()
+        assert ("custom_call @HybridrecFusedUpdate" in text) == (kernel == "auto")
+    for a, b in zip(jax.tree_util.tree_leaves(out["auto"]), jax.tree_util.tree_leaves(out["xla"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert len(jax.tree_util.tree_leaves(out["auto"])) == (1 if rule == "sgd" else 2)

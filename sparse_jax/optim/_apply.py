@@ -49,7 +49,7 @@ def dedup_row_grads(rows, bag, scale, bag_grads, *, num_rows: int):
     return jnp.where(first, rows_s, -1), summed
 
 
-def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, *, kernel: str = "xla"):
+def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, *, kernel: str):
     """One fused update of one buffer. Returns (new table, new state).
 
     With `kernel` "auto"/"ffi", fp32 buffers on CPU and a rule the C++ kernel knows (sgd,
