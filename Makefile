@@ -48,6 +48,7 @@ mutation: $(STAMP)
 
 # Every module of the numeric and safety core with its own test selection (tools/mutation_core.sh);
 # MODULES="sparse_jax/_update.py ..." picks some. The scores are in docs/mutation.md.
+MODULES ?=
 mutation-core: $(STAMP)
 	$(PIP) install --progress-bar off '.[mutation]'
 	PY=$(PY) MODULES="$(MODULES)" tools/mutation_core.sh
