@@ -10,8 +10,11 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              num_eval_samples, num_sparse, num_dense (synthetic)
     [model]  arch = "DLRM" | "DLRM_DCN" | "two_tower"; embedding_dim; dense_arch_layer_sizes;
              over_arch_layer_sizes; dcn_num_layers; dcn_low_rank_dim; query_features,
-             candidate_features, tower_layer_sizes (two_tower)
-    [sparse_optimizer] name = "rowwise_adagrad" | "adagrad" | "adam" | "sgd"; lr; eps
+             candidate_features, tower_layer_sizes (two_tower); data_type = "FP32" | "FP16"
+             | "BF16" (the tables' storage; lookups and updates compute in fp32)
+    [sparse_optimizer] name = "rowwise_adagrad" | "adagrad" | "adam" | "sgd"; lr; eps;
+             stochastic_rounding (FP16/BF16 tables: stochastic write-back, seeded by `seed`,
+             as FBGEMM's default; false rounds to nearest)
     [dense_optimizer]  name = "adam" | "sgd"; lr
     [train]  mesh ("data=2,model=4"; "" = one device); sharding ({table = "row_wise"}, else
              the planner's plan); batch_size (global, divisible by the device count);
@@ -64,6 +67,7 @@ class DataSection:
 class ModelSection:
     arch: str = "DLRM"
     embedding_dim: int = 16
+    data_type: str = "FP32"  # the tables' storage (EmbeddingBagConfig.data_type): FP32, FP16, BF16
     dense_arch_layer_sizes: list[int] = dataclasses.field(default_factory=lambda: [64, 16])
     over_arch_layer_sizes: list[int] = dataclasses.field(default_factory=lambda: [64, 1])
     dcn_num_layers: int = 2
@@ -78,6 +82,7 @@ class SparseOptimizerSection:
     name: str = "rowwise_adagrad"
     lr: float = 0.05
     eps: float = 1e-8
+    stochastic_rounding: bool = True  # FP16 / BF16 tables: FBGEMM's default write-back
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,6 +144,7 @@ class TrainConfig:
 _CHOICES = {
     "data.source": ("movielens", "criteo", "synthetic"),
     "model.arch": ("DLRM", "DLRM_DCN", "two_tower"),
+    "model.data_type": ("FP32", "FP16", "BF16"),
     "sparse_optimizer.name": ("rowwise_adagrad", "adagrad", "adam", "sgd"),
     "dense_optimizer.name": ("adam", "sgd"),
     "train.nonfinite": ("stop", "skip"),

@@ -194,8 +194,8 @@ def _sparse_rule(config):
 
     o = config.sparse_optimizer
     if o.name == "sgd":
-        return optim.sgd(lr=o.lr)
-    return getattr(optim, o.name)(lr=o.lr, eps=o.eps)
+        return optim.sgd(lr=o.lr, stochastic_rounding=o.stochastic_rounding, seed=config.seed)
+    return getattr(optim, o.name)(lr=o.lr, eps=o.eps, stochastic_rounding=o.stochastic_rounding, seed=config.seed)
 
 
 def _mesh(config):
@@ -261,6 +261,7 @@ def build(config):
             num_embeddings=n,
             embedding_dim=config.model.embedding_dim,
             feature_names=[key],
+            data_type=config.model.data_type,
         )
         for key, n in zip(train.keys, train.num_embeddings, strict=True)
     ]

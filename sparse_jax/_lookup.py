@@ -118,7 +118,7 @@ def use_ffi(kernel: str, table) -> bool:
     return False
 
 
-def sum_positions(table, rows, w, kernel: str = "xla"):
+def sum_positions(table, rows, w, kernel: str):
     """`sum_l w[:, l] * table[rows[:, l]]` by the fused C++ kernel or by XLA (`_sum_positions`)."""
     if use_ffi(kernel, table):
         from sparse_jax import _kernels
@@ -151,7 +151,7 @@ def _caps(kjt: KeyedJaggedTensor, key_indices: Sequence[int]) -> list[int]:
     return [caps[ki] for ki in key_indices]
 
 
-def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str = "xla"):
+def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str):
     """Per feature (output order) a `[B, dim]` fp32 block. Features of one group with the
     same cap are looked up together (one fused loop over their stacked bags)."""
     key_indices = layout.key_indices(kjt.keys())
@@ -186,7 +186,7 @@ def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bou
         ]
         rows = jnp.concatenate([m[0] for m in mats])
         w = jnp.concatenate([m[1] for m in mats])
-        pooled = sum_positions(params[group], rows, w, kernel)
+        pooled = _sum_positions(params[group], rows, w)  # the C++ kernel's groups went the jagged way
         for j, i in enumerate(members):
             out[i] = pooled[j * stride : (j + 1) * stride]
     return out

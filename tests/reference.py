@@ -126,3 +126,42 @@ def fused_step(name, hp, weights, states, row_grads, step):
             dim = weights[table].shape[1]
             state = states.setdefault(table, {}).get(i, initial_row_state(name, dim))
             weights[table][i], states[table][i] = rule_step(name, hp, weights[table][i], state, g, step)
+
+
+def _murmur_mix(h):
+    h &= 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def stochastic_round_loop(x, dtype, seed, step, rows):
+    """Element by element: the narrow neighbours lo <= x <= hi (numpy's nextafter in the
+    narrow type), a 24-bit uniform u from the hash of (seed, step, row, column), and hi when
+    u < (x - lo) / (hi - lo); exact values stay, non-finite neighbours round to nearest."""
+    out = np.empty(x.shape, dtype)
+    quiet = np.errstate(over="ignore", invalid="ignore")  # casts and nextafter past the largest value
+    quiet.__enter__()
+    key = _murmur_mix(seed ^ ((step * 0x9E3779B9) & 0xFFFFFFFF))
+    for i, row in enumerate(rows):
+        for j in range(x.shape[1]):
+            v = float(x[i, j])
+            near = np.asarray(v, np.float32).astype(dtype)
+            toward = np.asarray(-np.inf if float(near) > v else np.inf, dtype)
+            other = np.nextafter(near, toward)
+            lo, hi = sorted([float(near), float(other)])
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                out[i, j] = near
+                continue
+            h = _murmur_mix(_murmur_mix(key ^ ((int(row) * 0x85EBCA6B) & 0xFFFFFFFF)) ^ ((j * 0xC2B2AE35) & 0xFFFFFFFF))
+            u = (h >> 8) / 2.0**24
+            out[i, j] = np.asarray(hi if u < (v - lo) / (hi - lo) else lo, dtype)
+    quiet.__exit__(None, None, None)
+    return out
+
+
+# ---------------------------------------------------------------- quantized rows (FBGEMM IntN TBE layout)
+
+_QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}

@@ -56,7 +56,9 @@ def test_ffi_refuses_to_fall_back_and_auto_falls_back(monkeypatch):
     table = np.zeros((2, 2), np.float32)
     assert _lookup.use_ffi("auto", table) is False
     assert _lookup.use_ffi("xla", table) is False
-    with pytest.raises(ValueError, match=re.escape("kernel='ffi' was asked for but the CPU kernels are unavailable")):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); "
+            "use kernel='auto' or 'xla'") + "$"):
         _lookup.use_ffi("ffi", table)
     monkeypatch.setattr(_kernels, "available", lambda: True)
     assert _lookup.use_ffi("auto", table) is True and _lookup.use_ffi("ffi", table) is True
@@ -97,3 +99,27 @@ def test_sharded_lookup_takes_the_same_path(plan):
         params = sharded.init(jax.random.key(0))
         text = jax.jit(sharded.apply).lower(params, sharded.prepare(kjt)).as_text()
         assert _has_custom_call(text) == custom, (kernel, plan)
+
+
+def test_the_per_position_path_refuses_a_kjt_without_length_caps():
+    """(`ebc.apply` pads a raw KJT first; the lookup itself refuses one.)"""
+    ebc = EmbeddingBagCollection(TABLES, kernel="xla")
+    params = ebc.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "the per-position lookup needs static bag-length caps: prepare the batch (module.prepare(kjt)) "
+            "or call kjt.pad(...) first, or use kernel='reference'") + "$"):
+        _lookup.pooled_per_position(params, _kjt([0, 3]), ebc.layout, weighted=False, bounds_check="error", kernel="xla")
+
+
+def test_a_kjt_filled_to_its_capacity_reads_its_last_id():
+    """No padding slot at all: the last bag's last id sits at index capacity - 1 (the lookup
+    itself: `ebc.apply` would prepare the batch onto a ladder rung with padding)."""
+    ebc = EmbeddingBagCollection(TABLES, kernel="xla")
+    params = ebc.init(jax.random.key(0))
+    kjt = KeyedJaggedTensor(["f", "g"], np.array([2, 5, 1, 3, 4, 6], np.int32),
+                            lengths=np.array([2, 1, 1, 2], np.int32)).pad(capacity=6)
+    assert kjt.capacity() == 6
+    w = {k: np.asarray(v) for k, v in ebc.table_weights(params).items()}
+    f, g = _lookup.pooled_per_position(params, kjt, ebc.layout, weighted=False, bounds_check="error", kernel="xla")
+    np.testing.assert_allclose(np.asarray(f), [w["t"][2] + w["t"][5], w["t"][1]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g), [w["u"][3], w["u"][4] + w["u"][6]], rtol=1e-6)

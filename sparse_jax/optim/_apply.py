@@ -5,7 +5,8 @@ Input: the flat per-id stream of one table buffer (`row`, `bag`, `scale`, from
 1. sort the rows alone; each id's slot is its row's first sorted position (`searchsorted`);
 2. per-id gradient `grad[bag] * scale`, summed per slot (`segment_sum`);
 3. gather the unique rows and their state, step them with the rule (fp32);
-4. scatter rows and state back into the (donated) buffers.
+4. round the rows to the table's dtype (fp16 / bf16: stochastically unless the rule says
+   otherwise, `_rounding`) and scatter rows and state back into the (donated) buffers.
 No `[rows, dim]` gradient is ever built. Ids that contribute nothing carry the row index
 `num_rows`; they get the out-of-range slot N (and bag index), which every scatter drops, so
 padding never lands on one shared address (one atomic hot spot on a GPU) and never on a
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax.optim._base import RowRule, is_row_leaf
+from sparse_jax.optim._rounding import round_rows
 
 __all__ = ["apply_row_rule", "dedup_row_grads"]
 
@@ -79,7 +81,8 @@ def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grad
     gather = lambda x: x.at[unique].get(mode="fill", fill_value=0) if is_row_leaf(x, num_rows) else x  # noqa: E731
     state_rows = jax.tree_util.tree_map(gather, state)
     new_w, new_state_rows = rule.update_rows(w, state_rows, grads, step)
-    table = table.at[unique].set(new_w.astype(table.dtype), mode="drop", unique_indices=True)
+    new_w = round_rows(new_w, table.dtype, stochastic=rule.stochastic_rounding, seed=rule.seed, step=step, rows=unique)
+    table = table.at[unique].set(new_w, mode="drop", unique_indices=True)
 
     def scatter(old, new):
         if is_row_leaf(old, num_rows):

@@ -33,12 +33,23 @@ class RowRule:
     update_rows(rows, state_rows, grads, step) -> (new_rows, new_state_rows): rows and grads
       are fp32 `[U, dim]` (deduplicated: one entry per touched row, grads summed); `step`
       is the 1-based step number (int32 scalar).
+    stochastic_rounding: how stepped rows are written back into fp16 / bf16 tables
+      (FBGEMM's `stochastic_rounding`, on by default as there; `False` rounds to nearest);
+      `seed` picks the draw (`sparse_jax.optim._rounding`). fp32 tables are unaffected.
     """
 
     name: str
     init_table: Callable[[jax.Array], Any]
     update_rows: Callable[..., tuple[jax.Array, Any]]
     hyperparams: dict[str, float] = dataclasses.field(default_factory=dict)
+    stochastic_rounding: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(f"{self.name}: stochastic_rounding={self.stochastic_rounding!r} must be True or False")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"{self.name}: seed={self.seed!r} must be an int in [0, 2**32)")
 
     def init(self, params: dict[str, jax.Array]) -> SparseOptState:
         """Fresh state for every buffer of `params`, placed like the buffers (mesh-sharded

@@ -16,7 +16,8 @@ __all__ = ["adam"]
 
 
 def adam(
-    lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0
+    lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+    *, stochastic_rounding: bool = True, seed: int = 0,
 ) -> RowRule:
     hp = check_positive("adam", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     for k in ("beta1", "beta2"):
@@ -37,4 +38,4 @@ def adam(
         new = rows - hp["lr"] * (m_hat / (jnp.sqrt(v_hat) + hp["eps"]) + hp["weight_decay"] * rows)
         return new, {"momentum1": m, "momentum2": v}
 
-    return RowRule("adam", init_table, update_rows, hp)
+    return RowRule("adam", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed)

@@ -19,7 +19,9 @@ from sparse_jax.optim._base import RowRule
 __all__ = ["from_optax"]
 
 
-def from_optax(tx: optax.GradientTransformation, name: str = "optax") -> RowRule:
+def from_optax(
+    tx: optax.GradientTransformation, name: str = "optax", *, stochastic_rounding: bool = True, seed: int = 0
+) -> RowRule:
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise ValueError(f"from_optax: expected an optax.GradientTransformation, got {type(tx).__name__}")
 
@@ -33,5 +35,5 @@ def from_optax(tx: optax.GradientTransformation, name: str = "optax") -> RowRule
             updates, new_state = tx.update(grads, state, rows)
             return optax.apply_updates(rows, updates), new_state
 
-    return RowRule(name, init_table, update_rows, {})
+    return RowRule(name, init_table, update_rows, {}, stochastic_rounding=stochastic_rounding, seed=seed)
 
