@@ -128,17 +128,25 @@ def sum_positions(table, rows, w, kernel: str):
 
 
 def _sum_positions(table, rows, w):
-    """sum_l w[:, l] * table[rows[:, l]] in fp32, one fused gather+add per position."""
+    """sum_l w[:, l] * table[rows[:, l]] in fp32, one fused gather+add per position.
+
+    A narrow (fp16 / bf16) table rides in the loop carry behind an optimization barrier:
+    otherwise XLA rewrites gather + convert as convert(whole table) + gather and hoists that
+    whole-table convert out of the loop, materializing every row in fp32 on each call
+    (5-13x slower than fp32 tables; benchmarks/NOTES.md)."""
     cap = rows.shape[1]
     acc = jnp.zeros((rows.shape[0], table.shape[1]), jnp.float32)
 
-    def add(pos, acc):
-        r = table.at[rows[:, pos]].get(mode="promise_in_bounds").astype(jnp.float32)
-        return acc + w[:, pos, None] * r
+    def add(pos, carry):
+        acc, t = carry
+        if t.dtype != jnp.float32:
+            t = jax.lax.optimization_barrier(t)
+        r = t.at[rows[:, pos]].get(mode="promise_in_bounds").astype(jnp.float32)
+        return acc + w[:, pos, None] * r, t
 
     # A loop over positions (partly unrolled) measured 4-7x faster than fully unrolling
     # them at cap 32 (benchmarks/NOTES.md): XLA keeps one small fused gather+add body.
-    return jax.lax.fori_loop(0, cap, add, acc, unroll=min(cap, _UNROLL))
+    return jax.lax.fori_loop(0, cap, add, (acc, table), unroll=min(cap, _UNROLL))[0]
 
 
 def _caps(kjt: KeyedJaggedTensor, key_indices: Sequence[int]) -> list[int]:

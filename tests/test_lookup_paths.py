@@ -123,3 +123,16 @@ def test_a_kjt_filled_to_its_capacity_reads_its_last_id():
     f, g = _lookup.pooled_per_position(params, kjt, ebc.layout, weighted=False, bounds_check="error", kernel="xla")
     np.testing.assert_allclose(np.asarray(f), [w["t"][2] + w["t"][5], w["t"][1]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(g), [w["u"][3], w["u"][4] + w["u"][6]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("data_type", [DataType.BF16, DataType.FP16, DataType.FP32])
+def test_a_narrow_table_is_never_widened_whole(data_type):
+    """The XLA pooled sum converts only the gathered rows to fp32: no temporary the size of
+    the table (XLA hoisted a whole-table bf16 -> fp32 convert out of the position loop,
+    5-13x slower than fp32; benchmarks/NOTES.md)."""
+    rows_n, dim = 50_000, 16
+    table = jax.numpy.zeros((rows_n, dim), data_type.numpy_dtype)
+    rows = jax.numpy.zeros((64, 8), jax.numpy.int32)
+    w = jax.numpy.ones((64, 8), jax.numpy.float32)
+    compiled = jax.jit(_lookup._sum_positions).lower(table, rows, w).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < rows_n * dim * 4 // 100
