@@ -249,27 +249,43 @@ def test_a_feature_shared_by_two_tables_sharded_matches_unsharded(plan):
     np.testing.assert_allclose(sharded.apply(sparams, vbe).values(), expanded, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["column_wise", "grid_shard", "row_wise"])
-def test_sharded_rowwise_adagrad_matches_loops_not_only_the_unsharded_code(kind):
+MIXED_PLANS = {
+    # one kind for every table, then mixes: split and unsplit tables in one buffer (column
+    # blocks of width 8 beside whole 8-wide tables), row offsets inside a split table
+    # (grid, table_column_wise), a replicated table beside split ones
+    "column_wise": ("column_wise",) * 4,
+    "grid_shard": ("grid_shard",) * 4,
+    "row_wise": ("row_wise",) * 4,
+    "mixed": ("table_wise", "column_wise", "data_parallel", "grid_shard"),
+    "mixed_2": ("column_wise", "table_column_wise", "row_wise", "table_row_wise"),
+}
+
+
+@pytest.mark.parametrize("data_type", ["FP32", "FP16"])
+@pytest.mark.parametrize("kinds", list(MIXED_PLANS))
+def test_sharded_rowwise_adagrad_matches_loops_not_only_the_unsharded_code(kinds, data_type):
     """The sharded update against `tests/reference.py`'s loops directly (the comparisons above
     go through the unsharded collection, which shares the rule code): eps large enough that
     sqrt(s + eps) for sqrt(s) + eps shows, and a column-split row's statistic is the mean of
-    g * g over the whole row, not over its block."""
+    g * g over the whole row, not over its block. fp16 tables round to nearest once per
+    step (the loops round after each step; one fp16 ulp apart at most)."""
     from tests import reference
 
     hp = dict(lr=0.5, eps=0.3)
-    rule = optim.rowwise_adagrad(**hp)
+    rule = optim.rowwise_adagrad(**hp, stochastic_rounding=False)
     mesh = _mesh("2x4")
-    case = random_case(np.random.default_rng(4), dims=[8, 16, 8, 16], batch=8, weighted=True, rows=(20, 40))
+    dims = [8, 16, 8, 16]
+    case = random_case(np.random.default_rng(4), dims=dims, batch=8, weighted=True, rows=(20, 40), data_type=data_type)
     ebc = EmbeddingBagCollection(case.tables, is_weighted=True)
-    sharded = shard(ebc, mesh, {t.name: kind for t in case.tables})
+    plan = dict(zip((t.name for t in case.tables), MIXED_PLANS[kinds], strict=True))
+    sharded = shard(ebc, mesh, plan)
     sparams = sharded.init(jax.random.key(0))
     weights = {k: np.asarray(v, np.float64) for k, v in sharded.table_weights(sparams).items()}
     states: dict = {}
     sstate, update = rule.init(sparams), make_update(sharded, rule)
     rng = np.random.default_rng(9)
     for step in range(1, 4):
-        c = random_case(np.random.default_rng(40 + step), dims=[8, 16, 8, 16], batch=8, weighted=True, rows=(20, 40),
+        c = random_case(np.random.default_rng(40 + step), dims=dims, batch=8, weighted=True, rows=(20, 40),
                         hot_rows=4, shuffle_keys=False)
         grad = rng.normal(size=(8, sum(ebc.layout.output_dims))).astype(np.float32)
         sparams, sstate = update(sparams, sstate, c.kjt, jnp.asarray(grad))
@@ -279,10 +295,59 @@ def test_sharded_rowwise_adagrad_matches_loops_not_only_the_unsharded_code(kind)
             blocks[feature], col = grad[:, col : col + dim], col + dim
         reference.fused_step("rowwise_adagrad", hp, weights, states,
                              reference.row_gradients(c.features, c.bag_ids, blocks, c.bag_weights), step)
+        if data_type == "FP16":
+            weights = {k: w.astype(np.float16).astype(np.float64) for k, w in weights.items()}
     got = sharded.table_weights(sparams)
-    assert {sharded.plan[t.name].sharding_type.value for t in case.tables} == {kind}
-    assert all(len(sharded.plan[t.name].shards) > 1 for t in case.tables)
-    if kind != "row_wise":  # some row really is split over column blocks
-        assert any(s.col_size < t.embedding_dim for t in case.tables for s in sharded.plan[t.name].shards)
+    assert {t.name: sharded.plan[t.name].sharding_type.value for t in case.tables} == plan
+    assert any(s.col_size < t.embedding_dim for t in case.tables for s in sharded.plan[t.name].shards) == (
+        kinds != "row_wise")  # some row really is split over column blocks
     for name, want in weights.items():
-        np.testing.assert_allclose(np.asarray(got[name]), want, rtol=2e-5, atol=2e-6, err_msg=f"table {name}")
+        have = np.asarray(got[name], np.float64)
+        if data_type == "FP16":
+            ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+            np.testing.assert_array_less(np.abs(have - want), ulp * 1.001, err_msg=f"table {name}")
+        else:
+            np.testing.assert_allclose(have, want, rtol=2e-5, atol=2e-6, err_msg=f"table {name}")
+
+
+@pytest.mark.parametrize("kinds", ["mixed", "mixed_2", "grid_shard", "column_wise"])
+def test_every_local_row_finds_its_tables_row_statistic(kinds, monkeypatch):
+    """`_row_stat`'s index of each local row of each buffer and coordinate, against the
+    buffer's block list read directly: split tables' rows get `base[table] + global row`,
+    other tables' rows and the padding slot (-1) get `space.size` (no statistic); each row
+    gets its table's full dim (the padding slot: the buffer width). A consistent but wrong
+    index (a sign slip in the row offset) still trains right unless two rows collide, so the
+    loop comparisons above cannot see it."""
+    from sparse_jax.sharding import _row_stat
+
+    dims = [8, 16, 8, 16]
+    case = random_case(np.random.default_rng(4), dims=dims, batch=8, rows=(20, 40))
+    ebc = EmbeddingBagCollection(case.tables)
+    sharded = shard(ebc, _mesh("2x4"), dict(zip((t.name for t in case.tables), MIXED_PLANS[kinds], strict=True)))
+    static = sharded.static
+    space = _row_stat.row_space(static)
+    full_dim = {t.name: t.embedding_dim for t in case.tables}
+    split = [t.name for t in case.tables if any(s.col_size < t.embedding_dim for s in sharded.plan[t.name].shards)]
+    base, size = {}, 0
+    for t in case.tables:  # split tables' rows one after another, in table order
+        if t.name in split:
+            base[t.name], size = size, size + t.num_embeddings
+    assert (space.base, space.size, space.dims) == (base, size, {n: full_dim[n] for n in split})
+    assert split and (kinds == "column_wise" or len(split) < len(case.tables))
+    checked = 0
+    for buf in static.buffers:
+        for c in range(buf.group_size):
+            want_index = np.full(buf.rows_per_device + 1, space.size)
+            want_dim = np.full(buf.rows_per_device + 1, buf.width)
+            for table, coord, local, r0, rn, _, _ in buf.blocks:
+                if coord == c:
+                    want_dim[1 + local : 1 + local + rn] = full_dim[table]
+                    if table in space.base:
+                        want_index[1 + local : 1 + local + rn] = space.base[table] + r0 + np.arange(rn)
+            monkeypatch.setattr(jax.lax, "axis_index", lambda axes, c=c: c)
+            unique = jnp.arange(-1, buf.rows_per_device, dtype=jnp.int32)
+            index, dim = _row_stat._locate(space, static, buf, unique)
+            np.testing.assert_array_equal(np.asarray(index), want_index, err_msg=f"{buf.name} coordinate {c}")
+            np.testing.assert_array_equal(np.asarray(dim), want_dim, err_msg=f"{buf.name} coordinate {c}")
+            checked += int((want_index < space.size).sum())
+    assert checked >= space.size  # every split row is found at least once (replicas: more)

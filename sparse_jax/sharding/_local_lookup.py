@@ -107,7 +107,7 @@ def update_local(static: ShardedStatic, rule: RowRule, params, state, count, loc
     for buf in static.buffers:
         if buf.name in split:
             new_params[buf.name], new_states[buf.name] = _row_stat.apply_rowwise_split(
-                rule, params[buf.name], state[buf.name], split[buf.name], stat)
+                rule, params[buf.name], state[buf.name], split[buf.name], stat, step)
             continue
         rows, bag, scale, bag_grads, _ = _buffer_stream(static, buf, local, grad)
         new_params[buf.name], new_states[buf.name] = apply_row_rule(

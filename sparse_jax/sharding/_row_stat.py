@@ -23,6 +23,7 @@ import numpy as np
 
 from sparse_jax.optim._apply import dedup_row_grads
 from sparse_jax.optim._base import RowRule
+from sparse_jax.optim._rounding import round_rows
 from sparse_jax.sharding._work import ShardBuffer, ShardedStatic
 
 __all__ = ["RowSpace", "apply_rowwise_split", "partial_sums", "row_space"]
@@ -96,9 +97,10 @@ def partial_sums(space: RowSpace, static: ShardedStatic, buf: ShardBuffer, strea
     return stat, (unique, grads, index, dim, sq)
 
 
-def apply_rowwise_split(rule: RowRule, table, state, deduped, stat):
+def apply_rowwise_split(rule: RowRule, table, state, deduped, stat, step):
     """The row-wise Adagrad step of one buffer with each row's statistic over its whole
-    table row (`stat`, summed over the mesh): `(new table, new state)`."""
+    table row (`stat`, summed over the mesh): `(new table, new state)`. Narrow tables are
+    written back as `apply_row_rule` writes them (`round_rows`)."""
     unique, grads, index, dim, sq = deduped
     num_rows = table.shape[0]
     full = jnp.where(index < stat.shape[0], stat.at[index].get(mode="fill", fill_value=0), sq)
@@ -106,6 +108,7 @@ def apply_rowwise_split(rule: RowRule, table, state, deduped, stat):
     s = state["momentum1"].at[rows].get(mode="fill", fill_value=0) + full / dim.astype(jnp.float32)
     w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
     new_w = w - (rule.hyperparams["lr"] / (jnp.sqrt(s) + rule.hyperparams["eps"]))[:, None] * grads
-    table = table.at[rows].set(new_w.astype(table.dtype), mode="drop", unique_indices=True)
+    new_w = round_rows(new_w, table.dtype, stochastic=rule.stochastic_rounding, seed=rule.seed, step=step, rows=rows)
+    table = table.at[rows].set(new_w, mode="drop", unique_indices=True)
     momentum = state["momentum1"].at[rows].set(s, mode="drop", unique_indices=True)
     return table, {**state, "momentum1": momentum}
