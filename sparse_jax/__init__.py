@@ -16,6 +16,7 @@ from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
+from sparse_jax._quant import WEIGHT_TYPES, dequantize_rows, quantize_rows, quantized_pooled_lookup, row_bytes
 from sparse_jax._update import make_update
 
 __all__ = [
@@ -33,11 +34,16 @@ __all__ = [
     "PreparedBatch",
     "SparseModule",
     "StoredBlock",
+    "WEIGHT_TYPES",
     "PoolingType",
     "capacity_for",
+    "dequantize_rows",
     "jt_is_equal",
     "kjt_is_equal",
     "length_cap",
     "make_ladder",
     "make_update",
+    "quantize_rows",
+    "quantized_pooled_lookup",
+    "row_bytes",
 ]

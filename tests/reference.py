@@ -165,3 +165,91 @@ def stochastic_round_loop(x, dtype, seed, step, rows):
 # ---------------------------------------------------------------- quantized rows (FBGEMM IntN TBE layout)
 
 _QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def _half_bytes(value):
+    """The two little-endian bytes of float32 `value` rounded to fp16 (half to even, inf past 65504)."""
+    with np.errstate(over="ignore"):
+        bits = int(np.float16(np.float32(value)).view(np.uint16))
+    return [bits & 0xFF, bits >> 8]
+
+
+def _half_value(low, high):
+    return float(np.uint16(low | (high << 8)).view(np.float16))
+
+
+def quantize_rows_loop(table, weight_type, row_alignment=1):
+    """uint8 [rows, row_bytes] by loops, following FBGEMM's FloatOrHalfToFusedNBitRowwiseQuantizedSBHalfRef
+    (float32 scalar arithmetic), with scale and bias moved to the front of the row as the TBE stores it."""
+    out = []
+    for row in np.asarray(table, np.float32):
+        data = []
+        if weight_type == "fp16":
+            for x in row:
+                data += _half_bytes(x)
+        else:
+            bits = _QUANT_BITS[weight_type]
+            top = 2**bits - 1
+            smallest, largest = row[0], row[0]
+            for x in row:
+                smallest, largest = min(smallest, x), max(largest, x)
+            bias = _half_bytes(smallest)
+            low = np.float32(_half_value(*bias))
+            with np.errstate(all="ignore"):
+                span = np.float32(largest - low)
+                scale = np.float32(1.0) if span == 0 else np.float32(span / np.float32(top))
+                scale = np.float32(_half_value(*_half_bytes(scale)))
+                if scale == 0:
+                    scale = np.float32(1.0)
+                inverse = np.float32(np.float32(1.0) / scale)
+                if math.isinf(inverse):
+                    scale, inverse = np.float32(1.0), np.float32(1.0)
+                codes = []
+                for x in row:
+                    v = float(np.float32(np.float32(x - low) * inverse))
+                    codes.append(0 if math.isnan(v) or v < 0 else min(round(v), top))  # round: half to even
+            data = _half_bytes(scale) + bias
+            per_byte = 8 // bits
+            for start in range(0, len(codes), per_byte):
+                byte = 0
+                for i in range(per_byte):
+                    byte |= codes[start + i] << (i * bits)
+                data.append(byte)
+        data += [0] * (-len(data) % row_alignment)
+        out.append(data)
+    return np.array(out, np.uint8).reshape(len(out), -1)
+
+
+def dequantize_rows_loop(packed, weight_type, dim):
+    """float32 [rows, dim] by loops: scale * q + bias in float64, rounded once to float32
+    (FBGEMM's FusedNBitRowwiseQuantizedSBHalfToFloatOrHalfRef)."""
+    out = np.zeros((len(packed), dim), np.float32)
+    for r, row in enumerate(packed):
+        row = [int(b) for b in row]
+        for j in range(dim):
+            if weight_type == "fp16":
+                out[r, j] = _half_value(row[2 * j], row[2 * j + 1])
+                continue
+            bits = _QUANT_BITS[weight_type]
+            scale, bias = _half_value(row[0], row[1]), _half_value(row[2], row[3])
+            byte = row[4 + j * bits // 8]
+            q = (byte >> (j * bits % 8)) & (2**bits - 1)
+            out[r, j] = np.float32(scale * q + bias)
+    return out
+
+
+def quantized_pooled_loop(packed, weight_type, dim, ids, offsets, pooling="SUM", per_sample_weights=None):
+    """float64 [B, dim] by loops over bags of dequantized rows; id -1 (a pruned row) adds
+    nothing, MEAN divides by the bag's full length, an empty bag is zeros."""
+    rows = dequantize_rows_loop(packed, weight_type, dim)
+    out = np.zeros((len(offsets) - 1, dim))
+    for b in range(len(offsets) - 1):
+        start, end = int(offsets[b]), int(offsets[b + 1])
+        for i in range(start, end):
+            if int(ids[i]) == -1:
+                continue
+            w = 1.0 if per_sample_weights is None else float(per_sample_weights[i])
+            out[b] += w * rows[int(ids[i])].astype(np.float64)
+        if pooling == "MEAN" and end > start:
+            out[b] /= end - start
+    return out

@@ -1,0 +1,341 @@
+"""Row-wise quantized tables (`sparse_jax._quant`) against FBGEMM and against plain loops.
+
+Bytes: `quantize_rows` equals, row padding included, what FBGEMM's IntN TBE holds once a
+table is loaded the way TorchRec loads it (`FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`,
+then `assign_embedding_weights`), and the loop oracle; the tables have all-zero, one-valued,
+two-valued, one-sided rows, rows whose bias and scale overflow fp16, an fp16 tie for the
+minimum, and spans that round to zero, to a subnormal or below zero. Values:
+`dequantize_rows` equals the loop oracle and FBGEMM's dequantization ops bit for bit.
+Lookup: `quantized_pooled_lookup` equals the TBE's CPU forward (bit for bit unweighted,
+1e-6 weighted) and the loop oracle: SUM and MEAN, empty bags, repeated and pruned (-1) ids,
+dims that are not multiples of 8, rows padded for the GPU TBE, inside `jit`.
+"""
+
+import functools
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from sparse_jax._quant import dequantize_rows, quantize_rows, quantized_pooled_lookup, row_bytes
+from tests import reference
+
+TYPES = ("int8", "int4", "int2", "fp16")
+# FBGEMM's AVX2 int4/int2 quantizer takes 32 values a step, then one at a time: below 32
+# only the scalar path runs, 64 only the vector path, 100 both
+DIMS = (4, 8, 12, 16, 64, 100)
+# (weight_type, dim); int2 on fewer dims: every case costs two or three XLA compiles
+CASES = [(t, d) for t in TYPES for d in DIMS if t != "int2" or d in (4, 12, 100)]
+BITS = {"int8": 8, "int4": 4, "int2": 2}
+ROWS = 24
+CAPACITY = 48  # ids per batch, the tail past offsets[-1] is padding
+
+
+@functools.cache
+def _division_trap(levels):
+    """A span s whose fp16 scale is wrong if s / levels is computed as s * (1 / levels), as
+    XLA computes a division by a constant."""
+    s = np.random.default_rng(levels).uniform(1.0, 100.0, 1_000_000).astype(np.float32)
+    right = (s / np.float32(levels)).astype(np.float16)
+    wrong = (s * (np.float32(1.0) / np.float32(levels))).astype(np.float16)
+    return s[np.flatnonzero(right != wrong)[0]]
+
+
+def _table(rng, dim):
+    """Random rows from 1e-6 to 1e5 in size, then one row at each corner of the rounding rules."""
+    x = rng.normal(size=(ROWS, dim)) * 10.0 ** rng.uniform(-6, 5, size=(ROWS, 1))
+    x += rng.normal(size=(ROWS, 1)) * 10.0 ** rng.uniform(-3, 4, size=(ROWS, 1))
+    special = [
+        np.zeros(dim),
+        np.full(dim, -3.25),  # one value: span 0, scale 1
+        np.where(np.arange(dim) % 3 == 0, 7.0, -1.5),  # two values
+        rng.uniform(1.0, 2.0, dim),
+        -rng.uniform(1.0, 2.0, dim),
+        rng.uniform(-1e6, 1e6, dim),  # fp16 bias -inf, scale inf
+        rng.uniform(65000.0, 65600.0, dim),  # around fp16's largest finite value
+        2049.0 + (np.arange(dim) % 3) * 2.0**-10,  # min 2049 is an fp16 tie: bias 2048
+        rng.uniform(1.0006, 1.0009, dim),  # fp16(min) rounds above max: span < 0
+        rng.uniform(-1e-7, 1e-7, dim),  # scale an fp16 subnormal
+        1e-9 * rng.normal(size=dim),  # scale rounds to fp16 0, becomes 1
+        np.r_[5.0001, np.full(dim - 1, 5.0)],  # one value but one element
+        *[np.where(np.arange(dim) % 2 == 0, 0.0, _division_trap(2**b - 1)) for b in (2, 4, 8)],
+    ]
+    x[: len(special)] = special
+    return x.astype(np.float32)
+
+
+def _bags(rng):
+    """ids [CAPACITY], offsets [10], weights [CAPACITY]: empty bags, a repeated id, a
+    pruned (-1) id, a long bag, and padding after the last bag."""
+    lengths = np.array([3, 0, 8, 1, 0, 5, 2, 7, 4])
+    offsets = np.r_[0, np.cumsum(lengths)]
+    ids = rng.integers(0, ROWS, size=CAPACITY)
+    ids[offsets[2] : offsets[2] + 3] = 5  # bag 2 holds row 5 three times
+    ids[offsets[5] + 1] = -1
+    ids[offsets[-1] :] = -7  # padding: never read
+    weights = rng.uniform(-2.0, 2.0, size=CAPACITY).astype(np.float32)
+    return ids.astype(np.int32), offsets.astype(np.int32), weights
+
+
+def _lookup_table(rng, dim):
+    """Rows for lookups: finite values (a NaN would hide every error), sizes and offsets from
+    1e-3 to 1e3 so that a bag's sums round and the order of its additions shows."""
+    x = rng.normal(size=(ROWS, dim)) * 10.0 ** rng.uniform(-3, 3, size=(ROWS, 1))
+    x += rng.normal(size=(ROWS, 1)) * 10.0 ** rng.uniform(-3, 3, size=(ROWS, 1))
+    x[3] = 1.5  # constant row
+    return x.astype(np.float32)
+
+
+def _tolerance(packed, weight_type, dim, offsets, weights):
+    """1e-6 of the largest sum of |w| * |row| a bag can reach."""
+    rows = np.abs(reference.dequantize_rows_loop(np.asarray(packed), weight_type, dim)).max()
+    w = np.ones(CAPACITY) if weights is None else np.abs(weights)
+    return 1e-6 * rows * max([w[a:b].sum() for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
+
+
+# ---------------------------------------------------------------- FBGEMM
+
+
+@pytest.fixture(scope="module")
+def fbgemm():
+    pytest.importorskip("fbgemm_gpu")
+    import torch
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        IntNBitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    def empty_tbe(weight_type, rows, dim, pooling, row_alignment):
+        module = IntNBitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[("t", rows, dim, SparseType(weight_type), EmbeddingLocation.HOST)],
+            pooling_mode=PoolingMode.SUM if pooling == "SUM" else PoolingMode.MEAN,
+            device="cpu",
+            output_dtype=SparseType.FP32,
+            row_alignment=row_alignment,
+            bounds_check_mode=BoundsCheckMode.NONE,  # keep -1 (pruned) ids as they are
+        )
+        module.initialize_weights()
+        return module
+
+    def stored_rows(module):
+        """The TBE's weight buffer as [rows, row_bytes], padding included."""
+        return module.split_embedding_weights(split_scale_shifts=False)[0][0]
+
+    def torchrec_rows(table, weight_type, row_alignment):
+        """The rows the TBE holds once `table` is loaded as TorchRec's quantize_state_dict does."""
+        rows, dim = table.shape
+        module = empty_tbe(weight_type, rows, dim, "SUM", row_alignment)
+        t = torch.from_numpy(table)
+        if weight_type == "fp16":
+            module.assign_embedding_weights([(t.half().view(torch.uint8), None)])
+            return stored_rows(module).numpy()
+        bits = BITS[weight_type]
+        # the op wants dim * bits to be a multiple of 16 bits: copies of a row's own values
+        # leave its min and max, and so the bytes of its first `dim` values, unchanged
+        extra = (-dim) % (16 // bits)
+        fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(torch.cat([t, t[:, :extra]], 1), bits)
+        # the op puts fp16 scale and bias at the END of a row; the TBE keeps them in front
+        module.assign_embedding_weights([(fused[:, : dim * bits // 8].contiguous(), fused[:, -4:].contiguous())])
+        return stored_rows(module).numpy()
+
+    def tbe(packed, weight_type, dim, pooling="SUM", row_alignment=1):
+        """A TBE whose weight buffer holds exactly `packed`."""
+        module = empty_tbe(weight_type, packed.shape[0], dim, pooling, row_alignment)
+        stored_rows(module).copy_(torch.from_numpy(np.array(packed)))
+        return module
+
+    def forward(module, ids, offsets, weights=None):
+        n = int(offsets[-1])
+        w = None if weights is None else torch.from_numpy(weights[:n])
+        return module(torch.from_numpy(ids[:n].astype(np.int64)), torch.from_numpy(offsets.astype(np.int64)), w).numpy()
+
+    def dequantize_op(packed, weight_type, dim):
+        """FBGEMM's dequantization op (it reads scale and bias at the END of a row; its
+        scale_bias_last=False form ignores the flag on AVX2 machines, so rows are rotated)."""
+        if weight_type == "fp16":
+            return torch.from_numpy(np.array(packed[:, : 2 * dim])).view(torch.float16).float().numpy()
+        bits = BITS[weight_type]
+        front = packed[:, : 4 + dim * bits // 8]
+        last = np.ascontiguousarray(np.concatenate([front[:, 4:], front[:, :4]], axis=1))
+        return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(torch.from_numpy(last), bits).numpy()
+
+    return SimpleNamespace(torchrec_rows=torchrec_rows, tbe=tbe, forward=forward, dequantize_op=dequantize_op)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("weight_type, dim", CASES)
+def test_bytes_are_the_rows_fbgemm_tbe_holds(fbgemm, weight_type, dim):
+    table = _table(np.random.default_rng([dim, TYPES.index(weight_type)]), dim)
+    for row_alignment in (1, 16):  # FBGEMM's CPU and GPU TBE
+        want = fbgemm.torchrec_rows(table, weight_type, row_alignment)
+        got = np.asarray(quantize_rows(table, weight_type, row_alignment=row_alignment))
+        assert got.shape == want.shape == (ROWS, row_bytes(weight_type, dim, row_alignment))
+        for r in range(ROWS):
+            np.testing.assert_array_equal(got[r], want[r], err_msg=f"row {r}: {table[r][:4]}")
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("weight_type, dim", CASES)
+def test_dequantize_is_fbgemm_ops_bit_for_bit(fbgemm, weight_type, dim):
+    table = _table(np.random.default_rng([dim, 7]), dim)
+    packed = np.asarray(quantize_rows(table, weight_type, row_alignment=16))
+    got = np.asarray(dequantize_rows(packed, weight_type, dim))
+    # NaN (0 times an inf scale) where FBGEMM has NaN
+    np.testing.assert_array_equal(got, fbgemm.dequantize_op(packed, weight_type, dim))
+    # the TBE's own kernel on bags of one row: 0 + bias, then fma(scale, q, bias)
+    module = fbgemm.tbe(packed, weight_type, dim, row_alignment=16)
+    np.testing.assert_array_equal(got, fbgemm.forward(module, np.arange(ROWS), np.arange(ROWS + 1)))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("weight_type, dim", CASES)
+def test_pooled_lookup_is_fbgemm_tbe_forward(fbgemm, weight_type, dim):
+    rng = np.random.default_rng([dim, TYPES.index(weight_type), 1])
+    table = _lookup_table(rng, dim)
+    packed = quantize_rows(table, weight_type)
+    ids, offsets, weights = _bags(rng)
+    for pooling in ("SUM", "MEAN"):
+        module = fbgemm.tbe(np.asarray(packed), weight_type, dim, pooling)
+        want = fbgemm.forward(module, ids, offsets)
+        got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling))
+        np.testing.assert_array_equal(got, want, err_msg=f"{pooling}, unweighted")
+        assert not got[[1, 4]].any()  # the empty bags
+        want = fbgemm.forward(module, ids, offsets, weights)
+        got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, weights))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=_tolerance(packed, weight_type, dim, offsets, weights),
+                                   err_msg=f"{pooling}, weighted")
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("weight_type", TYPES)
+def test_pooled_lookup_reads_rows_padded_for_the_gpu_tbe(fbgemm, weight_type):
+    rng = np.random.default_rng([TYPES.index(weight_type), 2])
+    table = _lookup_table(rng, 12)
+    packed = quantize_rows(table, weight_type, row_alignment=16)
+    assert packed.shape[1] == (32 if weight_type == "fp16" else 16)
+    ids, offsets, weights = _bags(rng)
+    module = fbgemm.tbe(np.asarray(packed), weight_type, 12, "MEAN", row_alignment=16)
+    got = np.asarray(quantized_pooled_lookup(packed, weight_type, 12, ids, offsets, "MEAN"))
+    np.testing.assert_array_equal(got, fbgemm.forward(module, ids, offsets))
+
+
+# ---------------------------------------------------------------- loops (no FBGEMM needed)
+
+
+@pytest.mark.parametrize("weight_type, dim", CASES)
+def test_quantize_and_dequantize_equal_loops(weight_type, dim):
+    table = _table(np.random.default_rng([dim, TYPES.index(weight_type)]), dim)
+    for row_alignment in (1, 16):
+        packed = np.asarray(quantize_rows(table, weight_type, row_alignment=row_alignment))
+        np.testing.assert_array_equal(packed, reference.quantize_rows_loop(table, weight_type, row_alignment))
+    got = np.asarray(dequantize_rows(packed, weight_type, dim))
+    np.testing.assert_array_equal(got, reference.dequantize_rows_loop(packed, weight_type, dim))
+
+
+# row, and its bytes after scale and bias, worked out by hand from FBGEMM's formulas
+BY_HAND = {
+    # scale fp16(7.5 / 255) = 0.02941895: q = rint(x / scale)
+    "int8": ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5], [0, 34, 68, 102, 136, 170, 204, 255]),
+    # scale 0.5: x / scale = 0, 0.5, 1.5, 2.5 round half to even to 0, 0, 2, 2; low nibble first
+    "int4": ([0.0, 0.25, 0.75, 1.25, 4.0, 5.0, 6.0, 7.5], [0x00, 0x22, 0xA8, 0xFC]),
+    # scale 2.5: q = 0 0 1 1 | 2 2 2 3, lowest bits first
+    "int2": ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5], [0b01010000, 0b11101010]),
+}
+
+
+@pytest.mark.parametrize("weight_type", TYPES)
+def test_rounding_cases_by_hand(weight_type):
+    """Values independent of both implementations (rows repeated to ROWS to reuse compiles)."""
+    if weight_type == "fp16":
+        packed = np.asarray(quantize_rows(np.tile([1.0, -2.0, 2049.0, 1e6], (ROWS, 1)), "fp16"))
+        np.testing.assert_array_equal(packed[0].view(np.float16), [1.0, -2.0, 2048.0, np.inf])
+        return
+    row, want = BY_HAND[weight_type]
+    packed = np.asarray(quantize_rows(np.tile(np.array(row, np.float32), (ROWS, 1)), weight_type))
+    scale, bias = packed[0, :4].view(np.float16)
+    assert bias == 0.0 and scale == np.float16(np.float32(7.5) / np.float32(2 ** BITS[weight_type] - 1))
+    np.testing.assert_array_equal(packed[0, 4:], want)
+
+
+@pytest.mark.parametrize("weight_type, dim", CASES)
+def test_pooled_lookup_equals_loops(weight_type, dim):
+    rng = np.random.default_rng([dim, TYPES.index(weight_type), 1])
+    table = _lookup_table(rng, dim)
+    packed = quantize_rows(table, weight_type)
+    ids, offsets, weights = _bags(rng)
+    for pooling in ("SUM", "MEAN"):
+        for w in (None, weights):
+            want = reference.quantized_pooled_loop(np.asarray(packed), weight_type, dim, ids, offsets, pooling, w)
+            got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w))
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=_tolerance(packed, weight_type, dim, offsets, w),
+                                       err_msg=f"{pooling}, weights {w is not None}")
+
+
+def test_under_jit_results_match_eager_and_bad_ids_add_nothing():
+    rng = np.random.default_rng(3)
+    table = _lookup_table(rng, 12)
+    packed = quantize_rows(table, "int4")
+    quantize = jax.jit(quantize_rows, static_argnames=("weight_type", "row_alignment"))
+    np.testing.assert_array_equal(quantize(table, "int4"), packed)
+    ids, offsets, weights = _bags(rng)
+    lookup = jax.jit(quantized_pooled_lookup, static_argnames=("weight_type", "dim", "pooling"))
+    eager = quantized_pooled_lookup(packed, "int4", 12, ids, offsets, "MEAN", weights)
+    np.testing.assert_array_equal(lookup(packed, "int4", 12, ids, offsets, "MEAN", weights), eager)
+    # under jit nothing can raise: an id past the table adds nothing, like -1
+    bad = ids.copy()
+    bad[offsets[5] + 1] = ROWS + 3
+    np.testing.assert_array_equal(lookup(packed, "int4", 12, bad, offsets, "MEAN", weights), eager)
+
+
+def test_empty_batches_and_empty_ids():
+    packed = quantize_rows(np.ones((ROWS, 8), np.float32), "int8")
+    assert quantized_pooled_lookup(packed, "int8", 8, np.zeros(0, np.int32), np.zeros(1, np.int32)).shape == (0, 8)
+    out = quantized_pooled_lookup(packed, "int8", 8, np.zeros(0, np.int32), np.zeros(4, np.int32), "MEAN")
+    np.testing.assert_array_equal(out, np.zeros((3, 8)))
+    no_rows = np.zeros((0, 12), np.uint8)  # a table of 0 rows: only pruned ids can be asked for
+    out = quantized_pooled_lookup(no_rows, "int8", 8, np.array([-1, -1], np.int32), np.array([0, 2, 2], np.int32))
+    np.testing.assert_array_equal(out, np.zeros((2, 8)))
+
+
+def test_row_bytes_is_fbgemms_formula():
+    assert row_bytes("int8", 12) == 16 and row_bytes("int8", 13, 16) == 32
+    assert row_bytes("int4", 100) == 54 and row_bytes("int4", 100, 16) == 64
+    assert row_bytes("int2", 12) == 7 and row_bytes("fp16", 12, 16) == 32
+    assert row_bytes("INT4", 8) == 8
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: row_bytes("int3", 8), "is not one of ('fp16', 'int8', 'int4', 'int2')"),
+        (lambda: row_bytes("int4", 7), "dim must be a multiple of 2; got dim=7. Pad the table to 8"),
+        (lambda: row_bytes("int2", 6), "dim must be a multiple of 4; got dim=6"),
+        (lambda: row_bytes("int8", 0), "dim must be an integer >= 1, got 0"),
+        (lambda: row_bytes("int8", 8, 0), "row_alignment must be an integer >= 1"),
+        (lambda: quantize_rows(np.ones(8), "int8"), "table must be 2-D [rows, dim], got shape (8,)"),
+        (lambda: quantize_rows(np.array([[1.0, np.nan]]), "int8"), "table[0, 1] is nan: int8 row-wise"),
+        (lambda: dequantize_rows(np.zeros((2, 7), np.uint8), "int8", 4), "packed must be uint8 [rows, >= 8]"),
+        (lambda: dequantize_rows(np.zeros((2, 8), np.int32), "int8", 4), "got int32 (2, 8)"),
+        (lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 2], [0, 2], "NONE"),
+         "pooling='NONE' is not 'SUM' or 'MEAN'"),
+        (lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 2], [0, 2]),
+         "id 2 at ids[1] (bag 0) is outside [0, 2)"),
+        (lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 1], [0, 3]),
+         "offsets must rise from >= 0 to at most len(ids)=2"),
+        (lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 1], [0, 2], "SUM", [1.0]),
+         "per_sample_weights has shape (1,), ids (2,)"),
+    ],
+)
+def test_errors_name_the_value_and_the_fix(call, message):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert message in str(err.value)
