@@ -767,13 +767,11 @@ def jt_is_equal(jt_1: JaggedTensor, jt_2: JaggedTensor) -> bool:
 
 
 def _bag_arrays_equal(a, b) -> bool:
-    n = int(np.asarray(a.offsets())[-1]) if np.shape(a.offsets())[0] else 0
-    m = int(np.asarray(b.offsets())[-1]) if np.shape(b.offsets())[0] else 0
-    if n != m:
-        return False
+    """Offsets, and the values and weights the bags hold (offsets always start with 0)."""
+    n, m = int(np.asarray(a.offsets())[-1]), int(np.asarray(b.offsets())[-1])
     wa, wb = a.weights_or_none(), b.weights_or_none()
-    return (_same_array(np.asarray(a.values())[:n], np.asarray(b.values())[:m])
-            and _same_array(a.offsets(), b.offsets())
+    return (_same_array(a.offsets(), b.offsets())
+            and _same_array(np.asarray(a.values())[:n], np.asarray(b.values())[:m])
             and _same_array(None if wa is None else np.asarray(wa)[:n], None if wb is None else np.asarray(wb)[:m]))
 
 

@@ -1,0 +1,131 @@
+"""TorchRec's smaller JaggedTensor / KeyedJaggedTensor API, call by call: placement (`device`,
+`to`), empty constructors, `concat`, per-key views, `permute` / `split` refusals, the
+equality helpers. (Construction, padding and the differential test against TorchRec:
+tests/test_jagged.py, tests/test_torchrec_differential.py.)"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from sparse_jax import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
+
+
+def _devices(x):
+    return [a.devices() for a in jax.tree_util.tree_leaves(x)]
+
+
+def _kjt(weighted=False):
+    w = np.array([0.5, 1.5, 2.0, 3.0], np.float32) if weighted else None
+    return KeyedJaggedTensor(["a", "b"], np.array([1, 2, 3, 4], np.int32), w, lengths=np.array([2, 0, 1, 1], np.int32))
+
+
+def test_to_moves_every_array_and_device_names_it():
+    d1 = jax.devices()[1]
+    for x in (JaggedTensor(np.array([1, 2]), np.array([0.5, 1.0], np.float32), lengths=np.array([2])), _kjt(True)):
+        moved = x.to(d1, non_blocking=True)
+        assert all(devs == {d1} for devs in _devices(moved)) and len(_devices(moved)) >= 4
+        assert moved.device() == d1
+        assert x.device() == jax.devices()[0]
+
+
+def test_device_refuses_values_spread_over_devices():
+    spread = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",)),
+                                        jax.sharding.PartitionSpec("x"))
+    split_values = lambda x: jax.tree_util.tree_map(  # noqa: E731
+        lambda a: jax.device_put(a, spread) if a is x._values else a, x)
+    for x, name in ((_kjt(), "KeyedJaggedTensor"), (JaggedTensor(np.array([1, 2, 3, 4], np.int32), lengths=np.array([4])),
+                                                     "JaggedTensor")):
+        with pytest.raises(ValueError, match="^" + re.escape(f"this {name}'s values span 2 devices") + "$"):
+            split_values(x).device()
+
+
+def test_empty_constructors_keep_dtypes_shape_weights_and_device():
+    d2 = jax.devices()[2]
+    jt = JaggedTensor.empty(is_weighted=True, device=d2, values_dtype=np.int64, weights_dtype=np.float16)
+    assert jt.device() == d2 and jt.values().shape == (0,) and jt.weights().dtype == np.float16
+    assert JaggedTensor.empty().device() == jax.devices()[0] and JaggedTensor.empty().weights_or_none() is None
+    rows = JaggedTensor(np.ones((3, 4), np.float32), np.ones(3, np.float32), lengths=np.array([1, 2], np.int32)).to(d2)
+    like = JaggedTensor.empty_like(rows)
+    assert (like.values().shape, like.values().dtype, like.weights().shape, like.lengths().shape) == ((0, 4), np.float32, (0,), (0,))
+    assert like.device() == d2 and all(devs == {d2} for devs in _devices(like))
+    assert JaggedTensor.empty_like(JaggedTensor(np.array([1]), lengths=np.array([1]))).weights_or_none() is None
+
+    kjt = KeyedJaggedTensor.empty(is_weighted=True, device=d2)
+    assert (kjt.keys(), kjt.stride(), kjt.device(), kjt.weights().shape) == ([], 0, d2, (0,))
+    assert KeyedJaggedTensor.empty().device() == jax.devices()[0]
+    wide = KeyedJaggedTensor(["a"], np.ones((3, 4), np.float32), lengths=np.array([1, 2], np.int32)).to(d2)
+    like = KeyedJaggedTensor.empty_like(wide)
+    assert (like.keys(), like.stride(), like.values().shape, like.device()) == ([], 2, (0, 4), d2)
+
+
+def test_concat_of_keyless_kjts_keeps_the_stride_and_refuses_nothing_to_concat():
+    keyless = KeyedJaggedTensor.empty_like(_kjt())
+    assert keyless.stride() == 2
+    assert KeyedJaggedTensor.concat([keyless]).stride() == 2
+    both = KeyedJaggedTensor.concat([keyless, _kjt()])
+    assert kjt_is_equal(both, _kjt())
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "KeyedJaggedTensor.concat: give at least one KeyedJaggedTensor") + "$"):
+        KeyedJaggedTensor.concat([])
+
+
+def test_concat_of_a_variable_stride_kjt_and_a_uniform_one_lists_every_keys_strides():
+    variable = KeyedJaggedTensor(["v"], np.array([7, 8, 9], np.int32), lengths=np.array([1, 0, 2], np.int32),
+                                 stride_per_key_per_rank=[[1, 2]])
+    out = KeyedJaggedTensor.concat([variable, _kjt(), variable._replace(keys=("w",))])
+    assert out.keys() == ["v", "a", "b", "w"]
+    assert out.stride_per_key_per_rank() == [[1, 2], [2], [2], [1, 2]]
+    assert out.stride_per_key() == [3, 2, 2, 3] and out.variable_stride_per_key()
+    np.testing.assert_array_equal(out.values(), [7, 8, 9, 1, 2, 3, 4, 7, 8, 9])
+    np.testing.assert_array_equal(out.lengths(), [1, 0, 2, 2, 0, 1, 1, 1, 0, 2])
+
+
+def test_per_key_views():
+    kjt = _kjt()
+    assert kjt.offset_per_key() == [0, 2, 4] and all(type(o) is int for o in kjt.offset_per_key())
+    np.testing.assert_array_equal(kjt.lengths_per_key_matrix(), [[2, 0], [1, 1]])
+    variable = KeyedJaggedTensor(["v"], np.array([7], np.int32), lengths=np.array([1, 0], np.int32),
+                                 stride_per_key_per_rank=[[1, 1]])
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "KeyedJaggedTensor.lengths_per_key_matrix: this KJT has a variable batch size per key [2]; "
+            "expand it first with expand_to_batch()") + "$"):
+        variable.lengths_per_key_matrix()
+    padded = kjt.pad(capacity=8)
+    assert padded.length_caps() is not None and padded.without_length_caps().length_caps() is None
+    assert kjt.without_length_caps() is kjt
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "this KeyedJaggedTensor has no inverse_indices; use inverse_indices_or_none()") + "$"):
+        kjt.inverse_indices()
+    text = repr(kjt)
+    assert text.startswith("KeyedJaggedTensor(keys=['a', 'b'], stride=2, values=") and "lengths=" in text
+
+
+def test_permute_and_split_refuse_out_of_range_keys_and_bad_segments():
+    kjt = _kjt()
+    assert kjt.permute([1, 0]).keys() == ["b", "a"]
+    with pytest.raises(ValueError, match="^" + re.escape("permute: index 2 is out of range for 2 keys") + "$"):
+        kjt.permute([0, 2])
+    with pytest.raises(ValueError, match="^" + re.escape("permute: index -1 is out of range for 2 keys") + "$"):
+        kjt.permute([-1])
+    assert [k.keys() for k in kjt.split([0, 2, 0])] == [[], ["a", "b"], []]
+    for bad in ([1], [3, -1], [1, 2]):
+        with pytest.raises(ValueError, match="^" + re.escape(f"split: segments {bad} must be >= 0 and sum to 2 keys") + "$"):
+            kjt.split(bad)
+
+
+def test_equality_helpers():
+    a = JaggedTensor(np.array([1, 2, 3]), np.array([np.nan, 1.0, 2.0], np.float32), lengths=np.array([1, 2]))
+    same = JaggedTensor(np.array([1, 2, 3]), np.array([np.nan, 1.0, 2.0], np.float32), lengths=np.array([1, 2]))
+    assert jt_is_equal(a, same)  # NaN weights are equal to NaN weights
+    assert not jt_is_equal(a, JaggedTensor(np.array([1, 2, 4]), np.array([np.nan, 1, 2], np.float32), lengths=np.array([1, 2])))
+    assert not jt_is_equal(a, JaggedTensor(np.array([1, 2, 3]), lengths=np.array([1, 2])))  # weights vs none
+    assert not jt_is_equal(JaggedTensor(np.array([1, 2, 3]), lengths=np.array([1, 2])), a)
+    assert not jt_is_equal(a, "a") and not jt_is_equal("a", a)
+    ids = JaggedTensor(np.array([1, 2, 3]), lengths=np.array([1, 2]))
+    assert not jt_is_equal(ids, JaggedTensor(np.array([1, 2, 3]), lengths=np.array([2, 1])))
+    assert kjt_is_equal(_kjt(True), _kjt(True).pad(capacity=8))
+    assert not kjt_is_equal(_kjt(True), _kjt(False)) and not kjt_is_equal(_kjt(), "kjt") and not kjt_is_equal("kjt", _kjt())
+    nan_ids = KeyedJaggedTensor(["a"], np.array([1.5, np.nan]), lengths=np.array([2]))
+    assert kjt_is_equal(nan_ids, KeyedJaggedTensor(["a"], np.array([1.5, np.nan]), lengths=np.array([2])))
