@@ -19,6 +19,8 @@ One concept per module:
 * `explore_update` - measurements of candidate formulations for our side (issue 9).
 * `explore_malloc` - whether allocator settings change our per-step page faults (issue 9).
 * `e2e_vs_torchrec` - end-to-end training steps against TorchRec's DistributedModelParallel.
+* `quant_lookup` - the row-wise quantized pooled lookup (int8/int4/fp16) against FBGEMM's
+                  IntN TBE on the same packed rows, and bytes per table per precision.
 
 Nothing here is collected by pytest (testpaths = tests); `tests/test_benchmarks.py` and
 `tests/test_benchmark_e2e.py` drive the CLIs at tiny sizes.

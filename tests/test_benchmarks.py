@@ -194,3 +194,18 @@ def test_memory_worker_reports_peak_rss(fbgemm):
     assert out["rss_ready"] >= out["rss_base"] > 0
     assert out["peak_steps"] >= out["rss_ready"] - (1 << 20)
     assert out["table_bytes"] == w.table_bytes()
+
+
+def test_quant_lookup_benchmark_gates_on_fbgemm_and_reports_bytes(capsys, monkeypatch):
+    from benchmarks import quant_lookup
+
+    small = ["--rows", "300", "--dim", "8", "--batch", "16", "--pooling", "3", "--repeats", "2", "--alone-repeats", "2"]
+    assert quant_lookup.main(small) == 0
+    out = capsys.readouterr().out
+    # bytes per row at dim 8: int8 8 + 4 (fp16 scale, bias), int4 4 + 4, fp16 16, fp32 32
+    for line in ("| int8 | 12 |", "| int4 | 8 |", "| fp16 | 16 |", "| 32 |"):
+        assert line in out, out
+    real = quant_lookup.fbgemm_case
+    monkeypatch.setattr(quant_lookup, "fbgemm_case", lambda *a: (lambda r, o: (r, o + 1e-3))(*real(*a)))
+    with pytest.raises(AssertionError, match="int8: outputs differ"):
+        quant_lookup.main(small)
