@@ -129,3 +129,30 @@ def test_equality_helpers():
     assert not kjt_is_equal(_kjt(True), _kjt(False)) and not kjt_is_equal(_kjt(), "kjt") and not kjt_is_equal("kjt", _kjt())
     nan_ids = KeyedJaggedTensor(["a"], np.array([1.5, np.nan]), lengths=np.array([2]))
     assert kjt_is_equal(nan_ids, KeyedJaggedTensor(["a"], np.array([1.5, np.nan]), lengths=np.array([2])))
+
+
+def test_permute_and_split_keep_per_key_strides_and_inverse_indices():
+    inverse = (["a", "b"], np.array([[0, 1, 0], [1, 0, 1]], np.int32))
+    kjt = KeyedJaggedTensor(["a", "b"], np.array([1, 2, 3, 4], np.int32), lengths=np.array([2, 1, 0, 1], np.int32),
+                            stride_per_key_per_rank=[[2], [2]], inverse_indices=inverse)
+    for out in (kjt.permute([1, 0]), kjt.split([1, 1])[1]):
+        assert out.stride_per_key_per_rank() == [[2]] * len(out.keys())
+        keys, inv = out.inverse_indices()
+        assert keys == ["a", "b"] and np.array_equal(np.asarray(inv), inverse[1])
+    variable = KeyedJaggedTensor(["a", "b"], np.array([1, 2, 3], np.int32), lengths=np.array([1, 0, 2], np.int32),
+                                 stride_per_key_per_rank=[[2], [1]], inverse_indices=(["a", "b"], np.zeros((2, 2), np.int32)))
+    assert variable.permute([1, 0]).stride_per_key_per_rank() == [[1], [2]]
+    np.testing.assert_array_equal(variable.permute([1, 0]).expand_to_batch().lengths(), [2, 2, 1, 1])
+
+
+def test_expand_to_batch_refuses_what_it_cannot_expand():
+    no_inverse = KeyedJaggedTensor(["a"], np.array([1], np.int32), lengths=np.array([1, 0], np.int32),
+                                   stride_per_key_per_rank=[[2]])
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "KeyedJaggedTensor: a variable-stride KJT needs inverse_indices to be expanded to the batch "
+            "(give inverse_indices=(keys, [num_keys, batch]))") + "$"):
+        no_inverse.expand_to_batch()
+    other_keys = no_inverse._replace(inverse=(["z"], np.zeros((1, 3), np.int32)))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "KeyedJaggedTensor.expand_to_batch: inverse_indices has no row for feature(s) ['a']") + "$"):
+        other_keys.expand_to_batch()
