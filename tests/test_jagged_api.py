@@ -156,3 +156,67 @@ def test_expand_to_batch_refuses_what_it_cannot_expand():
     with pytest.raises(ValueError, match="^" + re.escape(
             "KeyedJaggedTensor.expand_to_batch: inverse_indices has no row for feature(s) ['a']") + "$"):
         other_keys.expand_to_batch()
+
+
+def test_from_dense_keeps_id_dtypes_and_checks_weights():
+    assert np.asarray(JaggedTensor.from_dense([]).values()).dtype.kind == "i"
+    empty = JaggedTensor.from_dense([], weights=[])
+    assert empty.weights().shape == (0,) and np.asarray(empty.weights()).dtype == np.float32
+    jt = JaggedTensor.from_dense([np.array([1, 2]), np.array([3])], weights=[np.array([[0.5], [1.0]]), np.array([2.0])])
+    np.testing.assert_array_equal(jt.weights(), [0.5, 1.0, 2.0])
+    with pytest.raises(ValueError, match="^" + re.escape("JaggedTensor.from_dense: 1 weight arrays for 2 bags") + "$"):
+        JaggedTensor.from_dense([np.array([1]), np.array([2])], weights=[np.array([1.0])])
+
+
+def test_from_dense_lengths_edges_and_refusals():
+    dense = np.arange(12).reshape(2, 3, 2)  # [B=2, N=3, D=2] rows
+    jt = JaggedTensor.from_dense_lengths(dense, np.array([0, 3]), weights=np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(jt.lengths(), [0, 3])  # an empty bag and a full one are fine
+    np.testing.assert_array_equal(jt.values(), dense[1])
+    floats = JaggedTensor.from_dense_lengths(dense, np.array([1.0, 2.0]))
+    assert np.asarray(floats.lengths()).dtype == np.int32
+    for values, lengths, message in [
+        (np.arange(3), np.array([1]), "values must be [B, N, ...] and lengths [B]; got (3,) and (1,)"),
+        (dense, np.array([1, 1, 1]), "values must be [B, N, ...] and lengths [B]; got (2, 3, 2) and (3,)"),
+        (dense, np.array([3, 4]), "length 4 of bag 1 is outside [0, 3] (the padded width)"),
+        (dense, np.array([-1, 1]), "length -1 of bag 0 is outside [0, 3] (the padded width)"),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(f"JaggedTensor.from_dense_lengths: {message}") + "$"):
+            JaggedTensor.from_dense_lengths(values, lengths)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "JaggedTensor.from_dense_lengths: weights (2, 2) must be [B, N] = (2, 3)") + "$"):
+        JaggedTensor.from_dense_lengths(dense, np.array([1, 1]), weights=np.ones((2, 2)))
+
+
+def test_from_values_and_lengths_names_both_sizes():
+    rows = np.ones((5, 3), np.float32)
+    jt = JaggedTensor.from_values_and_lengths(rows, np.array([2, 3], np.int64))
+    assert np.asarray(jt.lengths()).dtype == np.int32 and np.asarray(jt.offsets()).tolist() == [0, 2, 5]
+    with pytest.raises(ValueError, match="^" + re.escape("JaggedTensor: sum(lengths)=4 but values has 5 rows") + "$"):
+        JaggedTensor.from_values_and_lengths(rows, np.array([2, 2]))
+
+
+def test_from_jt_dict_detects_two_batch_sizes_and_mixed_weights():
+    a = JaggedTensor(np.array([1, 2]), lengths=np.array([1, 1]))
+    b = JaggedTensor(np.array([3]), lengths=np.array([1]))
+    kjt = KeyedJaggedTensor.from_jt_dict({"a": a, "b": b})
+    assert kjt.variable_stride_per_key() and kjt.stride_per_key_per_rank() == [[2], [1]]
+    assert not KeyedJaggedTensor.from_jt_dict({"a": a, "c": a}).variable_stride_per_key()
+    weighted = JaggedTensor(np.array([3]), np.array([1.0], np.float32), lengths=np.array([1]))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "KeyedJaggedTensor.from_jt_dict: either every feature has weights or none does") + "$"):
+        KeyedJaggedTensor.from_jt_dict({"a": a, "b": weighted})
+
+
+def test_a_pytree_round_trip_keeps_per_key_strides_and_inverse_indices():
+    variable = KeyedJaggedTensor(["v"], np.array([7, 8], np.int32), lengths=np.array([1, 1], np.int32),
+                                 stride_per_key_per_rank=[[1, 1]])
+    inverse = KeyedJaggedTensor(["a"], np.array([1, 2], np.int32), lengths=np.array([1, 1], np.int32),
+                                inverse_indices=(["a"], np.array([[1, 0, 1]], np.int32)))
+    for kjt in (variable, inverse, _kjt()):
+        leaves, tree = jax.tree_util.tree_flatten(kjt)
+        back = jax.tree_util.tree_unflatten(tree, leaves)
+        assert back.stride_per_key_per_rank() == kjt.stride_per_key_per_rank()
+        assert (back.inverse_indices_or_none() is None) == (kjt.inverse_indices_or_none() is None)
+        assert kjt_is_equal(back, kjt)
+    assert jax.jit(lambda k: k)(variable).stride_per_key_per_rank() == [[1, 1]]
