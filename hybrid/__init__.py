@@ -17,6 +17,8 @@ importing both).
 - `python -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4`: the
   training script (data in `hybrid.data`, metrics, checkpoints with reshard on load).
 - `save_checkpoint` / `load_checkpoint` / `latest_checkpoint`, `eval_metrics`, `LossTracker`.
+- `quantize`: a trained `Model` as an inference `QuantizedModel` with int8/int4/int2/fp16
+  row-wise quantized tables (FBGEMM's layout).
 """
 
 from hybrid._batch import as_kjt, torch_kjt
@@ -28,6 +30,7 @@ from hybrid._mesh import make_mesh, parse_mesh
 from hybrid._model import Model
 from hybrid._nonfinite import NonFiniteError
 from hybrid._pipeline import BatchPreparationError, PipelineStats, TrainPipeline
+from hybrid._quantize import QuantizedModel, quantize
 from hybrid._state_dict import from_torchrec_state_dict
 
 __all__ = [
@@ -46,6 +49,8 @@ __all__ = [
     "jax_to_torch",
     "make_mesh",
     "parse_mesh",
+    "QuantizedModel",
+    "quantize",
     "read_torchrun_env",
     "torch_ids_to_jax",
     "torch_device",

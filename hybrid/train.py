@@ -343,13 +343,14 @@ def evaluate(model, data, batch_size: int) -> dict[str, float]:
 
     procs = _Processes()
     device = next(model.dense_parameters()).device
+    was_training = model.training
     model.eval()
     logits = []
     with torch.no_grad():
         for (dense, sparse, _), valid in eval_batches(data, batch_size, part=(procs.rank, procs.world)):
             local = model(dense.to(device), sparse).reshape(-1)
             logits.append(procs.gather_rows(local).cpu()[:valid])
-    model.train()
+    model.train(was_training)
     return eval_metrics(torch.cat(logits), torch.from_numpy(data.labels))
 
 

@@ -16,7 +16,14 @@ from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
-from sparse_jax._quant import WEIGHT_TYPES, dequantize_rows, quantize_rows, quantized_pooled_lookup, row_bytes
+from sparse_jax._quant import (
+    WEIGHT_TYPES,
+    dequantize_rows,
+    quantize_rows,
+    quantized_pooled_lookup,
+    row_bytes,
+)
+from sparse_jax._quant_collection import QuantEmbeddingBagCollection
 from sparse_jax._update import make_update
 
 __all__ = [
@@ -32,6 +39,7 @@ __all__ = [
     "KeyedTensor",
     "PaddedBatch",
     "PreparedBatch",
+    "QuantEmbeddingBagCollection",
     "SparseModule",
     "StoredBlock",
     "WEIGHT_TYPES",
