@@ -220,3 +220,55 @@ def test_a_pytree_round_trip_keeps_per_key_strides_and_inverse_indices():
         assert (back.inverse_indices_or_none() is None) == (kjt.inverse_indices_or_none() is None)
         assert kjt_is_equal(back, kjt)
     assert jax.jit(lambda k: k)(variable).stride_per_key_per_rank() == [[1, 1]]
+
+
+def test_pad_keeps_dtypes_trailing_shape_and_weights_and_takes_larger_caps():
+    rows = KeyedJaggedTensor(["a"], np.ones((3, 4), np.float32), np.array([1, 2, 3], np.float16),
+                             lengths=np.array([1, 2], np.int32))
+    padded = rows.pad(capacity=8)
+    assert padded.values().shape == (8, 4) and padded.values().dtype == np.float32
+    assert padded.weights().shape == (8,) and padded.weights().dtype == np.float16
+    ids = KeyedJaggedTensor(["a", "b"], np.array([5, 6, 7], np.int64), lengths=np.array([1, 2, 0, 0]))
+    assert ids.pad(capacity=4).values().dtype == ids.values().dtype
+    assert ids.pad(capacity=4).length_caps() == (2, 1)
+    assert ids.pad(capacity=4, length_caps=[8, 1]).length_caps() == (8, 1)  # the larger of given and own
+    with pytest.raises(ValueError, match="^" + re.escape("KeyedJaggedTensor.pad: 1 length caps for 2 keys") + "$"):
+        ids.pad(capacity=4, length_caps=[8])
+    with pytest.raises(ValueError, match="^" + re.escape("KeyedJaggedTensor.pad: 3 ids exceed the largest capacity 2")):
+        ids.pad([1, 2])
+    no_bags = KeyedJaggedTensor(["a"], np.zeros(0, np.int32), lengths=np.zeros(0, np.int32))
+    assert no_bags.stride() == 0 and no_bags.pad(capacity=2).length_caps() == (1,)
+
+
+def test_inverse_indices_are_checked_with_the_feature_and_sample_named():
+    kjt = lambda inv, keys=("a",): KeyedJaggedTensor(  # noqa: E731
+        ["a"], np.array([1, 2], np.int32), lengths=np.array([1, 1], np.int32), inverse_indices=(list(keys), inv))
+    for inv, message in [
+        (np.array([0, 1]), "inverse_indices must be (keys, [num_keys, batch] array); got 1 keys and shape (2,)"),
+        (np.zeros((2, 3), np.int32), "inverse_indices must be (keys, [num_keys, batch] array); got 1 keys and shape (2, 3)"),
+        (np.array([[0.0, 1.0]]), "inverse_indices must be integers, got dtype float64"),
+        (np.array([[0, 2, 1]]), "inverse_indices of feature 'a' at sample 1 is 2, outside the feature's 2 bags"),
+        (np.array([[0, -1]]), "inverse_indices of feature 'a' at sample 1 is -1, outside the feature's 2 bags"),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(f"KeyedJaggedTensor: {message}") + "$"):
+            kjt(inv)
+    assert kjt(np.array([[1, 0, 1]])).inverse_indices()[0] == ["a"]
+    assert kjt(np.array([[5, 9]]), keys=("z",)).inverse_indices()[0] == ["z"]  # a key it does not hold: not checked
+
+
+def test_sync_constructors_pass_every_argument_on():
+    inverse = (["a"], np.array([[0, 1, 0]], np.int32))
+    for build, arg in ((KeyedJaggedTensor.from_lengths_sync, {"lengths": np.array([1, 1], np.int32)}),
+                       (KeyedJaggedTensor.from_offsets_sync, {"offsets": np.array([0, 1, 2], np.int32)})):
+        kjt = build(["a"], np.array([1, 2], np.int32), weights=np.array([0.5, 1.0], np.float32),
+                    stride_per_key_per_rank=[[2]], inverse_indices=inverse, **arg)
+        assert kjt.stride_per_key_per_rank() == [[2]] and kjt.inverse_indices()[0] == ["a"]
+        np.testing.assert_array_equal(kjt.weights(), [0.5, 1.0])
+        empty = {"lengths": np.zeros(0, np.int32)} if "lengths" in arg else {"offsets": np.zeros(1, np.int32)}
+        assert build([], np.zeros(0, np.int32), stride=3, **empty).stride() == 3  # no keys: only the argument says
+
+
+def test_weights_of_an_unweighted_tensor_name_the_type():
+    for x, name in ((JaggedTensor(np.array([1]), lengths=np.array([1])), "JaggedTensor"), (_kjt(), "KeyedJaggedTensor")):
+        with pytest.raises(ValueError, match="^" + re.escape(f"this {name} has no weights; use weights_or_none()") + "$"):
+            x.weights()
