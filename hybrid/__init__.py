@@ -17,6 +17,9 @@ importing both).
 - `python -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4`: the
   training script (data in `hybrid.data`, metrics, checkpoints with reshard on load).
 - `save_checkpoint` / `load_checkpoint` / `latest_checkpoint`, `eval_metrics`, `LossTracker`.
+- `export`: a `Model` or `QuantizedModel` as one serving directory (a `jax.export` lookup,
+  a `torch.export` dense tower, tables, a manifest with hashes); `hybrid.serving.load` and
+  `python -m hybrid.serving` score requests from it.
 - `quantize`: a trained `Model` as an inference `QuantizedModel` with int8/int4/int2/fp16
   row-wise quantized tables (FBGEMM's layout).
 """
@@ -25,6 +28,7 @@ from hybrid._batch import as_kjt, torch_kjt
 from hybrid._bridge import BridgeStats, bridge_stats, jax_to_torch, torch_ids_to_jax, torch_to_jax
 from hybrid._device import torch_device
 from hybrid._distributed import DistributedEnv, init_distributed, read_torchrun_env
+from hybrid._export import export
 from hybrid._gpu_env import configure_gpu_env
 from hybrid._mesh import make_mesh, parse_mesh
 from hybrid._model import Model
@@ -44,6 +48,7 @@ __all__ = [
     "as_kjt",
     "bridge_stats",
     "configure_gpu_env",
+    "export",
     "from_torchrec_state_dict",
     "init_distributed",
     "jax_to_torch",

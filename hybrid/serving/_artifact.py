@@ -1,0 +1,189 @@
+"""The serving artifact on disk: its layout, its manifest, and the checks made on load.
+
+An artifact is one directory written by `hybrid.export`:
+
+    manifest.json          format, features, tables, accepted shapes, versions, sha256 of every file
+    sparse_lookup.jaxexport  the pooled lookup, a serialized `jax.export.Exported`
+    dense_tower.pt2        the dense tower, a `torch.export.save`d ExportedProgram
+    tables/<i>_<name>.npy  one file per table: fp32 (or fp16) rows, or packed uint8 rows
+
+`read_manifest` parses and checks the manifest; `verify_files` checks every listed file
+against its sha256 and size. Both raise `ArtifactError` naming the artifact, the file and
+what to do. Only the standard library is used here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+from typing import Any
+
+from hybrid._files import sha256_file
+
+__all__ = [
+    "DENSE_FILE",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "SPARSE_FILE",
+    "ArtifactError",
+    "read_manifest",
+    "table_file",
+    "verify_files",
+]
+
+FORMAT = "hybridrec-serving"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPARSE_FILE = "sparse_lookup.jaxexport"
+DENSE_FILE = "dense_tower.pt2"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+# manifest keys read by the loader, with their types
+_REQUIRED = {
+    "format": str,
+    "format_version": int,
+    "model": str,
+    "features": list,
+    "embeddings": list,
+    "tables": list,
+    "is_weighted": bool,
+    "bounds_check": str,
+    "dense": dict,
+    "accepts": dict,
+    "programs": dict,
+    "versions": dict,
+    "files": dict,
+}
+_TABLE_KEYS = (
+    "name",
+    "num_embeddings",
+    "embedding_dim",
+    "dtype",
+    "file_dtype",
+    "shape",
+    "weight_type",
+    "pooling",
+    "features",
+    "file",
+)
+
+
+class ArtifactError(Exception):
+    """A serving artifact that cannot be used: a missing, damaged or truncated file, a
+    malformed manifest or one of another format version. The message names the artifact,
+    the file and the reason."""
+
+
+def table_file(index: int, name: str) -> str:
+    """The path (relative to the artifact) of table `index` named `name`."""
+    return f"tables/{index:02d}_{_UNSAFE.sub('_', name)}.npy"
+
+
+def _where(path: pathlib.Path) -> str:
+    return f"serving artifact {str(path)!r}"
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `manifest.json` of artifact directory `path`, checked for format, version
+    and the keys the loader reads. Raises `ArtifactError` naming manifest.json."""
+    path = pathlib.Path(path)
+    where = _where(path)
+    if not path.is_dir():
+        raise ArtifactError(f"{where}: no such directory; pass the directory hybrid.export wrote")
+    try:
+        data = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(
+            f"{where}: {MANIFEST} is missing; re-export the model with hybrid.export"
+        ) from None
+    except OSError as e:
+        raise ArtifactError(f"{where}: {MANIFEST} is unreadable ({e})") from None
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ArtifactError(
+            f"{where}: {MANIFEST} is not valid json ({e}); re-export the model"
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ArtifactError(
+            f"{where}: {MANIFEST} has format {found!r}, not {FORMAT!r}: this is not a hybridrec serving "
+            "artifact (a checkpoint directory loads with hybrid.load_checkpoint)"
+        )
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        wrote = (
+            manifest.get("versions", {}).get("hybridrec", "unknown")
+            if isinstance(manifest.get("versions"), dict)
+            else "unknown"
+        )
+        raise ArtifactError(
+            f"{where}: {MANIFEST} has format_version {version!r}; this hybridrec reads version {FORMAT_VERSION}. "
+            f"Load it with the hybridrec that wrote it ({wrote}) or re-export the model with this one"
+        )
+    for key, kind in _REQUIRED.items():
+        if not isinstance(manifest.get(key), kind):
+            raise ArtifactError(
+                f"{where}: {MANIFEST} is malformed: {key!r} should be a {kind.__name__}, got "
+                f"{type(manifest.get(key)).__name__}; re-export the model"
+            )
+    for i, table in enumerate(manifest["tables"]):
+        missing = [k for k in _TABLE_KEYS if not isinstance(table, dict) or k not in table]
+        if missing:
+            raise ArtifactError(
+                f"{where}: {MANIFEST} is malformed: tables[{i}] lacks {missing}; re-export the model"
+            )
+    files = manifest["files"]
+    if not all(
+        isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("size"), int)
+        for v in files.values()
+    ):
+        raise ArtifactError(
+            f"{where}: {MANIFEST} is malformed: 'files' needs a sha256 and a size per file"
+        )
+    needed = [SPARSE_FILE, DENSE_FILE, *(t["file"] for t in manifest["tables"])]
+    unlisted = [name for name in needed if name not in files]
+    if unlisted:
+        raise ArtifactError(
+            f"{where}: {MANIFEST} does not list {unlisted} under 'files'; re-export the model"
+        )
+    return manifest
+
+
+def verify_files(path: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    """Check every file the manifest lists: present, of its size, of its sha256. Raises
+    `ArtifactError` naming the first bad file."""
+    path = pathlib.Path(path)
+    where = _where(path)
+    for name, entry in sorted(manifest["files"].items()):
+        file = path / name
+        if pathlib.PurePosixPath(name).is_absolute() or ".." in pathlib.PurePosixPath(name).parts:
+            raise ArtifactError(
+                f"{where}: {MANIFEST} lists {name!r}, which is outside the artifact"
+            )
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise ArtifactError(
+                f"{where}: {name} is missing (the manifest lists it); re-export the model"
+            ) from None
+        except OSError as e:
+            raise ArtifactError(f"{where}: {name} is unreadable ({e})") from None
+        if size != entry["size"]:
+            state = "truncated" if size < entry["size"] else "longer than written"
+            raise ArtifactError(
+                f"{where}: {name} is {state} ({size} bytes, the manifest says {entry['size']}): the file is "
+                "damaged; copy the artifact again or re-export the model"
+            )
+        try:
+            digest = sha256_file(file)
+        except OSError as e:
+            raise ArtifactError(f"{where}: {name} is unreadable ({e})") from None
+        if digest != entry["sha256"]:
+            raise ArtifactError(
+                f"{where}: {name} hash mismatch (sha256 {digest[:12]}..., the manifest says "
+                f"{entry['sha256'][:12]}...): the file is damaged; copy the artifact again or re-export the model"
+            )

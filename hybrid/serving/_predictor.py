@@ -1,0 +1,186 @@
+"""`load(path) -> Predictor`: a serving artifact, verified, ready to score requests.
+
+Uses jax (the deserialized lookup program), numpy (the tables) and torch (the dense
+program) and nothing of the training library: no `hybrid.Model`, no sparse_jax, no
+optimizer, no planner.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from hybrid.serving._artifact import (
+    DENSE_FILE,
+    SPARSE_FILE,
+    ArtifactError,
+    read_manifest,
+    verify_files,
+)
+from hybrid.serving._request import RequestSpec, read_sparse
+
+__all__ = ["Predictor", "load"]
+
+
+def _spec(manifest: dict[str, Any]) -> RequestSpec:
+    tables_of: dict[str, list[tuple[str, int]]] = {f: [] for f in manifest["features"]}
+    for t in manifest["tables"]:
+        for f in t["features"]:
+            tables_of[f].append((t["name"], int(t["num_embeddings"])))
+    accepts = manifest["accepts"]
+    return RequestSpec(
+        features=tuple(manifest["features"]),
+        tables_of={f: tuple(v) for f, v in tables_of.items()},
+        is_weighted=manifest["is_weighted"],
+        bounds_check=manifest["bounds_check"],
+        max_batch_size=int(accepts["max_batch_size"]),
+        id_capacities=tuple(int(c) for c in accepts["id_capacities"]),
+    )
+
+
+def _load_table(path: pathlib.Path, where: str, entry: dict[str, Any]) -> np.ndarray:
+    name = entry["file"]
+    try:
+        array = np.load(path / name, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ArtifactError(
+            f"{where}: {name} is unreadable ({type(e).__name__}: {e}); re-export the model"
+        ) from None
+    if str(array.dtype) != entry["file_dtype"] or list(array.shape) != list(entry["shape"]):
+        raise ArtifactError(
+            f"{where}: {name} holds {array.dtype} {list(array.shape)} but the manifest says table "
+            f"{entry['name']!r} is {entry['file_dtype']} {list(entry['shape'])}; re-export the model"
+        )
+    if entry["dtype"] == "bfloat16":  # stored as its bits: .npy has no bfloat16
+        array = array.view(jnp.bfloat16)
+    return array
+
+
+def _load_sparse(
+    path: pathlib.Path, where: str, tables: Sequence[np.ndarray], manifest
+) -> jax.export.Exported:
+    try:
+        exported = jax.export.deserialize(bytearray((path / SPARSE_FILE).read_bytes()))
+    except ImportError:  # jax's serialization needs the flatbuffers package: say so as jax does
+        raise
+    except Exception as e:  # flatbuffers / MLIR raise many types for damaged bytes
+        raise ArtifactError(
+            f"{where}: {SPARSE_FILE} is unreadable ({type(e).__name__}: {e}); it was written with jax "
+            f"{manifest['versions'].get('jax')}, this is jax {jax.__version__}: re-export the model"
+        ) from None
+    n_inputs = len(tables) + 2 + int(manifest["is_weighted"])
+    avals = exported.in_avals
+    if len(avals) != n_inputs:
+        raise ArtifactError(
+            f"{where}: {SPARSE_FILE} takes {len(avals)} inputs, the manifest implies {n_inputs}"
+        )
+    for entry, table, aval in zip(manifest["tables"], tables, avals, strict=False):
+        if tuple(aval.shape) != table.shape or aval.dtype != table.dtype:
+            raise ArtifactError(
+                f"{where}: {SPARSE_FILE} expects table {entry['name']!r} as {aval.dtype} {list(aval.shape)} but "
+                f"{entry['file']} holds {table.dtype} {list(table.shape)}; the files come from different exports"
+            )
+    return exported
+
+
+def _load_dense(path: pathlib.Path, where: str) -> torch.nn.Module:
+    try:
+        program = torch.export.load(path / DENSE_FILE)
+    except Exception as e:  # torch raises many types for a damaged archive
+        raise ArtifactError(
+            f"{where}: {DENSE_FILE} is unreadable ({type(e).__name__}: {e}); re-export the model"
+        ) from None
+    return program.module()
+
+
+class Predictor:
+    """Scores requests with an exported model: `predictor(dense_features, sparse) -> logits`.
+
+    Built by `load`. The sparse lookup runs as the exported JAX program on JAX's default
+    device (tables placed there once), the dense tower as the exported torch program on CPU.
+
+    Attributes:
+      manifest: the artifact's manifest (a dict).
+      features: the sparse features a request must give, in the program's order.
+      max_batch_size: the most samples one call takes (pad nothing: fewer is fine).
+      n_dense: the width of `dense_features`.
+    """
+
+    def __init__(
+        self,
+        path: pathlib.Path,
+        manifest: dict[str, Any],
+        tables: Sequence[np.ndarray],
+        exported: jax.export.Exported,
+        dense: torch.nn.Module,
+    ):
+        self.path = path
+        self.manifest = manifest
+        self._spec = _spec(manifest)
+        self._tables = [jax.device_put(t) for t in tables]
+        self._lookup = jax.jit(exported.call)
+        self._dense = dense
+        self._dense_dtype = getattr(torch, manifest["dense"]["dtype"])
+
+    @property
+    def features(self) -> list[str]:
+        return list(self._spec.features)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._spec.max_batch_size
+
+    @property
+    def n_dense(self) -> int:
+        return int(self.manifest["dense"]["in_features"])
+
+    def pooled(self, sparse) -> torch.Tensor:
+        """The pooled embeddings `[B, sum of dims]` (fp32, the model's feature order) of a
+        sparse request (any form `hybrid.serving` reads; ids checked)."""
+        arrays = read_sparse(sparse, self._spec)
+        args = [*self._tables, arrays.values, arrays.offsets]
+        if arrays.weights is not None:
+            args.append(arrays.weights)
+        pooled = self._lookup(*args)
+        return torch.from_dlpack(pooled)[: arrays.batch_size].cpu()
+
+    def __call__(self, dense_features, sparse) -> torch.Tensor:
+        """Logits `[B, outputs]` of the dense tower for `dense_features` `[B, n_dense]`
+        (tensor or array-like) and `sparse` (module docstring of `hybrid.serving`)."""
+        pooled = self.pooled(sparse)
+        dense = torch.as_tensor(dense_features, dtype=self._dense_dtype)
+        if dense.ndim != 2 or dense.shape[1] != self.n_dense or dense.shape[0] != pooled.shape[0]:
+            raise ValueError(
+                f"dense_features has shape {tuple(dense.shape)}; this artifact needs [{pooled.shape[0]}, "
+                f"{self.n_dense}] (one row of {self.n_dense} dense features per sample of the sparse request)"
+            )
+        with torch.no_grad():
+            return self._dense(dense.cpu().contiguous(), pooled)
+
+    def __repr__(self) -> str:
+        return (
+            f"Predictor({str(self.path)!r}: {self.manifest['model']}, features {self.features}, "
+            f"max_batch_size {self.max_batch_size})"
+        )
+
+
+def load(path: str | os.PathLike) -> Predictor:
+    """Load the serving artifact `path` (a directory `hybrid.export` wrote).
+
+    Every file is checked against the manifest's sha256 first; a missing, damaged or
+    truncated file, a malformed manifest or one of another format version, or a table
+    whose shape is not the manifest's raises `ArtifactError` naming the file."""
+    path = pathlib.Path(path)
+    where = f"serving artifact {str(path)!r}"
+    manifest = read_manifest(path)
+    verify_files(path, manifest)
+    tables = [_load_table(path, where, entry) for entry in manifest["tables"]]
+    exported = _load_sparse(path, where, tables, manifest)
+    return Predictor(path, manifest, tables, exported, _load_dense(path, where))

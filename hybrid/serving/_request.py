@@ -1,0 +1,266 @@
+"""A serving request's sparse features, read into the arrays the exported lookup takes.
+
+Accepted forms of `sparse` (every feature of the artifact present; other keys are ignored,
+as in training):
+
+- `{feature: [[ids of sample 0], [ids of sample 1], ...]}`: per-sample id lists; for a
+  weighted model `{feature: {"ids": [[...], ...], "weights": [[...], ...]}}`;
+- `{feature: (values, lengths)}` / `(values, lengths, weights)`: flat 1-D arrays (numpy,
+  torch or jax), as `hybrid.Model` takes them;
+- a KJT-like object: `.keys() .values() .lengths()` (+ `.weights_or_none()`), e.g. a
+  `sparse_jax.KeyedJaggedTensor` (padded or not), `hybrid.torch_kjt(...)` or a TorchRec KJT;
+- a tuple `(keys, values, lengths)` or `(keys, values, lengths, weights)`.
+
+The result (`SparseArrays`) is what the program reads: ids int32 `[capacity]` (every
+feature's ids, in the artifact's feature order, then zeros up to a capacity of the id
+ladder), offsets int32 `[num_features * max_batch_size + 1]` (feature-major bags; samples
+past the request are empty bags) and, for a weighted model, weights float32 `[capacity]`.
+Ids are checked as training checks them: with bounds_check "error" an id outside its table
+raises, naming the feature, table, sample and id.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["RequestSpec", "SparseArrays", "read_sparse"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class RequestSpec(NamedTuple):
+    """What the artifact accepts (from its manifest)."""
+
+    features: tuple[str, ...]  # input features, in the program's order
+    tables_of: dict[str, tuple[tuple[str, int], ...]]  # feature -> ((table, num_embeddings), ...)
+    is_weighted: bool
+    bounds_check: str  # "error", "clamp" or "skip"
+    max_batch_size: int
+    id_capacities: tuple[int, ...]
+
+
+class SparseArrays(NamedTuple):
+    """One request's sparse input, padded to the program's shapes."""
+
+    values: np.ndarray  # int32 [capacity]
+    offsets: np.ndarray  # int32 [num_features * max_batch_size + 1]
+    weights: np.ndarray | None  # float32 [capacity], weighted models only
+    batch_size: int  # samples in the request (the first rows of the output)
+
+
+class _Column(NamedTuple):
+    values: np.ndarray  # [n] ids as given
+    lengths: np.ndarray  # [B] int64
+    weights: np.ndarray | None  # [n] float32
+
+
+def _array(x, what: str) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch
+        x = x.detach().cpu()
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {a.shape}")
+    return a
+
+
+def _per_sample(feature: str, entry) -> _Column:
+    weights = None
+    if isinstance(entry, Mapping):
+        if "ids" not in entry:
+            raise ValueError(
+                f"feature {feature!r}: a dict entry is {{'ids': [[...], ...], 'weights': [[...], ...]}}"
+            )
+        bags_w = entry.get("weights")
+        entry = entry["ids"]
+        if bags_w is not None:
+            weights = [list(w) for w in bags_w]
+    if isinstance(entry, str | bytes) or not isinstance(entry, Sequence):
+        raise ValueError(
+            f"feature {feature!r}: expected one list of ids per sample (e.g. [[1, 2], [3]]), got {type(entry).__name__}"
+        )
+    bags = []
+    for b, bag in enumerate(entry):
+        if isinstance(bag, str | bytes) or not isinstance(bag, Sequence | np.ndarray):
+            raise ValueError(
+                f"feature {feature!r}: sample {b} is {bag!r}; give a list of ids per sample (e.g. [[1, 2], [3]])"
+            )
+        bags.append(bag)
+    lengths = np.array([len(bag) for bag in bags], np.int64)
+    flat = list(itertools.chain.from_iterable(bags))
+    values = np.asarray(flat) if flat else np.zeros(0, np.int64)
+    if weights is not None:
+        if [len(w) for w in weights] != lengths.tolist():
+            raise ValueError(
+                f"feature {feature!r}: 'weights' must hold one weight per id, sample by sample"
+            )
+        weights = np.asarray(list(itertools.chain.from_iterable(weights)), np.float32)
+    return _Column(values, lengths, weights)
+
+
+def _flat(feature: str, entry) -> _Column:
+    values = _array(entry[0], f"feature {feature!r}: values")
+    lengths = _array(entry[1], f"feature {feature!r}: lengths").astype(np.int64)
+    weights = (
+        None
+        if len(entry) < 3 or entry[2] is None
+        else _array(entry[2], f"feature {feature!r}: weights")
+    )
+    return _Column(values, lengths, weights)
+
+
+def _from_mapping(sparse: Mapping) -> dict[str, _Column]:
+    out = {}
+    for feature, entry in sparse.items():
+        is_flat = (
+            isinstance(entry, tuple | list) and len(entry) in (2, 3) and hasattr(entry[0], "shape")
+        )
+        out[feature] = _flat(feature, entry) if is_flat else _per_sample(feature, entry)
+    return out
+
+
+def _from_keyed(keys, values, lengths, weights) -> dict[str, _Column]:
+    keys = [str(k) for k in keys]
+    values = _array(values, "the KJT's values")
+    lengths = _array(lengths, "the KJT's lengths").astype(np.int64)
+    weights = None if weights is None else _array(weights, "the KJT's weights")
+    if not keys or lengths.shape[0] % len(keys):
+        raise ValueError(
+            f"the KJT has {len(keys)} keys and {lengths.shape[0]} lengths; give one length per key and sample "
+            "(key-major, the same batch size for every key)"
+        )
+    stride = lengths.shape[0] // len(keys)
+    ends = np.concatenate([[0], np.cumsum(lengths)])
+    if ends[-1] > values.shape[0]:
+        raise ValueError(
+            f"the KJT's lengths add up to {ends[-1]} but it has {values.shape[0]} values"
+        )
+    out = {}
+    for k, key in enumerate(keys):
+        a, b = ends[k * stride], ends[(k + 1) * stride]
+        out[key] = _Column(
+            values[a:b],
+            lengths[k * stride : (k + 1) * stride],
+            None if weights is None else weights[a:b],
+        )
+    return out
+
+
+def _columns(sparse) -> dict[str, _Column]:
+    if isinstance(sparse, Mapping):
+        return _from_mapping(sparse)
+    if all(callable(getattr(sparse, name, None)) for name in ("keys", "values", "lengths")):
+        get_w = getattr(sparse, "weights_or_none", None)
+        return _from_keyed(
+            sparse.keys(), sparse.values(), sparse.lengths(), get_w() if callable(get_w) else None
+        )
+    if isinstance(sparse, tuple | list) and len(sparse) in (3, 4):
+        return _from_keyed(*sparse, *([None] if len(sparse) == 3 else []))
+    raise TypeError(
+        f"cannot read a sparse request from {type(sparse).__name__}; pass {{feature: [[ids of sample 0], ...]}}, "
+        "{feature: (values, lengths)}, a KeyedJaggedTensor-like object or a (keys, values, lengths[, weights]) tuple"
+    )
+
+
+def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
+    """The feature's ids as int64 after the training path's checks (see module docstring)."""
+    values = col.values
+    if values.size and values.dtype.kind not in "iu":
+        if (
+            values.dtype.kind == "f"
+            and np.all(np.isfinite(values))
+            and np.all(values == np.round(values))
+        ):
+            values = values.astype(np.int64)  # JSON may write 3.0
+        else:
+            bad = values.reshape(-1)[0]
+            raise ValueError(
+                f"feature {feature!r}: ids must be integers, got {values.dtype} values (e.g. {bad!r})"
+            )
+    values = values.astype(np.int64)
+    ends = np.concatenate([[0], np.cumsum(col.lengths)])
+    if spec.bounds_check == "error":
+        limits = [
+            (f"table {table!r}, num_embeddings={rows}", 0, rows)
+            for table, rows in spec.tables_of[feature]
+        ]
+    else:  # the program clamps or skips them, but they must reach it untruncated
+        limits = [("ids must fit int32", -_INT32_MAX - 1, _INT32_MAX + 1)]
+    for what, low, high in limits:
+        bad = np.flatnonzero((values < low) | (values >= high))
+        if bad.size:
+            i = int(bad[0])
+            sample = int(np.searchsorted(ends, i, side="right")) - 1
+            raise ValueError(
+                f"feature {feature!r} ({what}): id {int(values[i])} at sample {sample}, position "
+                f"{i - int(ends[sample])} in its bag, is outside [{low}, {high}) ({bad.size} such ids); fix the ids"
+            )
+    return values
+
+
+def _capacity(n: int, spec: RequestSpec) -> int:
+    for rung in spec.id_capacities:
+        if rung >= n:
+            return rung
+    raise ValueError(
+        f"the request holds {n} ids, more than this artifact's largest id capacity {spec.id_capacities[-1]}; "
+        f"split the request, or re-export with hybrid.export(..., id_capacities=[..., {n}])"
+    )
+
+
+def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
+    """`sparse` (any form in the module docstring) checked and padded for the program."""
+    columns = _columns(sparse)
+    missing = [f for f in spec.features if f not in columns]
+    if missing:
+        raise ValueError(
+            f"the request lacks features {missing}; the artifact reads {list(spec.features)} "
+            "(give an empty list for a sample without ids)"
+        )
+    sizes = {f: int(columns[f].lengths.shape[0]) for f in spec.features}
+    batch = sizes[spec.features[0]]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"features have different batch sizes {sizes}; every feature needs one bag per sample"
+        )
+    if batch < 1:
+        raise ValueError("the request has no samples")
+    if batch > spec.max_batch_size:
+        raise ValueError(
+            f"the request has {batch} samples, more than this artifact's max_batch_size {spec.max_batch_size}; "
+            f"split the request, or re-export with hybrid.export(..., max_batch_size={batch})"
+        )
+    values, lengths, weights = [], [], []
+    for f in spec.features:
+        col = columns[f]
+        if (col.lengths < 0).any():
+            b = int(np.flatnonzero(col.lengths < 0)[0])
+            raise ValueError(
+                f"feature {f!r}: sample {b} has length {int(col.lengths[b])}; lengths must be >= 0"
+            )
+        if int(col.lengths.sum()) != col.values.shape[0]:
+            raise ValueError(
+                f"feature {f!r}: lengths add up to {int(col.lengths.sum())} but there are "
+                f"{col.values.shape[0]} ids"
+            )
+        values.append(_check_ids(f, col, spec))
+        lengths.append(np.pad(col.lengths, (0, spec.max_batch_size - batch)))
+        if spec.is_weighted:
+            if col.weights is None:
+                raise ValueError(
+                    f"feature {f!r} has no weights, but the model is weighted: give one weight per id"
+                )
+            weights.append(np.asarray(col.weights, np.float32))
+    ids = np.concatenate(values)
+    capacity = _capacity(ids.shape[0], spec)
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
+    padded = np.zeros(capacity, np.int32)
+    padded[: ids.shape[0]] = ids
+    w = None
+    if spec.is_weighted:
+        w = np.zeros(capacity, np.float32)
+        w[: ids.shape[0]] = np.concatenate(weights)
+    return SparseArrays(padded, offsets, w, batch)

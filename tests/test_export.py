@@ -1,0 +1,404 @@
+"""Export and serving: `hybrid.export` writes one directory, `hybrid.serving.load` serves it.
+
+A small DLRM trained a few steps is exported (fp32 tables) and, after `hybrid.quantize`,
+again (int8 rows). A fresh process that loads `hybrid.serving` without `hybrid/__init__`
+(so without the training library) predicts what the in-memory models predict: fp32 to
+1e-6 relative, int8 bit for bit; its `sys.modules` holds no sparse_jax, dense_torch,
+optimizer, planner, `hybrid.Model` or training module. The CLI, run as `python -m` runs it,
+scores a JSON-lines file as the predictor does. Damaged artifacts (a flipped byte, a missing
+or truncated file, a manifest of another version, a table of another shape) are refused
+naming the file; out-of-range ids name the feature, sample and id; requests larger than the
+exported shapes say what to re-export with. A weighted model with tables sharded over a
+2-device mesh exports from the gathered tables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import dense_torch
+import hybrid
+import hybrid.serving as serving
+from hybrid._export import export
+from sparse_jax import EmbeddingBagConfig
+from sparse_jax.optim import rowwise_adagrad
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROWS = {"a": 50, "b": 50, "c": 30}
+TABLES = [
+    EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=4, feature_names=["a", "b"]),
+    EmbeddingBagConfig(
+        name="t1", num_embeddings=30, embedding_dim=4, feature_names=["c"], pooling="MEAN"
+    ),
+]
+N_DENSE, BATCH = 5, 8
+
+
+def _request(rng, n: int, *, weighted: bool = False):
+    """(dense [n, 5], {feature: per-sample id lists}, the same as {feature: (values, lengths[, weights])}).
+    Features in another order than the model's; some bags empty, some with repeated ids."""
+    lists = {
+        f: [rng.integers(0, ROWS[f], rng.integers(0, 6)).tolist() for _ in range(n)]
+        for f in ("c", "a", "b")
+    }
+    lists["a"][0] = []
+    lists["b"][1] = [3, 3, 3]
+    flat = {}
+    for f, bags in lists.items():
+        values = torch.tensor([i for bag in bags for i in bag], dtype=torch.int64)
+        lengths = torch.tensor([len(bag) for bag in bags])
+        flat[f] = (
+            (values, lengths, torch.rand(len(values), generator=torch.Generator().manual_seed(1)))
+            if weighted
+            else (values, lengths)
+        )
+    return torch.randn(n, N_DENSE, generator=torch.Generator().manual_seed(n)), lists, flat
+
+
+def _train(model, rng, steps: int = 3):
+    opt = torch.optim.Adam(model.dense_parameters(), lr=1e-2)
+    for _ in range(steps):
+        dense, _, flat = _request(rng, BATCH, weighted=model.sparse_module.is_weighted())
+        logits = model(dense, flat).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.ones(BATCH))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _eval(model, dense, sparse) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        out = model(dense, sparse)
+    model.train()
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Two artifacts of one trained model (fp32 and int8), a request, and the in-memory predictions."""
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    model = hybrid.Model(
+        TABLES,
+        dense_torch.DLRM(4, 3, N_DENSE, [8, 4], [8, 1]),
+        sparse_optimizer=rowwise_adagrad(lr=0.1),
+    )
+    _train(model, rng)
+    qmodel = hybrid.quantize(model, "int8")
+    dense, lists, flat = _request(rng, BATCH)
+    root = tmp_path_factory.mktemp("export")
+    float_dir = export(model, root / "fp32", example=(dense, lists))
+    quant_dir = export(
+        qmodel,
+        root / "int8",
+        example=(dense[:3], {f: v[:3] for f, v in lists.items()}),
+        max_batch_size=BATCH,
+        id_capacities=(64, 128),
+    )
+    return {
+        "fp32": float_dir,
+        "int8": quant_dir,
+        "dense": dense,
+        "lists": lists,
+        "flat": flat,
+        "root": root,
+        "expected_fp32": _eval(model, dense, flat),
+        "expected_int8": _eval(qmodel, dense, flat),
+    }
+
+
+def _run(script: str, tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-W", "error", str(path), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+# The loader alone: `hybrid` is a bare namespace, so `hybrid/__init__` (the training library) never runs.
+FRESH = """
+import json, sys, types
+hybrid = types.ModuleType("hybrid")
+hybrid.__path__ = [sys.argv[1] + "/hybrid"]
+sys.modules["hybrid"] = hybrid
+import numpy as np, torch
+import hybrid.serving
+request = json.load(open(sys.argv[2]))
+dense = torch.tensor(request["dense"])
+for name in ("fp32", "int8"):
+    predictor = hybrid.serving.load(request[name])
+    np.save(request["out"] + f"/{name}.npy", predictor(dense, request["sparse"]).numpy())
+json.dump(sorted(sys.modules), open(request["out"] + "/modules.json", "w"))
+"""
+
+
+def test_a_fresh_process_serves_both_artifacts_without_the_training_library(exported, tmp_path):
+    request = {
+        "fp32": str(exported["fp32"]),
+        "int8": str(exported["int8"]),
+        "out": str(tmp_path),
+        "dense": exported["dense"].tolist(),
+        "sparse": exported["lists"],
+    }
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    _run(FRESH, tmp_path, str(ROOT), str(tmp_path / "request.json"))
+
+    got = torch.from_numpy(np.load(tmp_path / "fp32.npy"))
+    want = exported["expected_fp32"]
+    assert got.shape == want.shape == (BATCH, 1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.equal(torch.from_numpy(np.load(tmp_path / "int8.npy")), exported["expected_int8"])
+    assert not torch.equal(
+        exported["expected_fp32"], exported["expected_int8"]
+    )  # int8 rows differ from fp32
+
+    modules = set(json.loads((tmp_path / "modules.json").read_text()))
+    assert {"jax", "torch", "numpy", "hybrid.serving"} <= modules
+    ours = {
+        m for m in modules if m.split(".")[0] in ("hybrid", "sparse_jax", "dense_torch", "optax")
+    }
+    assert ours <= {"hybrid", "hybrid._files"} | {
+        m for m in ours if m.startswith("hybrid.serving")
+    }, ours
+    assert not {"hybrid.train", "hybrid._model", "sparse_jax.planner", "sparse_jax.optim"} & modules
+
+
+def test_every_sparse_form_gives_the_same_predictions(exported):
+    predictor = serving.load(exported["int8"])
+    dense, lists, flat = exported["dense"], exported["lists"], exported["flat"]
+    want = exported["expected_int8"]
+    keys = ["a", "b", "c"]
+    values = torch.cat([flat[k][0] for k in keys])
+    lengths = torch.cat([flat[k][1] for k in keys])
+    assert torch.equal(predictor(dense, lists), want)
+    assert torch.equal(predictor(dense.numpy(), flat), want)
+    assert torch.equal(predictor(dense, (keys, values, lengths)), want)
+    assert torch.equal(
+        predictor(dense, hybrid.torch_kjt(keys, values, lengths)), want
+    )  # padded values
+    # fewer samples than max_batch_size: the first rows, as the in-memory model gives them
+    few = {f: bags[:5] for f, bags in lists.items()}
+    assert torch.equal(predictor(dense[:5], few), want[:5])
+
+
+# `python -m hybrid.serving`, run as -m runs it (through hybrid/__init__), then the modules it loaded.
+CLI = """
+import runpy, sys
+sys.argv = ["hybrid.serving", *sys.argv[1:]]
+try:
+    runpy.run_module("hybrid.serving", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+loaded = [m for m in ("hybrid.train", "sparse_jax.planner") if m in sys.modules]
+assert not loaded, loaded
+"""
+
+
+def test_the_cli_scores_a_requests_file_as_the_predictor_does(exported, tmp_path):
+    rng = np.random.default_rng(5)
+    dense, lists, _ = _request(rng, 11)  # two batches: 8 lines, then 3
+    lines = [
+        {"dense": dense[i].tolist(), "sparse": {f: bags[i] for f, bags in lists.items()}}
+        for i in range(11)
+    ]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    out = tmp_path / "scores.jsonl"
+    _run(
+        CLI,
+        tmp_path,
+        "--artifact",
+        str(exported["fp32"]),
+        "--requests",
+        str(requests),
+        "--out",
+        str(out),
+    )
+
+    scores = [json.loads(line) for line in out.read_text().splitlines()]
+    predictor = serving.load(exported["fp32"])
+    logits = torch.cat(
+        [
+            predictor(dense[:8], {f: b[:8] for f, b in lists.items()}),
+            predictor(dense[8:], {f: b[8:] for f, b in lists.items()}),
+        ]
+    ).squeeze(-1)
+    assert [s["logit"] for s in scores] == logits.tolist()
+    assert [s["score"] for s in scores] == torch.sigmoid(logits).tolist()
+
+
+def test_the_cli_names_a_bad_line(exported, tmp_path, capsys):
+    from hybrid.serving._cli import main
+
+    requests = tmp_path / "requests.jsonl"
+    good = {"dense": [0.0] * N_DENSE, "sparse": {"a": [1], "b": [], "c": [2]}}
+    requests.write_text(
+        json.dumps(good) + "\n" + json.dumps({**good, "sparse": {"a": [1], "c": [2]}}) + "\n"
+    )
+    assert main(["--artifact", str(exported["fp32"]), "--requests", str(requests)]) == 2
+    assert "line 2 lacks features ['b']" in capsys.readouterr().err
+
+
+def _copy(exported, tmp_path, name="fp32") -> pathlib.Path:
+    return pathlib.Path(shutil.copytree(exported[name], tmp_path / "artifact"))
+
+
+def _flip_byte(path: pathlib.Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _set_version(path: pathlib.Path) -> None:
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 2
+    path.write_text(json.dumps(manifest))
+
+
+DAMAGE = {
+    "table byte flipped": ("tables/00_t0.npy", _flip_byte, "tables/00_t0.npy hash mismatch"),
+    "dense program deleted": ("dense_tower.pt2", pathlib.Path.unlink, "dense_tower.pt2 is missing"),
+    "manifest of another version": (
+        "manifest.json",
+        _set_version,
+        "manifest.json has format_version 2",
+    ),
+    "sparse program truncated": (
+        "sparse_lookup.jaxexport",
+        lambda p: p.write_bytes(p.read_bytes()[:100]),
+        "sparse_lookup.jaxexport is truncated",
+    ),
+    "manifest not json": (
+        "manifest.json",
+        lambda p: p.write_text("{"),
+        "manifest.json is not valid json",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_a_damaged_artifact_is_refused_naming_the_file(exported, tmp_path, damage):
+    name, spoil, message = DAMAGE[damage]
+    path = _copy(exported, tmp_path)
+    spoil(path / name)
+    with pytest.raises(serving.ArtifactError, match=message):
+        serving.load(path)
+
+
+def _rewrite(path: pathlib.Path, name: str, data: bytes) -> None:
+    """Replace a file and its manifest entry (so only the deeper checks can catch it)."""
+    import hashlib
+
+    (path / name).write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_table_of_another_shape_or_an_unreadable_program_is_refused(exported, tmp_path):
+    import io
+
+    path = _copy(exported, tmp_path)
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((49, 4), np.float32))
+    _rewrite(path, "tables/00_t0.npy", buffer.getvalue())
+    with pytest.raises(
+        serving.ArtifactError,
+        match=r"tables/00_t0.npy holds float32 \[49, 4\] but the manifest says "
+        r"table 't0' is float32 \[50, 4\]",
+    ):
+        serving.load(path)
+    path = _copy(exported, tmp_path / "again")
+    _rewrite(path, "sparse_lookup.jaxexport", b"not a program")
+    with pytest.raises(serving.ArtifactError, match="sparse_lookup.jaxexport is unreadable"):
+        serving.load(path)
+
+
+def test_out_of_range_ids_are_refused_naming_feature_sample_and_id(exported):
+    predictor = serving.load(exported["fp32"])
+    dense, lists = exported["dense"], exported["lists"]
+    bad = {**lists, "c": [*lists["c"][:3], [1, 30], *lists["c"][4:]]}
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'c' \(table 't1', num_embeddings=30\): id 30 at sample 3, "
+        r"position 1 in its bag",
+    ):
+        predictor(dense, bad)
+    with pytest.raises(ValueError, match=r"feature 'a' .* id -1 at sample 0"):
+        predictor(dense, {**lists, "a": [[-1], *lists["a"][1:]]})
+    with pytest.raises(ValueError, match=r"the request lacks features \['b'\]"):
+        predictor(dense, {"a": lists["a"], "c": lists["c"]})
+
+
+def test_requests_larger_than_the_exported_shapes_say_what_to_re_export(exported):
+    predictor = serving.load(exported["int8"])  # max_batch_size 8, id capacities 64 and 128
+    assert predictor.max_batch_size == BATCH
+    rng = np.random.default_rng(3)
+    dense, lists, _ = _request(rng, BATCH + 1)
+    with pytest.raises(
+        ValueError,
+        match=r"9 samples, more than this artifact's max_batch_size 8; split the request, "
+        r"or re-export with hybrid.export\(..., max_batch_size=9\)",
+    ):
+        predictor(dense, lists)
+    many = {f: [[1] * 20 for _ in range(BATCH)] for f in ("a", "b", "c")}  # 480 ids
+    with pytest.raises(
+        ValueError,
+        match=r"480 ids, more than this artifact's largest id capacity 128.*id_capacities",
+    ):
+        predictor(exported["dense"], many)
+
+
+def test_export_refuses_to_overwrite_unless_asked(exported):
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export(_small_model(), exported["int8"], example=(exported["dense"], exported["lists"]))
+
+
+def _small_model(**kwargs):
+    return hybrid.Model(TABLES, dense_torch.DLRM(4, 3, N_DENSE, [8, 4], [8, 1]), **kwargs)
+
+
+def test_a_weighted_model_sharded_over_a_mesh_exports_its_gathered_tables(tmp_path):
+    rng = np.random.default_rng(7)
+    torch.manual_seed(7)
+    model = _small_model(
+        mesh=hybrid.make_mesh("model=2", devices=jax.devices()[:2]),
+        plan={"t0": "row_wise", "t1": "table_wise"},
+        is_weighted=True,
+        sparse_optimizer=rowwise_adagrad(lr=0.1),
+    )
+    _train(model, rng, steps=2)
+    dense, lists, flat = _request(rng, BATCH, weighted=True)
+    weighted = {f: {"ids": bags, "weights": [[] for _ in bags]} for f, bags in lists.items()}
+    for f, (_, lengths, w) in flat.items():  # the same weights as per-sample lists
+        weighted[f]["weights"] = [part.tolist() for part in torch.split(w, lengths.tolist())]
+    path = export(model, tmp_path / "weighted", example=(dense, flat))
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["is_weighted"] and [t["shape"] for t in manifest["tables"]] == [
+        [50, 4],
+        [30, 4],
+    ]
+    predictor = serving.load(path)
+    want = _eval(model, dense, flat)
+    torch.testing.assert_close(predictor(dense, weighted), want, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="feature 'a' has no weights, but the model is weighted"):
+        predictor(dense, lists)
