@@ -21,6 +21,8 @@ One concept per module:
 * `e2e_vs_torchrec` - end-to-end training steps against TorchRec's DistributedModelParallel.
 * `quant_lookup` - the row-wise quantized pooled lookup (int8/int4/fp16) against FBGEMM's
                   IntN TBE on the same packed rows, and bytes per table per precision.
+* `serving_latency` - an exported int8 DLRM (`hybrid.serving`) against TorchRec's quantized
+                  inference DLRM at batch 1, 64 and 512.
 
 Nothing here is collected by pytest (testpaths = tests); `tests/test_benchmarks.py` and
 `tests/test_benchmark_e2e.py` drive the CLIs at tiny sizes.

@@ -1,0 +1,169 @@
+"""Serving latency: a `hybrid.export`ed int8 DLRM (`hybrid.serving.load`) against TorchRec's
+quantized inference DLRM (`torchrec.models.dlrm.DLRM` over TorchRec's quantized
+`EmbeddingBagCollection`, FBGEMM's IntN TBE), at batch 1, 64 and 512.
+
+    python -m benchmarks.serving_latency                        # ~2 min here
+    python -m benchmarks.serving_latency --rows 2000 --repeats 5 --alone-repeats 5   # smoke
+
+Both sides: `--tables` int8 tables of `--rows` x `--dim` (the same fp32 weights quantized by each
+side's own path), DLRM with 13 dense features, bags of `--pooling` ids. A request is raw
+ids (ours: `{feature: (values, lengths)}` arrays; TorchRec: a prebuilt KJT) and dense
+features; the time is the whole call until the logits exist (ours: id checks, padding, the
+jax lookup, the torch.export dense tower; TorchRec: eager forward under `no_grad`).
+Interleaved medians and per-round ratios, then TorchRec timed alone in a fresh process
+(`--side torchrec`), so its time in this harness can be compared with its time alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+BATCHES = (1, 64, 512)
+N_DENSE = 13
+LEAD_IN_S = 0.05
+
+
+def _config(args):
+    return [(f"t{i}", f"f{i}") for i in range(args.tables)]
+
+
+def weights(args) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {t: rng.uniform(-0.1, 0.1, (args.rows, args.dim)).astype(np.float32) for t, _ in _config(args)}
+
+
+def requests(args, batch: int, seed: int = 1):
+    """(dense [B, 13] fp32, {feature: (values int64, lengths int64)})."""
+    rng = np.random.default_rng([seed, batch])
+    sparse = {f: (rng.integers(0, args.rows, batch * args.pooling).astype(np.int64),
+                  np.full(batch, args.pooling, np.int64)) for _, f in _config(args)}
+    return rng.standard_normal((batch, N_DENSE)).astype(np.float32), sparse
+
+
+def torchrec_model(args, w):
+    import torch
+    from torch import quantization
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=t, num_embeddings=args.rows, embedding_dim=args.dim,
+                                                            feature_names=[f]) for t, f in _config(args)])
+    ebc.load_state_dict({f"embedding_bags.{t}.weight": torch.from_numpy(x) for t, x in w.items()})
+    ebc.qconfig = quantization.QConfig(activation=quantization.PlaceholderObserver.with_args(dtype=torch.float),
+                                       weight=quantization.PlaceholderObserver.with_args(dtype=torch.qint8))
+    torch.manual_seed(0)
+    return DLRM(embedding_bag_collection=QuantEBC.from_float(ebc), dense_in_features=N_DENSE,
+                dense_arch_layer_sizes=[64, args.dim], over_arch_layer_sizes=[64, 1]).eval()
+
+
+def torchrec_case(model, args, batch: int):
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    dense, sparse = requests(args, batch)
+    keys = [f for _, f in _config(args)]
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate([sparse[k][0] for k in keys])),
+                            lengths=torch.from_numpy(np.concatenate([sparse[k][1] for k in keys])))
+    x = torch.from_numpy(dense)
+
+    def run():
+        with torch.no_grad():
+            return model(x, kjt)
+
+    return run
+
+
+def ours_predictor(args, w, path: str):
+    import torch
+
+    import dense_torch
+    import hybrid
+    import hybrid.serving
+    from sparse_jax import EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name=t, num_embeddings=args.rows, embedding_dim=args.dim, feature_names=[f])
+              for t, f in _config(args)]
+    torch.manual_seed(0)
+    model = hybrid.Model(tables, dense_torch.DLRM(embedding_dim=args.dim, num_sparse_features=args.tables,
+                                                  dense_in_features=N_DENSE, dense_arch_layer_sizes=[64, args.dim],
+                                                  over_arch_layer_sizes=[64, 1]))
+    model.load_state_dict({f"embedding_bags.{t}.weight": torch.from_numpy(x) for t, x in w.items()}, strict=False)
+    dense, sparse = requests(args, max(BATCHES))
+    example = (torch.from_numpy(dense), hybrid.torch_kjt(list(sparse), torch.from_numpy(np.concatenate(
+        [v for v, _ in sparse.values()])), torch.from_numpy(np.concatenate([n for _, n in sparse.values()]))))
+    return hybrid.serving.load(hybrid.export(hybrid.quantize(model.eval(), "int8"), path, example=example))
+
+
+def ours_case(predictor, args, batch: int):
+    import torch
+
+    dense, sparse = requests(args, batch)
+    x = torch.from_numpy(dense)
+    return lambda: predictor(x, sparse)
+
+
+def alone(args) -> dict:
+    """TorchRec timed by itself in this (fresh) process: {batch: median ms}."""
+    from benchmarks.timing import clocked, interleaved, summarize
+
+    model = torchrec_model(args, weights(args))
+    out = {}
+    for b in BATCHES:
+        run = torchrec_case(model, args, b)
+        samples = interleaved({b: clocked(lambda c, run=run: run())}, repeats=args.alone_repeats, lead_in_s=LEAD_IN_S)
+        out[b] = summarize(samples[b]["total"])["median_ms"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--pooling", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--alone-repeats", type=int, default=15)
+    ap.add_argument("--side", choices=["both", "torchrec"], default="both", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.side == "torchrec":
+        print(json.dumps(alone(args)))
+        return 0
+
+    from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
+
+    w = weights(args)
+    theirs_model = torchrec_model(args, w)
+    with tempfile.TemporaryDirectory() as tmp:
+        predictor = ours_predictor(args, w, f"{tmp}/dlrm_int8")
+        cases = {}
+        for b in BATCHES:
+            ours, theirs = ours_case(predictor, args, b), torchrec_case(theirs_model, args, b)
+            assert tuple(ours().shape) == tuple(theirs().shape) == (b, 1), (b, ours().shape, theirs().shape)
+            cases[f"ours {b}"] = clocked(lambda c, f=ours: f())
+            cases[f"torchrec {b}"] = clocked(lambda c, f=theirs: f())
+        samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
+    med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
+    passed = sys.argv[1:] if argv is None else list(argv)
+    fresh = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.serving_latency", "--side", "torchrec", *passed],
+                                      capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    print(f"{args.tables} int8 tables of {args.rows} x {args.dim}, bags of {args.pooling}, DLRM [64, {args.dim}] / "
+          f"[64, 1]; {args.repeats} interleaved rounds, medians")
+    print("| batch | ours ms | TorchRec ms (here) | TorchRec ms (alone) | ours / TorchRec (paired) |")
+    print("|---|---|---|---|---|")
+    for b in BATCHES:
+        r = paired_ratio(samples[f"ours {b}"]["total"], samples[f"torchrec {b}"]["total"])
+        print(f"| {b} | {med[f'ours {b}']:.2f} | {med[f'torchrec {b}']:.2f} | {fresh[str(b)]:.2f} | "
+              f"{r['paired_median']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
