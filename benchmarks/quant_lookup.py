@@ -61,13 +61,14 @@ def fbgemm_case(packed: np.ndarray, weight_type: str, dim: int, ids, offsets):
     return run, run().numpy()
 
 
-def xla_case(packed, weight_type: str, dim: int, ids, offsets):
+def xla_case(packed, weight_type: str, dim: int, ids, offsets, pooling: int):
     import jax
 
     from sparse_jax import quantized_pooled_lookup
 
     p, i, o = jax.device_put(packed), jax.device_put(ids), jax.device_put(offsets)
-    f = jax.jit(lambda p, i, o: quantized_pooled_lookup(p, weight_type, dim, i, o))
+    # max_length: the bags' bound, as QuantEmbeddingBagCollection passes a padded KJT's length cap
+    f = jax.jit(lambda p, i, o: quantized_pooled_lookup(p, weight_type, dim, i, o, max_length=pooling))
     out = np.asarray(f(p, i, o))
     return (lambda: f(p, i, o)), out
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     cases = {}
     for wt in TYPES:
         packed = np.asarray(quantize_rows(table, wt))
-        ours, got = xla_case(packed, wt, args.dim, ids, offsets)
+        ours, got = xla_case(packed, wt, args.dim, ids, offsets, args.pooling)
         theirs, want = fbgemm_case(packed, wt, args.dim, ids, offsets)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"{wt}: outputs differ")
         cases[f"xla {wt}"] = clocked(lambda c, f=ours: f())

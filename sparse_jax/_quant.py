@@ -194,32 +194,64 @@ def dequantize_rows(packed, weight_type: str, dim: int) -> jax.Array:
     return _dequantize(_check_packed(packed, weight_type, dim), weight_type, dim)
 
 
-@functools.partial(jax.jit, static_argnames=("weight_type", "dim"))
-def _pooled(packed, ids, offsets, weights, weight_type: str, dim: int, mean):
+def _unpack_words(words, weight_type: str, dim: int):
+    """`_unpack` of rows gathered as little-endian uint32 words (byte `4j + k` of a row is
+    bits `8k..8k+7` of word j): the same fp32 values, shifted out of whole words instead of
+    reassembled from bytes (measured ~2.5x faster on CPU). Needs the values to fill whole
+    words (`_word_aligned`)."""
+    def half(bits):
+        return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+    if weight_type == "fp16":
+        halves = (words[:, : dim // 2, None] >> jnp.array([0, 16], jnp.uint32)) & jnp.uint32(0xFFFF)
+        return None, None, half(halves.reshape(-1, dim))
+    bits = _BITS[weight_type]
+    head = words[:, 0]
+    body = words[:, 1 : 1 + dim * bits // 32]
+    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32)
+    q = (body[:, :, None] >> shifts) & jnp.uint32((1 << bits) - 1)
+    return half(head & 0xFFFF)[:, None], half(head >> 16)[:, None], q.reshape(-1, dim).astype(jnp.float32)
+
+
+def _word_aligned(weight_type: str, dim: int, width: int) -> bool:
+    """Rows `width` bytes wide can be read as uint32 words, and the values fill whole words."""
+    bits = 16 if weight_type == "fp16" else _BITS[weight_type]
+    return width % 4 == 0 and (dim * bits) % 32 == 0
+
+
+@functools.partial(jax.jit, static_argnames=("weight_type", "dim", "max_length"))
+def _pooled(packed, ids, offsets, weights, weight_type: str, dim: int, mean, max_length: int | None):
     """Unweighted bags come with weights of 1 and SUM bags with a final factor of 1: both
-    products are exact, so one compiled loop serves SUM and MEAN, weighted or not."""
+    products are exact, so one compiled loop serves SUM and MEAN, weighted or not. With
+    `max_length` the loop has a static trip count (unrolled by 4); else it runs to the
+    batch's longest bag."""
     starts = offsets[:-1]
     lengths = offsets[1:] - starts
-    num_rows, last = packed.shape[0], ids.shape[0] - 1
+    (num_rows, width), last = packed.shape, ids.shape[0] - 1
+    words = _word_aligned(weight_type, dim, width)
+    source = jax.lax.bitcast_convert_type(packed.reshape(num_rows, width // 4, 4), jnp.uint32) if words else packed
 
     def add(pos, acc):
         at = jnp.minimum(starts + pos, last)
         row = ids[at]
         hit = (pos < lengths) & (row >= 0) & (row < num_rows)
-        got = packed.at[jnp.clip(row, 0, num_rows - 1)].get(mode="promise_in_bounds")
-        scale, bias, values = _unpack(got, weight_type, dim)
+        got = source.at[jnp.clip(row, 0, num_rows - 1)].get(mode="promise_in_bounds")
+        scale, bias, values = (_unpack_words if words else _unpack)(got, weight_type, dim)
         w = weights[at][:, None]
         new = acc + w * values if scale is None else (acc + w * bias) + (w * scale) * values
         return jnp.where(hit[:, None], new, acc)
 
     acc = jnp.zeros((lengths.shape[0], dim), jnp.float32)
-    acc = jax.lax.fori_loop(0, jnp.max(lengths), add, acc)
+    if max_length is None:
+        acc = jax.lax.fori_loop(0, jnp.max(lengths), add, acc)
+    elif max_length > 0:
+        acc = jax.lax.fori_loop(0, max_length, add, acc, unroll=min(max_length, 4))
     inv_len = 1.0 / jnp.maximum(lengths, 1).astype(jnp.float32)
     return acc * jnp.where(mean, inv_len, 1.0)[:, None]
 
 
 def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, pooling="SUM",
-                            per_sample_weights=None) -> jax.Array:
+                            per_sample_weights=None, *, max_length: int | None = None) -> jax.Array:
     """Pooled fp32 `[B, dim]` over bags of packed rows, FBGEMM's IntN TBE CPU forward.
 
     packed: uint8 `[rows, row_bytes]` from `quantize_rows` (any row alignment).
@@ -228,6 +260,9 @@ def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, po
     counts it in the bag's length. Any other id outside `[0, rows)` raises here (under `jit`
     it contributes nothing, like -1).
     pooling: "SUM" or "MEAN" (or a `PoolingType`); per_sample_weights: fp32 `[N]` or None.
+    max_length: a bound on every bag's length, if the caller knows one (a padded KJT's length
+    cap): the position loop then has that static trip count; checked when the offsets are
+    concrete, trusted under `jit` (a longer bag would lose its ids past the bound).
 
     Jittable with `weight_type`, `dim` and `pooling` static. The loop runs over positions
     up to the longest bag, gathering one row per bag each step, so that every bag adds its
@@ -249,13 +284,21 @@ def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, po
     if per_sample_weights.shape != ids.shape:
         raise ValueError(f"per_sample_weights has shape {per_sample_weights.shape}, ids {ids.shape}: "
                          "pass one weight per id")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int | np.integer)
+                                   or max_length < 0):
+        raise ValueError(f"max_length={max_length!r} must be an int >= 0 (a bound on every bag's length) or None")
     if is_concrete(ids, offsets):
         _check_bags(np.asarray(ids), np.asarray(offsets), packed.shape[0])
+        longest = int(np.diff(np.asarray(offsets)).max(initial=0))
+        if max_length is not None and longest > max_length:
+            raise ValueError(f"max_length={max_length} but a bag holds {longest} ids: pass a bound >= {longest}, "
+                             "or None to loop to the longest bag")
     batch = offsets.shape[0] - 1
     if batch == 0 or ids.shape[0] == 0 or packed.shape[0] == 0:  # nothing to add
         return jnp.zeros((batch, dim), jnp.float32)
     offsets = offsets.astype(ids.dtype)
-    return _pooled(packed, ids, offsets, per_sample_weights, weight_type, dim, jnp.bool_(mean))
+    return _pooled(packed, ids, offsets, per_sample_weights, weight_type, dim, jnp.bool_(mean),
+                   None if max_length is None else int(max_length))
 
 
 def _is_mean(pooling) -> bool:

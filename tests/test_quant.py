@@ -11,6 +11,7 @@ Lookup: `quantized_pooled_lookup` equals the TBE's CPU forward (bit for bit unwe
 dims that are not multiples of 8, rows padded for the GPU TBE, inside `jit`.
 """
 
+import re
 import functools
 from types import SimpleNamespace
 
@@ -339,3 +340,28 @@ def test_errors_name_the_value_and_the_fix(call, message):
     with pytest.raises(ValueError) as err:
         call()
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("weight_type, dim", [("int8", 12), ("int4", 12), ("int4", 16), ("fp16", 6), ("int2", 16)])
+def test_a_static_length_bound_gives_the_same_sums_and_is_checked(weight_type, dim):
+    """`max_length` (a padded KJT's length cap) unrolls a static loop: bit for bit the
+    data-dependent loop's result, on rows read as words (int4 x 16, fp16 x 6, int2 x 16) and
+    as bytes (int8 x 12 rows are 16 bytes: words too; int4 x 12 rows are 10: bytes)."""
+    rng = np.random.default_rng([dim, 7])
+    packed = quantize_rows(_lookup_table(rng, dim), weight_type)
+    ids, offsets, weights = _bags(rng)
+    free = quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, "MEAN", weights)
+    for bound in (8, 9, 16):
+        got = quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, "MEAN", weights, max_length=bound)
+        np.testing.assert_array_equal(got, free)
+    jitted = jax.jit(quantized_pooled_lookup, static_argnames=("weight_type", "dim", "pooling", "max_length"))
+    np.testing.assert_array_equal(jitted(packed, weight_type, dim, ids, offsets, "MEAN", weights, max_length=8), free)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "max_length=7 but a bag holds 8 ids: pass a bound >= 8, or None to loop to the longest bag") + "$"):
+        quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, max_length=7)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=re.escape(f"max_length={bad!r} must be an int >= 0")):
+            quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, max_length=bad)
+    empty = np.zeros(4, np.int32)  # 3 empty bags: a bound of 0 runs no position
+    np.testing.assert_array_equal(quantized_pooled_lookup(packed, weight_type, dim, ids, empty, max_length=0),
+                                  np.zeros((3, dim)))
