@@ -11,8 +11,8 @@ Lookup: `quantized_pooled_lookup` equals the TBE's CPU forward (bit for bit unwe
 dims that are not multiples of 8, rows padded for the GPU TBE, inside `jit`.
 """
 
-import re
 import functools
+import re
 from types import SimpleNamespace
 
 import jax
