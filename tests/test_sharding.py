@@ -261,8 +261,8 @@ MIXED_PLANS = {
 }
 
 
-@pytest.mark.parametrize("data_type", ["FP32", "FP16"])
-@pytest.mark.parametrize("kinds", list(MIXED_PLANS))
+@pytest.mark.parametrize(("kinds", "data_type"), [(k, "FP32") for k in MIXED_PLANS] + [("mixed", "FP16"), ("mixed_2", "FP16")],
+                         ids=lambda v: v)
 def test_sharded_rowwise_adagrad_matches_loops_not_only_the_unsharded_code(kinds, data_type):
     """The sharded update against `tests/reference.py`'s loops directly (the comparisons above
     go through the unsharded collection, which shares the rule code): eps large enough that
