@@ -506,7 +506,9 @@ def load_checkpoint(
 # -- preflight for the training script ----------------------------------------------------
 
 # config keys whose change makes the resumed run differ from an uninterrupted one
-_RESUME_KEYS = ("seed", "train.batch_size", "data.")
+_RESUME_KEYS = ("seed", "train.batch_size", "data.", "model.data_type", "sparse_optimizer.stochastic_rounding")
+# keys added after checkpoints were first written: a stored config without them had these values
+_ADDED_DEFAULTS = {"model.data_type": "FP32", "sparse_optimizer.stochastic_rounding": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,8 +533,9 @@ def _flat(d: Mapping, prefix: str = "") -> dict:
 
 
 def config_changes(old: Mapping, new: Mapping) -> list[tuple[str, object, object]]:
-    """(key, old, new) for the keys in `_RESUME_KEYS` that differ."""
-    a, b = _flat(old), _flat(new)
+    """(key, old, new) for the keys in `_RESUME_KEYS` that differ (a table precision change
+    would round the stored fp32 rows: not the run that was interrupted)."""
+    a, b = {**_ADDED_DEFAULTS, **_flat(old)}, {**_ADDED_DEFAULTS, **_flat(new)}
     return [
         (k, a.get(k, "<unset>"), b.get(k, "<unset>"))
         for k in sorted(set(a) | set(b))
@@ -544,7 +547,7 @@ def config_changes(old: Mapping, new: Mapping) -> list[tuple[str, object, object
 def estimate_bytes(model, dense_optimizer=None) -> int:
     """About one checkpoint's size: tables, sparse optimizer state, dense tower and its
     optimizer (three times the dense parameters: weights and two Adam moments)."""
-    tables = sum(t.num_embeddings * t.embedding_dim * 4 for t in model.sparse_module.tables)
+    tables = sum(t.num_embeddings * t.embedding_dim * t.data_type.itemsize for t in model.sparse_module.tables)
     state = sum(
         int(getattr(leaf, "nbytes", 0))
         for b in model.sparse_opt_state.tables

@@ -239,6 +239,8 @@ def test_config_change_on_resume_refuses_unless_allowed(ckpt):
     assert "checkpoint.allow_config_change=true" in message
     with pytest.raises(ConfigError, match=r"data.num_samples: 1024 -> 2048"):
         _run(ckpt, "data.num_samples=2048", resume=True, steps=12)
+    with pytest.raises(ConfigError, match=r"model.data_type: 'FP32' -> 'FP16'"):  # rounds the stored rows
+        _run(ckpt, "model.data_type='FP16'", resume=True, steps=12)
     result, out = _run(ckpt, "seed=3", "checkpoint.allow_config_change=true", resume=True, steps=12)
     assert "resuming with changed seed" in out and result["step"] == 12
 
@@ -275,3 +277,15 @@ def test_killed_save_leftover_is_ignored_and_cleaned_on_resume(ckpt):
     assert _checkpoint.latest_checkpoint(ckpt).name == "step_00000008"
     _, out = _run(ckpt, resume=True, steps=8)
     assert "at step 8" in out and not leftover.exists()
+
+
+def test_a_checkpoint_written_before_the_precision_keys_resumes_as_fp32():
+    """Configs stored before `model.data_type` / `sparse_optimizer.stochastic_rounding`
+    existed held their defaults: no change to refuse."""
+    from hybrid._checkpoint import config_changes
+
+    old = {"seed": 0, "model": {"arch": "DLRM"}, "sparse_optimizer": {"name": "sgd"}}
+    new = {"seed": 0, "model": {"arch": "DLRM", "data_type": "FP32"},
+           "sparse_optimizer": {"name": "sgd", "stochastic_rounding": True}}
+    assert config_changes(old, new) == []
+    assert config_changes(old, {**new, "model": {"data_type": "BF16"}}) == [("model.data_type", "FP32", "BF16")]
