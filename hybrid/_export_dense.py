@@ -38,14 +38,12 @@ def _own_storage(module: nn.Module) -> nn.Module:
     """Give every buffer and parameter its own storage: `torch.export.save` cannot store
     tensors that are views of a shared one (e.g. DLRM's two triu index buffers)."""
     for m in module.modules():
-        for registry in (m._buffers, m._parameters):
-            for name, t in registry.items():
-                if t is None or t.untyped_storage().nbytes() == t.numel() * t.element_size():
-                    continue
-                if isinstance(t, nn.Parameter):
-                    registry[name] = nn.Parameter(t.detach().clone(), t.requires_grad)
-                else:
-                    registry[name] = t.clone()
+        for name, t in [*m.named_buffers(recurse=False), *m.named_parameters(recurse=False)]:
+            if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+                continue
+            # assigning to an existing name keeps its kind (buffer, persistence; parameter)
+            setattr(m, name, nn.Parameter(t.detach().clone(), t.requires_grad) if isinstance(t, nn.Parameter)
+                    else t.clone())
     return module
 
 

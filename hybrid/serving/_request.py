@@ -25,7 +25,9 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
+import torch
 
 __all__ = ["RequestSpec", "SparseArrays", "read_sparse"]
 
@@ -58,8 +60,13 @@ class _Column(NamedTuple):
     weights: np.ndarray | None  # [n] float32
 
 
+def _is_array(x) -> bool:
+    """A numpy, torch or JAX array (not a list of per-sample lists)."""
+    return isinstance(x, np.ndarray | torch.Tensor | jax.Array)
+
+
 def _array(x, what: str) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch
+    if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
     a = np.asarray(x)
     if a.ndim != 1:
@@ -116,7 +123,7 @@ def _from_mapping(sparse: Mapping) -> dict[str, _Column]:
     out = {}
     for feature, entry in sparse.items():
         is_flat = (
-            isinstance(entry, tuple | list) and len(entry) in (2, 3) and hasattr(entry[0], "shape")
+            isinstance(entry, tuple | list) and len(entry) in (2, 3) and _is_array(entry[0])
         )
         out[feature] = _flat(feature, entry) if is_flat else _per_sample(feature, entry)
     return out
