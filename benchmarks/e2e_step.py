@@ -598,6 +598,11 @@ def _torchrec_alone_child(
     cases, _ = _torchrec_sides(w, pool)
     samples = _rounds(cases, w)
     pathlib.Path(out).write_text(json.dumps({k: v["step"] for k, v in samples.items()}))
+    del cases
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a gloo group left to interpreter exit can abort it ("terminate called ...")
+        dist.destroy_process_group()
 
 
 def _torchrec_alone(
