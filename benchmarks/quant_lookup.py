@@ -115,9 +115,11 @@ def main(argv=None) -> int:
         print(json.dumps(alone(args)))
         return 0
 
+    from benchmarks.e2e_step import quietness_probe
     from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
     from sparse_jax import quantize_rows, row_bytes
 
+    before = quietness_probe()
     table, ids, offsets = workload(args.rows, args.dim, args.batch, args.pooling)
     cases = {}
     for wt in TYPES:
@@ -134,6 +136,10 @@ def main(argv=None) -> int:
     passed = sys.argv[1:] if argv is None else list(argv)
     cmd = [sys.executable, "-m", "benchmarks.quant_lookup", "--side", "fbgemm", *passed]
     fresh = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    after = quietness_probe()
+    quiet = before["quiet"] and after["quiet"]
+    print(f"quietness probe (2 threads / 1 thread, < 0.85 is quiet): before {before['ratio_2_over_1']:.2f}, "
+          f"after {after['ratio_2_over_1']:.2f}" + ("" if quiet else ": NOT QUIET, the figures below are void"))
     print(f"rows {args.rows}, dim {args.dim}, batch {args.batch}, pooling {args.pooling} (SUM, fp32 out), "
           f"{args.repeats} interleaved rounds, medians")
     print("| weights | bytes/row | table MiB | XLA ms | FBGEMM ms (here) | FBGEMM ms (alone) | XLA / FBGEMM (paired) |")

@@ -137,8 +137,10 @@ def main(argv=None) -> int:
         print(json.dumps(alone(args)))
         return 0
 
+    from benchmarks.e2e_step import quietness_probe
     from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
 
+    before = quietness_probe()
     w = weights(args)
     theirs_model = torchrec_model(args, w)
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,6 +156,10 @@ def main(argv=None) -> int:
     passed = sys.argv[1:] if argv is None else list(argv)
     fresh = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.serving_latency", "--side", "torchrec", *passed],
                                       capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    after = quietness_probe()
+    quiet = before["quiet"] and after["quiet"]
+    print(f"quietness probe (2 threads / 1 thread, < 0.85 is quiet): before {before['ratio_2_over_1']:.2f}, "
+          f"after {after['ratio_2_over_1']:.2f}" + ("" if quiet else ": NOT QUIET, the figures below are void"))
     print(f"{args.tables} int8 tables of {args.rows} x {args.dim}, bags of {args.pooling}, DLRM [64, {args.dim}] / "
           f"[64, 1]; {args.repeats} interleaved rounds, medians")
     print("| batch | ours ms | TorchRec ms (here) | TorchRec ms (alone) | ours / TorchRec (paired) |")

@@ -229,13 +229,14 @@ def _pooled(packed, ids, offsets, weights, weight_type: str, dim: int, mean, max
     lengths = offsets[1:] - starts
     (num_rows, width), last = packed.shape, ids.shape[0] - 1
     words = _word_aligned(weight_type, dim, width)
-    source = jax.lax.bitcast_convert_type(packed.reshape(num_rows, width // 4, 4), jnp.uint32) if words else packed
 
     def add(pos, acc):
         at = jnp.minimum(starts + pos, last)
         row = ids[at]
         hit = (pos < lengths) & (row >= 0) & (row < num_rows)
-        got = source.at[jnp.clip(row, 0, num_rows - 1)].get(mode="promise_in_bounds")
+        got = packed.at[jnp.clip(row, 0, num_rows - 1)].get(mode="promise_in_bounds")
+        if words:  # the gathered rows only: a word view of the whole table is a table-sized copy
+            got = jax.lax.bitcast_convert_type(got.reshape(-1, width // 4, 4), jnp.uint32)
         scale, bias, values = (_unpack_words if words else _unpack)(got, weight_type, dim)
         w = weights[at][:, None]
         new = acc + w * values if scale is None else (acc + w * bias) + (w * scale) * values

@@ -16,6 +16,7 @@ import re
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -365,3 +366,17 @@ def test_a_static_length_bound_gives_the_same_sums_and_is_checked(weight_type, d
     empty = np.zeros(4, np.int32)  # 3 empty bags: a bound of 0 runs no position
     np.testing.assert_array_equal(quantized_pooled_lookup(packed, weight_type, dim, ids, empty, max_length=0),
                                   np.zeros((3, dim)))
+
+
+@pytest.mark.parametrize("weight_type", ["int8", "fp16"])
+def test_the_lookup_never_copies_the_table(weight_type):
+    """Only gathered rows are reinterpreted as words: the compiled lookup holds no temporary
+    near the table's size (a word view of the whole table was a copy per call)."""
+    from sparse_jax import _quant
+
+    packed = jnp.zeros((50_000, row_bytes(weight_type, 64)), jnp.uint8)
+    ids, offsets = jnp.zeros(400, jnp.int32), jnp.arange(0, 401, 20, dtype=jnp.int32)
+    for max_length in (None, 20):
+        compiled = _quant._pooled.lower(packed, ids, offsets, jnp.ones(400, jnp.float32), weight_type, 64,
+                                        jnp.bool_(False), max_length).compile()
+        assert compiled.memory_analysis().temp_size_in_bytes < packed.nbytes // 10
