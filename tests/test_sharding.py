@@ -258,7 +258,10 @@ MIXED_PLANS = {
     "row_wise": ("row_wise",) * 4,
     "mixed": ("table_wise", "column_wise", "data_parallel", "grid_shard"),
     "mixed_2": ("column_wise", "table_column_wise", "row_wise", "table_row_wise"),
+    # t0's column blocks (16 / 4 devices = 4 wide) and the whole 4-wide t1 share one buffer
+    "split_beside_whole": ("column_wise", "table_wise", "data_parallel", "grid_shard"),
 }
+MIXED_DIMS = {"split_beside_whole": [16, 4, 8, 16]}  # else [8, 16, 8, 16]
 
 
 @pytest.mark.parametrize(("kinds", "data_type"), [(k, "FP32") for k in MIXED_PLANS] + [("mixed", "FP16"), ("mixed_2", "FP16")],
@@ -274,7 +277,7 @@ def test_sharded_rowwise_adagrad_matches_loops_not_only_the_unsharded_code(kinds
     hp = dict(lr=0.5, eps=0.3)
     rule = optim.rowwise_adagrad(**hp, stochastic_rounding=False)
     mesh = _mesh("2x4")
-    dims = [8, 16, 8, 16]
+    dims = MIXED_DIMS.get(kinds, [8, 16, 8, 16])
     case = random_case(np.random.default_rng(4), dims=dims, batch=8, weighted=True, rows=(20, 40), data_type=data_type)
     ebc = EmbeddingBagCollection(case.tables, is_weighted=True)
     plan = dict(zip((t.name for t in case.tables), MIXED_PLANS[kinds], strict=True))
@@ -310,7 +313,7 @@ def test_sharded_rowwise_adagrad_matches_loops_not_only_the_unsharded_code(kinds
             np.testing.assert_allclose(have, want, rtol=2e-5, atol=2e-6, err_msg=f"table {name}")
 
 
-@pytest.mark.parametrize("kinds", ["mixed", "mixed_2", "grid_shard", "column_wise"])
+@pytest.mark.parametrize("kinds", ["mixed", "mixed_2", "grid_shard", "column_wise", "split_beside_whole"])
 def test_every_local_row_finds_its_tables_row_statistic(kinds, monkeypatch):
     """`_row_stat`'s index of each local row of each buffer and coordinate, against the
     buffer's block list read directly: split tables' rows get `base[table] + global row`,
@@ -320,7 +323,7 @@ def test_every_local_row_finds_its_tables_row_statistic(kinds, monkeypatch):
     loop comparisons above cannot see it."""
     from sparse_jax.sharding import _row_stat
 
-    dims = [8, 16, 8, 16]
+    dims = MIXED_DIMS.get(kinds, [8, 16, 8, 16])
     case = random_case(np.random.default_rng(4), dims=dims, batch=8, rows=(20, 40))
     ebc = EmbeddingBagCollection(case.tables)
     sharded = shard(ebc, _mesh("2x4"), dict(zip((t.name for t in case.tables), MIXED_PLANS[kinds], strict=True)))
@@ -351,3 +354,24 @@ def test_every_local_row_finds_its_tables_row_statistic(kinds, monkeypatch):
             np.testing.assert_array_equal(np.asarray(dim), want_dim, err_msg=f"{buf.name} coordinate {c}")
             checked += int((want_index < space.size).sum())
     assert checked >= space.size  # every split row is found at least once (replicas: more)
+
+
+def test_column_split_rowwise_adagrad_rounds_fp16_rows_as_the_rule_says():
+    """The column-split update writes narrow rows through the rule's rounding: a seed repeats
+    it bit for bit; another seed, or round-to-nearest, gives other bits in the split table."""
+    case = random_case(np.random.default_rng(4), dims=MIXED_DIMS["split_beside_whole"], batch=8, weighted=True,
+                       rows=(20, 40), data_type="FP16")
+    plan = dict(zip((t.name for t in case.tables), MIXED_PLANS["split_beside_whole"], strict=True))
+    grad = np.random.default_rng(9).normal(size=(8, sum(t.embedding_dim * len(t.feature_names) for t in case.tables)))
+
+    def run(**rounding):
+        sharded = shard(EmbeddingBagCollection(case.tables, is_weighted=True), _mesh("2x4"), plan)
+        params = sharded.init(jax.random.key(0))
+        rule = optim.rowwise_adagrad(lr=0.5, eps=0.3, **rounding)
+        state = rule.init(params)
+        params, state = make_update(sharded, rule)(params, state, case.kjt, jnp.asarray(grad, jnp.float32))
+        return np.asarray(sharded.table_weights(params)["t0"]).view(np.uint16)
+
+    seeded = run(seed=1)
+    np.testing.assert_array_equal(seeded, run(seed=1))
+    assert (seeded != run(seed=2)).any() and (seeded != run(stochastic_rounding=False)).any()
