@@ -53,7 +53,7 @@ import jax
 import numpy as np
 import torch
 
-from hybrid._files import fsync_dir, sha256_file, write_atomic, write_fsynced
+from hybrid._files import fsync_dir, publish_dir, sha256_file, write_atomic, write_fsynced
 from sparse_jax.optim import SparseOptState
 
 __all__ = [
@@ -386,7 +386,6 @@ def save_checkpoint(
     run_id = _claim(root, run_id, meta.get("config"))
     final = root / f"step_{step:08d}"
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    old = None
     try:
         files = {}
         buffer = io.BytesIO()
@@ -417,20 +416,10 @@ def save_checkpoint(
         )
         _write_json_atomic(tmp / _MANIFEST, {"version": 1, "files": files})  # last
         fsync_dir(tmp)
-        if final.exists():  # (re)writing a step: the old one goes only once the new is in place
-            old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not final.exists():
-            os.rename(old, final)
-            old = None
         raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    publish_dir(tmp, final)  # (re)writing a step: the old one goes only once the new is in place
     _rotate(root, run_id, final, keep)
     return final
 

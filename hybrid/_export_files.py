@@ -7,12 +7,10 @@ import hashlib
 import importlib.metadata
 import io
 import json
-import os
 import pathlib
 import shutil
 import sys
 import tempfile
-import uuid
 from typing import Any
 
 import jax
@@ -20,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from hybrid._files import fsync_dir, write_fsynced
+from hybrid._files import fsync_dir, publish_dir, write_fsynced
 from hybrid.serving._artifact import MANIFEST
 
 __all__ = ["npy_bytes", "stored_array", "versions", "write_artifact"]
@@ -66,7 +64,6 @@ def write_artifact(
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-    old = None
     try:
         listed = {}
         for name, data in files.items():
@@ -77,17 +74,7 @@ def write_artifact(
         write_fsynced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last
         fsync_dir(tmp / "tables")
         fsync_dir(tmp)
-        if path.exists():
-            old = path.parent / f".tmp-old-{path.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not path.exists():
-            os.rename(old, path)
-            old = None
         raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    publish_dir(tmp, path)

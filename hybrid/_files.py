@@ -6,9 +6,10 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import shutil
 import uuid
 
-__all__ = ["fsync_dir", "sha256_file", "write_atomic", "write_fsynced"]
+__all__ = ["fsync_dir", "publish_dir", "sha256_file", "write_atomic", "write_fsynced"]
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -53,3 +54,25 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def publish_dir(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    """Rename the fully written directory `tmp` to `final`. An existing `final` is moved aside
+    first and deleted only once the new one is in place; if the rename fails, `tmp` is removed
+    and the old `final` put back."""
+    old = None
+    try:
+        if final.exists():
+            old = final.parent / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.rename(old, final)
+            old = None
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
