@@ -323,6 +323,20 @@ OPT_CASES = {
 }
 
 
+def _steps_on_both(spec, weighted, tbes, ebc, params, rule):
+    """STEPS random batches through FBGEMM's TBEs and our fused update (KJT keys in reverse
+    order): (params, state, update)."""
+    state = rule.init(params)
+    update = make_update(ebc, rule)
+    for step in range(STEPS):
+        bags = _bags(spec, seed=10 + step, weighted=weighted)
+        grad = _pooled_grad(spec, seed=20 + step)
+        for tbe in tbes:
+            _tbe_step(tbe, bags, grad)
+        params, state = update(params, state, _our_kjt(bags, _features(spec)[::-1], capacity=CAPACITY), grad)
+    return params, state, update
+
+
 @pytest.mark.parametrize("case", list(OPT_CASES))
 def test_fused_update_matches_fbgemm_tbe(case):
     rule, fb_opt, fb_hp, weighted = OPT_CASES[case]
@@ -330,16 +344,7 @@ def test_fused_update_matches_fbgemm_tbe(case):
     weights = _weights(spec, seed=5)
     tbes = _tbes(spec, weights, fb_opt, **fb_hp)
     ebc, params = _ours(spec, weights, weighted=weighted)
-    state = rule.init(params)
-    update = make_update(ebc, rule)
-
-    for step in range(STEPS):
-        bags = _bags(spec, seed=10 + step, weighted=weighted)
-        grad = _pooled_grad(spec, seed=20 + step)
-        for tbe in tbes:
-            _tbe_step(tbe, bags, grad)
-        kjt = _our_kjt(bags, _features(spec)[::-1], capacity=CAPACITY)
-        params, state = update(params, state, kjt, grad)
+    params, state, update = _steps_on_both(spec, weighted, tbes, ebc, params, rule)
     assert update.compile_count() == 1
     for tbe in tbes:
         for i, t in enumerate(tbe.tables):
@@ -385,14 +390,7 @@ def test_fp16_tables_round_to_nearest_match_fbgemm_fp16_tbe(case):
     weights = {n: w.astype(np.float16).astype(np.float32) for n, w in _weights(spec, seed=5).items()}
     tbes = _tbes(spec, weights, fb_opt, SparseType.FP16, stochastic_rounding=False, **fb_hp)
     ebc, params = _ours(spec, weights, weighted=weighted, data_type="FP16")
-    state = rule.init(params)
-    update = make_update(ebc, rule)
-    for step in range(STEPS):
-        bags = _bags(spec, seed=10 + step, weighted=weighted)
-        grad = _pooled_grad(spec, seed=20 + step)
-        for tbe in tbes:
-            _tbe_step(tbe, bags, grad)
-        params, state = update(params, state, _our_kjt(bags, _features(spec)[::-1], capacity=CAPACITY), grad)
+    params, _, _ = _steps_on_both(spec, weighted, tbes, ebc, params, rule)
     ours = ebc.table_weights(params)
     for tbe in tbes:
         for i, t in enumerate(tbe.tables):

@@ -40,6 +40,7 @@ from sparse_jax import (
     row_bytes,
 )
 from tests import reference
+from tests.test_train import SMALL  # its small synthetic job
 
 SPEC = [  # t_a and t_d share the float collection's fp32_d8 buffer (t_d from row 13)
     EmbeddingBagConfig(name="t_a", num_embeddings=13, embedding_dim=8, feature_names=["a"]),
@@ -341,17 +342,6 @@ def test_equals_torchrec_quantized_ebc_output_and_bytes(torchrec_quant, weight_t
 
 # ------------------------------------------------------------------------- hybrid.quantize
 
-SMALL = [  # tests/test_train.py's small synthetic job
-    "data.source=synthetic",
-    "data.num_samples=2048",
-    "data.num_eval_samples=1024",
-    "data.num_sparse=4",
-    "data.num_dense=3",
-    "data.num_embeddings=200",
-    "train.batch_size=128",
-    "train.eval_batch_size=512",
-    "log.every=4",
-]
 
 
 def _bce(logits, labels):
