@@ -272,3 +272,74 @@ def test_weights_of_an_unweighted_tensor_name_the_type():
     for x, name in ((JaggedTensor(np.array([1]), lengths=np.array([1])), "JaggedTensor"), (_kjt(), "KeyedJaggedTensor")):
         with pytest.raises(ValueError, match="^" + re.escape(f"this {name} has no weights; use weights_or_none()") + "$"):
             x.weights()
+
+
+def test_to_padded_dense_keeps_rows_and_dtypes_and_pads_weights_with_zero():
+    rows = JaggedTensor(np.array([[1, 2], [3, 4], [5, 6]], np.int32), lengths=np.array([1, 2], np.int32))
+    dense = rows.to_padded_dense(3)
+    assert dense.dtype == np.int32 and dense.shape == (2, 3, 2)
+    np.testing.assert_array_equal(dense, [[[1, 2], [0, 0], [0, 0]], [[3, 4], [5, 6], [0, 0]]])
+    no_ids = JaggedTensor(np.zeros((0, 3), np.int32), lengths=np.array([0, 0], np.int32)).to_padded_dense(4)
+    assert no_ids.shape == (2, 4, 3) and no_ids.dtype == np.int32 and not np.asarray(no_ids).any()
+    ids = JaggedTensor(np.array([1, 2, 3], np.int32), np.array([1.0, 2.0, 3.0], np.float32), lengths=np.array([1, 2]))
+    assert ids.to_padded_dense(padding_value=-1.0).dtype == np.int32  # a float padding keeps integer ids
+    np.testing.assert_array_equal(ids.to_padded_dense_weights(), [[1.0, 0.0], [2.0, 3.0]])
+
+
+def test_empty_like_keeps_integer_ids_and_half_weights():
+    like = JaggedTensor.empty_like(JaggedTensor(np.array([1, 2], np.int32), np.array([1, 2], np.float16),
+                                                lengths=np.array([2], np.int32)))
+    assert (like.values().dtype, like.weights().dtype) == (np.int32, np.float16)
+    assert KeyedJaggedTensor.empty().weights_or_none() is None
+
+
+def test_from_dense_lengths_names_the_first_bad_bag_after_an_empty_one():
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "JaggedTensor.from_dense_lengths: length 4 of bag 1 is outside [0, 3] (the padded width)") + "$"):
+        JaggedTensor.from_dense_lengths(np.zeros((2, 3)), np.array([0, 4]))
+    jt = JaggedTensor.from_values_and_lengths(np.ones((3, 2), np.float32), [1, 2])
+    assert np.asarray(jt.offsets()).dtype == np.int32
+
+
+def test_a_missing_feature_is_named_with_the_keys_there_are():
+    with pytest.raises(KeyError) as info:
+        _kjt()["z"]
+    assert info.value.args == ("feature 'z' is not in this KeyedJaggedTensor (keys: ['a', 'b'])",)
+
+
+def test_given_caches_are_checked_eagerly_and_trusted_under_jit():
+    build = lambda **caches: KeyedJaggedTensor(  # noqa: E731
+        ["a", "b"], np.array([1, 2, 3, 4], np.int32), lengths=np.array([2, 0, 1, 1], np.int32), **caches)
+    assert build(length_per_key=[2, 2], offset_per_key=[0, 2, 4], lengths_offset_per_key=[0, 2, 4]).keys() == ["a", "b"]
+    for name, wrong, right in (("length_per_key", [3, 1], [2, 2]), ("offset_per_key", [0, 1, 4], [0, 2, 4]),
+                               ("lengths_offset_per_key", [0, 1, 4], [0, 2, 4])):
+        with pytest.raises(ValueError, match="^" + re.escape(
+                f"KeyedJaggedTensor: {name}={wrong} but the lengths give {right}; leave it out (it is computed) "
+                "or fix it") + "$"):
+            build(**{name: wrong})
+
+    @jax.jit
+    def traced(values, lengths, inverse):  # nothing to read on the host: the caches and inverse are taken as given
+        kjt = KeyedJaggedTensor(["a"], values, lengths=lengths, length_per_key=[3], offset_per_key=[0, 3],
+                                stride_per_key_per_rank=[[2]], inverse_indices=(["a"], inverse))
+        return kjt.values().sum() + kjt.inverse_indices()[1].sum()
+
+    assert int(traced(np.array([1, 2, 3]), np.array([1, 2]), np.array([[0, 1, 1]]))) == 8
+
+
+def test_concat_of_variable_and_uniform_kjts_takes_the_largest_batch():
+    variable = KeyedJaggedTensor(["v"], np.array([7], np.int32), lengths=np.array([1, 0], np.int32),
+                                 stride_per_key_per_rank=[[2]])
+    uniform = KeyedJaggedTensor(["u"], np.array([1, 2, 3], np.int32), lengths=np.array([1, 1, 1], np.int32))
+    assert KeyedJaggedTensor.concat([variable, uniform]).stride() == 3
+
+
+def test_expand_to_batch_of_no_samples_and_of_no_keys():
+    no_samples = KeyedJaggedTensor(["a"], np.zeros(0, np.int32), lengths=np.array([0], np.int32),
+                                   stride_per_key_per_rank=[[1]], inverse_indices=(["a"], np.zeros((1, 0), np.int32)))
+    out = no_samples.expand_to_batch()
+    assert (out.keys(), out.stride(), out.lengths().shape, out.values().shape) == (["a"], 0, (0,), (0,))
+    no_keys = KeyedJaggedTensor([], np.zeros(0, np.int32), lengths=np.zeros(0, np.int32), stride_per_key_per_rank=[],
+                                inverse_indices=([], np.zeros((0, 3), np.int32)))
+    out = no_keys.expand_to_batch()
+    assert (out.keys(), out.stride(), out.lengths().shape) == ([], 3, (0,))
