@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -241,6 +242,8 @@ def test_config_change_on_resume_refuses_unless_allowed(ckpt):
         _run(ckpt, "data.num_samples=2048", resume=True, steps=12)
     with pytest.raises(ConfigError, match=r"model.data_type: 'FP32' -> 'FP16'"):  # rounds the stored rows
         _run(ckpt, "model.data_type='FP16'", resume=True, steps=12)
+    with pytest.raises(ConfigError, match=r"sparse_optimizer.stochastic_rounding: true -> false"):
+        _run(ckpt, "sparse_optimizer.stochastic_rounding=false", resume=True, steps=12)
     result, out = _run(ckpt, "seed=3", "checkpoint.allow_config_change=true", resume=True, steps=12)
     assert "resuming with changed seed" in out and result["step"] == 12
 
@@ -289,3 +292,45 @@ def test_a_checkpoint_written_before_the_precision_keys_resumes_as_fp32():
            "sparse_optimizer": {"name": "sgd", "stochastic_rounding": True}}
     assert config_changes(old, new) == []
     assert config_changes(old, {**new, "model": {"data_type": "BF16"}}) == [("model.data_type", "FP32", "BF16")]
+
+
+def test_a_resume_key_on_one_side_only_is_a_change_to_or_from_unset():
+    from hybrid._checkpoint import config_changes
+
+    base = {"seed": 0, "data": {"path": "a.tsv"}}
+    assert config_changes(base, {"seed": 0}) == [("data.path", "a.tsv", "<unset>")]
+    assert config_changes({"seed": 0}, base) == [("data.path", "<unset>", "a.tsv")]
+    none = {"seed": 0, "data": {"path": None}}  # set to None is not unset
+    assert config_changes({"seed": 0}, none) == [("data.path", "<unset>", None)]
+    assert config_changes(none, {"seed": 0}) == [("data.path", None, "<unset>")]
+    assert config_changes({"seed": 0, "model": {"arch": "DLRM"}}, {"seed": 0, "model": {"arch": "DCN"}}) == []
+
+
+def test_overwrite_names_the_aside_directory_by_old_run_and_time(tmp_path):
+    (tmp_path / "step_00000004").mkdir()
+    (tmp_path / "run.json").write_text("{}")
+    aside = _checkpoint._moved_aside(tmp_path, "0123456789abcdefXYZ")
+    assert re.fullmatch(r"\.replaced-0123456789ab-\d{8}T\d{6}", aside.name), aside.name
+    assert sorted(p.name for p in aside.iterdir()) == ["run.json", "step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name]
+
+
+def test_a_meta_json_that_is_not_an_object_has_no_run_id(tmp_path):
+    (tmp_path / "meta.json").write_text("[1, 2]")
+    assert _checkpoint._run_id_of(tmp_path) is None
+    (tmp_path / "meta.json").write_text('{"run_id": "r1"}')
+    assert _checkpoint._run_id_of(tmp_path) == "r1"
+
+
+def test_a_row_statistic_read_over_other_column_blocks_is_their_column_weighted_mean():
+    """Column-wise resharding: a row's statistic for columns c0:c0+cn is the mean of the saved
+    blocks' statistics weighted by how many of those columns each block holds."""
+    arrays = {"state/t/m/cols_0_4": np.array([1.0, 2.0], np.float32),
+              "state/t/m/cols_4_2": np.array([4.0, 8.0], np.float32),
+              "state/t/m/cols_6_2": np.array([100.0, 100.0], np.float32)}
+    np.testing.assert_allclose(_checkpoint._row_values(arrays, "t", "m", 0, 6, "w"), [2.0, 4.0])  # (4*1+2*4)/6
+    np.testing.assert_allclose(_checkpoint._row_values(arrays, "t", "m", 2, 4, "w"), [2.5, 5.0])  # (2*1+2*4)/4
+    np.testing.assert_array_equal(_checkpoint._row_values(arrays, "t", "m", 4, 2, "w"), [4.0, 8.0])
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "w: no row-wise state 'v' for table 't'; was it written by another optimizer?") + "$"):
+        _checkpoint._row_values(arrays, "t", "v", 0, 4, "w")
