@@ -616,6 +616,13 @@ def prepare_run(
             f"{where} is not writable ({type(e).__name__}: {e}); checkpoints could not be saved. "
             "Choose a writable checkpoint.dir (--set checkpoint.dir=...) or fix its permissions"
         ) from None
+    try:  # first: the size estimate reads the state too
+        _check_checkpointable(model)
+    except TypeError as e:
+        raise ConfigError(
+            f"sparse_optimizer.name = {model.sparse_optimizer.name!r} cannot be checkpointed ({e}); "
+            "choose another sparse optimizer or unset checkpoint.dir"
+        ) from None
     need = 2 * estimate_bytes(model, dense_optimizer)
     free = shutil.disk_usage(root).free
     if free < need:
@@ -624,13 +631,6 @@ def prepare_run(
             f"{need / 2**20:.1f} MiB (tables + optimizer state); free space or choose another "
             "checkpoint.dir"
         )
-    try:
-        _check_checkpointable(model)
-    except TypeError as e:
-        raise ConfigError(
-            f"sparse_optimizer.name = {model.sparse_optimizer.name!r} cannot be checkpointed ({e}); "
-            "choose another sparse optimizer or unset checkpoint.dir"
-        ) from None
     try:
         run = read_run(root)
     except CheckpointError as e:

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -334,3 +335,195 @@ def test_a_row_statistic_read_over_other_column_blocks_is_their_column_weighted_
     with pytest.raises(ValueError, match="^" + re.escape(
             "w: no row-wise state 'v' for table 't'; was it written by another optimizer?") + "$"):
         _checkpoint._row_values(arrays, "t", "v", 0, 4, "w")
+
+
+def _exactly(text):
+    return "^" + re.escape(text) + "$"
+
+
+def _tables_of(path):
+    with np.load(path / "tables.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def test_restore_refusals_name_the_table_and_the_fix(trained, fresh_model):
+    model, _ = fresh_model
+    arrays = _tables_of(trained[0] / "step_00000008")
+    without = {k: v for k, v in arrays.items() if k != "weight/t_cat_0"}
+    with pytest.raises(ValueError, match=_exactly(
+            "W: table 't_cat_0' is not in the checkpoint (it holds ['t_cat_1', 't_cat_2']); load with the "
+            "same dataset and tables")):
+        _checkpoint._restore_sparse(model, without, "W")
+    with pytest.raises(ValueError, match=_exactly(
+            "W: table 't_cat_1' is saved as [10, 8] but configured as [64, 8] (num_embeddings, embedding_dim); "
+            "use the checkpoint's table sizes")):
+        _checkpoint._restore_sparse(model, {**arrays, "weight/t_cat_1": arrays["weight/t_cat_1"][:10]}, "W")
+    adagrad, _, *_ = train.build(load_config(None, [*SMALL, "sparse_optimizer.name=adagrad"]))
+    saved = _checkpoint.sparse_state_arrays(adagrad)
+    del saved["state/t_cat_1/momentum1"]
+    with pytest.raises(ValueError, match=_exactly("W: no optimizer state 'momentum1' for table 't_cat_1'")):
+        _checkpoint._restore_sparse(adagrad, saved, "W")
+
+
+def test_elementwise_state_round_trips_with_its_dtype(tmp_path):
+    model, dense_opt, *_ = train.build(load_config(None, [*SMALL, "sparse_optimizer.name=adagrad"]))
+    state = model.sparse_opt_state
+    rng = np.random.default_rng(0)
+    filled = {b: {k: rng.random(v.shape, np.float32) for k, v in leaves.items()} for b, leaves in state.tables.items()}
+    model.load_sparse_opt_state(state._replace(tables=filled, count=np.int32(7)))
+    before = _checkpoint.sparse_state_arrays(model)
+    path = _checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=dense_opt)
+    other, other_opt, *_ = train.build(load_config(None, [*SMALL, "sparse_optimizer.name=adagrad"]))
+    _checkpoint.load_checkpoint(path, model=other, dense_optimizer=other_opt)
+    after = _checkpoint.sparse_state_arrays(other)
+    assert sorted(after) == sorted(before)
+    for key, value in before.items():
+        assert after[key].dtype == value.dtype, key
+        np.testing.assert_array_equal(after[key], value, err_msg=key)
+    leaf = jax.tree_util.tree_leaves(other.sparse_opt_state.tables)[0]
+    assert leaf.dtype == np.float32 and int(after["count"]) == 7
+
+
+def _rewrite_manifest(path, edit):
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps(edit(manifest)))
+
+
+def test_verify_names_the_checkpoint_the_file_and_the_reason(ckpt):
+    path = ckpt / "step_00000008"
+    where = f"checkpoint {path}"
+    size = (path / "tables.npz").stat().st_size
+
+    def refused(message):
+        with pytest.raises(CheckpointError, match=_exactly(f"{where}: {message}")):
+            _checkpoint.verify_checkpoint(path)
+
+    with pytest.raises(CheckpointError, match=_exactly(f"checkpoint {ckpt / 'nothing'}: no such checkpoint directory")):
+        _checkpoint.verify_checkpoint(ckpt / "nothing")
+    with open(path / "tables.npz", "ab") as f:
+        f.write(b"x")
+    refused(f"tables.npz has {size + 1} bytes, the manifest says {size} (hash mismatch)")
+    (path / "tables.npz").write_bytes((path / "tables.npz").read_bytes()[:-2])
+    refused(f"tables.npz is truncated ({size - 1} of {size} bytes)")
+    good = (ckpt / "step_00000004" / "tables.npz").read_bytes()
+    (path / "tables.npz").write_bytes(good)  # same size, other bytes
+    entry = json.loads((path / "manifest.json").read_text())["files"]["tables.npz"]
+    digest = _checkpoint.sha256_file(path / "tables.npz")
+    assert len(good) == size and digest != entry["sha256"]
+    refused(f"tables.npz hash mismatch (sha256 {digest[:12]}..., the manifest says {entry['sha256'][:12]}...): "
+            "the file is damaged")
+    _rewrite_manifest(path, lambda m: {**m, "files": {**m["files"], "tables.npz": {"sha256": digest, "size": size}}})
+    _checkpoint.verify_checkpoint(path)  # the manifest now vouches for these bytes
+    _rewrite_manifest(path, lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != "dense.pt"}})
+    refused("manifest.json does not list dense.pt")
+    for broken in ({"files": 3}, [1], {"files": {"meta.json": {"sha256": "x"}}}):
+        (path / "manifest.json").write_text(json.dumps(broken))
+        refused("manifest.json is unreadable (no valid 'files' table)")
+    (path / "manifest.json").unlink()
+    refused("manifest.json is missing (the save did not finish, the file was deleted, or the checkpoint predates "
+            "manifests: load it with verify=False at your own risk)")
+
+
+def test_a_manifest_that_vouches_for_a_meta_without_step_is_refused(ckpt):
+    path = ckpt / "step_00000008"
+    (path / "meta.json").write_text("{}")
+    _rewrite_manifest(path, lambda m: {**m, "files": {**m["files"], "meta.json": {
+        "sha256": _checkpoint.sha256_file(path / "meta.json"), "size": 2}}})
+    with pytest.raises(CheckpointError, match=_exactly(f"checkpoint {path}: meta.json is unreadable (no 'step')")):
+        _checkpoint.verify_checkpoint(path)
+    (path / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match=_exactly(f"checkpoint {path}: meta.json is missing")):
+        _checkpoint._read_json(path / "meta.json", f"checkpoint {path}")
+
+
+def test_load_names_unreadable_files_and_a_dense_tower_of_another_shape(ckpt, fresh_model):
+    model, dense_opt = fresh_model
+    path = ckpt / "step_00000008"
+    other, other_opt, *_ = train.build(load_config(None, [*SMALL, "model.dense_arch_layer_sizes=[16, 8]"]))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"checkpoint {path}: the dense tower does not match the [model] config (Error(s) in loading state_dict")):
+        _checkpoint.load_checkpoint(path, model=other, dense_optimizer=other_opt)
+    adagrad, adagrad_opt, *_ = train.build(load_config(None, [*SMALL, "sparse_optimizer.name=adagrad"]))
+    with pytest.raises(ValueError, match=_exactly(
+            f"checkpoint {path}: written with sparse optimizer 'rowwise_adagrad' but sparse_optimizer.name is "
+            "'adagrad'; use the same optimizer")):
+        _checkpoint.load_checkpoint(path, model=adagrad, dense_optimizer=adagrad_opt)
+    for name in ("dense.pt", "tables.npz"):
+        copy = ckpt / f"copy_{name}"
+        shutil.copytree(path, copy)
+        (copy / name).write_bytes(b"not a checkpoint file")
+        with pytest.raises(CheckpointError, match="^" + re.escape(f"checkpoint {copy}: {name} is unreadable (")):
+            _checkpoint.load_checkpoint(copy, model=model, dense_optimizer=dense_opt, verify=False)
+        (copy / "meta.json").write_text("{,")
+        with pytest.raises(CheckpointError, match="^" + re.escape(f"checkpoint {copy}: meta.json is unreadable json (")):
+            _checkpoint.load_checkpoint(copy, model=model, dense_optimizer=dense_opt, verify=False)
+
+
+def test_run_identity_refusals_name_both_runs(ckpt, fresh_model):
+    model, dense_opt = fresh_model
+    run = json.loads((ckpt / "run.json").read_text())
+    with pytest.raises(CheckpointError, match=_exactly(
+            f"checkpoint directory {ckpt} belongs to run {run['run_id']} (created {run['created']}), not to this "
+            "run someone-else; resume that run, or choose another checkpoint.dir")):
+        _checkpoint.save_checkpoint(ckpt, step=20, model=model, dense_optimizer=dense_opt, run_id="someone-else")
+    with pytest.raises(ConfigError, match=_exactly(
+            f"checkpoint.dir {str(ckpt)!r} already holds checkpoints of run {run['run_id']} (created {run['created']}): "
+            "step_00000004, step_00000008. Refusing to start a fresh run over them. Resume that run (--resume), "
+            "choose another checkpoint.dir, or pass --set checkpoint.overwrite=true (its checkpoints are moved "
+            "aside into the directory's .replaced-* folder)")):
+        _run(ckpt)
+    (ckpt / "run.json").unlink()
+    meta_id = _checkpoint._run_id_of(ckpt / "step_00000008")
+    with pytest.raises(ConfigError, match=re.escape(f"of a run with unknown id ({meta_id}): step_00000004")):
+        _run(ckpt)
+    (ckpt / "run.json").write_text("{}")
+    with pytest.raises(ConfigError, match=_exactly(
+            f"checkpoint.dir {str(ckpt)!r}: checkpoint directory {ckpt}: run.json has no run_id; move the directory "
+            "aside or choose another")):
+        _run(ckpt)
+
+
+def test_resume_with_nothing_intact_lists_every_reason(ckpt):
+    for step in ("step_00000004", "step_00000008"):
+        (ckpt / step / "dense.pt").unlink()
+    with pytest.raises(ConfigError, match=_exactly(
+            f"--resume: no intact checkpoint in checkpoint.dir {str(ckpt)!r} (checkpoint {ckpt / 'step_00000008'}: "
+            f"dense.pt is missing; checkpoint {ckpt / 'step_00000004'}: dense.pt is missing). Nothing can be resumed; "
+            "start over with a fresh run and --set checkpoint.overwrite=true (the damaged checkpoints are moved "
+            "aside), or choose another checkpoint.dir")):
+        _run(ckpt, resume=True, steps=12)
+
+
+class _WithState:
+    """A model whose sparse optimizer state is replaced (rules a checkpoint cannot hold)."""
+
+    def __init__(self, model, tables):
+        self._model = model
+        self.sparse_opt_state = model.sparse_opt_state._replace(tables=tables)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_an_optimizer_state_a_checkpoint_cannot_hold_is_refused_before_training(fresh_model, tmp_path):
+    model, dense_opt = fresh_model
+    (buffer,) = model.sparse_opt_state.tables
+    rows = model.sparse_params[buffer].shape[0]
+    name = model.sparse_optimizer.name
+    for tables, why in (
+        ({buffer: [jax.numpy.zeros(rows)]}, f"checkpoint: sparse optimizer state of buffer {buffer!r} is a list; only "
+         "rules whose per-table state is a dict of arrays (sgd, adagrad, rowwise_adagrad, adam) can be checkpointed"),
+        ({buffer: {"m": jax.numpy.zeros(())}}, f"sparse optimizer state leaf 'm' of buffer {buffer!r} is not per-row "
+         "(shape ())"),
+        ({buffer: {"m": jax.numpy.zeros(rows + 1)}}, f"sparse optimizer state leaf 'm' of buffer {buffer!r} is not "
+         f"per-row (shape ({rows + 1},))"),
+    ):
+        with pytest.raises(ConfigError, match=_exactly(
+                f"sparse_optimizer.name = {name!r} cannot be checkpointed ({why}); choose another sparse optimizer "
+                "or unset checkpoint.dir")):
+            _checkpoint.prepare_run(tmp_path, config={}, model=_WithState(model, tables), resume=False)
+    with pytest.raises(TypeError, match=_exactly(
+            f"checkpoint: sparse optimizer state leaf 'm' of buffer {buffer!r} is not per-row (shape ()); such rules "
+            "cannot be checkpointed")):
+        _checkpoint.sparse_state_arrays(_WithState(model, {buffer: {"m": jax.numpy.zeros(())}}))
+    assert _checkpoint._leaves(model.sparse_opt_state._replace(tables={buffer: ()}), buffer) == {}
