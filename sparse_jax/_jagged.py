@@ -295,9 +295,7 @@ def _as_strides_per_rank(stride_per_key_per_rank, stride_per_key, num_keys: int,
     if stride_per_key_per_rank is None:
         spkpr = [[int(s)] for s in stride_per_key]
     else:
-        spkpr = [[int(s) for s in row] for row in np.asarray(stride_per_key_per_rank).tolist()] \
-            if not isinstance(stride_per_key_per_rank, list | tuple) else \
-            [[int(s) for s in row] for row in stride_per_key_per_rank]
+        spkpr = [[int(s) for s in row] for row in stride_per_key_per_rank]  # lists and arrays alike
         if stride_per_key is not None and [sum(r) for r in spkpr] != [int(s) for s in stride_per_key]:
             raise ValueError(f"{what}: stride_per_key {list(stride_per_key)} disagrees with stride_per_key_per_rank "
                              f"{spkpr} (per-key sums {[sum(r) for r in spkpr]})")

@@ -343,3 +343,27 @@ def test_expand_to_batch_of_no_samples_and_of_no_keys():
                                 inverse_indices=([], np.zeros((0, 3), np.int32)))
     out = no_keys.expand_to_batch()
     assert (out.keys(), out.stride(), out.lengths().shape) == ([], 3, (0,))
+
+
+def test_variable_batch_sizes_per_key_from_either_argument_and_their_refusals():
+    ids, lengths = np.array([1, 2, 3], np.int32), np.array([1, 0, 2], np.int32)
+    by_key = KeyedJaggedTensor(["a", "b"], ids, lengths=lengths, stride_per_key=[2, 1])
+    assert by_key.stride_per_key_per_rank() == [[2], [1]] and by_key.stride_per_key() == [2, 1]
+    assert by_key.stride() == 2 and by_key.variable_stride_per_key()
+    from_array = KeyedJaggedTensor(["a", "b"], ids, lengths=lengths, stride_per_key_per_rank=np.array([[1, 1], [1, 0]]),
+                                   stride_per_key=np.array([2, 1]))
+    assert from_array.stride_per_key_per_rank() == [[1, 1], [1, 0]]
+
+    def refused(message, **kw):
+        with pytest.raises(ValueError, match="^" + re.escape(f"KeyedJaggedTensor: {message}") + "$"):
+            KeyedJaggedTensor(kw.pop("keys", ["a", "b"]), kw.pop("values", ids), **{"lengths": lengths, **kw})
+
+    refused("stride_per_key [3, 0] disagrees with stride_per_key_per_rank [[2], [1]] (per-key sums [2, 1])",
+            stride_per_key_per_rank=[[2], [1]], stride_per_key=[3, 0])
+    refused("3 entries in stride_per_key(_per_rank) for 2 keys", stride_per_key=[1, 1, 1])
+    refused("stride_per_key_per_rank[1] = [2, -1] has a negative batch size", stride_per_key_per_rank=[[2], [2, -1]])
+    refused("3 lengths but the per-key batch sizes [2, 2] sum to 4", stride_per_key=[2, 2])
+    refused("key 1 must be a string feature name, got 7", keys=["a", 7])
+    refused("give lengths or offsets (ids per bag, num_keys * batch_size entries)", lengths=None)
+    refused("no keys but 3 bags; give one key per feature (lengths are num_keys * batch_size entries in key-major "
+            "order)", keys=[])
