@@ -9,6 +9,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import torch
 
 import hybrid
 from hybrid import _checkpoint, train
@@ -527,3 +528,44 @@ def test_an_optimizer_state_a_checkpoint_cannot_hold_is_refused_before_training(
             "cannot be checkpointed")):
         _checkpoint.sparse_state_arrays(_WithState(model, {buffer: {"m": jax.numpy.zeros(())}}))
     assert _checkpoint._leaves(model.sparse_opt_state._replace(tables={buffer: ()}), buffer) == {}
+
+
+def _two_leaf_rule():
+    """A rule with a row-wise leaf before an elementwise one (every leaf must be restored)."""
+    from sparse_jax.optim import RowRule
+
+    def init_table(table):
+        return {"a_rows": jax.numpy.zeros(table.shape[:1], jax.numpy.float32),
+                "m": jax.numpy.zeros(table.shape, jax.numpy.float32)}
+
+    def update_rows(rows, state, grads, step):
+        return rows - 0.1 * grads, {"a_rows": state["a_rows"] + 1.0, "m": state["m"] + grads}
+
+    return RowRule("two_leaf", init_table, update_rows)
+
+
+def test_a_rule_with_row_wise_and_elementwise_leaves_restores_both(tmp_path):
+    import dense_torch
+    from sparse_jax import EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=12, embedding_dim=4, feature_names=["a"])]
+    build = lambda: hybrid.Model(tables, dense_torch.DLRM(4, 3, 2, [4], [4, 1]),  # noqa: E731
+                                 sparse_optimizer=_two_leaf_rule())
+    model = build()
+    rng = np.random.default_rng(1)
+    state = model.sparse_opt_state
+    model.load_sparse_opt_state(state._replace(tables={b: {k: rng.random(v.shape, np.float32) for k, v in leaves.items()}
+                                                       for b, leaves in state.tables.items()}))
+    before = _checkpoint.sparse_state_arrays(model)
+    assert {k for k in before if k.startswith("state/")} == {"state/t0/a_rows/cols_0_4", "state/t0/m"}
+    dense_opt = torch.optim.SGD(model.dense.parameters(), lr=0.1)
+    path = _checkpoint.save_checkpoint(tmp_path, step=1, model=model, dense_optimizer=dense_opt)
+    other = build()
+    _checkpoint.load_checkpoint(path, model=other, dense_optimizer=torch.optim.SGD(other.dense.parameters(), lr=0.1))
+    after = _checkpoint.sparse_state_arrays(other)
+    for key, value in before.items():
+        np.testing.assert_array_equal(after[key], value, err_msg=key)
+    without_rows = {k: v for k, v in before.items() if "/a_rows/" not in k}
+    with pytest.raises(ValueError, match=_exactly(
+            "W: no row-wise state 'a_rows' for table 't0'; was it written by another optimizer?")):
+        _checkpoint._restore_sparse(other, without_rows, "W")
