@@ -449,15 +449,35 @@ def test_load_names_unreadable_files_and_a_dense_tower_of_another_shape(ckpt, fr
             f"checkpoint {path}: written with sparse optimizer 'rowwise_adagrad' but sparse_optimizer.name is "
             "'adagrad'; use the same optimizer")):
         _checkpoint.load_checkpoint(path, model=adagrad, dense_optimizer=adagrad_opt)
-    for name in ("dense.pt", "tables.npz"):
+    for name, error in (("dense.pt", "UnpicklingError"), ("tables.npz", "ValueError")):
         copy = ckpt / f"copy_{name}"
         shutil.copytree(path, copy)
         (copy / name).write_bytes(b"not a checkpoint file")
-        with pytest.raises(CheckpointError, match="^" + re.escape(f"checkpoint {copy}: {name} is unreadable (")):
+        with pytest.raises(CheckpointError, match="^" + re.escape(f"checkpoint {copy}: {name} is unreadable ({error}: ")):
             _checkpoint.load_checkpoint(copy, model=model, dense_optimizer=dense_opt, verify=False)
         (copy / "meta.json").write_text("{,")
         with pytest.raises(CheckpointError, match="^" + re.escape(f"checkpoint {copy}: meta.json is unreadable json (")):
             _checkpoint.load_checkpoint(copy, model=model, dense_optimizer=dense_opt, verify=False)
+
+
+class _Payload:
+    """Not a tensor, dict or number: `torch.load(weights_only=True)` refuses to unpickle it."""
+
+
+def test_a_dense_pt_carrying_other_pickled_objects_is_refused_not_run(ckpt, fresh_model):
+    model, dense_opt = fresh_model
+    path = ckpt / "step_00000008"
+    dense = torch.load(path / "dense.pt", weights_only=True)
+    torch.save({**dense, "payload": _Payload()}, path / "dense.pt")
+    with pytest.raises(CheckpointError, match="^" + re.escape(
+            f"checkpoint {path}: dense.pt is unreadable (UnpicklingError: Weights only load failed")):
+        _checkpoint.load_checkpoint(path, model=model, dense_optimizer=dense_opt, verify=False)
+    torch.save(dense, path / "dense.pt")
+    arrays = _tables_of(path)
+    del arrays["weight/t_cat_2"]
+    np.savez(path / "tables.npz", **arrays)
+    with pytest.raises(ValueError, match="^" + re.escape(f"checkpoint {path}: table 't_cat_2' is not in the checkpoint")):
+        _checkpoint.load_checkpoint(path, model=model, dense_optimizer=dense_opt, verify=False)
 
 
 def test_run_identity_refusals_name_both_runs(ckpt, fresh_model):
