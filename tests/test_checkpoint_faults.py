@@ -589,3 +589,37 @@ def test_a_rule_with_row_wise_and_elementwise_leaves_restores_both(tmp_path):
     with pytest.raises(ValueError, match=_exactly(
             "W: no row-wise state 'a_rows' for table 't0'; was it written by another optimizer?")):
         _checkpoint._restore_sparse(other, without_rows, "W")
+
+
+def test_rotation_keeps_the_newest_intact_ones_logs_the_damaged_and_survives_a_stuck_one(
+        tmp_path, fresh_model, caplog, monkeypatch):
+    model, dense_opt = fresh_model
+    save = dict(model=model, dense_optimizer=dense_opt, run_id="r", keep=3)
+    for step in (1, 2, 3, 4):
+        _checkpoint.save_checkpoint(tmp_path, step=step, **{**save, "keep": 10})
+    _damage(tmp_path / "step_00000003" / "dense.pt", "truncate")
+    with caplog.at_level("WARNING", logger="hybrid.checkpoint"):
+        _checkpoint.save_checkpoint(tmp_path, step=5, **save)
+    # keep=3: step 5, then the two newest intact older ones (4 and 2); damaged 3 and old 1 go
+    assert [p.name for p in _checkpoint._step_dirs(tmp_path)] == ["step_00000002", "step_00000004", "step_00000005"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rotation: deleting damaged checkpoint of this run: checkpoint {tmp_path / 'step_00000003'}: dense.pt is "
+        f"truncated ({(tmp_path / 'step_00000004' / 'dense.pt').stat().st_size // 2} of "
+        f"{(tmp_path / 'step_00000004' / 'dense.pt').stat().st_size} bytes)"]
+    real_rmdir = os.rmdir
+
+    def stuck(path, *args, **kwargs):  # the disk refuses to remove step 2
+        if "step_00000002" in str(path):
+            raise PermissionError(f"cannot remove {path}")
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", stuck)
+    _checkpoint.save_checkpoint(tmp_path, step=6, **save)  # the save itself must not fail
+    assert (tmp_path / "step_00000006").is_dir()
+
+
+def test_run_json_holds_a_config_with_paths_as_text(tmp_path, fresh_model):
+    model, dense_opt = fresh_model
+    _checkpoint.save_checkpoint(tmp_path, step=1, model=model, dense_optimizer=dense_opt,
+                                meta={"config": {"checkpoint": {"dir": tmp_path / "x"}}})
+    assert _checkpoint.read_run(tmp_path)["config"] == {"checkpoint": {"dir": str(tmp_path / "x")}}
