@@ -34,14 +34,12 @@ def _offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
     return offsets
 
 
-def _to_device(x, dtype=None):
+def _to_device(x):
     """Host arrays to device with `device_put` (on JAX 0.10, `jnp.asarray` of a numpy array
     compiles a tiny program per new shape, i.e. once per step for jagged batches)."""
-    if x is None or isinstance(x, jax.core.Tracer):
+    if x is None or isinstance(x, jax.core.Tracer | jax.Array):
         return x
-    if isinstance(x, jax.Array):
-        return x if dtype is None else x.astype(dtype)
-    return jax.device_put(np.asarray(x, dtype=dtype))
+    return jax.device_put(np.asarray(x))
 
 
 def _int_array(x) -> np.ndarray:

@@ -367,3 +367,44 @@ def test_variable_batch_sizes_per_key_from_either_argument_and_their_refusals():
     refused("give lengths or offsets (ids per bag, num_keys * batch_size entries)", lengths=None)
     refused("no keys but 3 bags; give one key per feature (lengths are num_keys * batch_size entries in key-major "
             "order)", keys=[])
+
+
+def test_under_jit_any_one_traced_array_skips_the_host_checks():
+    values, weights = np.array([1, 2, 3], np.int32), np.array([0.5, 1.0, 2.0], np.float32)
+    lengths, offsets = np.array([1, 2], np.int32), np.array([0, 1, 3], np.int32)
+    for traced in ("values", "weights", "lengths", "offsets"):
+        given = {"values": values, "weights": weights, "lengths": lengths, "offsets": offsets}
+        if traced != "offsets":
+            given.pop("offsets")
+
+        @jax.jit
+        def build(x, given=given, traced=traced):
+            kjt = KeyedJaggedTensor(["a"], **{**given, traced: x})
+            return (kjt.values().sum() + kjt.offsets()[-1]).astype(np.float32) + kjt.weights().sum()
+
+        assert float(build(given[traced])) == 6 + 3 + 3.5, traced
+
+
+def test_construction_refusals_word_for_word():
+    def refused(cls, message, *args, **kw):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            cls(*args, **kw)
+
+    refused(JaggedTensor, "JaggedTensor: give lengths or offsets (ids per bag)", np.array([1]))
+    ids = np.array([1, 2, 3], np.int32)
+    refused(KeyedJaggedTensor, "KeyedJaggedTensor: 3 lengths for 2 keys ['a', 'b']; lengths must hold num_keys * "
+            "batch_size entries in key-major order", ["a", "b"], ids, lengths=np.array([1, 1, 1]))
+    refused(KeyedJaggedTensor, "KeyedJaggedTensor: 4 lengths but 2 keys x stride 3 = 6", ["a", "b"], ids,
+            lengths=np.array([1, 1, 1, 0]), stride=3)
+    refused(KeyedJaggedTensor, "KeyedJaggedTensor: index_per_key={'a': 1, 'b': 0} but the keys give {'a': 0, 'b': 1}",
+            ["a", "b"], ids, lengths=np.array([1, 1, 1, 0]), index_per_key={"a": 1, "b": 0})
+    other = {"a": JaggedTensor(np.array([1, 2]), lengths=np.array([1, 1])),
+             "b": JaggedTensor(np.array([3]), lengths=np.array([1, 0]))}
+    refused(KeyedJaggedTensor, "KeyedJaggedTensor: jt_dict does not hold this KJT's bags (keys ['a', 'b']); leave it "
+            "out (to_dict computes it)", ["a", "b"], ids, lengths=np.array([1, 1, 0, 1]), jt_dict=other)
+    assert KeyedJaggedTensor(["a", "b"], ids, lengths=np.array([1, 1, 1, 0]), jt_dict=other).keys() == ["a", "b"]
+    no_samples = KeyedJaggedTensor(["a"], np.zeros(0, np.int32), lengths=np.array([0], np.int32),
+                                   stride_per_key=[1], inverse_indices=(["a"], [[]]))  # an empty list is no floats
+    assert no_samples.inverse_indices()[1].shape == (1, 0)
+    empty = JaggedTensor(np.zeros(0, np.int32), lengths=[])
+    assert np.asarray(empty.lengths()).dtype == np.int32 and np.asarray(empty.offsets()).tolist() == [0]
