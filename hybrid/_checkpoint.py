@@ -24,6 +24,9 @@ directory holding checkpoints, checks the directory is writable and has room for
 checkpoints, that the sparse optimizer can be checkpointed, and on resume that the
 config keeps exact resumption possible.
 
+Single-process: the training script refuses `checkpoint.dir` under torchrun (every array
+is read whole on the host here).
+
 Restore reads the tables by rows and columns and places them into the current model's
 buffers, so a checkpoint written on one mesh/plan loads on another (reshard on load),
 optimizer state included. Row-wise state of a column-sharded table is one value per row
@@ -77,14 +80,6 @@ class CheckpointError(Exception):
     names the checkpoint, the file and the reason), or a directory owned by another run."""
 
 
-def _host(array: jax.Array) -> np.ndarray:
-    if array.is_fully_addressable:
-        return np.asarray(array)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-
-
 def _leaves(opt_state: SparseOptState, buffer: str) -> Mapping[str, jax.Array]:
     leaves = opt_state.tables[buffer]
     if leaves is None or (isinstance(leaves, tuple | list) and not leaves):
@@ -117,7 +112,7 @@ def sparse_state_arrays(model) -> dict[str, np.ndarray]:
                 )
             host = hosts.get((buffer, leaf_name))
             if host is None:
-                host = hosts[(buffer, leaf_name)] = _host(leaf)
+                host = hosts[(buffer, leaf_name)] = np.asarray(leaf)
             rows = host[start : start + rn]
             if host.ndim == 1:
                 key = f"state/{table}/{leaf_name}/cols_{c0}_{cn}"
@@ -127,7 +122,7 @@ def sparse_state_arrays(model) -> dict[str, np.ndarray]:
                 out.setdefault(key, np.zeros(dims[table], host.dtype))[
                     r0 : r0 + rn, c0 : c0 + cn
                 ] = rows[:, :cn]
-    out["count"] = _host(opt_state.count)
+    out["count"] = np.asarray(opt_state.count)
     return out
 
 
