@@ -373,6 +373,7 @@ def test_elementwise_state_round_trips_with_its_dtype(tmp_path):
     filled = {b: {k: rng.random(v.shape, np.float32) for k, v in leaves.items()} for b, leaves in state.tables.items()}
     model.load_sparse_opt_state(state._replace(tables=filled, count=np.int32(7)))
     before = _checkpoint.sparse_state_arrays(model)
+    assert {v.dtype for k, v in before.items() if k != "count"} == {np.dtype(np.float32)}  # as held, not widened
     path = _checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=dense_opt)
     other, other_opt, *_ = train.build(load_config(None, [*SMALL, "sparse_optimizer.name=adagrad"]))
     _checkpoint.load_checkpoint(path, model=other, dense_optimizer=other_opt)
@@ -578,6 +579,7 @@ def test_a_rule_with_row_wise_and_elementwise_leaves_restores_both(tmp_path):
                                                        for b, leaves in state.tables.items()}))
     before = _checkpoint.sparse_state_arrays(model)
     assert {k for k in before if k.startswith("state/")} == {"state/t0/a_rows/cols_0_4", "state/t0/m"}
+    assert {v.dtype for k, v in before.items() if k != "count"} == {np.dtype(np.float32)}
     dense_opt = torch.optim.SGD(model.dense.parameters(), lr=0.1)
     path = _checkpoint.save_checkpoint(tmp_path, step=1, model=model, dense_optimizer=dense_opt)
     other = build()
@@ -618,8 +620,13 @@ def test_rotation_keeps_the_newest_intact_ones_logs_the_damaged_and_survives_a_s
     assert (tmp_path / "step_00000006").is_dir()
 
 
-def test_run_json_holds_a_config_with_paths_as_text(tmp_path, fresh_model):
+def test_run_json_holds_a_config_with_paths_as_text_and_keeps_two_by_default(tmp_path, fresh_model):
     model, dense_opt = fresh_model
-    _checkpoint.save_checkpoint(tmp_path, step=1, model=model, dense_optimizer=dense_opt,
-                                meta={"config": {"checkpoint": {"dir": tmp_path / "x"}}})
-    assert _checkpoint.read_run(tmp_path)["config"] == {"checkpoint": {"dir": str(tmp_path / "x")}}
+    nested = tmp_path / "a" / "b"  # created with its parents
+    for step in (1, 2, 3):
+        _checkpoint.save_checkpoint(nested, step=step, model=model, dense_optimizer=dense_opt,
+                                    meta={"config": {"checkpoint": {"dir": tmp_path / "x"}}})
+    run = _checkpoint.read_run(nested)
+    assert run["config"] == {"checkpoint": {"dir": str(tmp_path / "x")}}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", run["created"]), run["created"]
+    assert [p.name for p in _checkpoint._step_dirs(nested)] == ["step_00000002", "step_00000003"]
