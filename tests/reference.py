@@ -253,3 +253,54 @@ def quantized_pooled_loop(packed, weight_type, dim, ids, offsets, pooling="SUM",
         if pooling == "MEAN" and end > start:
             out[b] /= end - start
     return out
+
+
+class ManagedCollisionLoop:
+    """TorchRec's MCH remapping (sorted ZCH with LRU / LFU eviction) with Python lists and
+    dicts: the oracle for `sparse_jax.MCHManagedCollisionModule`. Ids are Python ints."""
+
+    def __init__(self, zch_size, policy="lru", interval=1, threshold=1):
+        self.z, self.policy, self.interval, self.threshold = zch_size, policy, interval, threshold
+        # TorchRec's sorted buffers: resident ids ascending, empty slots (None) after them in
+        # the order a stable sort leaves them; the reserved default slot z-1 is always last
+        self.entries = [{"raw": None, "slot": s, "count": 0, "last": 0} for s in range(zch_size)]
+        self.step, self.last_eviction, self.window = 0, 0, []
+
+    def remap(self, ids):
+        owner = {e["raw"]: e["slot"] for e in self.entries if e["raw"] is not None}
+        return [owner.get(i, self.z - 1) for i in ids]
+
+    def profile(self, ids):
+        """Record a training batch; the set of slots given to new ids when it evicts."""
+        self.step += 1
+        self.window += [(i, self.step) for i in ids]
+        if self.step - self.last_eviction != self.interval:
+            return set()
+        count, last = {}, {}
+        for i, s in self.window:
+            count[i] = count.get(i, 0) + 1
+            last[i] = max(last.get(i, 0), s)
+        ranked = sorted((i for i in sorted(count) if count[i] >= self.threshold), key=lambda i: -count[i])
+        where = {e["raw"]: n for n, e in enumerate(self.entries) if e["raw"] is not None}
+        for i in ranked:
+            if i in where:
+                e = self.entries[where[i]]
+                e["count"] += count[i]
+                e["last"] = last[i]
+        reserved = self.entries[-1]
+        reserved["count"], reserved["last"] = float("inf"), self.step
+        new = [i for i in ranked if i not in where]
+        key = "count" if self.policy == "lfu" else "last"
+        metric = count if self.policy == "lfu" else last
+        scores = [e[key] for e in self.entries] + [metric[i] for i in new]
+        order = sorted(range(len(scores)), key=lambda k: -scores[k])  # stable: residents win ties
+        winners = [k - self.z for k in order[: self.z] if k >= self.z]
+        losers = [k for k in order[self.z :] if k < self.z]
+        evicted = set()
+        for w, n in zip(winners, losers, strict=True):
+            slot = self.entries[n]["slot"]
+            self.entries[n] = {"raw": new[w], "slot": slot, "count": count[new[w]], "last": last[new[w]]}
+            evicted.add(slot)
+        self.entries.sort(key=lambda e: (e["raw"] is None, e["raw"] if e["raw"] is not None else 0))
+        self.window, self.last_eviction = [], self.step
+        return evicted

@@ -1,0 +1,148 @@
+"""Managed collision (`sparse_jax.MCHManagedCollisionModule`): raw 64-bit ids to table slots,
+against a plain-Python oracle (tests/reference.py) over long random streams, and against
+TorchRec's own `MCHManagedCollisionModule` where torchrec is installed."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from sparse_jax import MCHManagedCollisionModule, RawIds, hashed_slots
+from tests.reference import ManagedCollisionLoop
+
+BATCH = 24
+
+
+def _stream(seed, steps, pool=60):
+    """Batches of raw int64 ids: a skewed pool of 64-bit values (high words set, negatives)."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-(2**62), 2**62, size=pool, dtype=np.int64)
+    values[:3] = [5, 2**32 + 5, -1]  # equal low words, and the id -1
+    weights = 1.0 / np.arange(1, pool + 1) ** 1.1
+    for _ in range(steps):
+        yield values[rng.choice(pool, size=BATCH, p=weights / weights.sum())]
+
+
+def _compiled(mc):
+    return jax.jit(mc.profile), jax.jit(mc.remap)
+
+
+@pytest.mark.parametrize(("policy", "interval", "threshold", "zch"),
+                         [("lru", 1, 1, 16), ("lfu", 1, 1, 16), ("lru", 3, 2, 12), ("lfu", 2, 3, 9)])
+def test_long_streams_match_the_loop_oracle(policy, interval, threshold, zch):
+    mc = MCHManagedCollisionModule(zch, history_capacity=BATCH * interval, eviction_policy=policy,
+                                   eviction_interval=interval, threshold=threshold)
+    oracle = ManagedCollisionLoop(zch, policy, interval, threshold)
+    profile, remap = _compiled(mc)
+    state = mc.init()
+    evictions = 0
+    for step, batch in enumerate(_stream(seed=zch, steps=150)):
+        ids = RawIds.from_int64(batch)
+        state, evicted = profile(state, ids)
+        expected = oracle.profile([int(i) for i in batch])
+        assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == expected, step
+        np.testing.assert_array_equal(remap(state, ids), oracle.remap([int(i) for i in batch]), err_msg=str(step))
+        evictions += len(expected)
+    assert evictions >= zch  # filled (zch - 1 ids) and evicted
+
+
+def test_padding_is_not_seen():
+    mc = MCHManagedCollisionModule(4, history_capacity=6, eviction_policy="lfu")
+    ids = RawIds.from_int64(np.array([7, 7, 9, 9, 9, 9]))
+    state, evicted = mc.profile(mc.init(), ids, valid=np.array([True, True, True, False, False, False]))
+    # 7 seen twice, 9 once (the padded 9s are not counted): the free entries that lose to them
+    # are the later ones, best new id first (TorchRec's order), so 7 -> 1 and 9 -> 2
+    assert np.asarray(mc.remap(state, RawIds.from_int64(np.array([7, 9, 8])))).tolist() == [1, 2, 3]
+    assert np.asarray(evicted).tolist() == [False, True, True, False]
+
+
+def test_an_id_evicted_and_seen_again_gets_a_fresh_slot():
+    mc = MCHManagedCollisionModule(3, history_capacity=2, eviction_policy="lru")  # two ids fit
+    state = mc.init()
+    seen = []
+    # 3 evicts 2 (1 and 2 were last seen together: the earlier entry wins the tie); 2 comes
+    # back and evicts 1, the least recent, taking slot 0: a slot the caller resets
+    for batch in ([1, 2], [3, 3], [2, 2]):
+        state, evicted = mc.profile(state, RawIds.from_int64(np.array(batch)))
+        seen.append((np.flatnonzero(np.asarray(evicted)).tolist(), np.asarray(
+            mc.remap(state, RawIds.from_int64(np.array([1, 2, 3])))).tolist()))
+    assert seen == [([0, 1], [0, 1, 2]), ([1], [0, 2, 1]), ([0], [2, 0, 1])]
+
+
+def test_before_the_first_eviction_every_id_takes_the_default_slot():
+    mc = MCHManagedCollisionModule(8, history_capacity=6, eviction_interval=2)
+    state, evicted = mc.profile(mc.init(), RawIds.from_int64(np.array([1, 2, 3])))
+    assert not np.asarray(evicted).any()
+    assert np.asarray(mc.remap(state, RawIds.from_int64(np.array([1, 2, 3])))).tolist() == [7, 7, 7]
+    assert mc.default_slot == 7
+
+
+def test_raw_ids_round_trip_every_64_bit_value_and_refuse_what_does_not_fit():
+    ids = np.array([0, 1, -1, 2**31, 2**32, -(2**63), 2**63 - 2, 123456789012345], np.int64)
+    words = RawIds.from_int64(ids)
+    assert words.hi.dtype == np.int32 and words.lo.dtype == np.uint32
+    np.testing.assert_array_equal(words.to_int64(), ids)
+    for bad, message in [
+        (np.array([1.0]), "RawIds.from_int64: ids must be integers, got dtype float64"),
+        (np.array([2**63], np.uint64), "RawIds.from_int64: uint64 ids above 2**63 - 1 do not fit int64"),
+        (np.array([3, 2**63 - 1], np.int64), "RawIds.from_int64: id 2**63 - 1 at position 1 is reserved (it marks "
+                                             "an empty slot)"),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            RawIds.from_int64(bad)
+
+
+def test_settings_are_checked():
+    name = "MCHManagedCollisionModule"
+    for kwargs, message in [
+        ({"zch_size": 1}, "zch_size=1 must be an int >= 2 (one row is the default row)"),
+        ({"history_capacity": 0}, "history_capacity=0 must be an int >= 1"),
+        ({"eviction_interval": True}, "eviction_interval=True must be an int >= 1"),
+        ({"threshold": 0}, "threshold=0 must be an int >= 1"),
+        ({"eviction_policy": "fifo"}, "eviction_policy='fifo'; choose one of ['lru', 'lfu']"),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(f"{name}: {message}") + "$"):
+            MCHManagedCollisionModule(**{"zch_size": 4, "history_capacity": 4, **kwargs})
+    mc = MCHManagedCollisionModule(4, history_capacity=5, eviction_interval=2)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"{name}: 2 batches of 3 ids may exceed history_capacity=5; give history_capacity >= ids per batch * "
+            "eviction_interval (nothing a window holds is ever dropped)") + "$"):
+        mc.profile(mc.init(), RawIds.from_int64(np.array([1, 2, 3])))
+
+
+def test_hashed_slots_stay_in_range_and_spread_ids_that_differ_only_in_the_high_word():
+    ids = RawIds.from_int64((np.arange(4000, dtype=np.int64) << 32) | 7)  # one low word
+    slots = np.asarray(hashed_slots(ids, 100))
+    assert slots.dtype == np.int32 and slots.min() >= 0 and slots.max() < 100
+    assert np.bincount(slots, minlength=100).max() < 80  # ~40 per slot, not one slot
+    np.testing.assert_array_equal(hashed_slots(ids, 100), slots)  # deterministic
+    assert (np.asarray(hashed_slots(ids, 100, seed=1)) != slots).mean() > 0.9
+    with pytest.raises(ValueError, match="^" + re.escape("hashed_slots: num_embeddings=0 must be an int >= 1") + "$"):
+        hashed_slots(ids, 0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_matches_torchrec_mch_module(policy):
+    """The same stream through TorchRec's MCHManagedCollisionModule (CPU): same slots out,
+    same slots evicted (no threshold: TorchRec's filters are relative, not a fixed count)."""
+    torch = pytest.importorskip("torch")
+    mc_modules = pytest.importorskip("torchrec.modules.mc_modules")
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    zch = 16
+    eviction = mc_modules.LRU_EvictionPolicy() if policy == "lru" else mc_modules.LFU_EvictionPolicy()
+    theirs = mc_modules.MCHManagedCollisionModule(zch_size=zch, device=torch.device("cpu"), eviction_policy=eviction,
+                                                 eviction_interval=2)
+    theirs.train()
+    mc = MCHManagedCollisionModule(zch, history_capacity=2 * BATCH, eviction_policy=policy, eviction_interval=2)
+    profile, remap = _compiled(mc)
+    state = mc.init()
+    for step, batch in enumerate(_stream(seed=7, steps=60)):
+        values = torch.from_numpy(batch)
+        out = theirs({"t": JaggedTensor(values=values, lengths=torch.ones_like(values, dtype=torch.int32))})
+        state, evicted = profile(state, RawIds.from_int64(batch))
+        np.testing.assert_array_equal(remap(state, RawIds.from_int64(batch)), out["t"].values().numpy(),
+                                      err_msg=str(step))
+        gone = theirs.evict()
+        assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == set(() if gone is None else gone.tolist()), step
