@@ -209,3 +209,24 @@ def test_quant_lookup_benchmark_gates_on_fbgemm_and_reports_bytes(capsys, monkey
     monkeypatch.setattr(quant_lookup, "fbgemm_case", lambda *a: (lambda r, o: (r, o + 1e-3))(*real(*a)))
     with pytest.raises(AssertionError, match="int8: outputs differ"):
         quant_lookup.main(small)
+
+
+def test_mc_remap_benchmark_gates_on_torchrec_slots_and_reports_both_calls(capsys, monkeypatch):
+    pytest.importorskip("torchrec.modules.mc_modules")
+    from benchmarks import mc_remap
+
+    small = ["--zch", "64", "--ids", "32", "--pool", "200", "--check", "4", "--repeats", "2", "--alone-repeats", "2"]
+    assert mc_remap.main(small) == 0
+    out = capsys.readouterr().out
+    assert "first 4 batches equal slot for slot" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| train |", "| eval |"))]
+    assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows), out
+    real = mc_remap.theirs
+
+    def shifted(args):  # TorchRec's slots, one off: the gate must refuse to time anything
+        train, evaluate = real(args)
+        return (lambda b: train(b) + 1), evaluate
+
+    monkeypatch.setattr(mc_remap, "theirs", shifted)
+    with pytest.raises(AssertionError, match="train batch 0"):
+        mc_remap.main(small)
