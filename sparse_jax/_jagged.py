@@ -28,8 +28,8 @@ __all__ = ["JaggedTensor", "KeyedJaggedTensor", "jt_is_equal", "kjt_is_equal"]
 
 
 def _offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
-    dtype = lengths.dtype if np.issubdtype(lengths.dtype, np.integer) else np.int32
-    offsets = np.zeros(lengths.shape[0] + 1, dtype=dtype)
+    """Prefix sums of integer `lengths` (both callers pass checked integer lengths)."""
+    offsets = np.zeros(lengths.shape[0] + 1, dtype=lengths.dtype)
     np.cumsum(lengths, out=offsets[1:])
     return offsets
 
