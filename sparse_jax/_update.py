@@ -147,12 +147,12 @@ def _flag_on_devices(ok: jax.Array, like_array: jax.Array) -> jax.Array:
     """This process's boolean as one entry per device of the tables' mesh (`[devices]`,
     sharded over every axis), so the program ANDs every process's flag: all replicas take
     the same decision. Built from per-device copies of the local flag (no host read, no
-    cross-process transfer). One device: the flag on it, committed only if `like_array` is
-    (a committed flag beside uncommitted tables would be a second program, compiled again
-    once the tables come back committed from the first call)."""
+    cross-process transfer). One device: the flag uncommitted, so the program follows the
+    tables wherever they are (a committed flag beside uncommitted tables would be a second
+    program, compiled again once the tables come back committed from the first call)."""
     like = like_array.sharding
     if not isinstance(like, jax.sharding.NamedSharding):
-        return jax.device_put(ok.reshape(1), like) if like_array.committed else ok.reshape(1)
+        return ok.reshape(1)
     mesh = like.mesh
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
     local = [jax.device_put(ok.reshape(1), d) for d in sharding.addressable_devices_indices_map((mesh.size,))]
@@ -160,9 +160,8 @@ def _flag_on_devices(ok: jax.Array, like_array: jax.Array) -> jax.Array:
 
 
 def all_finite(tree) -> jax.Array:
-    """A device boolean: every floating-point leaf of `tree` is finite."""
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
-             if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    """A device boolean: every leaf of `tree` is finite (integer leaves always are)."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
     return jnp.all(jnp.stack(flags)) if flags else jnp.ones((), bool)
 
 
