@@ -533,7 +533,7 @@ def estimate_bytes(model, dense_optimizer=None) -> int:
     optimizer (three times the dense parameters: weights and two Adam moments)."""
     tables = sum(t.num_embeddings * t.embedding_dim * t.data_type.itemsize for t in model.sparse_module.tables)
     state = sum(
-        int(getattr(leaf, "nbytes", 0))
+        int(leaf.nbytes)
         for b in model.sparse_opt_state.tables
         for leaf in _leaves(model.sparse_opt_state, b).values()
     )

@@ -111,6 +111,9 @@ def test_reshard_on_load_keeps_metrics_and_optimizer_state(tmp_path, mesh, shard
     config, result = _trained(tmp_path, "data=2,model=4", written)
     path = _checkpoint.latest_checkpoint(tmp_path / "ckpt")
     assert path.name == "step_00000024"
+    meta = _checkpoint.verify_checkpoint(path)  # where it was written, for the record
+    assert meta["mesh"] == {"data": 2, "model": 4} and meta["step"] == 24
+    assert meta["plan"] is not None and {"t_cat_0", "t_cat_3"} <= set(json.dumps(meta["plan"]).replace('"', " ").split())
     with np.load(path / "tables.npz") as f:
         saved = {k: f[k] for k in f.files}
 

@@ -108,6 +108,8 @@ def test_run_json_and_manifest_are_written(ckpt):
     for step in ("step_00000004", "step_00000008"):
         meta = _checkpoint.verify_checkpoint(ckpt / step)
         assert meta["run_id"] == run["run_id"]
+        manifest = json.loads((ckpt / step / "manifest.json").read_text())
+        assert manifest["version"] == 1 and sorted(manifest["files"]) == ["dense.pt", "meta.json", "tables.npz"]
         files = json.loads((ckpt / step / "manifest.json").read_text())["files"]
         assert sorted(files) == ["dense.pt", "meta.json", "tables.npz"]
 
@@ -255,7 +257,10 @@ def test_interrupted_save_leaves_no_partial_checkpoint(ckpt, fresh_model, monkey
     run_id = json.loads((ckpt / "run.json").read_text())["run_id"]
     real = _checkpoint._write_file
 
+    written = []
+
     def dying(path, data):
+        written.append(path)
         if path.name == "dense.pt":  # tables.npz is written, then the process "dies"
             raise KeyboardInterrupt("killed during save")
         return real(path, data)
@@ -268,6 +273,9 @@ def test_interrupted_save_leaves_no_partial_checkpoint(ckpt, fresh_model, monkey
                 ckpt, step=step, model=model, dense_optimizer=dense_opt, run_id=run_id
             )
         assert _snapshot(ckpt) == before  # nothing visible, nothing lost, no .tmp-* left
+    # written beside the checkpoints (one file system: the rename is atomic) under the
+    # prefix that readers skip and a resume cleans
+    assert written and all(p.parent.parent == ckpt and p.parent.name.startswith(".tmp-") for p in written)
     monkeypatch.undo()
     latest = _checkpoint.latest_checkpoint(ckpt)
     assert latest.name == "step_00000008"
@@ -630,3 +638,23 @@ def test_run_json_holds_a_config_with_paths_as_text_and_keeps_two_by_default(tmp
     assert run["config"] == {"checkpoint": {"dir": str(tmp_path / "x")}}
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", run["created"]), run["created"]
     assert [p.name for p in _checkpoint._step_dirs(nested)] == ["step_00000002", "step_00000003"]
+
+
+def test_the_size_estimate_counts_tables_state_and_three_copies_of_the_dense_tower(fresh_model):
+    model, _ = fresh_model
+    tables = 3 * 64 * 8 * 4  # three fp32 tables of 64 x 8
+    state = sum(leaf.size * 4 for leaf in jax.tree_util.tree_leaves(model.sparse_opt_state.tables))
+    assert state == 3 * 64 * 4  # row-wise Adagrad: one fp32 per row
+    dense = sum(p.numel() for p in model.dense.parameters()) * 4
+    assert _checkpoint.estimate_bytes(model) == tables + state + 3 * dense + 65536
+
+
+def test_prepare_run_refuses_by_default(ckpt, fresh_model):
+    model, dense_opt = fresh_model
+    stored = json.loads((ckpt / "run.json").read_text())["config"]
+    with pytest.raises(ConfigError, match="Refusing to start a fresh run over them"):
+        _checkpoint.prepare_run(ckpt, config=stored, model=model, resume=False, echo=_quiet)
+    with pytest.raises(ConfigError, match="the config changes keys that exact resumption needs"):
+        _checkpoint.prepare_run(ckpt, config={**stored, "seed": 5}, model=model, resume=True, echo=_quiet)
+    assert _checkpoint.prepare_run(ckpt, config=stored, model=model, resume=True, echo=_quiet).resume_from.name == \
+        "step_00000008"
