@@ -19,7 +19,7 @@ state so that it runs inside a jitted step:
   state must be reset: an id evicted and seen again gets a fresh row).
 - `remap` maps ids to slots (binary search over the sorted ids); eval does only this.
 
-Differences from TorchRec 1.8 (documented in docs/compatibility.md): the window holds
+Differences from TorchRec 1.8 (docs/torchrec_compat.md): the window holds
 `history_capacity` ids (a static size) and a window that would overflow it is refused at
 trace time by the shapes, never silently truncated (TorchRec sizes it from the first
 batch and drops what does not fit); `threshold` is a fixed count, not a filter function.
