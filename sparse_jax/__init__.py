@@ -16,6 +16,7 @@ from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds, hashed_slots
+from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
 from sparse_jax._quant import (
     WEIGHT_TYPES,
@@ -39,6 +40,7 @@ __all__ = [
     "KeyedJaggedTensor",
     "KeyedTensor",
     "MCHManagedCollisionModule",
+    "ManagedCollisionEmbeddingBagCollection",
     "MCHState",
     "PaddedBatch",
     "RawIds",

@@ -64,6 +64,16 @@ class RawIds(NamedTuple):
     def to_int64(self) -> np.ndarray:
         return (np.asarray(self.hi).astype(np.int64) << 32) | np.asarray(self.lo).astype(np.int64)
 
+    def words(self) -> np.ndarray:
+        """`[N, 2]` int32: the high word, then the low word's bits (KJT values for raw ids)."""
+        return np.stack([np.asarray(self.hi, np.int32), np.asarray(self.lo, np.uint32).view(np.int32)], axis=1)
+
+    @staticmethod
+    def from_words(words) -> RawIds:
+        """The inverse of `words` (numpy or JAX arrays, traced too)."""
+        words = jnp.asarray(words)
+        return RawIds(words[:, 0].astype(jnp.int32), jax.lax.bitcast_convert_type(words[:, 1], jnp.uint32))
+
 
 class MCHState(NamedTuple):
     """One table's managed-collision state (a pytree: it is carried through the step)."""

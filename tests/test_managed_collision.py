@@ -146,3 +146,79 @@ def test_matches_torchrec_mch_module(policy):
                                       err_msg=str(step))
         gone = theirs.evict()
         assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == set(() if gone is None else gone.tolist()), step
+
+
+def test_words_carry_every_64_bit_id_through_a_kjt():
+    ids = np.array([-(2**63), -1, 0, 2**32 - 1, 2**63 - 2], np.int64)
+    words = RawIds.from_int64(ids).words()
+    assert words.dtype == np.int32 and words.shape == (5, 2)
+    back = jax.jit(RawIds.from_words)(words)
+    np.testing.assert_array_equal(RawIds(*back).to_int64(), ids)
+
+
+def _words_kjt(u, v, p):
+    """KJT (keys u, v, p; one bag per sample) of raw id words: u and v raw ids, p plain rows."""
+    from sparse_jax import KeyedJaggedTensor
+
+    bags = [*u, *v, *p]
+    flat = np.concatenate([np.asarray(b, np.int64) for b in bags])
+    return KeyedJaggedTensor(["u", "v", "p"], RawIds.from_int64(flat).words(),
+                             lengths=np.array([len(b) for b in bags], np.int32)), flat
+
+
+def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_it_evicts():
+    from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, ManagedCollisionEmbeddingBagCollection, optim
+
+    tables = [EmbeddingBagConfig(8, 4, "m", feature_names=["u", "v"]), EmbeddingBagConfig(5, 4, "plain", feature_names=["p"])]
+    ebc = EmbeddingBagCollection(tables)
+    module = MCHManagedCollisionModule(8, history_capacity=16, eviction_policy="lfu")
+    mc = ManagedCollisionEmbeddingBagCollection(ebc, {"m": module})
+    params = ebc.init(jax.random.key(0))
+    rule = optim.adagrad(lr=0.1)
+    opt = rule.init(params)
+    opt = opt._replace(tables=jax.tree_util.tree_map(lambda x: x + 1.0, opt.tables))  # state to be reset
+    oracle = ManagedCollisionLoop(8, "lfu")
+    remap = jax.jit(mc.remap)
+    state = mc.init_state()
+    rng = np.random.default_rng(3)
+    pool = rng.integers(-(2**60), 2**60, size=12)
+    for step in range(12):
+        u = [pool[rng.integers(0, 12, rng.integers(0, 3))] for _ in range(2)]
+        v = [pool[rng.integers(0, 12, rng.integers(1, 3))] for _ in range(2)]
+        p = [rng.integers(0, 5, 2) for _ in range(2)]
+        kjt, flat = _words_kjt(u, v, p)
+        slots, state, evicted = remap(kjt.pad(capacity=16), state)
+        managed = [int(i) for b in [*u, *v] for i in b]
+        want_evicted = oracle.profile(managed)
+        want = oracle.remap(managed) + [int(i) for b in p for i in b]
+        np.testing.assert_array_equal(np.asarray(slots.values())[: len(flat)], want, err_msg=str(step))
+        assert set(np.flatnonzero(np.asarray(evicted["m"])).tolist()) == want_evicted, step
+        new_params, new_opt = mc.reset_evicted(params, opt, evicted, jax.random.key(1000 + step))
+        group, offset = ebc.layout.table_group["m"]
+        rows = offset + np.array(sorted(want_evicted), int)
+        kept = np.setdiff1d(np.arange(params[group].shape[0]), rows)
+        np.testing.assert_array_equal(np.asarray(new_params[group])[kept], np.asarray(params[group])[kept])
+        state_leaf = np.asarray(new_opt.tables[group]["momentum1"])
+        assert (state_leaf[rows] == 0).all() and (state_leaf[kept] == np.asarray(opt.tables[group]["momentum1"])[kept]).all()
+        fresh = np.asarray(new_params[group])[rows]
+        bound = tables[0].weight_init_max
+        assert (np.abs(fresh) <= bound).all() and not np.isin(fresh, np.asarray(params[group])).any()
+        params, opt = new_params, new_opt
+    assert len(oracle.remap(list(pool))) == 12 and sum(s != 7 for s in oracle.remap(list(pool))) == 7  # full table
+
+
+def test_the_collection_refuses_what_it_cannot_manage():
+    from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, ManagedCollisionEmbeddingBagCollection
+
+    name = "ManagedCollisionEmbeddingBagCollection"
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(8, 4, "a", feature_names=["f"]),
+                                  EmbeddingBagConfig(6, 4, "b", feature_names=["f", "g"])])
+    for modules, message in [
+        ({"z": MCHManagedCollisionModule(8, history_capacity=4)}, "no table 'z' in the collection (tables: ['a', 'b'])"),
+        ({"a": MCHManagedCollisionModule(9, history_capacity=4)}, "table 'a' has 8 rows but its module's zch_size is 9; "
+                                                                  "make them equal"),
+        ({"a": MCHManagedCollisionModule(8, history_capacity=4)}, "feature 'f' feeds tables ['a', 'b']; a managed table "
+                                                                  "needs features of its own (one slot per id and table)"),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(f"{name}: {message}") + "$"):
+            ManagedCollisionEmbeddingBagCollection(ebc, modules)

@@ -1,0 +1,109 @@
+"""Managed-collision tables in front of an `EmbeddingBagCollection` (TorchRec's
+`ManagedCollisionEmbeddingBagCollection`, unsharded, functional).
+
+Raw ids travel in the KJT as `[N, 2]` int32 words (`RawIds.words()`: the id's high word, then
+its low word's bits), so 64-bit ids pass with jax x64 off. `remap` turns them into slot ids
+(an ordinary `[N]` int32 KJT for the collection's lookup and fused update): per managed table
+one `MCHManagedCollisionModule` sees all of that table's features as one stream, as
+TorchRec's `ManagedCollisionCollection` does. `reset_evicted` gives the slots handed to new
+ids fresh rows (the table's `init_fn`, else its uniform init, drawn for those rows only)
+and zero optimizer state, so an id evicted and seen again starts over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax._embedding_bag import EmbeddingBagCollection
+from sparse_jax._jagged import KeyedJaggedTensor
+from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds
+from sparse_jax.optim import SparseOptState
+
+__all__ = ["ManagedCollisionEmbeddingBagCollection"]
+
+
+class ManagedCollisionEmbeddingBagCollection:
+    """`ebc` with a managed-collision module per table in `managed_collision_modules`
+    ({table name: module}, `zch_size == num_embeddings`); tables without one read slot ids
+    directly (their KJT features still arrive as words: the low word is the id)."""
+
+    def __init__(self, ebc: EmbeddingBagCollection,
+                 managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
+        what = "ManagedCollisionEmbeddingBagCollection"
+        tables = {t.name: t for t in ebc.embedding_bag_configs()}
+        for name, module in managed_collision_modules.items():
+            if name not in tables:
+                raise ValueError(f"{what}: no table {name!r} in the collection (tables: {list(tables)})")
+            if module.zch_size != tables[name].num_embeddings:
+                raise ValueError(f"{what}: table {name!r} has {tables[name].num_embeddings} rows but its module's "
+                                 f"zch_size is {module.zch_size}; make them equal")
+        readers: dict[str, list[str]] = {}
+        for slot in ebc.layout.features:
+            readers.setdefault(slot.feature, []).append(slot.table)
+        for feature, names in readers.items():
+            if len(names) > 1 and any(n in managed_collision_modules for n in names):
+                raise ValueError(f"{what}: feature {feature!r} feeds tables {names}; a managed table needs features "
+                                 "of its own (one slot per id and table)")
+        self.ebc = ebc
+        self.modules = dict(managed_collision_modules)
+        self._feature_table = {feature: names[0] for feature, names in readers.items()}
+
+    def init_state(self) -> dict[str, MCHState]:
+        return {name: m.init() for name, m in self.modules.items()}
+
+    def remap(self, kjt: KeyedJaggedTensor, state: Mapping[str, MCHState], *, training: bool = True):
+        """(KJT of int32 slot ids, new state, {table: bool[rows] slots given to new ids}).
+        `kjt`'s values are `[capacity, 2]` words; positions past its ids are padding."""
+        words = kjt.values()
+        if words.ndim != 2 or words.shape[1] != 2:
+            raise ValueError(f"ManagedCollisionEmbeddingBagCollection.remap: values must be [N, 2] raw id words "
+                             f"(RawIds.words()), got shape {tuple(words.shape)}")
+        ids = RawIds.from_words(words)
+        keys, stride = kjt.keys(), kjt.stride()
+        pos = jnp.arange(words.shape[0], dtype=jnp.int32)
+        bounds = kjt.offsets()[np.arange(len(keys) + 1) * stride]
+        key_of = jnp.searchsorted(bounds[1:], pos, side="right").astype(jnp.int32)  # len(keys): padding
+        table_of = np.array([self._feature_table.get(k, "") for k in keys] + [""])
+        slots = ids.lo.astype(jnp.int32)  # unmanaged tables: the low word is the row
+        new_state, evicted = dict(state), {}
+        for name, module in self.modules.items():
+            mine = jnp.asarray(table_of == name)[key_of]
+            if training:
+                new_state[name], evicted[name] = module.profile(state[name], ids, valid=mine)
+            else:
+                evicted[name] = jnp.zeros(module.zch_size, bool)
+            slots = jnp.where(mine, module.remap(new_state[name], ids), slots)
+        return kjt._replace(values=slots), new_state, evicted
+
+    def reset_evicted(self, params: Mapping[str, jax.Array], opt_state: SparseOptState,
+                      evicted: Mapping[str, jax.Array], key: jax.Array):
+        """(params, opt_state) with every evicted slot's row drawn afresh and its per-row
+        optimizer state zeroed. At most `min(zch_size, history_capacity)` slots change per
+        call, so only that many rows are drawn."""
+        params, tables = dict(params), dict(opt_state.tables)
+        configs = {t.name: t for t in self.ebc.embedding_bag_configs()}
+        for i, (name, mask) in enumerate(sorted(evicted.items())):
+            module, config = self.modules[name], configs[name]
+            group, offset = self.ebc.layout.table_group[name]
+            buffer_rows = params[group].shape[0]
+            k = min(module.zch_size, module.history_capacity)
+            (slot,) = jnp.nonzero(mask, size=k, fill_value=module.zch_size)
+            rows = jnp.where(slot < module.zch_size, offset + slot, buffer_rows)  # fill: dropped
+            fresh = _fresh_rows(config, jax.random.fold_in(key, i), k)
+            params[group] = params[group].at[rows].set(fresh.astype(params[group].dtype), mode="drop")
+            leaves = tables.get(group)
+            if isinstance(leaves, Mapping):
+                tables[group] = {n: (leaf.at[rows].set(0, mode="drop") if leaf.ndim and leaf.shape[0] == buffer_rows
+                                     else leaf) for n, leaf in leaves.items()}
+        return params, opt_state._replace(tables=tables)
+
+
+def _fresh_rows(config, key, k: int) -> jax.Array:
+    shape = (k, config.embedding_dim)
+    if config.init_fn is None:
+        return jax.random.uniform(key, shape, jnp.float32, config.weight_init_min, config.weight_init_max)
+    return jnp.asarray(config.init_fn(key, shape, jnp.float32), jnp.float32)
