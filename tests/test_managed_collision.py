@@ -167,7 +167,12 @@ def _words_kjt(u, v, p):
 
 
 def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_it_evicts():
-    from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, ManagedCollisionEmbeddingBagCollection, optim
+    from sparse_jax import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        ManagedCollisionEmbeddingBagCollection,
+        optim,
+    )
 
     tables = [EmbeddingBagConfig(8, 4, "m", feature_names=["u", "v"]), EmbeddingBagConfig(5, 4, "plain", feature_names=["p"])]
     ebc = EmbeddingBagCollection(tables)
@@ -208,7 +213,11 @@ def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_
 
 
 def test_the_collection_refuses_what_it_cannot_manage():
-    from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, ManagedCollisionEmbeddingBagCollection
+    from sparse_jax import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        ManagedCollisionEmbeddingBagCollection,
+    )
 
     name = "ManagedCollisionEmbeddingBagCollection"
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(8, 4, "a", feature_names=["f"]),
