@@ -131,7 +131,9 @@ def test_overwrite_moves_the_old_run_aside(ckpt):
     _, out = _run(ckpt, "checkpoint.overwrite=true", steps=4, every=0)
     (aside,) = [p for p in ckpt.iterdir() if p.name.startswith(".replaced-")]
     assert _snapshot(aside) == before  # the old run's files, intact
-    assert "moved the checkpoints" in out
+    run = json.loads((aside / "run.json").read_text())
+    assert (f"checkpoint.overwrite: moved the checkpoints of run {run['run_id']} (created {run['created']}) "
+            f"(step_00000004, step_00000008) aside to {aside}; delete it yourself to free the space") in out.splitlines()
     assert sorted(p.name for p in _checkpoint._step_dirs(ckpt)) == ["step_00000004"]
     new_id = json.loads((ckpt / "run.json").read_text())["run_id"]
     assert _checkpoint._run_id_of(ckpt / "step_00000004") == new_id
@@ -208,7 +210,10 @@ def test_unwritable_dir_fails_before_training(tmp_path):
         targets.append(readonly)
     try:
         for target in targets:
-            with pytest.raises(ConfigError, match="is not writable") as e:
+            with pytest.raises(ConfigError, match="^" + re.escape(f"checkpoint.dir {str(target)!r} is not writable (")
+                               + r"\w+Error: .+\); " + re.escape(
+                                   "checkpoints could not be saved. Choose a writable checkpoint.dir (--set "
+                                   "checkpoint.dir=...) or fix its permissions") + "$") as e:
                 _run(target, f"log.metrics_path='{metrics}'")
             assert str(target) in str(e.value)
             assert not metrics.exists()  # no step ran
@@ -219,7 +224,11 @@ def test_unwritable_dir_fails_before_training(tmp_path):
 def test_no_room_for_two_checkpoints_fails_before_training(tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(_checkpoint.shutil, "disk_usage", lambda _p: usage._replace(free=1000))
-    with pytest.raises(ConfigError, match="MiB free on its disk but two checkpoints need"):
+    model, dense_opt, *_ = train.build(_config(tmp_path / "ckpt"))
+    need = 2 * _checkpoint.estimate_bytes(model, dense_opt) / 2**20
+    with pytest.raises(ConfigError, match="^" + re.escape(
+            f"checkpoint.dir {str(tmp_path / 'ckpt')!r}: 0.0 MiB free on its disk but two checkpoints need about "
+            f"{need:.1f} MiB (tables + optimizer state); free space or choose another checkpoint.dir") + "$"):
         _run(tmp_path / "ckpt")
 
 
@@ -249,7 +258,7 @@ def test_config_change_on_resume_refuses_unless_allowed(ckpt):
     with pytest.raises(ConfigError, match=r"sparse_optimizer.stochastic_rounding: true -> false"):
         _run(ckpt, "sparse_optimizer.stochastic_rounding=false", resume=True, steps=12)
     result, out = _run(ckpt, "seed=3", "checkpoint.allow_config_change=true", resume=True, steps=12)
-    assert "resuming with changed seed" in out and result["step"] == 12
+    assert "checkpoint.allow_config_change: resuming with changed seed" in out.splitlines() and result["step"] == 12
 
 
 def test_interrupted_save_leaves_no_partial_checkpoint(ckpt, fresh_model, monkeypatch):
@@ -658,3 +667,15 @@ def test_prepare_run_refuses_by_default(ckpt, fresh_model):
         _checkpoint.prepare_run(ckpt, config={**stored, "seed": 5}, model=model, resume=True, echo=_quiet)
     assert _checkpoint.prepare_run(ckpt, config=stored, model=model, resume=True, echo=_quiet).resume_from.name == \
         "step_00000008"
+
+
+def test_a_run_json_without_checkpoints_is_taken_over_and_a_resume_without_run_json_keeps_the_run_id(ckpt, tmp_path):
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "run.json").write_text(json.dumps({"run_id": "abandoned", "config": {}}))
+    _run(lone, steps=4, every=4)  # nothing to lose: a fresh run takes the directory over
+    assert _checkpoint.read_run(lone)["run_id"] != "abandoned"
+    old_id = _checkpoint._run_id_of(ckpt / "step_00000008")
+    (ckpt / "run.json").unlink()  # the checkpoints still name their run
+    result, out = _run(ckpt, resume=True, steps=12)
+    assert result["step"] == 12 and _checkpoint._run_id_of(ckpt / "step_00000012") == old_id
