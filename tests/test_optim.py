@@ -282,6 +282,8 @@ def test_state_is_placed_like_its_table(spec):
             assert not np.asarray(leaf).any()
     one = optim.adam().init({"t": jnp.zeros((4, 2), jnp.float32)})
     assert all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(one))
+    host = optim.rowwise_adagrad().init({"t": np.zeros((4, 2), np.float32)})  # host tables (e.g. pretrained)
+    assert host.tables["t"]["momentum1"].shape == (4,)
 
 
 @pytest.mark.parametrize("rule", ["sgd", "adagrad", "rowwise_adagrad"])
