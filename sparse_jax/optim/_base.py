@@ -56,7 +56,7 @@ class RowRule:
         buffers get row-sharded per-row state and replicated global leaves)."""
         tables = {g: jax.tree_util.tree_map(lambda x, t=t: _place_like(x, t), self.init_table(t)) for g, t in params.items()}
         count = jnp.zeros((), jnp.int32)
-        meshes = [t.sharding for t in params.values() if isinstance(t.sharding, NamedSharding)]
+        meshes = [t.sharding for t in params.values() if isinstance(getattr(t, "sharding", None), NamedSharding)]
         if meshes:
             count = jax.device_put(count, NamedSharding(meshes[0].mesh, P()))
         return SparseOptState(count=count, tables=tables)
