@@ -384,6 +384,14 @@ def test_under_jit_any_one_traced_array_skips_the_host_checks():
 
         assert float(build(given[traced])) == 6 + 3 + 3.5, traced
 
+    def derived(lengths_or_offsets, which):
+        kjt = KeyedJaggedTensor(["a"], values, **{which: lengths_or_offsets})
+        return kjt.lengths(), kjt.offsets()
+
+    for which, arg in (("lengths", lengths), ("offsets", offsets)):  # the other one is derived under the trace
+        got_lengths, got_offsets = jax.jit(derived, static_argnums=1)(arg, which)
+        assert (np.asarray(got_lengths).tolist(), np.asarray(got_offsets).tolist()) == ([1, 2], [0, 1, 3]), which
+
 
 def test_construction_refusals_word_for_word():
     def refused(cls, message, *args, **kw):
