@@ -50,7 +50,7 @@ def _int_array(x) -> np.ndarray:
     return arr
 
 
-def _checked_arrays(values, weights, lengths, offsets, *, what: str, keys=None, stride=1):
+def _checked_arrays(values, weights, lengths, offsets, *, what: str, keys=None, stride=None):
     """(values, weights, lengths, offsets) on device: validated when concrete (the errors name
     the feature and position), the missing one of lengths/offsets derived either way.
 
