@@ -110,3 +110,21 @@ def test_a_guarded_update_of_tables_committed_to_another_device_stays_there_and_
         params, state = update(params, state, jax.device_put(batch, other), g)
     assert all(x.devices() == {other} for x in jax.tree_util.tree_leaves((params, state)))
     assert int(update.nonfinite()[0]) == 1 and update.compile_count() == 1
+
+
+def test_a_guarded_sharded_update_compiles_once_with_and_without_ok():
+    """On a mesh the skip counters are placed like the state before the first call, and a
+    missing `ok` is the same boolean as a given one: one program for every call."""
+    from sparse_jax.sharding import shard
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    ebc = EmbeddingBagCollection(TABLES, kernel="xla")
+    sharded = shard(ebc, mesh, {"t": "row_wise", "u": "table_wise"})
+    rule = optim.rowwise_adagrad(lr=0.1)
+    params = sharded.init(jax.random.key(0))
+    state = rule.init(params)
+    update = make_update(sharded, rule, skip_nonfinite=True)
+    kjt = KeyedJaggedTensor(["f", "g"], np.arange(16, dtype=np.int32) % 8, lengths=np.ones(16, np.int32))
+    for ok in (None, jnp.ones((), bool), None, jnp.zeros((), bool)):
+        params, state = update(params, state, kjt, jnp.ones((8, 8), jnp.float32), ok=ok)
+    assert int(update.nonfinite()[0]) == 1 and update.compile_count() == 1

@@ -66,7 +66,8 @@ def _place_like(leaf, table):
     sharding = getattr(table, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return leaf
-    spec = P(sharding.spec[0] if len(sharding.spec) else None) if is_row_leaf(leaf, table.shape[0]) else P()
+    rows = sharding.spec[0] if len(sharding.spec) else None
+    spec = P(rows, *[None] * (leaf.ndim - 1)) if is_row_leaf(leaf, table.shape[0]) else P()  # full rank
     return jax.device_put(leaf, NamedSharding(sharding.mesh, spec))
 
 

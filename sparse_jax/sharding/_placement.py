@@ -86,7 +86,9 @@ def place(mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], weights: Mapp
         host = np.zeros((buf.group_size * buf.rows_per_device, buf.width), buf.data_type.numpy_dtype)
         for _, table, start, r0, rn, c0, cn in buf.stored_blocks():
             host[start : start + rn] = np.asarray(weights[table])[r0 : r0 + rn, c0 : c0 + cn]
-        out[buf.name] = _global_array(host, NamedSharding(mesh, spec(buf)))
+        # full rank, as the update's shard_map returns it: an equal but shorter spec is another
+        # jit cache key (the second step compiled again)
+        out[buf.name] = _global_array(host, NamedSharding(mesh, P(buf.axes or None, None)))
     return out
 
 
