@@ -86,8 +86,9 @@ def test_refusals_name_what_to_do():
         make_update(ebc, "sgd")
     with pytest.raises(ValueError, match="^" + re.escape("ok= needs make_update(..., skip_nonfinite=True)") + "$"):
         update(params, state, batch, _grad(), ok=jnp.ones((), bool))
-    with pytest.raises(ValueError, match="^" + re.escape("this update was made without skip_nonfinite=True") + "$"):
-        update.nonfinite()
+    for plain in (update, make_update(ebc, rule)):  # skip_nonfinite is off unless asked for
+        with pytest.raises(ValueError, match="^" + re.escape("this update was made without skip_nonfinite=True") + "$"):
+            plain.nonfinite()
 
 
 def test_all_finite_reads_only_floating_leaves():
