@@ -350,6 +350,7 @@ def test_a_row_statistic_read_over_other_column_blocks_is_their_column_weighted_
     np.testing.assert_allclose(_checkpoint._row_values(arrays, "t", "m", 0, 6, "w"), [2.0, 4.0])  # (4*1+2*4)/6
     np.testing.assert_allclose(_checkpoint._row_values(arrays, "t", "m", 2, 4, "w"), [2.5, 5.0])  # (2*1+2*4)/4
     np.testing.assert_array_equal(_checkpoint._row_values(arrays, "t", "m", 4, 2, "w"), [4.0, 8.0])
+    np.testing.assert_allclose(_checkpoint._row_values(arrays, "t", "m", 3, 2, "w"), [2.5, 5.0])  # one column each
     with pytest.raises(ValueError, match="^" + re.escape(
             "w: no row-wise state 'v' for table 't'; was it written by another optimizer?") + "$"):
         _checkpoint._row_values(arrays, "t", "v", 0, 4, "w")
@@ -514,6 +515,10 @@ def test_run_identity_refusals_name_both_runs(ckpt, fresh_model):
     (ckpt / "run.json").unlink()
     meta_id = _checkpoint._run_id_of(ckpt / "step_00000008")
     with pytest.raises(ConfigError, match=re.escape(f"of a run with unknown id ({meta_id}): step_00000004")):
+        _run(ckpt)
+    (ckpt / "run.json").write_text("{,")
+    with pytest.raises(ConfigError, match="^" + re.escape(
+            f"checkpoint.dir {str(ckpt)!r}: checkpoint directory {ckpt}: run.json is unreadable json (")):
         _run(ckpt)
     (ckpt / "run.json").write_text("{}")
     with pytest.raises(ConfigError, match=_exactly(
