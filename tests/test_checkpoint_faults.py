@@ -684,3 +684,34 @@ def test_a_run_json_without_checkpoints_is_taken_over_and_a_resume_without_run_j
     (ckpt / "run.json").unlink()  # the checkpoints still name their run
     result, out = _run(ckpt, resume=True, steps=12)
     assert result["step"] == 12 and _checkpoint._run_id_of(ckpt / "step_00000012") == old_id
+
+
+def test_latest_logs_each_damaged_checkpoint_it_skips(ckpt, caplog):
+    _damage(ckpt / "step_00000008" / "meta.json", "delete")
+    with caplog.at_level("WARNING", logger="hybrid.checkpoint"):
+        assert _checkpoint.latest_checkpoint(ckpt).name == "step_00000004"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipping checkpoint {ckpt / 'step_00000008'}: checkpoint {ckpt / 'step_00000008'}: meta.json is missing"]
+
+
+def test_an_interrupted_save_whose_leftover_cannot_be_removed_still_raises_the_interruption(ckpt, fresh_model,
+                                                                                              monkeypatch):
+    model, dense_opt = fresh_model
+    real_write, real_rmdir = _checkpoint._write_file, os.rmdir
+
+    def dying(path, data):
+        if path.name == "dense.pt":
+            raise KeyboardInterrupt("killed during save")
+        return real_write(path, data)
+
+    def stuck(path, *args, **kwargs):
+        if str(path).startswith(".tmp-") or "/.tmp-" in str(path):
+            raise PermissionError(f"cannot remove {path}")
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(_checkpoint, "_write_file", dying)
+    monkeypatch.setattr(os, "rmdir", stuck)
+    with pytest.raises(KeyboardInterrupt, match="killed during save"):
+        _checkpoint.save_checkpoint(ckpt, step=12, model=model, dense_optimizer=dense_opt)
+    monkeypatch.undo()
+    assert _checkpoint.latest_checkpoint(ckpt).name == "step_00000008"  # the leftover is ignored
