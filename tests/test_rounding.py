@@ -142,9 +142,13 @@ def test_rounding_settings_are_checked_and_carried():
     rule = optim.rowwise_adagrad(lr=0.1, stochastic_rounding=False, seed=3)
     assert (rule.stochastic_rounding, rule.seed) == (False, 3)
     assert optim.adam().stochastic_rounding is True and optim.adam().seed == 0
-    for factory in (optim.sgd, optim.adagrad, optim.rowwise_adagrad, optim.adam):
+    tx = __import__("optax").sgd(0.1)
+    for factory in (optim.sgd, optim.adagrad, optim.rowwise_adagrad, optim.adam, lambda **kw: optim.from_optax(tx, **kw)):
         assert factory(seed=7).seed == 7 and factory(stochastic_rounding=False).stochastic_rounding is False
-    assert optim.from_optax(__import__("optax").sgd(0.1), seed=2).seed == 2
+        assert (factory().stochastic_rounding, factory().seed) == (True, 0)  # FBGEMM's default
+        assert factory(seed=2**32 - 1).seed == 2**32 - 1
+    assert optim.from_optax(tx, seed=2).seed == 2
+    assert optim.sgd().init({"t": jnp.zeros((4, 2), jnp.float32)}).count.dtype == jnp.int32
     with pytest.raises(ValueError, match=re.escape("sgd: stochastic_rounding='yes' must be True or False")):
         optim.sgd(stochastic_rounding="yes")
     for seed in (-1, 2**32, 1.5, True):
