@@ -152,6 +152,23 @@ def _child_env(**extra: str) -> dict:
     return env
 
 
+def competitor_alone(module: str, side: str, argv) -> dict:
+    """`python -m <module> --side <side> <the same arguments>` in a fresh process: the
+    competitor timed by itself, with nothing of ours in the process (its last stdout line
+    is JSON)."""
+    passed = sys.argv[1:] if argv is None else list(argv)
+    proc = subprocess.run([sys.executable, "-m", module, "--side", side, *passed], capture_output=True, text=True,
+                          check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def quietness_line(before: dict, after: dict) -> str:
+    """The line a benchmark prints about the probes taken before and after its timings."""
+    quiet = before["quiet"] and after["quiet"]
+    return (f"quietness probe (2 threads / 1 thread, < {QUIET_RATIO} is quiet): before {before['ratio_2_over_1']:.2f}, "
+            f"after {after['ratio_2_over_1']:.2f}" + ("" if quiet else ": NOT QUIET, the figures below are void"))
+
+
 def quietness_probe(
     rows: int = 800_000, bags: int = 16_384, L: int = 20, repeats: int = 11
 ) -> dict:

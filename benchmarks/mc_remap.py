@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: summarize(v["total"])["median_ms"] for k, v in samples.items()}))
         return 0
 
-    from benchmarks.e2e_step import quietness_probe
+    from benchmarks.e2e_step import competitor_alone, quietness_line, quietness_probe
 
     before = quietness_probe()
     check = stream(args.ids, args.pool, seed=0)
@@ -122,13 +121,9 @@ def main(argv=None) -> int:
     np.testing.assert_array_equal(np.asarray(a[1](batch)), b[1](batch).numpy(), err_msg="eval")
     samples = _timed(args, {"xla": a, "torchrec": b})
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
-    passed = sys.argv[1:] if argv is None else list(argv)
-    cmd = [sys.executable, "-m", "benchmarks.mc_remap", "--side", "torchrec", *passed]
-    fresh = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    fresh = competitor_alone("benchmarks.mc_remap", "torchrec", argv)
     after = quietness_probe()
-    quiet = before["quiet"] and after["quiet"]
-    print(f"quietness probe (2 threads / 1 thread, < 0.85 is quiet): before {before['ratio_2_over_1']:.2f}, "
-          f"after {after['ratio_2_over_1']:.2f}" + ("" if quiet else ": NOT QUIET, the figures below are void"))
+    print(quietness_line(before, after))
     print(f"zch_size {args.zch}, {args.ids} ids per batch from {args.pool} raw int64 ids, {args.policy.upper()}, "
           f"eviction every {args.interval} call(s); first {args.check} batches equal slot for slot; "
           f"{args.repeats} interleaved rounds, medians")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -115,7 +114,7 @@ def main(argv=None) -> int:
         print(json.dumps(alone(args)))
         return 0
 
-    from benchmarks.e2e_step import quietness_probe
+    from benchmarks.e2e_step import competitor_alone, quietness_line, quietness_probe
     from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
     from sparse_jax import quantize_rows, row_bytes
 
@@ -133,13 +132,9 @@ def main(argv=None) -> int:
     cases["xla fp32"] = clocked(lambda c: fp32())
     samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
-    passed = sys.argv[1:] if argv is None else list(argv)
-    cmd = [sys.executable, "-m", "benchmarks.quant_lookup", "--side", "fbgemm", *passed]
-    fresh = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    fresh = competitor_alone("benchmarks.quant_lookup", "fbgemm", argv)
     after = quietness_probe()
-    quiet = before["quiet"] and after["quiet"]
-    print(f"quietness probe (2 threads / 1 thread, < 0.85 is quiet): before {before['ratio_2_over_1']:.2f}, "
-          f"after {after['ratio_2_over_1']:.2f}" + ("" if quiet else ": NOT QUIET, the figures below are void"))
+    print(quietness_line(before, after))
     print(f"rows {args.rows}, dim {args.dim}, batch {args.batch}, pooling {args.pooling} (SUM, fp32 out), "
           f"{args.repeats} interleaved rounds, medians")
     print("| weights | bytes/row | table MiB | XLA ms | FBGEMM ms (here) | FBGEMM ms (alone) | XLA / FBGEMM (paired) |")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 
@@ -137,7 +136,7 @@ def main(argv=None) -> int:
         print(json.dumps(alone(args)))
         return 0
 
-    from benchmarks.e2e_step import quietness_probe
+    from benchmarks.e2e_step import competitor_alone, quietness_line, quietness_probe
     from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
 
     before = quietness_probe()
@@ -153,13 +152,9 @@ def main(argv=None) -> int:
             cases[f"torchrec {b}"] = clocked(lambda c, f=theirs: f())
         samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
-    passed = sys.argv[1:] if argv is None else list(argv)
-    fresh = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.serving_latency", "--side", "torchrec", *passed],
-                                      capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    fresh = competitor_alone("benchmarks.serving_latency", "torchrec", argv)
     after = quietness_probe()
-    quiet = before["quiet"] and after["quiet"]
-    print(f"quietness probe (2 threads / 1 thread, < 0.85 is quiet): before {before['ratio_2_over_1']:.2f}, "
-          f"after {after['ratio_2_over_1']:.2f}" + ("" if quiet else ": NOT QUIET, the figures below are void"))
+    print(quietness_line(before, after))
     print(f"{args.tables} int8 tables of {args.rows} x {args.dim}, bags of {args.pooling}, DLRM [64, {args.dim}] / "
           f"[64, 1]; {args.repeats} interleaved rounds, medians")
     print("| batch | ours ms | TorchRec ms (here) | TorchRec ms (alone) | ours / TorchRec (paired) |")

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_jax.optim._rounding import _mix  # murmur3's finalizer, as the rounding draw
+
 __all__ = ["MCHManagedCollisionModule", "MCHState", "RawIds", "hashed_slots"]
 
 _HI_MAX = np.int32(np.iinfo(np.int32).max)
@@ -254,11 +256,3 @@ def hashed_slots(ids: RawIds, num_embeddings: int, seed: int = 0) -> jax.Array:
     x = ids.lo.astype(jnp.uint32) ^ jnp.uint32(seed & 0xFFFFFFFF)
     x = _mix(x ^ _mix(ids.hi.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
     return (x % jnp.uint32(num_embeddings)).astype(jnp.int32)
-
-
-def _mix(x):
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
