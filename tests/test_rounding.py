@@ -154,3 +154,15 @@ def test_rounding_settings_are_checked_and_carried():
     for seed in (-1, 2**32, 1.5, True):
         with pytest.raises(ValueError, match=re.escape(f"adagrad: seed={seed!r} must be an int in [0, 2**32)")):
             optim.adagrad(seed=seed)
+
+
+def test_an_exact_value_stays_even_when_the_draw_is_zero():
+    """u = 0 is the one draw at which "go up when u * gap < x - lo" and "<=" differ: for a
+    value already on the fp16 grid (x == lo) only the strict test keeps it. (seed 0, step 1,
+    row 108916, column 61 draw u = 0, found by search.)"""
+    rows = jnp.array([108916], jnp.int32)
+    assert int(np.asarray(uniform_bits(0, jnp.int32(1), rows, 64))[0, 61]) >> 8 == 0
+    x = jnp.full((1, 64), 1.5, jnp.float32)  # exact in fp16 and bf16
+    for dtype in (jnp.float16, jnp.bfloat16):
+        got = round_rows(x, dtype, stochastic=True, seed=0, step=jnp.int32(1), rows=rows)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x))
