@@ -315,3 +315,4 @@ def test_the_id_stream_update_on_the_cpu_kernel_equals_xla(rule):
     for a, b in zip(jax.tree_util.tree_leaves(out["auto"]), jax.tree_util.tree_leaves(out["xla"]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert len(jax.tree_util.tree_leaves(out["auto"])) == (1 if rule == "sgd" else 2)
+    assert jax.tree_util.tree_structure(out["auto"]) == jax.tree_util.tree_structure(out["xla"])  # same state keys
