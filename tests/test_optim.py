@@ -127,8 +127,11 @@ def _assert_same_three_steps(ebc, ours, theirs, kjt, grad):
     for rule in (ours, theirs):
         params = ebc.init(jax.random.key(1))
         state, update = rule.init(params), make_update(ebc, rule)
+        dtypes = [x.dtype for x in jax.tree_util.tree_leaves(state)]
         for _ in range(3):
             params, state = update(params, state, kjt, grad)
+        assert [x.dtype for x in jax.tree_util.tree_leaves(state)] == dtypes, rule.name  # optax's int32 count too
+        assert update.compile_count() == 1, rule.name
         results.append(params)
     for g in results[0]:
         np.testing.assert_allclose(np.asarray(results[0][g]), np.asarray(results[1][g]), rtol=1e-5, atol=1e-6)
