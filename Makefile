@@ -43,14 +43,14 @@ lint: $(STAMP)
 MODULE ?= sparse_jax/_validate.py
 TESTS  ?= tests/test_jagged.py tests/test_embedding_bag.py
 mutation: $(STAMP)
-	$(PIP) install --progress-bar off '.[mutation]'
+	$(PIP) install --progress-bar off -e '.[mutation]'  # -e: a plain install would shadow the tree
 	PY=$(PY) tools/mutation.sh $(MODULE) $(TESTS)
 
 # Every module of the numeric and safety core with its own test selection (tools/mutation_core.sh);
 # MODULES="sparse_jax/_update.py ..." picks some. The scores are in docs/mutation.md.
 MODULES ?=
 mutation-core: $(STAMP)
-	$(PIP) install --progress-bar off '.[mutation]'
+	$(PIP) install --progress-bar off -e '.[mutation]'  # -e: a plain install would shadow the tree
 	PY=$(PY) MODULES="$(MODULES)" tools/mutation_core.sh
 
 bench: $(STAMP)

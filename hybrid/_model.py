@@ -43,7 +43,12 @@ from hybrid._build_sparse import _build_sparse, mesh_device
 from hybrid._sparse_function import sparse_lookup
 from hybrid._sparse_state import SparseTables
 from hybrid._state_dict import EmbeddingBagsState
-from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, PreparedBatch
+from sparse_jax import (
+    DEFAULT_LADDER,
+    EmbeddingBagConfig,
+    ManagedCollisionSparseModule,
+    PreparedBatch,
+)
 from sparse_jax.optim import RowRule, SparseOptState, rowwise_adagrad
 
 __all__ = ["Model"]
@@ -70,6 +75,12 @@ class Model(nn.Module):
         `sparse_jax.DEFAULT_LADDER`).
       input_dist: on a sharded mesh, how ids reach the tables' shards: "all_gather"
         (default) or "all_to_all" (see `sparse_jax.sharding.shard`).
+      managed_collision_modules: `{table: sparse_jax.MCHManagedCollisionModule}`
+        (TorchRec's name): those tables take raw 64-bit ids (int64 in a torch KJT, or
+        `RawIds.words()` in a JAX one) and map them to their rows on the device, evicting by
+        the module's policy; evicted rows restart from a fresh row and zero optimizer state.
+        Training batches advance the id maps (`model.prepare` in train mode), eval batches
+        only read them. Unsharded (no mesh, or one device) only.
     """
 
     def __init__(
@@ -84,6 +95,7 @@ class Model(nn.Module):
         seed: int = 0,
         capacity_ladder: Sequence[int] | None = None,
         input_dist: str = "all_gather",
+        managed_collision_modules=None,
     ):
         super().__init__()
         if not isinstance(dense, nn.Module):
@@ -93,7 +105,7 @@ class Model(nn.Module):
         self.capacity_ladder = tuple(DEFAULT_LADDER if capacity_ladder is None else capacity_ladder)
         module = _build_sparse(
             tables, is_weighted=is_weighted, mesh=mesh, plan=plan, ladder=self.capacity_ladder,
-            input_dist=input_dist,
+            input_dist=input_dist, managed_collision_modules=managed_collision_modules,
         )
         rule = DEFAULT_SPARSE_OPTIMIZER if sparse_optimizer is None else sparse_optimizer
         self._tables = SparseTables(module, rule, jax.random.key(seed), device=mesh_device(mesh))
@@ -150,6 +162,12 @@ class Model(nn.Module):
         collective that must not overlap JAX's work calls this first."""
         jax.block_until_ready((self._tables.params, self._tables.opt_state))
 
+    def managed_collision_stats(self) -> dict[str, jax.Array]:
+        """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
+        ids evicted so far)}; empty without managed tables. Read them when you log."""
+        module = self._tables.module
+        return module.stats() if isinstance(module, ManagedCollisionSparseModule) else {}
+
     def compile_counts(self) -> dict[str, int]:
         """Programs the sparse lookup and update have compiled (steady training: constant)."""
         return self._tables.compile_counts()
@@ -167,7 +185,7 @@ class Model(nn.Module):
         while step i computes."""
         if isinstance(sparse, PreparedBatch):
             return sparse
-        return self._tables.prepare(as_host_kjt(sparse))
+        return self._tables.prepare(as_host_kjt(sparse), training=self.training)
 
     def forward(self, dense_features: torch.Tensor, sparse) -> torch.Tensor:
         """`dense(dense_features, pooled embeddings)`; `sparse` is any form in the class

@@ -14,7 +14,14 @@ import jax
 import numpy as np
 import torch
 
-from sparse_jax import KeyedJaggedTensor, KeyedTensor, PreparedBatch, SparseModule, make_update
+from sparse_jax import (
+    KeyedJaggedTensor,
+    KeyedTensor,
+    ManagedCollisionSparseModule,
+    PreparedBatch,
+    SparseModule,
+    make_update,
+)
 from sparse_jax.optim import RowRule, SparseOptState
 
 __all__ = ["SparseTables"]
@@ -105,12 +112,18 @@ class SparseTables:
 
         self._opt_state = jax.tree.map(place, state, current)
 
-    def prepare(self, kjt: KeyedJaggedTensor) -> PreparedBatch:
-        """The batch checked, padded, split and placed on the tables' devices, once."""
+    def prepare(self, kjt: KeyedJaggedTensor, *, training: bool = True) -> PreparedBatch:
+        """The batch checked, padded, split and placed on the tables' devices, once (a
+        managed-collision module also remaps its raw ids: `training` advances its id maps)."""
+        if isinstance(self.module, ManagedCollisionSparseModule):
+            return self.module.prepare(kjt, device=self.device, training=training)
         return self.module.prepare(kjt, device=self.device)
 
     def lookup(self, batch: PreparedBatch) -> KeyedTensor:
-        """Pooled embeddings of a prepared batch (JAX KeyedTensor)."""
+        """Pooled embeddings of a prepared batch (JAX KeyedTensor). A managed-collision
+        batch first resets the rows its id maps gave to new ids (once per batch)."""
+        if isinstance(self.module, ManagedCollisionSparseModule):
+            self._params, self._opt_state = self.module.reset_evicted_rows(self._params, self._opt_state, batch)
         return self.module.apply(self._params, batch)
 
     def apply_gradient(self, batch: PreparedBatch, pooled_grad: jax.Array, ok=None) -> None:

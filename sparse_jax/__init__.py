@@ -17,6 +17,7 @@ from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds, hashed_slots
 from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
+from sparse_jax._mc_module import ManagedBatch, ManagedCollisionSparseModule
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
 from sparse_jax._quant import (
     WEIGHT_TYPES,
@@ -40,7 +41,9 @@ __all__ = [
     "KeyedJaggedTensor",
     "KeyedTensor",
     "MCHManagedCollisionModule",
+    "ManagedBatch",
     "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionSparseModule",
     "MCHState",
     "PaddedBatch",
     "RawIds",
@@ -52,6 +55,7 @@ __all__ = [
     "PoolingType",
     "capacity_for",
     "dequantize_rows",
+    "hashed_slots",
     "jt_is_equal",
     "kjt_is_equal",
     "length_cap",

@@ -156,13 +156,14 @@ class BaseEmbeddingConfig:
     def get_weight_init_min(self) -> float:
         return self.weight_init_min
 
-    def initial_weights(self, key) -> np.ndarray | object:
-        """`[num_embeddings, embedding_dim]` fp32 starting rows: `init_fn(key, shape, float32)`,
-        else uniform in [weight_init_min, weight_init_max]."""
+    def initial_weights(self, key, rows: int | None = None) -> np.ndarray | object:
+        """`[rows, embedding_dim]` fp32 starting rows (`rows` defaults to the whole table):
+        `init_fn(key, shape, float32)`, else uniform in [weight_init_min, weight_init_max].
+        A managed-collision table draws fresh rows for its evicted slots with `rows=k`."""
         import jax
         import jax.numpy as jnp
 
-        shape = (self.num_embeddings, self.embedding_dim)
+        shape = (self.num_embeddings if rows is None else rows, self.embedding_dim)
         if self.init_fn is None:
             return jax.random.uniform(key, shape, jnp.float32, self.weight_init_min, self.weight_init_max)
         w = jnp.asarray(self.init_fn(key, shape, jnp.float32))

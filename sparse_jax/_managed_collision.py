@@ -172,9 +172,10 @@ class MCHManagedCollisionModule:
         call (reset their rows and optimizer state)."""
         n = ids.hi.shape[0]
         if n * self.eviction_interval > self.history_capacity:
-            raise ValueError(f"MCHManagedCollisionModule: {self.eviction_interval} batches of {n} ids may exceed "
-                             f"history_capacity={self.history_capacity}; give history_capacity >= ids per batch * "
-                             "eviction_interval (nothing a window holds is ever dropped)")
+            raise ValueError(f"MCHManagedCollisionModule: {self.eviction_interval} batches of {n} id positions (padding "
+                             f"to the capacity rung included) may exceed history_capacity={self.history_capacity}; "
+                             "give history_capacity >= positions per batch * eviction_interval (nothing a window "
+                             "holds is ever dropped)")
         valid = jnp.ones(n, bool) if valid is None else valid
         step = state.step + 1
         # pack this batch's valid ids behind the window's used entries

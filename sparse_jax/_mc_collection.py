@@ -93,7 +93,7 @@ class ManagedCollisionEmbeddingBagCollection:
             k = min(module.zch_size, module.history_capacity)
             (slot,) = jnp.nonzero(mask, size=k, fill_value=module.zch_size)
             rows = jnp.where(slot < module.zch_size, offset + slot, buffer_rows)  # fill: dropped
-            fresh = _fresh_rows(config, jax.random.fold_in(key, i), k)
+            fresh = config.initial_weights(jax.random.fold_in(key, i), rows=k)
             params[group] = params[group].at[rows].set(fresh.astype(params[group].dtype), mode="drop")
             leaves = tables.get(group)
             if isinstance(leaves, Mapping):
@@ -101,9 +101,3 @@ class ManagedCollisionEmbeddingBagCollection:
                                      else leaf) for n, leaf in leaves.items()}
         return params, opt_state._replace(tables=tables)
 
-
-def _fresh_rows(config, key, k: int) -> jax.Array:
-    shape = (k, config.embedding_dim)
-    if config.init_fn is None:
-        return jax.random.uniform(key, shape, jnp.float32, config.weight_init_min, config.weight_init_max)
-    return jnp.asarray(config.init_fn(key, shape, jnp.float32), jnp.float32)

@@ -106,8 +106,9 @@ def test_settings_are_checked():
             MCHManagedCollisionModule(**{"zch_size": 4, "history_capacity": 4, **kwargs})
     mc = MCHManagedCollisionModule(4, history_capacity=5, eviction_interval=2)
     with pytest.raises(ValueError, match="^" + re.escape(
-            f"{name}: 2 batches of 3 ids may exceed history_capacity=5; give history_capacity >= ids per batch * "
-            "eviction_interval (nothing a window holds is ever dropped)") + "$"):
+            f"{name}: 2 batches of 3 id positions (padding to the capacity rung included) may exceed "
+            "history_capacity=5; give history_capacity >= positions per batch * eviction_interval (nothing a window "
+            "holds is ever dropped)") + "$"):
         mc.profile(mc.init(), RawIds.from_int64(np.array([1, 2, 3])))
 
 

@@ -8,6 +8,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
+[[ $PY == /* ]] || PY=$ROOT/$PY  # make passes a relative path; the run cds into its work dir
 MUTMUT=${MUTMUT:-$(dirname "$PY")/mutmut}
 module=$1; shift
 tests=(); while [[ $# -gt 0 && $1 != -- ]]; do tests+=("$1"); shift; done

@@ -1,0 +1,160 @@
+"""Managed-collision tables in `hybrid.Model`: raw 64-bit ids in, trained exactly as a plain
+model fed the oracle's slots and reset the oracle's evicted rows (tests/reference.py)."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import dense_torch
+import hybrid
+from sparse_jax import EmbeddingBagConfig, MCHManagedCollisionModule
+from sparse_jax.optim import adagrad, rowwise_adagrad
+from tests.reference import ManagedCollisionLoop
+
+Z, ITEMS, DIM = 6, 10, 4
+
+
+def _zeros(key, shape, dtype):  # noqa: ARG001: fresh rows known to the test
+    return jax.numpy.zeros(shape, dtype)
+
+
+def _tables():
+    return [EmbeddingBagConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"],
+                               init_fn=_zeros),
+            EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
+
+
+def _dense(seed):
+    torch.manual_seed(seed)
+    return dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1])
+
+
+def _batches(steps, seed=0, batch=4):
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(-(2**62), 2**62, size=15)
+    for _ in range(steps):
+        users = [pool[rng.integers(0, 15, rng.integers(0, 3))] for _ in range(batch)]
+        items = [rng.integers(0, ITEMS, rng.integers(1, 3)) for _ in range(batch)]
+        dense = torch.from_numpy(rng.normal(size=(batch, 3)).astype(np.float32))
+        labels = torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32))
+        yield users, items, dense, labels
+
+
+def _kjt(users, items, user_values):
+    lengths = torch.tensor([len(b) for b in users] + [len(b) for b in items], dtype=torch.int32)
+    values = torch.cat([torch.as_tensor(np.asarray(user_values, np.int64)),
+                        torch.from_numpy(np.concatenate(items).astype(np.int64))])
+    return ("user", "item"), values, lengths
+
+
+def _step(model, opt, sparse, dense, labels):
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(-1), labels)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+@pytest.mark.parametrize("rule", [rowwise_adagrad(lr=0.3), adagrad(lr=0.3)], ids=["rowwise_adagrad", "adagrad"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_managed_table_trains_as_a_plain_table_fed_the_oracles_slots_and_resets(policy, rule):
+    module = MCHManagedCollisionModule(Z, history_capacity=128, eviction_policy=policy)
+    managed = hybrid.Model(_tables(), _dense(0), sparse_optimizer=rule, managed_collision_modules={"users": module})
+    plain = hybrid.Model(_tables(), _dense(0), sparse_optimizer=rule)
+    plain.load_state_dict(managed.state_dict())
+    opts = [torch.optim.SGD(m.dense_parameters(), lr=0.2) for m in (managed, plain)]
+    oracle = ManagedCollisionLoop(Z, policy)
+    resets = 0
+    for users, items, dense, labels in _batches(30):
+        raw = [int(i) for b in users for i in b]
+        evicted = oracle.profile(raw)
+        if evicted:  # what the managed model must do on its own: fresh (zero) rows, zero state
+            resets += 1
+            rows = sorted(evicted)
+            weights = plain.table_weights()["users"].clone()
+            weights[rows] = 0
+            plain.load_state_dict({"embedding_bags.users.weight": weights}, strict=False)
+            state = plain.sparse_opt_state
+            group, offset = plain.sparse_module.layout.table_group["users"]
+            tables = {g: {k: (np.asarray(v).copy()) for k, v in leaves.items()} for g, leaves in state.tables.items()}
+            for leaf in tables[group].values():
+                leaf[offset + np.array(rows)] = 0
+            plain.load_sparse_opt_state(state._replace(tables=tables))
+        want = _step(plain, opts[1], _kjt(users, items, oracle.remap(raw)), dense, labels)
+        got = _step(managed, opts[0], _kjt(users, items, raw), dense, labels)
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert resets >= 3
+    for name, w in plain.table_weights().items():
+        np.testing.assert_allclose(managed.table_weights()[name].numpy(), w.numpy(), rtol=1e-6, atol=1e-7,
+                                   err_msg=name)
+    occupancy, admitted, displaced = np.asarray(managed.managed_collision_stats()["users"]).tolist()
+    assert occupancy == sum(e["raw"] is not None for e in oracle.entries) == Z - 1
+    assert admitted > Z - 1 and displaced == admitted - (Z - 1)
+
+
+def test_eval_reads_the_id_maps_and_leaves_tables_and_maps_as_they_were():
+    module = MCHManagedCollisionModule(Z, history_capacity=128)
+    model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
+    opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+    batches = list(_batches(3))
+    for users, items, dense, labels in batches:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    before = {k: v.clone() for k, v in model.table_weights().items()}
+    stats = np.asarray(model.managed_collision_stats()["users"]).tolist()
+    model.eval()
+    users, items, dense, _ = batches[0]
+    unseen = [[2**62 + 1], [], [5], [-(2**63)]]
+    with torch.no_grad():
+        seen = model(dense, _kjt(users, items, [int(i) for b in users for i in b]))
+        fresh = model(dense, _kjt(unseen, items, [2**62 + 1, 5, -(2**63)]))
+    assert seen.shape == fresh.shape == (4, 1)
+    assert np.asarray(model.managed_collision_stats()["users"]).tolist() == stats
+    for name, w in model.table_weights().items():
+        torch.testing.assert_close(w, before[name], rtol=0, atol=0)
+
+
+def test_raw_ids_of_an_unmanaged_table_and_a_sharded_mesh_are_refused():
+    module = MCHManagedCollisionModule(Z, history_capacity=128)
+    model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
+    keys, values, lengths = _kjt([[1]], [np.array([2**40])], [1])
+    with pytest.raises(ValueError, match=r"^id 1099511627776 at feature 'item', batch position 0, index 0 in the bag "
+                                         r"is a raw 64-bit id but its table has no managed-collision module; give the "
+                                         r"table one "
+                                         r"\(managed_collision_modules\) or map its ids into the table's rows$"):
+        model(torch.zeros(1, 3), (keys, values, lengths))
+    with pytest.raises(ValueError, match=r"^feature 'item' \(table 'items', num_embeddings=10\): id 10 at batch "
+                                         r"position 0, index 0 in the bag is outside \[0, 10\)"):
+        model(torch.zeros(1, 3), _kjt([[1]], [np.array([ITEMS])], [1]))
+    with pytest.raises(ValueError, match=r"^managed-collision tables \['users'\] are not built for a sharded mesh "
+                                         r"yet \(this mesh has 8 devices\)"):
+        hybrid.Model(_tables(), _dense(0), mesh=hybrid.make_mesh("model=8"),
+                     managed_collision_modules={"users": module})
+
+
+def test_the_pipelined_step_remaps_one_batch_ahead_and_trains_as_the_plain_loop():
+    """The pipeline prepares (profiles, remaps) batch i+1 while step i runs; batch i+1's
+    evicted rows are reset only at its own lookup, after step i's update."""
+    module = MCHManagedCollisionModule(Z, history_capacity=128, eviction_policy="lru")
+    batches = [(dense, _kjt(users, items, [int(i) for b in users for i in b]), labels)
+               for users, items, dense, labels in _batches(25, seed=4)]
+    loss_fn = lambda logits, labels: torch.nn.functional.binary_cross_entropy_with_logits(  # noqa: E731
+        logits.squeeze(-1), labels)
+    plain = hybrid.Model(_tables(), _dense(1), managed_collision_modules={"users": module}, seed=5)
+    piped = hybrid.Model(_tables(), _dense(1), managed_collision_modules={"users": module}, seed=5)
+    opt = torch.optim.SGD(plain.dense_parameters(), lr=0.2)
+    want = []
+    for dense, sparse, labels in batches:
+        want.append(_step(plain, opt, sparse, dense, labels))
+    pipeline = hybrid.TrainPipeline(piped, torch.optim.SGD(piped.dense_parameters(), lr=0.2), loss_fn)
+    it, got = iter(batches), []
+    while True:
+        try:
+            got.append(float(pipeline.progress(it).detach()))
+        except StopIteration:
+            break
+    pipeline.close()
+    assert got == want
+    for name, w in plain.table_weights().items():
+        torch.testing.assert_close(piped.table_weights()[name], w, rtol=0, atol=0)
+    assert np.asarray(piped.managed_collision_stats()["users"])[2] > 0  # resident ids were evicted
