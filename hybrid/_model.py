@@ -79,8 +79,9 @@ class Model(nn.Module):
         (TorchRec's name): those tables take raw 64-bit ids (int64 in a torch KJT, or
         `RawIds.words()` in a JAX one) and map them to their rows on the device, evicting by
         the module's policy; evicted rows restart from a fresh row and zero optimizer state.
-        Training batches advance the id maps (`model.prepare` in train mode), eval batches
-        only read them. Unsharded (no mesh, or one device) only.
+        A training forward (the one whose backward updates the tables) advances the id
+        maps, right before its lookup; eval only reads them. Unsharded (no mesh, or one
+        device) only.
     """
 
     def __init__(
@@ -185,7 +186,7 @@ class Model(nn.Module):
         while step i computes."""
         if isinstance(sparse, PreparedBatch):
             return sparse
-        return self._tables.prepare(as_host_kjt(sparse), training=self.training)
+        return self._tables.prepare(as_host_kjt(sparse))
 
     def forward(self, dense_features: torch.Tensor, sparse) -> torch.Tensor:
         """`dense(dense_features, pooled embeddings)`; `sparse` is any form in the class

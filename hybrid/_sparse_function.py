@@ -41,8 +41,10 @@ class SparseStep:
         self.applied = False
         self.ok: torch.Tensor | None = None  # set by `Model.guard_update` (e.g. the loss is finite)
 
-    def forward(self) -> torch.Tensor:
-        pooled = self.tables.lookup(self.batch).values()
+    def forward(self, training: bool = False) -> torch.Tensor:
+        # a managed-collision batch comes back as its slot ids: the update runs on those
+        kt, self.batch = self.tables.lookup(self.batch, training=training)
+        pooled = kt.values()
         self.pooled_sharding = pooled.sharding
         return jax_to_torch(pooled)
 
@@ -64,7 +66,7 @@ class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, step: SparseStep) -> torch.Tensor:  # noqa: ARG004
         ctx.step = step
-        return step.forward()
+        return step.forward(training=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -17,6 +17,7 @@ import torch
 from sparse_jax import (
     KeyedJaggedTensor,
     KeyedTensor,
+    ManagedBatch,
     ManagedCollisionSparseModule,
     PreparedBatch,
     SparseModule,
@@ -112,19 +113,21 @@ class SparseTables:
 
         self._opt_state = jax.tree.map(place, state, current)
 
-    def prepare(self, kjt: KeyedJaggedTensor, *, training: bool = True) -> PreparedBatch:
-        """The batch checked, padded, split and placed on the tables' devices, once (a
-        managed-collision module also remaps its raw ids: `training` advances its id maps)."""
-        if isinstance(self.module, ManagedCollisionSparseModule):
-            return self.module.prepare(kjt, device=self.device, training=training)
+    def prepare(self, kjt: KeyedJaggedTensor) -> PreparedBatch:
+        """The batch checked, padded, split and placed on the tables' devices, once."""
         return self.module.prepare(kjt, device=self.device)
 
-    def lookup(self, batch: PreparedBatch) -> KeyedTensor:
-        """Pooled embeddings of a prepared batch (JAX KeyedTensor). A managed-collision
-        batch first resets the rows its id maps gave to new ids (once per batch)."""
-        if isinstance(self.module, ManagedCollisionSparseModule):
-            self._params, self._opt_state = self.module.reset_evicted_rows(self._params, self._opt_state, batch)
-        return self.module.apply(self._params, batch)
+    def lookup(self, batch: PreparedBatch, *, training: bool = False) -> tuple[KeyedTensor, PreparedBatch]:
+        """(pooled embeddings (JAX KeyedTensor), the batch the update takes). A
+        managed-collision batch is remapped first: in training its id maps advance and the
+        rows they gave to new ids are reset (donated tables and state), in eval it is only
+        read; the update then takes the slot ids."""
+        if isinstance(self.module, ManagedCollisionSparseModule) and isinstance(batch, ManagedBatch):
+            if training:
+                self._params, self._opt_state, batch = self.module.remap(self._params, self._opt_state, batch)
+            else:
+                batch = self.module.remap_eval(batch)
+        return self.module.apply(self._params, batch), batch
 
     def apply_gradient(self, batch: PreparedBatch, pooled_grad: jax.Array, ok=None) -> None:
         """One fused update on the forward's prepared batch; the old params and state are

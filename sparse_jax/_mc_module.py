@@ -2,14 +2,15 @@
 form a trainer (`hybrid.Model`, `hybrid.TrainPipeline`) drives.
 
 It holds the id maps (one `MCHState` per managed table) on the device, as TorchRec's
-managed-collision modules hold theirs as buffers, and advances them in `prepare`: the
-batch's raw id words are placed next to the collection's prepared batch and one jitted
-program profiles (training) and remaps them into slot ids. So the remapping runs where
-TorchRec's sharded MC-EBC runs it (in the input stage a pipeline runs one batch ahead),
-on the device, and no device value is read on the host. The prepared batch carries the
-slots each table gave to new ids; the trainer resets those rows and their optimizer
-state (`reset_evicted_rows`) right before that batch's lookup, after the previous
-batch's update, so an id evicted and seen again starts from a fresh row.
+managed-collision modules hold theirs as buffers. `prepare` does the host work once per
+batch (checks, padding, placement: what a pipeline runs one batch ahead): the raw ids are
+placed as words beside the collection's prepared batch, whose managed positions hold a
+placeholder. `remap` then runs in the step, right before the lookup, as one jitted
+program: for a training batch it profiles the ids (the id maps advance), maps them to
+slots, and resets the rows the maps gave to new ids (fresh rows, zero optimizer state,
+donated buffers), so an id evicted and seen again starts over; for an eval batch it only
+maps. The id maps therefore always match the batches whose steps ran (a checkpoint taken
+between steps holds them exactly), and no device value is read on the host.
 
 Per table, device counters (`stats()`: occupancy, admissions and evictions so far) are
 updated in the same program; a log reads them when it logs, never per step.
@@ -40,12 +41,13 @@ __all__ = ["ManagedBatch", "ManagedCollisionSparseModule"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ManagedBatch(PreparedBatch):
-    """A managed collection's prepared batch: slot ids in `padded` (the collection's own
-    prepared batch), and per managed table the bool[zch_size] mask of slots this batch's
-    profile gave to new ids (None when it was prepared for eval: nothing changed)."""
+    """A managed collection's prepared batch, before `remap`: the collection's own prepared
+    batch (`padded`, a placeholder where ids are managed), the raw ids as `[capacity, 2]`
+    int32 words, and per position the index of its managed table (-1: not managed)."""
 
     padded: PaddedBatch
-    evicted: dict[str, jax.Array] | None
+    words: jax.Array
+    table_index: jax.Array
 
     @property
     def stride(self) -> int:
@@ -75,10 +77,12 @@ class ManagedCollisionSparseModule(LayoutFacts):
     """`mc` (a `ManagedCollisionEmbeddingBagCollection` over an unsharded
     `EmbeddingBagCollection`) with its id maps, as a `SparseModule`.
 
-    `prepare(kjt, training=True)` takes a KJT whose values are `[N, 2]` int32 raw id words
-    (`RawIds.words()`; `hybrid` converts int64 ids itself); an unmanaged feature's ids are
-    checked against its table as usual, a managed feature's ids may be any int64 except
-    `2**63 - 1`.
+    One step: `batch = prepare(kjt)` (host work, may run ahead), then `params, opt_state,
+    slots = remap(params, opt_state, batch)` (training) or `slots = remap_eval(batch)`,
+    then the collection's lookup and fused update on `slots`. `prepare` takes raw ids as
+    `[N]` integers (int64, as a TorchRec KJT carries them) or `[N, 2]` int32 words
+    (`RawIds.words()`, for a JAX KJT with x64 off); an unmanaged feature's ids are checked
+    against its table as usual, a managed feature's may be any int64 but `2**63 - 1`.
     """
 
     plan = None
@@ -91,14 +95,12 @@ class ManagedCollisionSparseModule(LayoutFacts):
         self.mc, self.ebc = mc, mc.ebc
         self.layout = mc.ebc.layout
         self.prepare_count = 0
-        self._unreset: dict[int, dict] = {}  # training batches whose evicted rows are not reset yet
         self._managed_features = {f for f, t in mc._feature_table.items() if t in mc.modules}
         self.mc_state: dict[str, MCHState] = mc.init_state()
         self._counters = {name: jnp.zeros(3, jnp.int32) for name in mc.modules}
         self._key = jax.random.key(0)
-        self._remap_train = jax.jit(self._remap_program(training=True), donate_argnums=(0, 1))
+        self._remap_train = jax.jit(self._remap_program(training=True), donate_argnums=(0, 1, 2, 3, 4))
         self._remap_eval = jax.jit(self._remap_program(training=False))
-        self._reset = jax.jit(self._reset_program, donate_argnums=(0, 1, 3))
 
     # -- the contract, delegated ----------------------------------------------------------------
     def init(self, key: jax.Array) -> dict[str, jax.Array]:
@@ -110,12 +112,17 @@ class ManagedCollisionSparseModule(LayoutFacts):
         return self.ebc.init(key)
 
     def apply(self, params, batch):
-        if not isinstance(batch, ManagedBatch):
-            batch = self.prepare(batch, training=False)
-        return self.ebc.apply(params, batch.padded)
+        """The forward on slot ids (`remap`'s batch); a raw KJT or a `ManagedBatch` is
+        mapped read-only first (as eval: the id maps do not change)."""
+        if not isinstance(batch, PaddedBatch):
+            batch = self.remap_eval(batch if isinstance(batch, ManagedBatch) else self.prepare(batch))
+        return self.ebc.apply(params, batch)
 
-    def update_operands(self, batch: ManagedBatch, grad):
-        return self.ebc.update_operands(batch.padded, grad)
+    def update_operands(self, batch: PaddedBatch, grad):
+        if not isinstance(batch, PaddedBatch):
+            raise TypeError("the fused update of a managed-collision module runs on the slot ids its training "
+                            f"remap returned (a PaddedBatch), got {type(batch).__name__}")
+        return self.ebc.update_operands(batch, grad)
 
     def update_step(self, rule):
         return self.ebc.update_step(rule)
@@ -137,11 +144,10 @@ class ManagedCollisionSparseModule(LayoutFacts):
         return sorted(self.mc.modules)
 
     # -- the batch ------------------------------------------------------------------------------
-    def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None,
-                training: bool = True) -> ManagedBatch:
-        """Check `kjt` (raw id words) on the host, prepare the collection's batch with
-        placeholder ids where ids are managed, place the words beside it and remap them on
-        the device (profiling them first when `training`: the id maps advance)."""
+    def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> ManagedBatch:
+        """Check `kjt` on the host (raw ids as int64 or words; unmanaged features' ids
+        against their tables), prepare the collection's batch with a placeholder where ids
+        are managed, and place the raw id words beside it. Reads no id map."""
         host = host_kjt(kjt)
         if host.variable_stride_per_key():
             raise ValueError("a managed-collision batch needs one stride for every key; expand the KJT first "
@@ -172,15 +178,31 @@ class ManagedCollisionSparseModule(LayoutFacts):
         table_index[:n] = np.where(managed, feature_table[key_of] if n else 0, -1)
         padded_words = np.zeros((capacity, 2), np.int32)
         padded_words[:n] = RawIds.from_int64(np.where(managed, raw, 0)).words()
-        placed = jax.device_put((padded_words, table_index), device)
-        if training:
-            self.mc_state, self._counters, values, evicted = self._remap_train(
-                self.mc_state, self._counters, padded.kjt.values(), *placed)
-            self._unreset[id(evicted)] = evicted
-        else:
-            values, evicted = self._remap_eval(self.mc_state, padded.kjt.values(), *placed), None
+        words, table_index = jax.device_put((padded_words, table_index), device)
         self.prepare_count += 1
-        return ManagedBatch(PaddedBatch(padded.kjt._replace(values=values)), evicted)
+        return ManagedBatch(padded, words, table_index)
+
+    # -- in the step ----------------------------------------------------------------------------
+    def remap(self, params, opt_state, batch: ManagedBatch):
+        """A training batch's remap: `(params, opt_state, slot batch)`. The id maps profile
+        the batch and advance; the rows given to new ids are reset in the donated params
+        and optimizer state; the slot batch is what the lookup and the fused update take."""
+        self._check_batch(batch)
+        (params, opt_state, self.mc_state, self._counters, self._key, values) = self._remap_train(
+            params, opt_state, self.mc_state, self._counters, self._key, batch.padded.kjt.values(), batch.words,
+            batch.table_index)
+        return params, opt_state, PaddedBatch(batch.padded.kjt._replace(values=values))
+
+    def remap_eval(self, batch: ManagedBatch) -> PaddedBatch:
+        """An eval batch's slot ids (ids not resident read the default row); nothing changes."""
+        self._check_batch(batch)
+        values = self._remap_eval(self.mc_state, batch.padded.kjt.values(), batch.words, batch.table_index)
+        return PaddedBatch(batch.padded.kjt._replace(values=values))
+
+    @staticmethod
+    def _check_batch(batch) -> None:
+        if not isinstance(batch, ManagedBatch):
+            raise TypeError(f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}")
 
     def _remap_program(self, *, training: bool):
         tables = self.managed_tables
@@ -192,7 +214,7 @@ class ManagedCollisionSparseModule(LayoutFacts):
                 values = jnp.where(table_index == i, module.remap(state[name], ids), values)
             return values
 
-        def remap_train(state, counters, values, words, table_index):
+        def remap_train(params, opt_state, state, counters, key, values, words, table_index):
             ids = RawIds.from_words(words)
             state, counters, evicted = dict(state), dict(counters), {}
             for i, (name, module) in enumerate(zip(tables, modules, strict=True)):
@@ -203,25 +225,11 @@ class ManagedCollisionSparseModule(LayoutFacts):
                 displaced = jnp.sum((evicted[name] & before).astype(jnp.int32))
                 counters[name] = jnp.stack([occupancy, counters[name][1] + admitted, counters[name][2] + displaced])
                 values = jnp.where(table_index == i, module.remap(state[name], ids), values)
-            return state, counters, values, evicted
+            key, draw = jax.random.split(key)
+            params, opt_state = self.mc.reset_evicted(params, opt_state, evicted, draw)
+            return params, opt_state, state, counters, key, values
 
         return remap_train if training else remap_eval
-
-    # -- what the trainer calls around the lookup -------------------------------------------------
-    def _reset_program(self, params, opt_state, evicted, key):
-        key, draw = jax.random.split(key)
-        params, opt_state = self.mc.reset_evicted(params, opt_state, evicted, draw)
-        return params, opt_state, key
-
-    def reset_evicted_rows(self, params, opt_state, batch: ManagedBatch):
-        """(params, opt_state) with the rows of the slots `batch`'s profile gave to new ids
-        drawn afresh and their optimizer state zeroed (donated). Once per batch: a second
-        lookup of the same batch, or an eval batch, changes nothing. A training batch that is
-        prepared but never looked up leaves its new ids on their slots' old rows."""
-        if not isinstance(batch, ManagedBatch) or self._unreset.pop(id(batch.evicted), None) is None:
-            return params, opt_state  # an eval batch, or its rows were reset at its first lookup
-        params, opt_state, self._key = self._reset(params, opt_state, batch.evicted, self._key)
-        return params, opt_state
 
     def stats(self) -> dict[str, jax.Array]:
         """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
