@@ -7,7 +7,9 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
     [data]   source = "movielens" | "criteo" | "synthetic"; cache_dir; paths (criteo files);
              num_embeddings (criteo hash size / synthetic table size); max_rows;
              eval_fraction (criteo: last share of rows held out); num_samples,
-             num_eval_samples, num_sparse, num_dense (synthetic)
+             num_eval_samples, num_sparse, num_dense (synthetic); raw_ids (features read
+             as raw 64-bit ids, no vocabulary: movielens "user", "item", "zip", ...; criteo
+             "cat_0".."cat_25" or "*" for all; each needs a managed-collision table)
     [model]  arch = "DLRM" | "DLRM_DCN" | "two_tower"; embedding_dim; dense_arch_layer_sizes;
              over_arch_layer_sizes; dcn_num_layers; dcn_low_rank_dim; query_features,
              candidate_features, tower_layer_sizes (two_tower); data_type = "FP32" | "FP16"
@@ -29,6 +31,12 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              another run's checkpoints moves them aside into <dir>/.replaced-*/ instead of
              refusing); allow_config_change (--resume with a changed seed,
              train.batch_size or [data] instead of refusing: no longer exact)
+    [managed_collision] tables ({t_user = 512}: these tables take their ids through a
+             managed-collision module with that many rows: raw ids mapped to rows on the
+             device, evicting by eviction_policy = "lru" | "lfu" every eviction_interval
+             steps, admitting an id seen threshold times; history_capacity (ids a window
+             holds; 0: per table, its ids in a training batch rounded up to a power of two,
+             x eviction_interval))
     [log]    metrics_path (JSON lines; "" = none); every (steps); loss_window
 
 Tables come from the dataset: one `t_<feature>` per sparse feature with the feature's
@@ -61,6 +69,7 @@ class DataSection:
     num_eval_samples: int = 16_384
     num_sparse: int = 26
     num_dense: int = 13
+    raw_ids: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,6 +125,15 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ManagedCollisionSection:
+    tables: dict[str, int] = dataclasses.field(default_factory=dict)
+    eviction_policy: str = "lru"
+    eviction_interval: int = 1
+    threshold: int = 1
+    history_capacity: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LogSection:
     metrics_path: str = ""
     every: int = 50
@@ -135,6 +153,7 @@ class TrainConfig:
     )
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    managed_collision: ManagedCollisionSection = dataclasses.field(default_factory=ManagedCollisionSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
 
     def to_dict(self) -> dict:
@@ -148,6 +167,7 @@ _CHOICES = {
     "sparse_optimizer.name": ("rowwise_adagrad", "adagrad", "adam", "sgd"),
     "dense_optimizer.name": ("adam", "sgd"),
     "train.nonfinite": ("stop", "skip"),
+    "managed_collision.eviction_policy": ("lru", "lfu"),
 }
 _POSITIVE = {
     "model.embedding_dim",
@@ -165,6 +185,8 @@ _POSITIVE = {
     "data.num_dense",
     "model.dcn_num_layers",
     "model.dcn_low_rank_dim",
+    "managed_collision.eviction_interval",
+    "managed_collision.threshold",
 }
 _NON_NEGATIVE = {
     "seed",
@@ -173,6 +195,7 @@ _NON_NEGATIVE = {
     "train.max_nonfinite",
     "checkpoint.every",
     "data.max_rows",
+    "managed_collision.history_capacity",
 }
 
 

@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from hybrid._train_config import ConfigError, load_config
 from hybrid.data._criteo import CriteoFormatError
 
@@ -133,7 +135,14 @@ def _load_data(config):
 
     d = config.data
     if d.source == "movielens":
-        return data.load_movielens(d.cache_dir or None)
+        try:
+            return data.load_movielens(d.cache_dir or None, raw_ids=d.raw_ids)
+        except ValueError as e:
+            if "raw_ids" not in str(e):
+                raise
+            raise ConfigError(f"data.raw_ids: {e}") from None
+    if d.raw_ids and d.source == "synthetic":
+        raise ConfigError("data.raw_ids: the synthetic source has no raw ids; use movielens or criteo")
     if d.source == "synthetic":
         kwargs = dict(
             num_sparse=d.num_sparse, num_dense=d.num_dense, num_embeddings=d.num_embeddings
@@ -147,9 +156,14 @@ def _load_data(config):
     for path in d.paths:
         if not os.path.exists(path):
             raise ConfigError(f"data.paths: {path} does not exist")
-    whole = data.read_criteo_tsv(
-        d.paths, num_embeddings=d.num_embeddings, max_rows=d.max_rows or None
-    )
+    from hybrid.data._criteo import CRITEO_KEYS as keys
+
+    raw = set(keys) if "*" in d.raw_ids else set(d.raw_ids)
+    unknown = sorted(raw - set(keys))
+    if unknown:
+        raise ConfigError(f"data.raw_ids names {unknown}, not Criteo features (cat_0..cat_25, or \"*\" for all)")
+    sizes = [0 if key in raw else d.num_embeddings for key in keys]
+    whole = data.read_criteo_tsv(d.paths, num_embeddings=sizes, max_rows=d.max_rows or None)
     n_eval = int(round(d.eval_fraction * len(whole)))
     if not 0 < n_eval < len(whole):
         raise ConfigError(
@@ -232,6 +246,40 @@ def _ladder(config, train, evaluation) -> list[int]:
     return sorted({config.train.batch_size * per_sample, config.train.eval_batch_size * per_sample})
 
 
+def _managed_collision(config, train, evaluation) -> dict:
+    """{table: MCHManagedCollisionModule} of [managed_collision]; every raw-id feature's
+    table must be one."""
+    from sparse_jax import MCHManagedCollisionModule
+
+    mc = config.managed_collision
+    names = {f"t_{key}" for key in train.keys}
+    unknown = sorted(set(mc.tables) - names)
+    if unknown:
+        raise ConfigError(f"managed_collision.tables names {unknown}, not tables of this dataset ({sorted(names)})")
+    unmanaged = [f"t_{key}" for key in train.raw_keys if f"t_{key}" not in mc.tables]
+    if unmanaged:
+        raise ConfigError(
+            f"data.raw_ids: tables {unmanaged} get raw 64-bit ids but have no managed-collision module; give "
+            f"each its rows in [managed_collision] tables (e.g. {unmanaged[0]} = 1024)"
+        )
+    longest = dict(zip(train.keys, (max(a, b) for a, b in zip(train.max_lengths(), evaluation.max_lengths(),
+                                                                strict=True)), strict=True))
+
+    def history(name: str) -> int:  # a window holds eviction_interval batches of the table's id capacity
+        if mc.history_capacity:
+            return mc.history_capacity
+        ids = config.train.batch_size * longest[name[2:]]
+        return max(8, 1 << (ids - 1).bit_length()) * mc.eviction_interval  # the module's power-of-two capacity
+
+    try:
+        return {name: MCHManagedCollisionModule(rows, history_capacity=history(name),
+                                                eviction_policy=mc.eviction_policy,
+                                                eviction_interval=mc.eviction_interval, threshold=mc.threshold)
+                for name, rows in sorted(mc.tables.items())}
+    except ValueError as e:
+        raise ConfigError(f"[managed_collision]: {e}") from None
+
+
 def build(config):
     """(model, dense optimizer, train data, eval data, devices) for `config` (no training)."""
     import torch
@@ -255,10 +303,11 @@ def build(config):
         raise ConfigError(
             f"train.batch_size = {t.batch_size} exceeds the {len(train)} training samples"
         )
+    managed = _managed_collision(config, train, evaluation)
     tables = [
         EmbeddingBagConfig(
             name=f"t_{key}",
-            num_embeddings=n,
+            num_embeddings=managed[f"t_{key}"].zch_size if f"t_{key}" in managed else n,
             embedding_dim=config.model.embedding_dim,
             feature_names=[key],
             data_type=config.model.data_type,
@@ -285,6 +334,7 @@ def build(config):
             sparse_optimizer=_sparse_rule(config),
             seed=config.seed,
             capacity_ladder=_ladder(config, train, evaluation),
+            managed_collision_modules=managed or None,
         )
     except ValueError as e:
         raise ConfigError(f"train.sharding / train.mesh: {e}") from None
@@ -536,16 +586,21 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                 now = time.perf_counter()
                 rate = n_last / max(now - t_last, 1e-9)
                 t_last, n_last = now, 0
-                log.write(
-                    {
-                        "kind": "train",
-                        "step": done,
-                        "loss": value,
-                        "loss_window": tracker.windowed,
-                        "loss_lifetime": tracker.lifetime,
-                        "samples_per_s": rate,
+                record = {
+                    "kind": "train",
+                    "step": done,
+                    "loss": value,
+                    "loss_window": tracker.windowed,
+                    "loss_lifetime": tracker.lifetime,
+                    "samples_per_s": rate,
+                }
+                managed = model.managed_collision_stats()  # device counters, read at log time only
+                if managed:
+                    record["managed_collision"] = {
+                        table: dict(zip(("occupancy", "admissions", "evictions"), np.asarray(c).tolist(), strict=True))
+                        for table, c in managed.items()
                     }
-                )
+                log.write(record)
                 bar.set_postfix(loss=f"{tracker.windowed:.4f}", samples_per_s=f"{rate:.0f}")
                 if bar.disable:
                     echo(

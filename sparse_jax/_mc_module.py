@@ -42,12 +42,14 @@ __all__ = ["ManagedBatch", "ManagedCollisionSparseModule"]
 @dataclasses.dataclass(frozen=True)
 class ManagedBatch(PreparedBatch):
     """A managed collection's prepared batch, before `remap`: the collection's own prepared
-    batch (`padded`, a placeholder where ids are managed), the raw ids as `[capacity, 2]`
-    int32 words, and per position the index of its managed table (-1: not managed)."""
+    batch (`padded`, a placeholder where ids are managed) and per managed table its raw
+    ids as `[cap, 2]` int32 words with their positions in `padded`'s values (`cap`: the
+    table's own capacity, a power of two that never shrinks; padding positions point past
+    the values and are dropped)."""
 
     padded: PaddedBatch
-    words: jax.Array
-    table_index: jax.Array
+    words: dict[str, jax.Array]
+    positions: dict[str, jax.Array]
 
     @property
     def stride(self) -> int:
@@ -96,6 +98,7 @@ class ManagedCollisionSparseModule(LayoutFacts):
         self.layout = mc.ebc.layout
         self.prepare_count = 0
         self._managed_features = {f for f, t in mc._feature_table.items() if t in mc.modules}
+        self._table_caps = {name: 0 for name in mc.modules}  # per managed table: id capacity, never shrinks
         self.mc_state: dict[str, MCHState] = mc.init_state()
         self._counters = {name: jnp.zeros(3, jnp.int32) for name in mc.modules}
         self._key = jax.random.key(0)
@@ -172,15 +175,19 @@ class ManagedCollisionSparseModule(LayoutFacts):
         ids = host._replace(values=plain.astype(np.int32))  # placeholder 0 where managed
         padded = self.ebc.prepare(ids, device=device)
         capacity = padded.kjt.values().shape[0]
-        table_index = np.full(capacity, -1, np.int32)
-        order = {name: i for i, name in enumerate(self.managed_tables)}
-        feature_table = np.array([order.get(self.mc._feature_table.get(k, ""), -1) for k in keys] or [-1], np.int32)
-        table_index[:n] = np.where(managed, feature_table[key_of] if n else 0, -1)
-        padded_words = np.zeros((capacity, 2), np.int32)
-        padded_words[:n] = RawIds.from_int64(np.where(managed, raw, 0)).words()
-        words, table_index = jax.device_put((padded_words, table_index), device)
+        owner = np.array([self.mc._feature_table.get(k, "") for k in keys] or [""], dtype=object)[key_of] if n else \
+            np.zeros(0, dtype=object)
+        words, positions = {}, {}
+        for name in self.managed_tables:
+            mine = np.flatnonzero(managed & (owner == name)).astype(np.int32)
+            cap = self._table_caps[name] = max(self._table_caps[name], 8, 1 << max(0, len(mine) - 1).bit_length())
+            positions[name] = np.full(cap, capacity, np.int32)
+            positions[name][: len(mine)] = mine
+            words[name] = np.zeros((cap, 2), np.int32)
+            words[name][: len(mine)] = RawIds.from_int64(raw[mine]).words()
+        words, positions = jax.device_put((words, positions), device)
         self.prepare_count += 1
-        return ManagedBatch(padded, words, table_index)
+        return ManagedBatch(padded, words, positions)
 
     # -- in the step ----------------------------------------------------------------------------
     def remap(self, params, opt_state, batch: ManagedBatch):
@@ -190,13 +197,13 @@ class ManagedCollisionSparseModule(LayoutFacts):
         self._check_batch(batch)
         (params, opt_state, self.mc_state, self._counters, self._key, values) = self._remap_train(
             params, opt_state, self.mc_state, self._counters, self._key, batch.padded.kjt.values(), batch.words,
-            batch.table_index)
+            batch.positions)
         return params, opt_state, PaddedBatch(batch.padded.kjt._replace(values=values))
 
     def remap_eval(self, batch: ManagedBatch) -> PaddedBatch:
         """An eval batch's slot ids (ids not resident read the default row); nothing changes."""
         self._check_batch(batch)
-        values = self._remap_eval(self.mc_state, batch.padded.kjt.values(), batch.words, batch.table_index)
+        values = self._remap_eval(self.mc_state, batch.padded.kjt.values(), batch.words, batch.positions)
         return PaddedBatch(batch.padded.kjt._replace(values=values))
 
     @staticmethod
@@ -208,23 +215,23 @@ class ManagedCollisionSparseModule(LayoutFacts):
         tables = self.managed_tables
         modules = [self.mc.modules[name] for name in tables]
 
-        def remap_eval(state, values, words, table_index):
-            ids = RawIds.from_words(words)
-            for i, (name, module) in enumerate(zip(tables, modules, strict=True)):
-                values = jnp.where(table_index == i, module.remap(state[name], ids), values)
+        def remap_eval(state, values, words, positions):
+            for name, module in zip(tables, modules, strict=True):
+                slots = module.remap(state[name], RawIds.from_words(words[name]))
+                values = values.at[positions[name]].set(slots, mode="drop")
             return values
 
-        def remap_train(params, opt_state, state, counters, key, values, words, table_index):
-            ids = RawIds.from_words(words)
+        def remap_train(params, opt_state, state, counters, key, values, words, positions):
             state, counters, evicted = dict(state), dict(counters), {}
-            for i, (name, module) in enumerate(zip(tables, modules, strict=True)):
+            for name, module in zip(tables, modules, strict=True):
+                ids, valid = RawIds.from_words(words[name]), positions[name] < values.shape[0]
                 before = _occupied(state[name], module.zch_size)
-                state[name], evicted[name] = module.profile(state[name], ids, valid=table_index == i)
+                state[name], evicted[name] = module.profile(state[name], ids, valid=valid)
                 occupancy = jnp.sum(_occupied(state[name], module.zch_size).astype(jnp.int32))
                 admitted = jnp.sum(evicted[name].astype(jnp.int32))
                 displaced = jnp.sum((evicted[name] & before).astype(jnp.int32))
                 counters[name] = jnp.stack([occupancy, counters[name][1] + admitted, counters[name][2] + displaced])
-                values = jnp.where(table_index == i, module.remap(state[name], ids), values)
+                values = values.at[positions[name]].set(module.remap(state[name], ids), mode="drop")
             key, draw = jax.random.split(key)
             params, opt_state = self.mc.reset_evicted(params, opt_state, evicted, draw)
             return params, opt_state, state, counters, key, values

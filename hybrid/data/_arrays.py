@@ -4,7 +4,9 @@ Every loader in `hybrid.data` produces one: dense features `[N, n_dense]` float3
 `[N]` float32 (0/1), and per sparse feature its ids (sample-major, all samples' bags one
 after another) and bag lengths. `rows(indices)` gathers any samples into a batch in the
 form `hybrid.Model` accepts: `(dense, (keys, values, lengths), labels)`, key-major values
-as TorchRec lays them out. `num_embeddings[f]` is the table size feature f needs.
+as TorchRec lays them out. `num_embeddings[f]` is the table size feature f needs; 0 marks
+a feature of raw 64-bit ids (any int64 but `2**63 - 1`, unbounded: its table needs a
+managed-collision module, see `hybrid.Model(managed_collision_modules=...)`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ class ClickData:
         for f, key in enumerate(self.keys):
             if int(self.lengths[f].sum()) != self.values[f].shape[0]:
                 raise ValueError(f"ClickData: feature {key!r} lengths do not sum to its id count")
-            if self.values[f].size and (
+            if self.num_embeddings[f] == 0:  # raw ids
+                if self.values[f].size and self.values[f].max() == np.iinfo(np.int64).max:
+                    raise ValueError(f"ClickData: feature {key!r} holds the raw id 2**63 - 1, which is reserved")
+            elif self.values[f].size and (
                 self.values[f].min() < 0 or self.values[f].max() >= self.num_embeddings[f]
             ):
                 raise ValueError(
@@ -53,6 +58,11 @@ class ClickData:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    @property
+    def raw_keys(self) -> tuple[str, ...]:
+        """The features of raw 64-bit ids (`num_embeddings` 0)."""
+        return tuple(k for k, n in zip(self.keys, self.num_embeddings, strict=True) if n == 0)
 
     @property
     def num_dense(self) -> int:

@@ -4,6 +4,9 @@ Each line: a 0/1 label, 13 integer counts (may be empty or negative), 26 categor
 values written as hex strings (may be empty). Dense features are `log(1 + max(x, 0))`
 (missing -> 0). Categorical feature f has a table of `num_embeddings[f]` rows: id 0 means
 missing, and a present value hashes to `1 + int(hex, 16) % (num_embeddings[f] - 1)`.
+`num_embeddings[f] = 0` keeps feature f's raw ids instead (no vocabulary, no hashing, for
+a managed-collision table): the hex value's 64 bits as an int64 (two's complement above
+`2**63 - 1`; that one value is reserved and refused), missing -> -1.
 
 Accepted field syntax (anything else is an error, never silently coerced):
 
@@ -100,13 +103,17 @@ def _lines(path: str | os.PathLike, f) -> Iterator[tuple[int, bytes]]:
         yield number, raw
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def _sizes(num_embeddings: int | Sequence[int]) -> tuple[int, ...]:
     sizes = (
         (num_embeddings,) * NUM_SPARSE if isinstance(num_embeddings, int) else tuple(num_embeddings)
     )
-    if len(sizes) != NUM_SPARSE or any(not isinstance(s, int) or s < 2 for s in sizes):
+    if len(sizes) != NUM_SPARSE or any(not isinstance(s, int) or (s < 2 and s != 0) for s in sizes):
         raise ValueError(
-            f"Criteo num_embeddings must be an integer >= 2 or {NUM_SPARSE} of them, got {num_embeddings!r}"
+            f"Criteo num_embeddings must be an integer >= 2 (or 0: raw ids) or {NUM_SPARSE} of them, got "
+            f"{num_embeddings!r}"
         )
     return sizes
 
@@ -134,9 +141,19 @@ def _parse(line: str, where: str, sizes: tuple[int, ...]):
     ids = []
     for i, text in enumerate(fields[1 + NUM_DENSE :]):
         if text == "":
-            ids.append(0)
+            ids.append(0 if sizes[i] else -1)
         elif _HEX.fullmatch(text):
-            ids.append(1 + int(text, 16) % (sizes[i] - 1))
+            value = int(text, 16)
+            if sizes[i]:
+                ids.append(1 + value % (sizes[i] - 1))
+            elif value == _INT64_MAX:
+                raise CriteoFormatError(
+                    f"{where}: categorical feature C{i + 1} is {text!r} (column {i + 2 + NUM_DENSE}): the raw id "
+                    "2**63 - 1 is reserved (it marks an empty slot of a managed-collision table); give the feature "
+                    "a hashed table (num_embeddings >= 2) instead"
+                )
+            else:
+                ids.append(value - (1 << 64) if value > _INT64_MAX else value)
         else:
             raise CriteoFormatError(
                 f"{where}: categorical feature C{i + 1} is {text!r} (column {i + 2 + NUM_DENSE}), "
