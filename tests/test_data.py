@@ -15,6 +15,7 @@ from hybrid.data import (
     read_criteo_tsv,
     synthetic_clicks,
 )
+from hybrid.data._criteo import CRITEO_KEYS
 
 
 def _tiny():
@@ -73,6 +74,34 @@ def test_criteo_tsv_plain_and_gzip(tmp_path):
         assert data.values[1][0] == 0  # missing -> id 0
     chunks = list(iter_criteo_tsv([plain, zipped], num_embeddings=1001, chunk_rows=3))
     assert [len(c) for c in chunks] == [3, 1]
+
+
+def test_criteo_raw_ids_keep_every_hex_bit_and_refuse_only_the_reserved_value(tmp_path):
+    cats = ["68fd1e64", "", "ffffffffffffffff", "8000000000000000", "7ffffffffffffffe", "0"] + ["a"] * 20
+    path = tmp_path / "day.tsv"
+    path.write_text(_criteo_line(1, ["1"] * 13, cats))
+    sizes = [0] * 6 + [100] * 20
+    data = read_criteo_tsv(path, num_embeddings=sizes)
+    assert [int(v[0]) for v in data.values[:6]] == [0x68FD1E64, -1, -1, -(2**63), 2**63 - 2, 0]
+    assert data.num_embeddings[:7] == (0, 0, 0, 0, 0, 0, 100) and data.raw_keys == CRITEO_KEYS[:6]
+    assert int(data.values[6][0]) == 1 + 0xA % 99  # a hashed feature beside them is unchanged
+    path.write_text(_criteo_line(1, ["1"] * 13, ["7fffffffffffffff"] + ["a"] * 25))
+    with pytest.raises(CriteoFormatError, match=r"day\.tsv, line 1: categorical feature C1 is '7fffffffffffffff' "
+                                                r"\(column 15\): the raw id 2\*\*63 - 1 is reserved"):
+        read_criteo_tsv(path, num_embeddings=sizes)
+    with pytest.raises(ValueError, match=r"integer >= 2 \(or 0: raw ids\)"):
+        read_criteo_tsv(path, num_embeddings=1)
+
+
+def test_movielens_raw_ids_are_distinct_64_bit_and_stable():
+    from hybrid.data._movielens import raw_id
+
+    index = np.arange(5000)
+    users, items = raw_id("user", index), raw_id("item", index)
+    assert users.dtype == np.int64 and len(set(users.tolist()) | set(items.tolist())) == 10_000
+    assert (users < 0).any() and (np.abs(users) > 2**40).mean() > 0.99  # spread over the 64 bits
+    np.testing.assert_array_equal(raw_id("user", index), users)
+    assert int(raw_id("user", np.array([7]))[0]) == int(users[7])
 
 
 @pytest.mark.parametrize(

@@ -216,3 +216,76 @@ def test_movielens_fp16_and_bf16_tables_reach_the_fp32_auc(tmp_path):
         auc[data_type] = train.run(config)["eval"]["auc"]
     print(f"MovieLens-100K eval AUC by table precision: {auc}")
     assert abs(auc["FP16"] - auc["FP32"]) <= 0.002 and abs(auc["BF16"] - auc["FP32"]) <= 0.002, auc
+
+
+def _raw_criteo_tsv(path, rows=640, seed=0):
+    """Criteo lines whose categories are 16-digit hex (raw 64-bit ids); the label follows C1."""
+    rng = np.random.default_rng(seed)
+    pool = [f"{int(v) * 2 + 1:016x}" for v in rng.integers(0, 2**63 - 1, 60, dtype=np.int64)]  # above 2**63 too
+    lines = []
+    for _ in range(rows):
+        picks = rng.integers(0, 60, 26)
+        label = int(picks[0] % 2 == 0) if rng.random() < 0.9 else int(rng.integers(0, 2))
+        lines.append("\t".join([str(label), *["1"] * 13, *(pool[p] for p in picks)]) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def test_criteo_raw_hex_ids_train_through_managed_tables_and_log_their_counters(tmp_path, capsys):
+    path = _raw_criteo_tsv(tmp_path / "day_0.tsv")
+    metrics = tmp_path / "m.jsonl"
+    tables = "{" + ", ".join(f"t_cat_{i} = 48" for i in range(26)) + "}"  # 60 ids seen, 47 rows each
+    code = train.main(["--config", "configs/criteo.toml", "--steps", "24", f"--set=data.paths=['{path}']",
+                       "--set=data.raw_ids=['*']", f"--set=managed_collision.tables={tables}",
+                       "--set=train.batch_size=64", "--set=train.eval_batch_size=64", "--set=train.eval_every=0",
+                       "--set=checkpoint.dir=''", f"--set=log.metrics_path='{metrics}'", "--set=log.every=8",
+                       "--set=train.mesh=''",
+                       "--set=sparse_optimizer.lr=0.2", "--set=dense_optimizer.lr=0.01"])
+    assert code == 0, capsys.readouterr()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    trains = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in trains] == [8, 16, 24]
+    counters = [r["managed_collision"]["t_cat_0"] for r in trains]
+    assert [c["occupancy"] for c in counters] == [47, 47, 47]  # every row but the default one in use
+    assert 0 < counters[0]["evictions"] < counters[-1]["evictions"] < counters[-1]["admissions"]
+    assert set(trains[0]["managed_collision"]) == {f"t_cat_{i}" for i in range(26)}
+    assert records[-1]["kind"] == "eval" and records[-1]["auc"] > 0.6
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data.raw_ids=['user']"], r"data.raw_ids: tables \['t_user'\] get raw 64-bit ids but have no managed-collision "
+                                r"module; give each its rows in \[managed_collision\] tables \(e.g. t_user = 1024\)"),
+    (["data.raw_ids=['users']"], r"data.raw_ids: load_movielens: raw_ids names \['users'\], not MovieLens features"),
+    (["managed_collision.tables={t_nope=8}"], r"managed_collision.tables names \['t_nope'\], not tables of this "
+                                              r"dataset"),
+    (["managed_collision.tables={t_user=1}"], r"\[managed_collision\]: MCHManagedCollisionModule: zch_size=1 must be "
+                                              r"an int >= 2"),
+    (["managed_collision.tables={t_user=64}", "train.mesh='data=8'"], r"managed-collision tables \['t_user'\] are "
+                                                                     r"not built for a sharded mesh yet"),
+    (["managed_collision.eviction_policy='fifo'"], r"managed_collision.eviction_policy = 'fifo'; choose one of "
+                                                   r"\['lru', 'lfu'\]"),
+])
+def test_managed_collision_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        train.build(load_config("configs/movielens.toml", overrides))
+
+
+def test_synthetic_data_has_no_raw_ids():
+    with pytest.raises(ConfigError, match=r"data.raw_ids: the synthetic source has no raw ids"):
+        train.build(load_config(None, [*SMALL, "data.raw_ids=['cat_0']"]))
+
+
+@pytest.mark.slow
+def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_auc(tmp_path):
+    """Issue #16's comparison: user, item and zip as raw 64-bit ids in managed tables of
+    about half their vocabularies (LRU) against the same model on vocabulary rows."""
+    auc, stats = {}, {}
+    for name in ("movielens", "movielens_raw_ids"):
+        metrics = tmp_path / f"{name}.jsonl"
+        config = load_config(f"configs/{name}.toml", [f"log.metrics_path='{metrics}'"])
+        auc[name] = train.run(config)["eval"]["auc"]
+        stats[name] = [json.loads(line) for line in metrics.read_text().splitlines()][-2].get("managed_collision")
+    print(f"MovieLens-100K eval AUC: vocabulary tables {auc['movielens']:.4f}, raw ids in managed tables "
+          f"{auc['movielens_raw_ids']:.4f}; {stats['movielens_raw_ids']}")
+    assert stats["movielens"] is None and stats["movielens_raw_ids"]["t_user"]["evictions"] > 1000
+    assert auc["movielens_raw_ids"] > auc["movielens"] - 0.03
