@@ -6,7 +6,9 @@ into place (atomic: a run killed mid-write leaves only a `.tmp-*` directory, ign
 - `tables.npz`: per table, in plan-independent form: `weight/<table>` `[rows, dim]`;
   each per-row optimizer state leaf `state/<table>/<leaf>` (`[rows, dim]`, elementwise
   rules) or `state/<table>/<leaf>/cols_<c0>_<cn>` (`[rows]`, one value per row of each
-  column block: row-wise Adagrad); `count`, the sparse optimizer's step count.
+  column block: row-wise Adagrad); `count`, the sparse optimizer's step count; for
+  managed-collision tables their id maps, counters and draw key (`mc/<table>/<field>`,
+  `mc_key`; see `_mc_checkpoint`).
 - `dense.pt`: the dense tower's and the torch optimizer's state dicts, torch's RNG state.
 - `meta.json`: step, the sparse rule's name, the mesh and plan written on, the run id, and
   whatever the caller adds (the training script: loss tracker, config).
@@ -57,6 +59,7 @@ import numpy as np
 import torch
 
 from hybrid._files import fsync_dir, publish_dir, sha256_file, write_atomic, write_fsynced
+from hybrid._mc_checkpoint import mc_state_arrays, restore_mc_state
 from sparse_jax.optim import SparseOptState
 
 __all__ = [
@@ -123,6 +126,7 @@ def sparse_state_arrays(model) -> dict[str, np.ndarray]:
                     r0 : r0 + rn, c0 : c0 + cn
                 ] = rows[:, :cn]
     out["count"] = np.asarray(opt_state.count)
+    out.update(mc_state_arrays(model))
     return out
 
 
@@ -151,6 +155,7 @@ def _row_values(arrays, table: str, leaf: str, c0: int, cn: int, where: str) -> 
 
 def _restore_sparse(model, arrays, where: str) -> None:
     module, opt_state = model.sparse_module, model.sparse_opt_state
+    restore_mc_state(model, arrays, where)  # first: refuses other managed tables before anything changes
     weights = {}
     for t in module.tables:
         key = f"weight/{t.name}"
@@ -490,9 +495,12 @@ def load_checkpoint(
 # -- preflight for the training script ----------------------------------------------------
 
 # config keys whose change makes the resumed run differ from an uninterrupted one
-_RESUME_KEYS = ("seed", "train.batch_size", "data.", "model.data_type", "sparse_optimizer.stochastic_rounding")
+_RESUME_KEYS = ("seed", "train.batch_size", "data.", "model.data_type", "sparse_optimizer.stochastic_rounding",
+                "managed_collision.")
 # keys added after checkpoints were first written: a stored config without them had these values
-_ADDED_DEFAULTS = {"model.data_type": "FP32", "sparse_optimizer.stochastic_rounding": True}
+_ADDED_DEFAULTS = {"model.data_type": "FP32", "sparse_optimizer.stochastic_rounding": True, "data.raw_ids": [],
+                   "managed_collision.eviction_policy": "lru", "managed_collision.eviction_interval": 1,
+                   "managed_collision.threshold": 1, "managed_collision.history_capacity": 0}
 
 
 @dataclasses.dataclass(frozen=True)
