@@ -30,6 +30,7 @@ crash leaves at most a hidden `.tmp-*` directory, never a partial artifact.
 
 from __future__ import annotations
 
+import io
 import os
 import pathlib
 from collections.abc import Sequence
@@ -50,10 +51,11 @@ from hybrid.serving._artifact import (
     FORMAT,
     FORMAT_VERSION,
     SPARSE_FILE,
+    id_map_file,
     table_file,
 )
 from hybrid.serving._request import RequestSpec, read_sparse
-from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, PoolingType
+from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, ManagedCollisionSparseModule, PoolingType
 
 __all__ = ["export"]
 
@@ -88,6 +90,7 @@ class _Source(NamedTuple):
     bounds_check: str
     ladder: tuple[int, ...]
     dense: nn.Module
+    id_maps: dict  # managed table -> (resident raw ids, their rows, default row): frozen for serving
 
 
 def _check_pooled(tables) -> None:
@@ -137,6 +140,7 @@ def _source(model) -> _Source:
             qebc.bounds_check,
             tuple(qebc.ladder or DEFAULT_LADDER),
             model.dense,
+            {},
         )
     if isinstance(model, Model):
         module = model.sparse_module
@@ -154,6 +158,7 @@ def _source(model) -> _Source:
             module.bounds_check,
             tuple(model.capacity_ladder),
             model.dense,
+            module.frozen_maps() if isinstance(module, ManagedCollisionSparseModule) else {},
         )
     raise TypeError(
         f"hybrid.export takes a hybrid.Model or hybrid.quantize(...)'s QuantizedModel, got {type(model).__name__}"
@@ -171,6 +176,7 @@ def _spec(
     tables_of: dict[str, list] = {f: [] for f in features}
     for o in source.outputs:
         tables_of[o.feature].append((o.table.name, o.table.num_embeddings))
+    id_maps = {o.feature: source.id_maps[o.table.name] for o in source.outputs if o.table.name in source.id_maps}
     return RequestSpec(
         tuple(features),
         {f: tuple(v) for f, v in tables_of.items()},
@@ -178,6 +184,7 @@ def _spec(
         source.bounds_check,
         max_batch,
         capacities,
+        id_maps,
     )
 
 
@@ -190,7 +197,7 @@ def _check_capacities(capacities) -> tuple[int, ...]:
     return caps
 
 
-def _table_entry(i: int, table: _Table, outputs: list[_Output]) -> dict[str, Any]:
+def _table_entry(i: int, table: _Table, outputs: list[_Output], id_map=None) -> dict[str, Any]:
     t = table.config
     return {
         "name": t.name,
@@ -205,6 +212,8 @@ def _table_entry(i: int, table: _Table, outputs: list[_Output]) -> dict[str, Any
         "pooling": t.pooling.value,
         "features": [o.feature for o in outputs if o.table.name == t.name],
         "file": table_file(i, t.name),
+        "managed_collision": None if id_map is None else {
+            "file": id_map_file(i, t.name), "resident": int(len(id_map[0])), "default_row": int(id_map[2])},
     }
 
 
@@ -264,7 +273,8 @@ def _manifest(
             }
             for o in source.outputs
         ],
-        "tables": [_table_entry(i, t, source.outputs) for i, t in enumerate(source.tables)],
+        "tables": [_table_entry(i, t, source.outputs, source.id_maps.get(t.config.name))
+                   for i, t in enumerate(source.tables)],
         "is_weighted": source.is_weighted,
         "bounds_check": source.bounds_check,
         "dense": dense,
@@ -358,6 +368,12 @@ def export(
         table_file(i, t.config.name): npy_bytes(stored_array(t.array))
         for i, t in enumerate(source.tables)
     }
+    for i, t in enumerate(source.tables):
+        if t.config.name in source.id_maps:
+            ids, rows, _ = source.id_maps[t.config.name]
+            buffer = io.BytesIO()
+            np.savez(buffer, ids=ids, rows=rows)
+            files[id_map_file(i, t.config.name)] = buffer.getvalue()
     files[SPARSE_FILE] = sparse_bytes
     files[DENSE_FILE] = dense_bytes
     dense_info = {

@@ -142,9 +142,29 @@ class ManagedCollisionSparseModule(LayoutFacts):
     def lookup_compile_count(self) -> int:
         return self.ebc.lookup_compile_count()
 
+    def is_weighted(self) -> bool:
+        return self.ebc.is_weighted()
+
+    @property
+    def bounds_check(self) -> str:
+        return self.ebc.bounds_check
+
     @property
     def managed_tables(self) -> list[str]:
         return sorted(self.mc.modules)
+
+    def frozen_maps(self) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+        """{managed table: (resident raw ids ascending as int64, the slot of each as int32,
+        the default slot)} on the host: the id map frozen, for serving (an id not in it
+        reads the default row)."""
+        out = {}
+        for name in self.managed_tables:
+            state, module = self.mc_state[name], self.mc.modules[name]
+            hi, lo, slots = (np.asarray(a) for a in (state.sorted_hi, state.sorted_lo, state.slots))
+            raw = (hi.astype(np.int64) << 32) | lo.astype(np.int64)
+            resident = raw != np.iinfo(np.int64).max
+            out[name] = (raw[resident], slots[resident].astype(np.int32), module.default_slot)
+        return out
 
     # -- the batch ------------------------------------------------------------------------------
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> ManagedBatch:

@@ -1,6 +1,9 @@
 """Managed-collision tables in `hybrid.Model`: raw 64-bit ids in, trained exactly as a plain
 model fed the oracle's slots and reset the oracle's evicted rows (tests/reference.py)."""
 
+import json
+import zipfile
+
 import jax
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ from tests.reference import ManagedCollisionLoop
 Z, ITEMS, DIM = 6, 10, 4
 
 
-def _zeros(key, shape, dtype):  # noqa: ARG001: fresh rows known to the test
+def _zeros(key, shape, dtype):  # noqa: ARG001 (fresh rows the test knows)
     return jax.numpy.zeros(shape, dtype)
 
 
@@ -158,3 +161,37 @@ def test_the_pipelined_step_remaps_one_batch_ahead_and_trains_as_the_plain_loop(
     for name, w in plain.table_weights().items():
         torch.testing.assert_close(piped.table_weights()[name], w, rtol=0, atol=0)
     assert np.asarray(piped.managed_collision_stats()["users"])[2] > 0  # resident ids were evicted
+
+
+def test_an_export_serves_raw_ids_through_the_frozen_map_as_eval_does(tmp_path):
+    """The exported artifact maps raw ids with the id map as it was at export (ids it does
+    not hold read the default row), and scores requests as the model in eval mode."""
+    module = MCHManagedCollisionModule(Z, history_capacity=128)
+    model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
+    opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+    batches = list(_batches(12, seed=2))
+    for users, items, dense, labels in batches:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    users, items, dense, _ = batches[-1]
+    users = [*users[:2], [2**62 + 1, int(users[0][0]) if len(users[0]) else 5], [-(2**63)]]  # unseen ids too
+    sparse = _kjt(users, items, [int(i) for b in users for i in b])
+    model.eval()
+    with torch.no_grad():
+        want = model(dense, sparse)
+    ids, rows, default = model.sparse_module.frozen_maps()["users"]
+    assert len(ids) == Z - 1 and sorted(rows.tolist()) == list(range(Z - 1)) and default == Z - 1
+    path = hybrid.export(model, tmp_path / "mc", example=(dense, sparse))
+    manifest = json.loads((path / "manifest.json").read_text())
+    entry = {t["name"]: t for t in manifest["tables"]}
+    assert entry["users"]["managed_collision"] == {"file": "id_maps/00_users.npz", "resident": Z - 1,
+                                                   "default_row": Z - 1}
+    assert entry["items"]["managed_collision"] is None
+    predictor = hybrid.serving.load(path)
+    torch.testing.assert_close(predictor(dense, sparse), want, rtol=1e-6, atol=1e-6)
+    pooled = predictor.pooled({"user": [[2**62 + 3]] * 4, "item": [[1]] * 4})
+    table = model.table_weights()["users"]
+    torch.testing.assert_close(pooled[:, :DIM], table[Z - 1].expand(4, DIM))  # unseen: the default row
+    with zipfile.ZipFile(path / "id_maps/00_users.npz", "a") as z:  # a changed map is refused by its checksum
+        z.writestr("extra.npy", b"")
+    with pytest.raises(hybrid.serving.ArtifactError, match=r"id_maps/00_users\.npz"):
+        hybrid.serving.load(path)

@@ -82,6 +82,12 @@ def table_file(index: int, name: str) -> str:
     return f"tables/{index:02d}_{_UNSAFE.sub('_', name)}.npy"
 
 
+def id_map_file(index: int, name: str) -> str:
+    """The path of managed table `index`'s frozen id map: an .npz of `ids` (resident raw ids,
+    ascending int64) and `rows` (the row of each, int32)."""
+    return f"id_maps/{index:02d}_{_UNSAFE.sub('_', name)}.npz"
+
+
 def _where(path: pathlib.Path) -> str:
     return f"serving artifact {str(path)!r}"
 

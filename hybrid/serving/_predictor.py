@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import zipfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,31 @@ from hybrid.serving._request import RequestSpec, read_sparse
 __all__ = ["Predictor", "load"]
 
 
-def _spec(manifest: dict[str, Any]) -> RequestSpec:
+def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+    """feature -> the frozen id map of its managed-collision table (none: {})."""
+    maps = {}
+    for entry in manifest["tables"]:
+        mc = entry.get("managed_collision")  # absent in artifacts written before managed collision
+        if mc is None:
+            continue
+        try:
+            with np.load(path / mc["file"], allow_pickle=False) as z:
+                ids, rows = z["ids"], z["rows"]
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            raise ArtifactError(f"{where}: {mc['file']} is unreadable ({type(e).__name__}: {e}); re-export the "
+                                "model") from None
+        rows_ok = rows.size == 0 or (rows.min() >= 0 and rows.max() < int(entry["num_embeddings"]))
+        if (ids.dtype != np.int64 or rows.dtype != np.int32 or ids.shape != rows.shape
+                or ids.shape != (int(mc["resident"]),) or not rows_ok or (np.diff(ids) <= 0).any()):
+            raise ArtifactError(f"{where}: {mc['file']} is not the id map the manifest describes for table "
+                                f"{entry['name']!r} ({mc['resident']} ascending int64 ids with int32 rows in "
+                                f"[0, {entry['num_embeddings']})); re-export the model")
+        for feature in entry["features"]:
+            maps[feature] = (ids, rows, int(mc["default_row"]))
+    return maps
+
+
+def _spec(manifest: dict[str, Any], id_maps=None) -> RequestSpec:
     tables_of: dict[str, list[tuple[str, int]]] = {f: [] for f in manifest["features"]}
     for t in manifest["tables"]:
         for f in t["features"]:
@@ -42,6 +67,7 @@ def _spec(manifest: dict[str, Any]) -> RequestSpec:
         bounds_check=manifest["bounds_check"],
         max_batch_size=int(accepts["max_batch_size"]),
         id_capacities=tuple(int(c) for c in accepts["id_capacities"]),
+        id_maps=id_maps,
     )
 
 
@@ -120,10 +146,11 @@ class Predictor:
         tables: Sequence[np.ndarray],
         exported: jax.export.Exported,
         dense: torch.nn.Module,
+        id_maps=None,
     ):
         self.path = path
         self.manifest = manifest
-        self._spec = _spec(manifest)
+        self._spec = _spec(manifest, id_maps)
         self._tables = [jax.device_put(t) for t in tables]
         self._lookup = jax.jit(exported.call)
         self._dense = dense
@@ -183,4 +210,5 @@ def load(path: str | os.PathLike) -> Predictor:
     verify_files(path, manifest)
     tables = [_load_table(path, where, entry) for entry in manifest["tables"]]
     exported = _load_sparse(path, where, tables, manifest)
-    return Predictor(path, manifest, tables, exported, _load_dense(path, where))
+    id_maps = _load_id_maps(path, where, manifest)
+    return Predictor(path, manifest, tables, exported, _load_dense(path, where), id_maps)

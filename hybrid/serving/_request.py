@@ -16,7 +16,9 @@ feature's ids, in the artifact's feature order, then zeros up to a capacity of t
 ladder), offsets int32 `[num_features * max_batch_size + 1]` (feature-major bags; samples
 past the request are empty bags) and, for a weighted model, weights float32 `[capacity]`.
 Ids are checked as training checks them: with bounds_check "error" an id outside its table
-raises, naming the feature, table, sample and id.
+raises, naming the feature, table, sample and id. A managed-collision feature takes raw
+64-bit ids, mapped to rows through the id map frozen at export (an id the map does not
+hold reads the table's default row, as in training).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class RequestSpec(NamedTuple):
     bounds_check: str  # "error", "clamp" or "skip"
     max_batch_size: int
     id_capacities: tuple[int, ...]
+    # managed-collision features: feature -> (resident raw ids ascending, their rows, default row)
+    id_maps: Mapping[str, tuple[np.ndarray, np.ndarray, int]] | None = None
 
 
 class SparseArrays(NamedTuple):
@@ -188,6 +192,13 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
                 f"feature {feature!r}: ids must be integers, got {values.dtype} values (e.g. {bad!r})"
             )
     values = values.astype(np.int64)
+    id_map = (spec.id_maps or {}).get(feature)
+    if id_map is not None:  # raw ids through the frozen map; an id not in it reads the default row
+        ids, rows, default = id_map
+        ids = np.append(ids, np.iinfo(np.int64).max)  # a sentinel (never a resident id): every search lands
+        rows = np.append(rows, default)
+        at = np.searchsorted(ids, values)
+        values = np.where(ids[at] == values, rows[at], default).astype(np.int64)
     ends = np.concatenate([[0], np.cumsum(col.lengths)])
     if spec.bounds_check == "error":
         limits = [
