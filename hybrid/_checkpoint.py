@@ -536,9 +536,10 @@ def config_changes(old: Mapping, new: Mapping) -> list[tuple[str, object, object
     ]
 
 
-def estimate_bytes(model, dense_optimizer=None) -> int:
+def estimate_bytes(model) -> int:
     """About one checkpoint's size: tables, sparse optimizer state, dense tower and its
-    optimizer (three times the dense parameters: weights and two Adam moments)."""
+    optimizer (three times the dense parameters: weights and two Adam moments; before the
+    first step a torch optimizer holds no state to measure)."""
     tables = sum(t.num_embeddings * t.embedding_dim * t.data_type.itemsize for t in model.sparse_module.tables)
     state = sum(
         int(leaf.nbytes)
@@ -583,7 +584,6 @@ def prepare_run(
     *,
     config: Mapping,
     model,
-    dense_optimizer=None,
     resume: bool,
     overwrite: bool = False,
     allow_config_change: bool = False,
@@ -626,7 +626,7 @@ def prepare_run(
             f"sparse_optimizer.name = {model.sparse_optimizer.name!r} cannot be checkpointed ({e}); "
             "choose another sparse optimizer or unset checkpoint.dir"
         ) from None
-    need = 2 * estimate_bytes(model, dense_optimizer)
+    need = 2 * estimate_bytes(model)
     free = shutil.disk_usage(root).free
     if free < need:
         raise ConfigError(

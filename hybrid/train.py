@@ -467,7 +467,6 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                 config.checkpoint.dir,
                 config=config.to_dict(),
                 model=model,
-                dense_optimizer=dense_opt,
                 resume=resume,
                 overwrite=config.checkpoint.overwrite,
                 allow_config_change=config.checkpoint.allow_config_change,

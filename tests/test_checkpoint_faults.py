@@ -225,7 +225,7 @@ def test_no_room_for_two_checkpoints_fails_before_training(tmp_path, monkeypatch
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(_checkpoint.shutil, "disk_usage", lambda _p: usage._replace(free=1000))
     model, dense_opt, *_ = train.build(_config(tmp_path / "ckpt"))
-    need = 2 * _checkpoint.estimate_bytes(model, dense_opt) / 2**20
+    need = 2 * _checkpoint.estimate_bytes(model) / 2**20
     with pytest.raises(ConfigError, match="^" + re.escape(
             f"checkpoint.dir {str(tmp_path / 'ckpt')!r}: 0.0 MiB free on its disk but two checkpoints need about "
             f"{need:.1f} MiB (tables + optimizer state); free space or choose another checkpoint.dir") + "$"):
@@ -392,6 +392,9 @@ def test_elementwise_state_round_trips_with_its_dtype(tmp_path):
     model.load_sparse_opt_state(state._replace(tables=filled, count=np.int32(7)))
     before = _checkpoint.sparse_state_arrays(model)
     assert {v.dtype for k, v in before.items() if k != "count"} == {np.dtype(np.float32)}  # as held, not widened
+    for buffer, table, start, r0, rn, c0, cn in model.sparse_module.stored_blocks():  # what the state holds
+        np.testing.assert_array_equal(before[f"state/{table}/momentum1"][r0:r0 + rn, c0:c0 + cn],
+                                      filled[buffer]["momentum1"][start:start + rn, :cn], err_msg=table)
     path = _checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=dense_opt)
     other, other_opt, *_ = train.build(load_config(None, [*SMALL, "sparse_optimizer.name=adagrad"]))
     _checkpoint.load_checkpoint(path, model=other, dense_optimizer=other_opt)
@@ -715,3 +718,177 @@ def test_an_interrupted_save_whose_leftover_cannot_be_removed_still_raises_the_i
         _checkpoint.save_checkpoint(ckpt, step=12, model=model, dense_optimizer=dense_opt)
     monkeypatch.undo()
     assert _checkpoint.latest_checkpoint(ckpt).name == "step_00000008"  # the leftover is ignored
+
+
+def test_files_that_exist_but_cannot_be_read_are_named_with_the_reason(ckpt, fresh_model):
+    model, dense_opt = fresh_model
+    path = ckpt / "step_00000008"
+    where = f"checkpoint {path}"
+
+    def refused(pattern):
+        with pytest.raises(CheckpointError, match="^" + re.escape(f"{where}: ") + pattern + "$"):
+            _checkpoint.verify_checkpoint(path)
+
+    def vouch(name, **entry):
+        _rewrite_manifest(path, lambda m: {"files": {**m["files"], name: entry}})
+
+    vouch("meta.json/x", sha256="0", size=1)  # stat fails: meta.json is a file
+    refused(re.escape("meta.json/x is unreadable ([Errno 20] Not a directory: ") + ".*'\\)")
+    _rewrite_manifest(path, lambda m: {"files": {k: v for k, v in m["files"].items() if k != "meta.json/x"}})
+    (path / "dense.pt").unlink()
+    (path / "dense.pt").mkdir()  # stat works, reading does not
+    vouch("dense.pt", sha256="0", size=(path / "dense.pt").stat().st_size)
+    refused(re.escape("dense.pt is unreadable ([Errno 21] Is a directory: ") + ".*dense.pt'\\)")
+    (path / "dense.pt").rmdir()
+    (path / "dense.pt").write_bytes(b"")
+    vouch("dense.pt", sha256=hashlib.sha256(b"").hexdigest(), size=0)
+    (path / "meta.json").write_text("{not json")
+    vouch("meta.json", sha256=_checkpoint.sha256_file(path / "meta.json"), size=9)
+    refused(re.escape("meta.json is unreadable json (") + ".*\\)")
+    (path / "meta.json").unlink()
+    (path / "meta.json").mkdir()
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"{where}: meta.json is unreadable ([Errno 21] Is a "
+                                                              "directory: ") + ".*meta.json'\\)$"):
+        _checkpoint.load_checkpoint(path, model=model, dense_optimizer=dense_opt, verify=False)
+
+
+def test_steps_are_ordered_by_number_not_by_name(tmp_path, fresh_model):
+    model, dense_opt = fresh_model
+    for step in (100_000_000, 99_999_999):  # 9 digits sort before 8 by name
+        _checkpoint.save_checkpoint(tmp_path, step=step, model=model, dense_optimizer=dense_opt, keep=5)
+    assert [p.name for p in _checkpoint._step_dirs(tmp_path)] == ["step_99999999", "step_100000000"]
+    assert _checkpoint.latest_checkpoint(tmp_path).name == "step_100000000"
+
+
+def test_a_fresh_run_gets_a_new_id_for_its_directory_and_overwrite_without_run_json_says_unknown(tmp_path,
+                                                                                                fresh_model):
+    model, dense_opt = fresh_model
+    nested = tmp_path / "a" / "b" / "ckpt"  # parents are created
+    first = _checkpoint.prepare_run(nested, config={}, model=model, resume=False, echo=_quiet)
+    second = _checkpoint.prepare_run(nested, config={}, model=model, resume=False, echo=_quiet)
+    assert first.directory == nested and first.resume_from is None and first.skipped == []
+    assert re.fullmatch(r"[0-9a-f]{32}", first.run_id) and first.run_id != second.run_id
+    assert sorted(p.name for p in nested.iterdir()) == []  # the write probe is gone
+    _checkpoint.save_checkpoint(nested, step=2, model=model, dense_optimizer=dense_opt, run_id="r" * 16)
+    meta = json.loads((nested / "step_00000002" / "meta.json").read_text())
+    (nested / "run.json").unlink()
+    (nested / "step_00000002" / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "run_id"}))
+    lines = []
+    with pytest.raises(ConfigError, match=re.escape("holds checkpoints of a run with unknown id (no run.json): "
+                                                    "step_00000002. Refusing")):
+        _checkpoint.prepare_run(nested, config={}, model=model, resume=False, echo=lines.append)
+    _checkpoint.prepare_run(nested, config={}, model=model, resume=False, overwrite=True, echo=lines.append)
+    (aside,) = [p for p in nested.iterdir() if p.name.startswith(".replaced-")]
+    assert re.fullmatch(r"\.replaced-unknown-\d{8}T\d{6}", aside.name), aside.name
+    assert lines == [f"checkpoint.overwrite: moved the checkpoints of a run with unknown id (no run.json) "
+                     f"(step_00000002) aside to {aside}; delete it yourself to free the space"]
+
+
+def test_the_owner_of_checkpoints_without_run_json_is_the_newest_ones_run(ckpt, fresh_model):
+    model, _ = fresh_model
+    newest = _checkpoint._run_id_of(ckpt / "step_00000008")
+    meta = json.loads((ckpt / "step_00000004" / "meta.json").read_text())
+    (ckpt / "step_00000004" / "meta.json").write_text(json.dumps({**meta, "run_id": "older"}))
+    (ckpt / "run.json").unlink()
+    with pytest.raises(ConfigError, match=re.escape(f"holds checkpoints of a run with unknown id ({newest}): "
+                                                    "step_00000004, step_00000008. Refusing")):
+        _checkpoint.prepare_run(ckpt, config={}, model=model, resume=False, echo=_quiet)
+    run = {"run_id": "0123456789abcdef0123", "created": "then", "config": {}}
+    (ckpt / "run.json").write_text(json.dumps(run))
+    _checkpoint.prepare_run(ckpt, config={}, model=model, resume=False, overwrite=True, echo=_quiet)
+    (aside,) = [p for p in ckpt.iterdir() if p.name.startswith(".replaced-")]
+    assert aside.name.startswith(".replaced-0123456789ab-")
+
+
+def test_resume_compares_with_the_newest_checkpoints_config_else_the_run_json(ckpt, fresh_model):
+    model, _ = fresh_model
+    run = json.loads((ckpt / "run.json").read_text())
+    stored = run["config"]
+    newest = ckpt / "step_00000008"
+    meta = json.loads((newest / "meta.json").read_text())
+    (newest / "meta.json").write_text(json.dumps({**meta, "config": {**stored, "seed": 1}}))  # resumed with a change
+    _rewrite_manifest(newest, lambda m: {**m, "files": {**m["files"], "meta.json": {
+        "sha256": _checkpoint.sha256_file(newest / "meta.json"), "size": (newest / "meta.json").stat().st_size}}})
+    found = _checkpoint.prepare_run(ckpt, config={**stored, "seed": 1}, model=model, resume=True, echo=_quiet)
+    assert (found.directory, found.run_id, found.resume_from, found.skipped) == (ckpt, run["run_id"], newest, [])
+    with pytest.raises(ConfigError, match=_exactly(
+            f"--resume from {newest}: the config changes keys that exact resumption needs (seed: 1 -> 0; "
+            "train.batch_size: 64 -> 32); restore them, or pass --set checkpoint.allow_config_change=true to resume "
+            "anyway (the run will not match an uninterrupted one)")):
+        _checkpoint.prepare_run(ckpt, config={**stored, "train": {**stored["train"], "batch_size": 32}}, model=model,
+                                resume=True, echo=_quiet)
+    lines = []
+    _checkpoint.prepare_run(ckpt, config={**stored, "data": {**stored["data"], "num_samples": 7}},
+                            model=model, resume=True, allow_config_change=True, echo=lines.append)
+    assert lines == ["checkpoint.allow_config_change: resuming with changed data.num_samples, seed"]
+    (newest / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "config"}))  # no config
+    _rewrite_manifest(newest, lambda m: {**m, "files": {**m["files"], "meta.json": {
+        "sha256": _checkpoint.sha256_file(newest / "meta.json"), "size": (newest / "meta.json").stat().st_size}}})
+    with pytest.raises(ConfigError, match=re.escape("(seed: 0 -> 1)")):  # the run.json's config then
+        _checkpoint.prepare_run(ckpt, config={**stored, "seed": 1}, model=model, resume=True, echo=_quiet)
+    for step in ("step_00000004", "step_00000008"):
+        shutil.rmtree(ckpt / step)
+    with pytest.raises(ConfigError, match=_exactly(
+            f"--resume from {ckpt}: the config changes keys that exact resumption needs (seed: 0 -> 1); restore them, "
+            "or pass --set checkpoint.allow_config_change=true to resume anyway (the run will not match an "
+            "uninterrupted one)")):
+        _checkpoint.prepare_run(ckpt, config={**stored, "seed": 1}, model=model, resume=True, echo=_quiet)
+    found = _checkpoint.prepare_run(ckpt, config=stored, model=model, resume=True, echo=_quiet)
+    assert (found.directory, found.run_id, found.resume_from, found.skipped) == (ckpt, run["run_id"], None, [])
+
+
+def test_a_resume_keeps_the_run_json_id_and_survives_a_leftover_it_cannot_remove(ckpt, fresh_model, tmp_path):
+    model, _ = fresh_model
+    run_id = json.loads((ckpt / "run.json").read_text())["run_id"]
+    newest = ckpt / "step_00000008"
+    meta = json.loads((newest / "meta.json").read_text())
+    (newest / "meta.json").write_text(json.dumps({**meta, "run_id": "other"}))
+    _rewrite_manifest(newest, lambda m: {**m, "files": {**m["files"], "meta.json": {
+        "sha256": _checkpoint.sha256_file(newest / "meta.json"), "size": (newest / "meta.json").stat().st_size}}})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("x")
+    (ckpt / ".tmp-link").symlink_to(outside, target_is_directory=True)  # rmtree refuses a link
+    (ckpt / ".tmp-killed-save").mkdir()
+    found = _checkpoint.prepare_run(ckpt, config=json.loads((ckpt / "run.json").read_text())["config"], model=model,
+                                    resume=True, echo=_quiet)
+    assert found.run_id == run_id  # run.json names the run, not a checkpoint's meta
+    assert (outside / "keep.txt").read_text() == "x" and (ckpt / ".tmp-link").is_symlink()
+    assert not (ckpt / ".tmp-killed-save").exists()
+
+
+def test_room_for_exactly_two_checkpoints_is_enough(tmp_path, monkeypatch):
+    model, *_ = train.build(load_config(None, [*SMALL, "data.num_embeddings=100000"]))  # MiBs: figures that show
+    need = 2 * _checkpoint.estimate_bytes(model)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(_checkpoint.shutil, "disk_usage", lambda _p: usage._replace(free=need))
+    assert _checkpoint.prepare_run(tmp_path / "a", config={}, model=model, resume=False, echo=_quiet).run_id
+    free = need - 1
+    monkeypatch.setattr(_checkpoint.shutil, "disk_usage", lambda _p: usage._replace(free=free))
+    with pytest.raises(ConfigError, match=_exactly(
+            f"checkpoint.dir {str(tmp_path / 'b')!r}: {free / 2**20:.1f} MiB free on its disk but two checkpoints "
+            f"need about {need / 2**20:.1f} MiB (tables + optimizer state); free space or choose another "
+            "checkpoint.dir")):
+        _checkpoint.prepare_run(tmp_path / "b", config={}, model=model, resume=False, echo=_quiet)
+    assert f"{free / 2**20:.1f}" != f"{free / 2**21:.1f}" and f"{need / 2**20:.1f}" != f"{need / 2**21:.1f}"
+
+
+def test_a_write_probe_that_fails_in_the_directory_is_reported(tmp_path, fresh_model, monkeypatch):
+    """A directory that takes no writes (a full disk): the probe must be written there."""
+    model, _ = fresh_model
+    target = tmp_path / "full"
+    target.mkdir()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(target)):
+            raise OSError(28, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(_checkpoint.os, "fsync", fsync)
+    with pytest.raises(ConfigError, match=_exactly(
+            f"checkpoint.dir {str(target)!r} is not writable (OSError: [Errno 28] No space left on device); "
+            "checkpoints could not be saved. Choose a writable checkpoint.dir (--set checkpoint.dir=...) or fix its "
+            "permissions")):
+        _checkpoint.prepare_run(target, config={}, model=model, resume=False, echo=_quiet)
+    assert list(target.iterdir()) == []  # the probe is removed even then
