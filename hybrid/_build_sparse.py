@@ -21,7 +21,7 @@ from sparse_jax import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionSparseModule,
 )
-from sparse_jax.sharding import shard
+from sparse_jax.sharding import ShardedManagedCollisionModule, shard
 
 __all__ = ["_build_sparse", "mesh_device"]
 
@@ -77,7 +77,7 @@ def _build_sparse(
     for a whole batch; a sharded module pads each device's part, so it gets the rungs
     divided by the device count. `managed_collision_modules` ({table: module}): those
     tables take raw ids through a `ManagedCollisionSparseModule` (one per model: it holds
-    the id maps), unsharded only."""
+    the id maps; on a mesh, `ShardedManagedCollisionModule`)."""
     if plan is not None and mesh is None:
         raise ValueError(
             "a sharding plan was given without a mesh; pass mesh=hybrid.make_mesh(...) with the "
@@ -88,15 +88,14 @@ def _build_sparse(
             f"mesh must be a jax.sharding.Mesh (see hybrid.make_mesh), got {type(mesh).__name__}"
         )
     ladder = None if ladder is None else tuple(ladder)
-    if managed_collision_modules:
-        if mesh is not None and (mesh.devices.size > 1 or plan is not None):
-            raise ValueError(
-                f"managed-collision tables {sorted(managed_collision_modules)} are not built for a sharded mesh yet "
-                f"(this mesh has {mesh.devices.size} devices); train them without mesh= or on a one-device mesh"
-            )
-        ebc = EmbeddingBagCollection(tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check,
-                                     ladder=ladder)
-        return ManagedCollisionSparseModule(ManagedCollisionEmbeddingBagCollection(ebc, managed_collision_modules))
+    if managed_collision_modules:  # a module per model (it holds the id maps): never shared
+        if mesh is None or (mesh.devices.size == 1 and plan is None):
+            ebc = EmbeddingBagCollection(tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check,
+                                         ladder=ladder)
+            return ManagedCollisionSparseModule(ManagedCollisionEmbeddingBagCollection(ebc, managed_collision_modules))
+        ebc = EmbeddingBagCollection(tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check)
+        sharded = shard(ebc, mesh, plan, ladder=_per_device(ladder, mesh.devices.size), input_dist=input_dist)
+        return ShardedManagedCollisionModule(sharded, managed_collision_modules)
     if mesh is None or (mesh.devices.size == 1 and plan is None):
         return _collection(tables, is_weighted, kernel, bounds_check, ladder)
     ebc = _collection(tables, is_weighted, kernel, bounds_check)

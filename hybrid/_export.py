@@ -55,7 +55,7 @@ from hybrid.serving._artifact import (
     table_file,
 )
 from hybrid.serving._request import RequestSpec, read_sparse
-from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, ManagedCollisionSparseModule, PoolingType
+from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, ManagedSparseModule, PoolingType
 
 __all__ = ["export"]
 
@@ -158,7 +158,7 @@ def _source(model) -> _Source:
             module.bounds_check,
             tuple(model.capacity_ladder),
             model.dense,
-            module.frozen_maps() if isinstance(module, ManagedCollisionSparseModule) else {},
+            module.frozen_maps() if isinstance(module, ManagedSparseModule) else {},
         )
     raise TypeError(
         f"hybrid.export takes a hybrid.Model or hybrid.quantize(...)'s QuantizedModel, got {type(model).__name__}"

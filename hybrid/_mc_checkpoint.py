@@ -14,14 +14,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from sparse_jax import ManagedCollisionSparseModule, MCHState
+from sparse_jax import MCH_STATE_FIELDS, ManagedSparseModule, MCHState
 
 __all__ = ["mc_state_arrays", "restore_mc_state"]
 
 
-def _managed(model) -> ManagedCollisionSparseModule | None:
+def _managed(model) -> ManagedSparseModule | None:
     module = model.sparse_module
-    return module if isinstance(module, ManagedCollisionSparseModule) else None
+    return module if isinstance(module, ManagedSparseModule) else None
 
 
 def mc_state_arrays(model) -> dict[str, np.ndarray]:
@@ -31,11 +31,11 @@ def mc_state_arrays(model) -> dict[str, np.ndarray]:
         return {}
     out = {}
     for table, state in module.mc_state.items():
-        for field, leaf in zip(MCHState._fields, state, strict=True):
+        for field, leaf in zip(MCH_STATE_FIELDS, state, strict=True):
             out[f"mc/{table}/{field}"] = np.asarray(leaf)
-    for table, counters in module.stats().items():
+    for table, counters in module.mc_counters.items():
         out[f"mc/{table}/counters"] = np.asarray(counters)
-    out["mc_key"] = np.asarray(jax.random.key_data(module._key))
+    out["mc_key"] = np.asarray(jax.random.key_data(module.draw_key))
     return out
 
 
@@ -52,10 +52,10 @@ def restore_mc_state(model, arrays, where: str) -> None:
         return
     states, counters = {}, {}
     for table in wanted:
-        missing = [f for f in (*MCHState._fields, "counters") if f"mc/{table}/{f}" not in arrays]
+        missing = [f for f in (*MCH_STATE_FIELDS, "counters") if f"mc/{table}/{f}" not in arrays]
         if missing:
             raise ValueError(f"{where}: the id map of table {table!r} lacks {missing}")
-        states[table] = MCHState(*(arrays[f"mc/{table}/{f}"] for f in MCHState._fields))
+        states[table] = MCHState(*(arrays[f"mc/{table}/{f}"] for f in MCH_STATE_FIELDS))
         counters[table] = arrays[f"mc/{table}/counters"]
     if "mc_key" not in arrays:
         raise ValueError(f"{where}: the checkpoint has id maps but no mc_key (the draw key of evicted rows)")

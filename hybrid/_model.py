@@ -46,7 +46,7 @@ from hybrid._state_dict import EmbeddingBagsState
 from sparse_jax import (
     DEFAULT_LADDER,
     EmbeddingBagConfig,
-    ManagedCollisionSparseModule,
+    ManagedSparseModule,
     PreparedBatch,
 )
 from sparse_jax.optim import RowRule, SparseOptState, rowwise_adagrad
@@ -80,8 +80,9 @@ class Model(nn.Module):
         `RawIds.words()` in a JAX one) and map them to their rows on the device, evicting by
         the module's policy; evicted rows restart from a fresh row and zero optimizer state.
         A training forward (the one whose backward updates the tables) advances the id
-        maps, right before its lookup; eval only reads them. Unsharded (no mesh, or one
-        device) only.
+        maps, right before its lookup; eval only reads them. On a mesh, a row-wise table
+        keeps one id map per shard (ids hashed to shards, as TorchRec), any other placement
+        one replicated map (`sparse_jax.sharding.ShardedManagedCollisionModule`).
     """
 
     def __init__(
@@ -167,7 +168,7 @@ class Model(nn.Module):
         """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
         ids evicted so far)}; empty without managed tables. Read them when you log."""
         module = self._tables.module
-        return module.stats() if isinstance(module, ManagedCollisionSparseModule) else {}
+        return module.stats() if isinstance(module, ManagedSparseModule) else {}
 
     def compile_counts(self) -> dict[str, int]:
         """Programs the sparse lookup and update have compiled (steady training: constant)."""

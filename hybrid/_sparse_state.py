@@ -17,8 +17,7 @@ import torch
 from sparse_jax import (
     KeyedJaggedTensor,
     KeyedTensor,
-    ManagedBatch,
-    ManagedCollisionSparseModule,
+    ManagedSparseModule,
     PreparedBatch,
     SparseModule,
     make_update,
@@ -122,7 +121,7 @@ class SparseTables:
         managed-collision batch is remapped first: in training its id maps advance and the
         rows they gave to new ids are reset (donated tables and state), in eval it is only
         read; the update then takes the slot ids."""
-        if isinstance(self.module, ManagedCollisionSparseModule) and isinstance(batch, ManagedBatch):
+        if isinstance(self.module, ManagedSparseModule) and self.module.needs_remap(batch):
             if training:
                 self._params, self._opt_state, batch = self.module.remap(self._params, self._opt_state, batch)
             else:

@@ -35,8 +35,8 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              managed-collision module with that many rows: raw ids mapped to rows on the
              device, evicting by eviction_policy = "lru" | "lfu" every eviction_interval
              steps, admitting an id seen threshold times; history_capacity (ids a window
-             holds; 0: per table, its ids in a training batch rounded up to a power of two,
-             x eviction_interval))
+             holds; 0: per table, its ids in a device's part of a training batch rounded up
+             to a power of two, x devices x eviction_interval))
     [log]    metrics_path (JSON lines; "" = none); every (steps); loss_window
 
 Tables come from the dataset: one `t_<feature>` per sparse feature with the feature's

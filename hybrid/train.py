@@ -246,7 +246,7 @@ def _ladder(config, train, evaluation) -> list[int]:
     return sorted({config.train.batch_size * per_sample, config.train.eval_batch_size * per_sample})
 
 
-def _managed_collision(config, train, evaluation) -> dict:
+def _managed_collision(config, train, evaluation, num_devices: int = 1) -> dict:
     """{table: MCHManagedCollisionModule} of [managed_collision]; every raw-id feature's
     table must be one."""
     from sparse_jax import MCHManagedCollisionModule
@@ -268,8 +268,8 @@ def _managed_collision(config, train, evaluation) -> dict:
     def history(name: str) -> int:  # a window holds eviction_interval batches of the table's id capacity
         if mc.history_capacity:
             return mc.history_capacity
-        ids = config.train.batch_size * longest[name[2:]]
-        return max(8, 1 << (ids - 1).bit_length()) * mc.eviction_interval  # the module's power-of-two capacity
+        ids = config.train.batch_size // num_devices * longest[name[2:]]  # per device, each padded alike
+        return max(8, 1 << (ids - 1).bit_length()) * num_devices * mc.eviction_interval
 
     try:
         return {name: MCHManagedCollisionModule(rows, history_capacity=history(name),
@@ -303,7 +303,7 @@ def build(config):
         raise ConfigError(
             f"train.batch_size = {t.batch_size} exceeds the {len(train)} training samples"
         )
-    managed = _managed_collision(config, train, evaluation)
+    managed = _managed_collision(config, train, evaluation, num_devices)
     tables = [
         EmbeddingBagConfig(
             name=f"t_{key}",

@@ -15,9 +15,15 @@ from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
 from sparse_jax._keyed_tensor import KeyedTensor
-from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds, hashed_slots
+from sparse_jax._managed_collision import (
+    MCH_STATE_FIELDS,
+    MCHManagedCollisionModule,
+    MCHState,
+    RawIds,
+    hashed_slots,
+)
 from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
-from sparse_jax._mc_module import ManagedBatch, ManagedCollisionSparseModule
+from sparse_jax._mc_module import ManagedBatch, ManagedCollisionSparseModule, ManagedSparseModule
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
 from sparse_jax._quant import (
     WEIGHT_TYPES,
@@ -40,10 +46,12 @@ __all__ = [
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "MCH_STATE_FIELDS",
     "MCHManagedCollisionModule",
     "ManagedBatch",
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionSparseModule",
+    "ManagedSparseModule",
     "MCHState",
     "PaddedBatch",
     "RawIds",

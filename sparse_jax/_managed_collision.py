@@ -37,7 +37,7 @@ import numpy as np
 
 from sparse_jax.optim._rounding import _mix  # murmur3's finalizer, as the rounding draw
 
-__all__ = ["MCHManagedCollisionModule", "MCHState", "RawIds", "hashed_slots"]
+__all__ = ["MCH_STATE_FIELDS", "MCHManagedCollisionModule", "MCHState", "RawIds", "hashed_slots"]
 
 _HI_MAX = np.int32(np.iinfo(np.int32).max)
 _LO_MAX = np.uint32(np.iinfo(np.uint32).max)  # (_HI_MAX, _LO_MAX) is INT64_MAX: an empty slot
@@ -91,6 +91,9 @@ class MCHState(NamedTuple):
     window_used: jax.Array  # int32: entries of the window in use
     step: jax.Array  # int32: training calls to profile so far
     last_eviction: jax.Array  # int32: the step of the last eviction
+
+
+MCH_STATE_FIELDS: tuple[str, ...] = MCHState._fields  # the state's fields in order (checkpoints name them)
 
 
 def _less(ahi, alo, bhi, blo):

@@ -35,7 +35,7 @@ from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
 from sparse_jax._module import LayoutFacts, PaddedBatch, PreparedBatch
 from sparse_jax._prepare import host_kjt
 
-__all__ = ["ManagedBatch", "ManagedCollisionSparseModule"]
+__all__ = ["ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule", "split_raw_ids"]
 
 
 @jax.tree_util.register_dataclass
@@ -69,13 +69,142 @@ def _raw_ids(values: np.ndarray) -> np.ndarray:
                      f"int32 words (RawIds.words()), got {values.dtype} values of shape {tuple(values.shape)}")
 
 
+def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionEmbeddingBagCollection):
+    """A batch of raw ids checked on the host: (the KJT with a placeholder 0 at every managed
+    position and unmanaged ids as int32, for the collection's own checks and layout; the
+    raw int64 id of every position; the managed table of every position, "" if none)."""
+    host = host_kjt(kjt)
+    if host.variable_stride_per_key():
+        raise ValueError("a managed-collision batch needs one stride for every key; expand the KJT first "
+                         "(KeyedJaggedTensor.expand_to_batch)")
+    raw = _raw_ids(np.asarray(host.values()))
+    keys, stride = host.keys(), host.stride()
+    lengths = np.asarray(host.lengths(), np.int64).reshape(len(keys), stride) if keys else np.zeros((0, stride))
+    per_key = lengths.sum(axis=1)
+    n = int(per_key.sum())
+    tables = np.array([mc._feature_table.get(k, "") if mc._feature_table.get(k) in mc.modules else ""
+                       for k in keys] + [""], dtype=object)
+    owner = tables[np.repeat(np.arange(len(keys)), per_key)]
+    raw = raw[:n]
+    plain = np.where(owner != "", 0, raw)
+    wide = (plain < np.iinfo(np.int32).min) | (plain > np.iinfo(np.int32).max)
+    if wide.any():
+        bad = int(np.flatnonzero(wide)[0])
+        where = _validate.locate(bad, np.asarray(host.lengths()), keys, stride)
+        raise ValueError(f"id {int(raw[bad])} at {where} is a raw 64-bit id but its table has no managed-collision "
+                         "module; give the table one (managed_collision_modules) or map its ids into the table's "
+                         "rows")
+    return host._replace(values=plain.astype(np.int32)), raw, owner
+
+
 def _occupied(state: MCHState, zch_size: int) -> jax.Array:
     """bool[zch_size]: the slots an id holds (the reserved default slot never counts)."""
     empty = (state.sorted_hi == _HI_MAX) & (state.sorted_lo == _LO_MAX)
     return jnp.zeros(zch_size, bool).at[state.slots].set(~empty)
 
 
-class ManagedCollisionSparseModule(LayoutFacts):
+class ManagedSparseModule(LayoutFacts):
+    """What the unsharded and the sharded managed-collision modules share: the id maps
+    (`mc_state`, `mc_counters`, the draw key of fresh rows) and the `SparseModule`
+    contract delegated to the collection they wrap (`inner`). A subclass provides
+    `prepare`, `needs_remap`, `remap`, `remap_eval`, `stats`, `frozen_maps` and
+    `_fresh_maps`."""
+
+    plan = None
+    mesh_axes = None
+
+    def __init__(self, mc: ManagedCollisionEmbeddingBagCollection, inner):
+        self.mc, self.inner = mc, inner
+        self.layout = inner.layout
+        self.prepare_count = 0
+        self._table_caps = {name: 0 for name in mc.modules}  # per managed table: id capacity, never shrinks
+        self.mc_state, self.mc_counters = self._fresh_maps()
+        self._key = self._place_key(jax.random.key(0))
+
+    def init(self, key: jax.Array) -> dict[str, jax.Array]:
+        """The collection's fresh tables; the id maps start empty and evicted rows are
+        drawn from a key derived from `key`."""
+        self._key = self._place_key(jax.random.fold_in(key, 0x4D43))
+        self.mc_state, self.mc_counters = self._fresh_maps()
+        return self.inner.init(key)
+
+    @property
+    def draw_key(self) -> jax.Array:
+        """The key fresh rows are drawn from (advanced by every training remap)."""
+        return self._key
+
+    def _place_key(self, key):
+        return key  # where the tables are: one device unsharded (the sharded module replicates it)
+
+    def apply(self, params, batch):
+        """The forward on table rows (`remap`'s batch); a raw KJT or a prepared batch not
+        yet remapped is mapped read-only first (as eval: the id maps do not change)."""
+        if isinstance(batch, KeyedJaggedTensor):
+            batch = self.prepare(batch)
+        if self.needs_remap(batch):
+            batch = self.remap_eval(batch)
+        return self.inner.apply(params, batch)
+
+    def update_operands(self, batch, grad):
+        if self.needs_remap(batch):
+            raise TypeError("the fused update of a managed-collision module runs on the table rows its training "
+                            "remap returned, not on the prepared batch")
+        return self.inner.update_operands(batch, grad)
+
+    def update_step(self, rule):
+        return self.inner.update_step(rule)
+
+    def table_weights(self, params):
+        return self.inner.table_weights(params)
+
+    def with_table_weights(self, params, weights):
+        return self.inner.with_table_weights(params, weights)
+
+    def stored_blocks(self):
+        return self.inner.stored_blocks()
+
+    def lookup_compile_count(self) -> int:
+        return self.inner.lookup_compile_count()
+
+    def is_weighted(self) -> bool:
+        return self.inner.is_weighted()
+
+    @property
+    def bounds_check(self) -> str:
+        return self.inner.bounds_check
+
+    @property
+    def managed_tables(self) -> list[str]:
+        return sorted(self.mc.modules)
+
+    def load_mc_state(self, state: Mapping[str, MCHState], counters: Mapping | None = None,
+                      key: jax.Array | None = None) -> None:
+        """Replace the id maps (e.g. from a checkpoint): same tables, shapes and dtypes,
+        placed as the current ones."""
+        if set(state) != set(self.mc.modules):
+            raise ValueError(f"managed-collision state names tables {sorted(state)}; this model manages "
+                             f"{self.managed_tables}")
+
+        def placed(name, what, leaf, old):
+            leaf = np.asarray(leaf)
+            if leaf.shape != old.shape or leaf.dtype != old.dtype:
+                raise ValueError(f"table {name!r}: managed-collision {what} has {leaf.dtype}{list(leaf.shape)}, "
+                                 f"expected {old.dtype}{list(old.shape)} (zch_size, history_capacity or the "
+                                 "table's sharding changed?)")
+            return jax.device_put(leaf, old.sharding)
+
+        new = {name: MCHState(*(placed(name, f, leaf, old) for f, leaf, old in
+                                zip(MCHState._fields, s, self.mc_state[name], strict=True)))
+               for name, s in state.items()}
+        if counters is not None:
+            self.mc_counters = {name: placed(name, "counters", counters[name], self.mc_counters[name])
+                                for name in self.managed_tables}
+        self.mc_state = new
+        if key is not None:
+            self._key = self._place_key(key)
+
+
+class ManagedCollisionSparseModule(ManagedSparseModule):
     """`mc` (a `ManagedCollisionEmbeddingBagCollection` over an unsharded
     `EmbeddingBagCollection`) with its id maps, as a `SparseModule`.
 
@@ -87,71 +216,20 @@ class ManagedCollisionSparseModule(LayoutFacts):
     against its table as usual, a managed feature's may be any int64 but `2**63 - 1`.
     """
 
-    plan = None
-    mesh_axes = None
-
     def __init__(self, mc: ManagedCollisionEmbeddingBagCollection):
         if not isinstance(mc, ManagedCollisionEmbeddingBagCollection):
             raise TypeError(f"ManagedCollisionSparseModule wraps a ManagedCollisionEmbeddingBagCollection, got "
                             f"{type(mc).__name__}")
-        self.mc, self.ebc = mc, mc.ebc
-        self.layout = mc.ebc.layout
-        self.prepare_count = 0
-        self._managed_features = {f for f, t in mc._feature_table.items() if t in mc.modules}
-        self._table_caps = {name: 0 for name in mc.modules}  # per managed table: id capacity, never shrinks
-        self.mc_state: dict[str, MCHState] = mc.init_state()
-        self._counters = {name: jnp.zeros(3, jnp.int32) for name in mc.modules}
-        self._key = jax.random.key(0)
+        self.ebc = mc.ebc
+        super().__init__(mc, mc.ebc)
         self._remap_train = jax.jit(self._remap_program(training=True), donate_argnums=(0, 1, 2, 3, 4))
         self._remap_eval = jax.jit(self._remap_program(training=False))
 
-    # -- the contract, delegated ----------------------------------------------------------------
-    def init(self, key: jax.Array) -> dict[str, jax.Array]:
-        """The collection's fresh tables; the id maps start empty and evicted rows are
-        drawn from a key derived from `key`."""
-        self._key = jax.random.fold_in(key, 0x4D43)
-        self.mc_state = self.mc.init_state()
-        self._counters = {name: jnp.zeros(3, jnp.int32) for name in self.mc.modules}
-        return self.ebc.init(key)
+    def _fresh_maps(self):
+        return self.mc.init_state(), {name: jnp.zeros(3, jnp.int32) for name in self.mc.modules}
 
-    def apply(self, params, batch):
-        """The forward on slot ids (`remap`'s batch); a raw KJT or a `ManagedBatch` is
-        mapped read-only first (as eval: the id maps do not change)."""
-        if not isinstance(batch, PaddedBatch):
-            batch = self.remap_eval(batch if isinstance(batch, ManagedBatch) else self.prepare(batch))
-        return self.ebc.apply(params, batch)
-
-    def update_operands(self, batch: PaddedBatch, grad):
-        if not isinstance(batch, PaddedBatch):
-            raise TypeError("the fused update of a managed-collision module runs on the slot ids its training "
-                            f"remap returned (a PaddedBatch), got {type(batch).__name__}")
-        return self.ebc.update_operands(batch, grad)
-
-    def update_step(self, rule):
-        return self.ebc.update_step(rule)
-
-    def table_weights(self, params):
-        return self.ebc.table_weights(params)
-
-    def with_table_weights(self, params, weights):
-        return self.ebc.with_table_weights(params, weights)
-
-    def stored_blocks(self):
-        return self.ebc.stored_blocks()
-
-    def lookup_compile_count(self) -> int:
-        return self.ebc.lookup_compile_count()
-
-    def is_weighted(self) -> bool:
-        return self.ebc.is_weighted()
-
-    @property
-    def bounds_check(self) -> str:
-        return self.ebc.bounds_check
-
-    @property
-    def managed_tables(self) -> list[str]:
-        return sorted(self.mc.modules)
+    def needs_remap(self, batch) -> bool:
+        return isinstance(batch, ManagedBatch)
 
     def frozen_maps(self) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
         """{managed table: (resident raw ids ascending as int64, the slot of each as int32,
@@ -171,35 +249,12 @@ class ManagedCollisionSparseModule(LayoutFacts):
         """Check `kjt` on the host (raw ids as int64 or words; unmanaged features' ids
         against their tables), prepare the collection's batch with a placeholder where ids
         are managed, and place the raw id words beside it. Reads no id map."""
-        host = host_kjt(kjt)
-        if host.variable_stride_per_key():
-            raise ValueError("a managed-collision batch needs one stride for every key; expand the KJT first "
-                             "(KeyedJaggedTensor.expand_to_batch)")
-        raw = _raw_ids(np.asarray(host.values()))
-        keys, stride = host.keys(), host.stride()
-        lengths = np.asarray(host.lengths(), np.int64).reshape(len(keys), stride) if keys else np.zeros((0, stride))
-        per_key = lengths.sum(axis=1)
-        key_of = np.repeat(np.arange(len(keys)), per_key)
-        n = int(per_key.sum())
-        managed = np.isin(np.asarray(keys, dtype=object)[key_of], list(self._managed_features)) if n else \
-            np.zeros(0, bool)
-        raw = raw[:n]
-        plain = np.where(managed, 0, raw)
-        wide = ~managed & ((plain < np.iinfo(np.int32).min) | (plain > np.iinfo(np.int32).max))
-        if wide.any():
-            bad = int(np.flatnonzero(wide)[0])
-            where = _validate.locate(bad, np.asarray(host.lengths()), keys, stride)
-            raise ValueError(f"id {int(raw[bad])} at {where} is a raw 64-bit id but its table has no managed-collision "
-                             "module; give the table one (managed_collision_modules) or map its ids into the table's "
-                             "rows")
-        ids = host._replace(values=plain.astype(np.int32))  # placeholder 0 where managed
+        ids, raw, owner = split_raw_ids(kjt, self.mc)
         padded = self.ebc.prepare(ids, device=device)
         capacity = padded.kjt.values().shape[0]
-        owner = np.array([self.mc._feature_table.get(k, "") for k in keys] or [""], dtype=object)[key_of] if n else \
-            np.zeros(0, dtype=object)
         words, positions = {}, {}
         for name in self.managed_tables:
-            mine = np.flatnonzero(managed & (owner == name)).astype(np.int32)
+            mine = np.flatnonzero(owner == name).astype(np.int32)
             cap = self._table_caps[name] = max(self._table_caps[name], 8, 1 << max(0, len(mine) - 1).bit_length())
             positions[name] = np.full(cap, capacity, np.int32)
             positions[name][: len(mine)] = mine
@@ -215,8 +270,8 @@ class ManagedCollisionSparseModule(LayoutFacts):
         the batch and advance; the rows given to new ids are reset in the donated params
         and optimizer state; the slot batch is what the lookup and the fused update take."""
         self._check_batch(batch)
-        (params, opt_state, self.mc_state, self._counters, self._key, values) = self._remap_train(
-            params, opt_state, self.mc_state, self._counters, self._key, batch.padded.kjt.values(), batch.words,
+        (params, opt_state, self.mc_state, self.mc_counters, self._key, values) = self._remap_train(
+            params, opt_state, self.mc_state, self.mc_counters, self._key, batch.padded.kjt.values(), batch.words,
             batch.positions)
         return params, opt_state, PaddedBatch(batch.padded.kjt._replace(values=values))
 
@@ -261,28 +316,4 @@ class ManagedCollisionSparseModule(LayoutFacts):
     def stats(self) -> dict[str, jax.Array]:
         """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
         ids evicted so far)}: read them when you log."""
-        return dict(self._counters)
-
-    def load_mc_state(self, state: Mapping[str, MCHState], counters: Mapping | None = None,
-                      key: jax.Array | None = None) -> None:
-        """Replace the id maps (e.g. from a checkpoint): same tables, shapes and dtypes."""
-        if set(state) != set(self.mc.modules):
-            raise ValueError(f"managed-collision state names tables {sorted(state)}; this model manages "
-                             f"{self.managed_tables}")
-        new = {}
-        for name, s in state.items():
-            ref = self.mc_state[name]
-            fields = {}
-            for field, leaf in zip(MCHState._fields, s, strict=True):
-                old = getattr(ref, field)
-                leaf = np.asarray(leaf)
-                if leaf.shape != old.shape or leaf.dtype != old.dtype:
-                    raise ValueError(f"table {name!r}: managed-collision {field} has {leaf.dtype}{list(leaf.shape)}, "
-                                     f"expected {old.dtype}{list(old.shape)} (zch_size or history_capacity changed?)")
-                fields[field] = jax.device_put(leaf, old.sharding)
-            new[name] = MCHState(**fields)
-        self.mc_state = new
-        if counters is not None:
-            self._counters = {name: jnp.asarray(np.asarray(counters[name], np.int32)) for name in self.managed_tables}
-        if key is not None:
-            self._key = key
+        return dict(self.mc_counters)

@@ -90,7 +90,8 @@ def test_a_checkpoint_loads_only_into_a_model_managing_the_same_tables(tmp_path)
         _checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)
     wider, wopt = _model(modules={"users": MCHManagedCollisionModule(Z, history_capacity=128)})
     with pytest.raises(ValueError, match=r"table 'users': managed-collision window_hi has int32\[64\], expected "
-                                         r"int32\[128\] \(zch_size or history_capacity changed\?\)"):
+                                         r"int32\[128\] \(zch_size, history_capacity or the "
+                                         r"table's sharding changed\?\)"):
         _checkpoint.load_checkpoint(path, model=wider, dense_optimizer=wopt)
     plain_path = _checkpoint.save_checkpoint(tmp_path / "plain", step=1, model=plain, dense_optimizer=popt)
     with pytest.raises(ValueError, match=r"holds id maps of managed-collision tables \[\], this model manages "

@@ -117,7 +117,7 @@ def test_eval_reads_the_id_maps_and_leaves_tables_and_maps_as_they_were():
         torch.testing.assert_close(w, before[name], rtol=0, atol=0)
 
 
-def test_raw_ids_of_an_unmanaged_table_and_a_sharded_mesh_are_refused():
+def test_raw_ids_of_an_unmanaged_table_are_refused():
     module = MCHManagedCollisionModule(Z, history_capacity=128)
     model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
     keys, values, lengths = _kjt([[1]], [np.array([2**40])], [1])
@@ -129,10 +129,6 @@ def test_raw_ids_of_an_unmanaged_table_and_a_sharded_mesh_are_refused():
     with pytest.raises(ValueError, match=r"^feature 'item' \(table 'items', num_embeddings=10\): id 10 at batch "
                                          r"position 0, index 0 in the bag is outside \[0, 10\)"):
         model(torch.zeros(1, 3), _kjt([[1]], [np.array([ITEMS])], [1]))
-    with pytest.raises(ValueError, match=r"^managed-collision tables \['users'\] are not built for a sharded mesh "
-                                         r"yet \(this mesh has 8 devices\)"):
-        hybrid.Model(_tables(), _dense(0), mesh=hybrid.make_mesh("model=8"),
-                     managed_collision_modules={"users": module})
 
 
 def test_the_pipelined_step_remaps_one_batch_ahead_and_trains_as_the_plain_loop():

@@ -260,8 +260,6 @@ def test_criteo_raw_hex_ids_train_through_managed_tables_and_log_their_counters(
                                               r"dataset"),
     (["managed_collision.tables={t_user=1}"], r"\[managed_collision\]: MCHManagedCollisionModule: zch_size=1 must be "
                                               r"an int >= 2"),
-    (["managed_collision.tables={t_user=64}", "train.mesh='data=8'"], r"managed-collision tables \['t_user'\] are "
-                                                                     r"not built for a sharded mesh yet"),
     (["managed_collision.eviction_policy='fifo'"], r"managed_collision.eviction_policy = 'fifo'; choose one of "
                                                    r"\['lru', 'lfu'\]"),
 ])
@@ -289,3 +287,19 @@ def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_au
           f"{auc['movielens_raw_ids']:.4f}; {stats['movielens_raw_ids']}")
     assert stats["movielens"] is None and stats["movielens_raw_ids"]["t_user"]["evictions"] > 1000
     assert auc["movielens_raw_ids"] > auc["movielens"] - 0.03
+
+
+def test_a_row_wise_managed_table_trains_on_a_mesh_from_the_training_script(tmp_path, capsys):
+    path = _raw_criteo_tsv(tmp_path / "day_0.tsv")
+    metrics = tmp_path / "m.jsonl"
+    code = train.main(["--config", "configs/criteo.toml", "--steps", "16", "--mesh", "data=2,model=4",
+                       f"--set=data.paths=['{path}']", "--set=data.raw_ids=['cat_0']",
+                       "--set=managed_collision.tables={t_cat_0 = 48}", "--set=train.sharding={t_cat_0 = 'row_wise'}",
+                       "--set=data.num_embeddings=64", "--set=train.batch_size=64", "--set=train.eval_batch_size=64",
+                       "--set=train.eval_every=0", "--set=checkpoint.dir=''", f"--set=log.metrics_path='{metrics}'",
+                       "--set=log.every=8", "--set=sparse_optimizer.lr=0.2", "--set=dense_optimizer.lr=0.01"])
+    assert code == 0, capsys.readouterr()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    counters = [r["managed_collision"]["t_cat_0"] for r in records if r["kind"] == "train"]
+    assert [c["occupancy"] for c in counters] == [44, 44]  # 4 shards of 12 rows, one default row each
+    assert counters[-1]["evictions"] > 0 and records[-1]["auc"] > 0.6

@@ -1,0 +1,289 @@
+"""`ShardedManagedCollisionModule`: managed-collision tables on a mesh.
+
+A managed table stored row-wise in equal blocks over mesh axes (`row_wise`, `num_embeddings`
+divisible by the shard count S) is managed per shard, as TorchRec's sharded managed
+collision does: an id's owner shard is decided by a hash of the id (`hashed_slots(id, S)`),
+and shard s runs its own `MCHManagedCollisionModule` of `num_embeddings / S` slots over the
+rows it stores (`s * rows + slot`; its last slot is its default row). Any other placement
+(data-parallel, table-wise, column-wise, ...) keeps one id map for the whole table,
+replicated on every device. Either way the id maps live on the devices that hold the
+table, and replicas of a shard compute the same map from the same ids.
+
+The step, as unsharded (`sparse_jax.ManagedCollisionSparseModule`): `prepare` does host
+work only (checks, the collection's own prepare with a placeholder at managed positions,
+and per managed table the raw id words of each device's part of the batch with their
+positions, placed batch-sharded); `remap` runs in the step right before the lookup, one
+jitted program: inside `shard_map` every device all-gathers the table's raw ids (as the
+all-gather input dist does), each shard profiles and maps the ids it owns, a `psum` over
+the shard axes gives every position its row, and each device keeps its own part; then the
+rows given to new ids are reset in the donated shard buffers and optimizer state.
+
+One process only (every mesh device local): several processes would have to agree on the
+per-table id capacities, which is not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds, hashed_slots
+from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
+from sparse_jax._mc_module import ManagedSparseModule, _occupied, split_raw_ids
+from sparse_jax._module import PreparedBatch
+from sparse_jax.sharding import _placement
+from sparse_jax.sharding._local_batch import LocalBatches, split_batch
+from sparse_jax.sharding._placement import batch_sharding
+from sparse_jax.sharding._sharded import ShardedEmbeddingBagCollection
+
+__all__ = ["ShardedManagedBatch", "ShardedManagedCollisionModule"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedManagedBatch(PreparedBatch):
+    """Before `remap`: the sharded collection's prepared batch (a placeholder where ids are
+    managed) and per managed table `[devices, cap, 2]` raw id words with their positions
+    `[devices, cap]` in each device's values (padding: past the values)."""
+
+    local: LocalBatches
+    words: dict[str, jax.Array]
+    positions: dict[str, jax.Array]
+
+    @property
+    def stride(self) -> int:
+        return self.local.stride
+
+
+class TableSplit(NamedTuple):
+    """How a managed table's slots are split: `shards` id maps of `rows` slots each, one
+    per coordinate of `axes` (1 and `()`: one map for the whole table, replicated)."""
+
+    shards: int
+    axes: tuple[str, ...]
+    rows: int
+
+
+def table_split(sharded: ShardedEmbeddingBagCollection, table) -> TableSplit:
+    """Per shard maps for a table stored in equal full-width row blocks over a buffer's
+    axes (one block per coordinate, in order); one replicated map otherwise."""
+    for buf in sharded.buffers:
+        blocks = sorted((c, r0, rn, c0, cn) for name, c, _, r0, rn, c0, cn in buf.blocks if name == table.name)
+        if not blocks:
+            continue
+        s = buf.group_size
+        rows = table.num_embeddings // s
+        equal = [(c, c * rows, rows, 0, table.embedding_dim) for c in range(s)]
+        if s > 1 and table.num_embeddings % s == 0 and rows >= 2 and blocks == equal:
+            return TableSplit(s, tuple(buf.axes), rows)
+    return TableSplit(1, (), table.num_embeddings)
+
+
+class ShardedManagedCollisionModule(ManagedSparseModule):
+    """`sharded` (a `ShardedEmbeddingBagCollection`) with a managed-collision module per
+    table in `managed_collision_modules` (`zch_size == num_embeddings`), as a
+    `SparseModule` (see the module docstring)."""
+
+    def __init__(self, sharded: ShardedEmbeddingBagCollection,
+                 managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
+        if not isinstance(sharded, ShardedEmbeddingBagCollection):
+            raise TypeError(f"ShardedManagedCollisionModule wraps a ShardedEmbeddingBagCollection, got "
+                            f"{type(sharded).__name__}")
+        if len(sharded._local_rows) != sharded.num_devices:
+            raise ValueError("managed-collision tables on a mesh of several processes are not built yet; train them "
+                             "in one process (every mesh device local)")
+        mc = ManagedCollisionEmbeddingBagCollection(sharded.ebc, managed_collision_modules)
+        configs = {t.name: t for t in sharded.tables}
+        self.split = {name: table_split(sharded, configs[name]) for name in mc.modules}
+        self.shard_modules = {name: dataclasses.replace(module, zch_size=self.split[name].rows)
+                              for name, module in mc.modules.items()}
+        self.sharded, self.mesh = sharded, sharded.mesh
+        super().__init__(mc, sharded)
+        self.plan = sharded.plan
+        self._programs: dict = {}
+
+    @property
+    def mesh_axes(self):
+        return self.sharded.mesh_axes
+
+    # -- the id maps ----------------------------------------------------------------------------
+    def _place_key(self, key):
+        return jax.device_put(key, NamedSharding(self.mesh, P()))
+
+    def _spec(self, name: str) -> NamedSharding:
+        axes = self.split[name].axes
+        return NamedSharding(self.mesh, P(axes) if axes else P())
+
+    def _fresh_maps(self):
+        def stacked(name):
+            shards = self.split[name].shards
+            state = self.shard_modules[name].init()
+            return jax.tree.map(lambda x: jax.device_put(jnp.broadcast_to(x, (shards, *x.shape)), self._spec(name)),
+                                state)
+
+        states = {name: stacked(name) for name in self.managed_tables}
+        counters = {name: jax.device_put(jnp.zeros((self.split[name].shards, 3), jnp.int32), self._spec(name))
+                    for name in self.managed_tables}
+        return states, counters
+
+    def stats(self) -> dict[str, jax.Array]:
+        """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
+        ids evicted so far), summed over the table's id maps}: read them when you log."""
+        return {name: jnp.sum(c, axis=0) for name, c in self.mc_counters.items()}
+
+    def frozen_maps(self):
+        raise ValueError("hybrid.export of a sharded managed-collision table is not built yet; load the checkpoint "
+                         "into an unsharded model (no mesh) and export that")
+
+    # -- the batch ------------------------------------------------------------------------------
+    def prepare(self, kjt, *, device=None) -> ShardedManagedBatch:  # noqa: ARG002 (placed on the mesh)
+        """Host work only: checks, the sharded collection's prepare with a placeholder at
+        managed positions, and the raw id words of each device's part, placed beside it."""
+        ids, raw, owner = split_raw_ids(kjt, self.mc)
+        local = self.sharded.prepare(ids)
+        devices, capacity = local.values.shape
+        index = ids._replace(values=np.arange(1, raw.shape[0] + 1, dtype=np.int32))  # where each id lands
+        where = split_batch(index, devices, (capacity,), min_capacity=capacity)["values"].astype(np.int64) - 1
+        owner = np.append(owner, "")  # position -1 (padding) owns nothing
+        words, positions = {}, {}
+        for name in self.managed_tables:
+            mine = owner[where] == name  # [devices, capacity]
+            count = int(mine.sum(axis=1).max(initial=0))
+            cap = self._table_caps[name] = max(self._table_caps[name], 8, 1 << max(0, count - 1).bit_length())
+            pos = np.full((devices, cap), capacity, np.int32)
+            w = np.zeros((devices, cap, 2), np.int32)
+            for d in range(devices):
+                (js,) = np.nonzero(mine[d])
+                pos[d, : len(js)] = js
+                w[d, : len(js)] = RawIds.from_int64(raw[where[d, js]]).words()
+            positions[name], words[name] = pos, w
+        sharding = batch_sharding(self.mesh)
+        words, positions = jax.device_put((words, positions), sharding)
+        self.prepare_count += 1
+        return ShardedManagedBatch(local, words, positions)
+
+    def needs_remap(self, batch) -> bool:
+        return isinstance(batch, ShardedManagedBatch)
+
+    # -- in the step ----------------------------------------------------------------------------
+    def _map_local(self, training: bool):
+        """The per-device body: (state, counters, values, words, positions) -> (state,
+        counters, values, evicted); see the module docstring."""
+        all_axes = tuple(self.mesh.axis_names)
+        tables = self.managed_tables
+
+        def body(state, counters, values, words, positions):
+            me = jax.lax.axis_index(all_axes)
+            values = values[0]
+            state, counters, evicted = dict(state), dict(counters), {}
+            for name in tables:
+                split, module = self.split[name], self.shard_modules[name]
+                cap = positions[name].shape[1]
+                ids = RawIds.from_words(jax.lax.all_gather(words[name][0], all_axes, tiled=True))
+                pos = jax.lax.all_gather(positions[name][0], all_axes, tiled=True)
+                s = jax.lax.axis_index(split.axes) if split.axes else 0
+                owned = (pos < values.shape[0]) & (hashed_slots(ids, split.shards) == s if split.shards > 1 else True)
+                st = MCHState(*(x[0] for x in state[name]))
+                if training:
+                    before = _occupied(st, module.zch_size)
+                    st, ev = module.profile(st, ids, valid=owned)
+                    c = counters[name][0]
+                    counters[name] = jnp.stack([jnp.sum(_occupied(st, module.zch_size).astype(jnp.int32)),
+                                                c[1] + jnp.sum(ev.astype(jnp.int32)),
+                                                c[2] + jnp.sum((ev & before).astype(jnp.int32))])[None]
+                    state[name] = MCHState(*(x[None] for x in st))
+                    evicted[name] = ev[None]
+                rows = jnp.where(owned, s * module.zch_size + module.remap(st, ids), 0)
+                if split.axes:
+                    rows = jax.lax.psum(rows, split.axes)  # one owner per position
+                mine = jax.lax.dynamic_slice(rows, (me * cap,), (cap,))
+                values = values.at[positions[name][0]].set(mine, mode="drop")
+            return state, counters, values[None], evicted
+
+        return body
+
+    def _program(self, training: bool, opt_state=None):
+        key = (training, None if opt_state is None else jax.tree.structure(opt_state))
+        if key in self._programs:
+            return self._programs[key]
+        all_axes = tuple(self.mesh.axis_names)
+        tables = self.managed_tables
+        state_specs = {name: MCHState(*([self._spec(name).spec] * len(MCHState._fields))) for name in tables}
+        counter_specs = {name: self._spec(name).spec for name in tables}
+        batch = P(all_axes)
+        words_specs = {n: batch for n in tables}
+        body = self._map_local(training)
+        if not training:
+            def evaluate(state, values, words, positions):
+                counters = {n: jnp.zeros((1, 3), jnp.int32) for n in tables}
+                return body(state, counters, values, words, positions)[2]
+
+            program = jax.jit(jax.shard_map(evaluate, mesh=self.mesh,
+                                            in_specs=(state_specs, batch, words_specs, words_specs),
+                                            out_specs=batch, check_vma=False))
+        else:
+            buffers = self.sharded.buffers
+            param_specs = _placement.param_specs(buffers)
+            opt_specs = _placement.state_specs(buffers, opt_state).tables
+
+            def train(params, opt_tables, state, counters, key, values, words, positions):
+                state, counters, values, evicted = body(state, counters, values, words, positions)
+                key, draw = jax.random.split(key)
+                params, opt_tables = self._reset_local(params, opt_tables, evicted, draw)
+                return params, opt_tables, state, counters, key, values
+
+            program = jax.jit(jax.shard_map(
+                train, mesh=self.mesh,
+                in_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch, words_specs, words_specs),
+                out_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch), check_vma=False),
+                donate_argnums=(0, 1, 2, 3, 4))
+        self._programs[key] = program
+        return program
+
+    def _reset_local(self, params, opt_tables, evicted, key):
+        """On each device: fresh rows (the table's init, the same draw everywhere) and zero
+        per-row state for every slot given to a new id, in the blocks this device stores."""
+        params, opt_tables = dict(params), dict(opt_tables)
+        configs = {t.name: t for t in self.tables}
+        for i, name in enumerate(sorted(evicted)):
+            split, module, config = self.split[name], self.shard_modules[name], configs[name]
+            mask = evicted[name]  # [1, rows]: this shard's map
+            if split.axes:
+                mask = jax.lax.all_gather(mask[0], split.axes, tiled=True)  # every shard's, in order
+            k = split.shards * min(module.zch_size, module.history_capacity)
+            (rows,) = jnp.nonzero(mask.reshape(-1), size=k, fill_value=config.num_embeddings)  # table rows
+            fresh = config.initial_weights(jax.random.fold_in(key, i), rows=k)
+            for buf in self.sharded.buffers:
+                c = jax.lax.axis_index(buf.axes) if buf.axes else 0
+                for table, coord, local, r0, rn, c0, cn in buf.blocks:
+                    if table != name:
+                        continue
+                    limit = params[buf.name].shape[0]
+                    here = (rows >= r0) & (rows < r0 + rn) & (c == coord)
+                    at = jnp.where(here, local + rows - r0, limit)
+                    w = params[buf.name]
+                    params[buf.name] = w.at[at, :cn].set(fresh[:, c0:c0 + cn].astype(w.dtype), mode="drop")
+                    leaves = opt_tables.get(buf.name)
+                    if isinstance(leaves, Mapping):
+                        opt_tables[buf.name] = {n: (leaf.at[at].set(0, mode="drop") if leaf.ndim and
+                                                    leaf.shape[0] == limit else leaf) for n, leaf in leaves.items()}
+        return params, opt_tables
+
+    def remap(self, params, opt_state, batch: ShardedManagedBatch):
+        """A training batch's remap: `(params, opt_state, LocalBatches of table rows)`."""
+        program = self._program(True, opt_state)
+        (params, tables, self.mc_state, self.mc_counters, self._key, values) = program(
+            params, opt_state.tables, self.mc_state, self.mc_counters, self._key, batch.local.values, batch.words,
+            batch.positions)
+        return params, opt_state._replace(tables=tables), dataclasses.replace(batch.local, values=values)
+
+    def remap_eval(self, batch: ShardedManagedBatch) -> LocalBatches:
+        values = self._program(False)(self.mc_state, batch.local.values, batch.words, batch.positions)
+        return dataclasses.replace(batch.local, values=values)

@@ -1,0 +1,155 @@
+"""Managed-collision tables on a mesh (`sparse_jax.sharding.ShardedManagedCollisionModule`):
+one replicated id map for any placement but equal row blocks, which trains exactly as
+the unsharded model; per-shard maps for a row-wise table (ids hashed to shards, as
+TorchRec), checked against one plain-Python oracle per shard (tests/reference.py)."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import dense_torch
+import hybrid
+from hybrid import _checkpoint
+from sparse_jax import EmbeddingBagConfig, MCHManagedCollisionModule, RawIds, hashed_slots
+from tests.reference import ManagedCollisionLoop
+
+Z, ITEMS, DIM = 16, 12, 4
+MESH = "data=2,model=4"
+
+
+def _zeros(key, shape, dtype):  # noqa: ARG001 (fresh rows the test knows)
+    return jax.numpy.zeros(shape, dtype)
+
+
+def _tables(init_fn=None):
+    return [EmbeddingBagConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"],
+                               init_fn=init_fn),
+            EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
+
+
+def _model(plan=None, policy="lru", init_fn=None, managed=True, seed=0):
+    torch.manual_seed(seed)
+    modules = {"users": MCHManagedCollisionModule(Z, history_capacity=256, eviction_policy=policy)} if managed else None
+    mesh = hybrid.make_mesh(MESH) if plan else None
+    model = hybrid.Model(_tables(init_fn), dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]), mesh=mesh, plan=plan,
+                         managed_collision_modules=modules, seed=seed)
+    return model, torch.optim.SGD(model.dense_parameters(), lr=0.2)
+
+
+def _batches(steps, seed=0, batch=8, pool=40):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-(2**62), 2**62, size=pool)
+    for _ in range(steps):
+        users = [ids[rng.integers(0, pool, rng.integers(0, 3))] for _ in range(batch)]
+        items = rng.integers(0, ITEMS, batch)
+        yield users, items, torch.from_numpy(rng.normal(size=(batch, 3)).astype(np.float32)), \
+            torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32))
+
+
+def _kjt(users, items, user_values):
+    lengths = torch.tensor([len(b) for b in users] + [1] * len(items), dtype=torch.int32)
+    values = torch.cat([torch.as_tensor(np.asarray(user_values, np.int64)), torch.from_numpy(items.astype(np.int64))])
+    return ["user", "item"], values, lengths
+
+
+def _step(model, opt, sparse, dense, labels):
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(-1), labels)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+@pytest.mark.parametrize("plan", [{"users": "data_parallel", "items": "table_wise"},
+                                  {"users": "table_wise", "items": "row_wise"},
+                                  {"users": "column_wise", "items": "data_parallel"}],
+                         ids=["data_parallel", "table_wise", "column_wise"])
+def test_one_replicated_map_trains_as_the_unsharded_model(plan):
+    sharded, sopt = _model(plan)
+    assert sharded.sparse_module.split["users"].shards == 1
+    single, uopt = _model()
+    for users, items, dense, labels in _batches(14):
+        sparse = _kjt(users, items, [int(i) for b in users for i in b])
+        assert _step(sharded, sopt, sparse, dense, labels) == pytest.approx(_step(single, uopt, sparse, dense, labels),
+                                                                            rel=1e-5)
+    for name, w in single.table_weights().items():
+        np.testing.assert_allclose(sharded.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+    assert np.asarray(sharded.managed_collision_stats()["users"]).tolist() == \
+        np.asarray(single.managed_collision_stats()["users"]).tolist()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy):
+    """Shard s owns the ids hashing to s and rows s*Z/4 ... (s+1)*Z/4 - 1, its last row its
+    default; a plain model fed the oracles' rows, with the evicted rows reset by hand
+    (zero init, zero state), trains to the same tables."""
+    plan = {"users": "row_wise", "items": "table_wise"}
+    managed, mopt = _model(plan, policy, init_fn=_zeros)
+    split = managed.sparse_module.split["users"]
+    assert (split.shards, split.axes, split.rows) == (4, ("model",), Z // 4)
+    plain, popt = _model(plan, policy, init_fn=_zeros, managed=False)
+    oracles = [ManagedCollisionLoop(split.rows, policy) for _ in range(split.shards)]
+    resets = 0
+    for users, items, dense, labels in _batches(20, seed=1):
+        raw = [int(i) for b in users for i in b]
+        owner = np.asarray(hashed_slots(RawIds.from_int64(np.array(raw, np.int64)), 4)).tolist() if raw else []
+        evicted = []
+        for s, oracle in enumerate(oracles):
+            evicted += [s * split.rows + slot for slot in oracle.profile([i for i, o in zip(raw, owner, strict=True) if o == s])]
+        rows = [o * split.rows + oracles[o].remap([i])[0] for i, o in zip(raw, owner, strict=True)]
+        if evicted:
+            resets += 1
+            weights = plain.table_weights()["users"].clone()
+            weights[sorted(evicted)] = 0
+            plain.load_state_dict({"embedding_bags.users.weight": weights}, strict=False)
+            state = plain.sparse_opt_state
+            host = {b: {k: np.asarray(v).copy() for k, v in leaves.items()} for b, leaves in state.tables.items()}
+            for buffer, table, start, r0, rn, _, _ in plain.sparse_module.stored_blocks():
+                if table == "users":
+                    for leaf in host[buffer].values():
+                        for r in evicted:
+                            if r0 <= r < r0 + rn:
+                                leaf[start + r - r0] = 0
+            plain.load_sparse_opt_state(state._replace(tables=host))
+        want = _step(plain, popt, _kjt(users, items, rows), dense, labels)
+        assert _step(managed, mopt, _kjt(users, items, raw), dense, labels) == pytest.approx(want, rel=1e-5)
+    assert resets >= 3
+    for name, w in plain.table_weights().items():
+        np.testing.assert_allclose(managed.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+    occupancy = sum(sum(e["raw"] is not None for e in o.entries) for o in oracles)
+    assert np.asarray(managed.managed_collision_stats()["users"])[0] == occupancy
+
+
+def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
+    plan = {"users": "row_wise", "items": "data_parallel"}
+    model, opt = _model(plan)
+    batches = list(_batches(16, seed=2))
+    for users, items, dense, labels in batches[:7]:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    path = _checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=opt)
+    saved = _checkpoint.sparse_state_arrays(model)
+    assert saved["mc/users/sorted_hi"].shape == (4, Z // 4) and saved["mc/users/counters"].shape == (4, 3)
+    model.eval()
+    users, items, dense, _ = batches[0]
+    with torch.no_grad():
+        model(dense, _kjt(users, items, [int(i) for b in users for i in b]))
+    for key, value in _checkpoint.sparse_state_arrays(model).items():  # eval changed nothing
+        np.testing.assert_array_equal(value, saved[key], err_msg=key)
+    model.train()
+    for users, items, dense, labels in batches[7:]:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    resumed, ropt = _model(plan, seed=3)
+    _checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    for users, items, dense, labels in batches[7:]:
+        _step(resumed, ropt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    want = _checkpoint.sparse_state_arrays(model)
+    for key, value in _checkpoint.sparse_state_arrays(resumed).items():
+        np.testing.assert_allclose(value, want[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    other, oopt = _model({"users": "table_wise", "items": "data_parallel"})  # one map: other shapes
+    with pytest.raises(ValueError, match=r"table 'users': managed-collision sorted_hi has int32\[4, 4\], expected "
+                                         r"int32\[1, 16\] \(zch_size, history_capacity or the table's sharding "
+                                         r"changed\?\)"):
+        _checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)
+    with pytest.raises(ValueError, match=r"^hybrid.export of a sharded managed-collision table is not built yet"):
+        hybrid.export(model, tmp_path / "export", example=(dense, _kjt(users, items, [1] * sum(map(len, users)))))
