@@ -143,10 +143,10 @@ class SparseTables:
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled so far by the lookup and the update (for recompilation checks;
         shared with other models built from the same tables and optimizer)."""
-        return {
-            "lookup": self.module.lookup_compile_count(),
-            "update": self._update.compile_count(),
-        }
+        counts = {"lookup": self.module.lookup_compile_count(), "update": self._update.compile_count()}
+        if isinstance(self.module, ManagedSparseModule):
+            counts["remap"] = self.module.remap_compile_count()
+        return counts
 
     # -- whole-table access (copies) ---------------------------------------------------------
     def table_weights_torch(self) -> dict[str, torch.Tensor]:

@@ -231,6 +231,10 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
     def needs_remap(self, batch) -> bool:
         return isinstance(batch, ManagedBatch)
 
+    def remap_compile_count(self) -> int:
+        """Programs the remap has compiled (constant in a steady loop)."""
+        return self._remap_train._cache_size() + self._remap_eval._cache_size()
+
     def frozen_maps(self) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
         """{managed table: (resident raw ids ascending as int64, the slot of each as int32,
         the default slot)} on the host: the id map frozen, for serving (an id not in it

@@ -153,3 +153,40 @@ def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
         _checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)
     with pytest.raises(ValueError, match=r"^hybrid.export of a sharded managed-collision table is not built yet"):
         hybrid.export(model, tmp_path / "export", example=(dense, _kjt(users, items, [1] * sum(map(len, users)))))
+
+
+@pytest.mark.parametrize("plan", [None, {"users": "row_wise", "items": "table_wise"}], ids=["one_device", "row_wise"])
+def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan):
+    from tests.host_reads import count_host_reads
+
+    model, opt = _model(plan)
+    batches = [(dense, _kjt(users, items, [int(i) for b in users for i in b]), labels)
+               for users, items, dense, labels in _batches(14, seed=5)]
+    loss_fn = lambda logits, labels: torch.nn.functional.binary_cross_entropy_with_logits(  # noqa: E731
+        logits.squeeze(-1), labels)
+    for dense, sparse, labels in batches[:4]:  # warm-up: compiles, capacities reach their high-water marks
+        _step(model, opt, sparse, dense, labels)
+    warm = hybrid.TrainPipeline(model, opt, loss_fn)  # its guarded update is a program of its own
+    it = iter(batches[12:])
+    for _ in range(2):
+        warm.progress(it)
+    warm.close()
+    model.wait_for_sparse_update()
+    counts, before = model.compile_counts(), model.sparse_module.prepare_count
+    assert counts["remap"] >= 1
+    with count_host_reads() as reads:
+        for dense, sparse, labels in batches[4:8]:
+            loss = loss_fn(model(dense, sparse), labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        pipeline = hybrid.TrainPipeline(model, opt, loss_fn)
+        it = iter(batches[8:12])
+        for _ in range(4):
+            pipeline.progress(it)
+        with pytest.raises(StopIteration):
+            pipeline.progress(it)
+    assert reads.sites == [], f"device values read on the host in steady managed steps: {reads.sites}"
+    assert model.sparse_module.prepare_count - before == 8
+    model.wait_for_sparse_update()
+    assert model.compile_counts() == counts

@@ -172,6 +172,10 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
     def needs_remap(self, batch) -> bool:
         return isinstance(batch, ShardedManagedBatch)
 
+    def remap_compile_count(self) -> int:
+        """Programs the remap has compiled (constant in a steady loop)."""
+        return sum(program._cache_size() for program in self._programs.values())
+
     # -- in the step ----------------------------------------------------------------------------
     def _map_local(self, training: bool):
         """The per-device body: (state, counters, values, words, positions) -> (state,
