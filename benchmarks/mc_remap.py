@@ -5,7 +5,10 @@
     python -m benchmarks.mc_remap --zch 4096 --ids 2048 --repeats 5 --alone-repeats 5   # smoke
 
 A training call is `profile` (window, eviction every `--interval` calls) then `remap` of the
-batch; an eval call is `remap` only. Ids are raw int64 drawn from a Zipf-like pool of
+batch; an eval call is `remap` only. The share of a training step: a `hybrid.Model` (DLRM,
+one managed table of `--zch` rows, `--ids` samples of one raw id each) against the same
+model on a plain table fed `raw % zch` (the same lookup and update, no remap), interleaved,
+every sparse update waited for. Ids are raw int64 drawn from a Zipf-like pool of
 `--pool` 64-bit values (more ids than slots: the table keeps turning over). Both sides first
 run the same `--check` batches and must give the same slots; then both are timed
 interleaved (medians, per-round ratios; every JAX result waited for), and TorchRec is timed
@@ -80,6 +83,48 @@ def theirs(args):
     return (lambda b: call(b, True)), (lambda b: call(b, False))
 
 
+def step_share(args) -> dict[str, float]:
+    """Median ms of a managed training step and of the same step on a plain table."""
+    import torch
+
+    import dense_torch
+    import hybrid
+    from benchmarks.timing import clocked, interleaved, summarize
+    from sparse_jax import EmbeddingBagConfig, MCHManagedCollisionModule
+
+    def build(managed: bool):
+        torch.manual_seed(0)
+        tables = [EmbeddingBagConfig(name="t", num_embeddings=args.zch, embedding_dim=16, feature_names=["f"])]
+        module = MCHManagedCollisionModule(args.zch, history_capacity=args.ids * args.interval,
+                                           eviction_policy=args.policy, eviction_interval=args.interval)
+        model = hybrid.Model(tables, dense_torch.DLRM(16, 1, 4, [16], [16, 1]),
+                             managed_collision_modules={"t": module} if managed else None)
+        return model, torch.optim.SGD(model.dense_parameters(), lr=0.01)
+
+    sides = {"managed": build(True), "plain": build(False)}
+    batches = stream(args.ids, args.pool, seed=2)
+    lengths = torch.ones(args.ids, dtype=torch.int32)
+    dense, labels = torch.randn(args.ids, 4), torch.randint(0, 2, (args.ids,)).float()
+
+    def step(model, opt, raw):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(dense, (["f"], torch.from_numpy(raw), lengths)).squeeze(-1), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.wait_for_sparse_update()  # the asynchronous update (and remap) inside the time
+        return loss.detach()
+
+    cases = {
+        "managed": clocked(lambda c: step(*sides["managed"], next(batches))),
+        "plain": clocked(lambda c: step(*sides["plain"], next(batches) % args.zch)),
+    }
+    for case in cases.values():  # compile both
+        case()
+    samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
+    return {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
+
+
 def _timed(args, sides):
     from benchmarks.timing import clocked, interleaved
 
@@ -122,6 +167,7 @@ def main(argv=None) -> int:
     samples = _timed(args, {"xla": a, "torchrec": b})
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
     fresh = competitor_alone("benchmarks.mc_remap", "torchrec", argv)
+    share = step_share(args)
     after = quietness_probe()
     print(quietness_line(before, after))
     print(f"zch_size {args.zch}, {args.ids} ids per batch from {args.pool} raw int64 ids, {args.policy.upper()}, "
@@ -134,6 +180,9 @@ def main(argv=None) -> int:
         x = med[f"xla {call}"]
         print(f"| {call} | {x:.2f} | {args.ids / x / 1e3:.2f} | {med[f'torchrec {call}']:.2f} "
               f"| {fresh[f'torchrec {call}']:.2f} | {r['paired_median']:.2f}x |")
+    managed, plain = share["managed"], share["plain"]
+    print(f"hybrid.Model training step, {args.ids} ids: {managed:.2f} ms managed, {plain:.2f} ms on a plain table; "
+          f"the remap is {max(0.0, 1 - plain / managed):.0%} of the managed step")
     return 0
 
 

@@ -8,6 +8,7 @@ are marked `parity` and skip without fbgemm_gpu.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -221,6 +222,8 @@ def test_mc_remap_benchmark_gates_on_torchrec_slots_and_reports_both_calls(capsy
     assert "first 4 batches equal slot for slot" in out
     rows = [line for line in out.splitlines() if line.startswith(("| train |", "| eval |"))]
     assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows), out
+    assert re.search(r"hybrid.Model training step, 32 ids: [\d.]+ ms managed, [\d.]+ ms on a plain table; the "
+                     r"remap is \d+% of the managed step", out), out
     real = mc_remap.theirs
 
     def shifted(args):  # TorchRec's slots, one off: the gate must refuse to time anything
