@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from hybrid._files import fsync_dir, publish_dir, sha256_file, write_atomic, write_fsynced
-from hybrid._mc_checkpoint import mc_state_arrays, restore_mc_state
+from hybrid._mc_checkpoint import check_mc_tables, mc_state_arrays, restore_mc_state
 from sparse_jax.optim import SparseOptState
 
 __all__ = [
@@ -155,7 +155,7 @@ def _row_values(arrays, table: str, leaf: str, c0: int, cn: int, where: str) -> 
 
 def _restore_sparse(model, arrays, where: str) -> None:
     module, opt_state = model.sparse_module, model.sparse_opt_state
-    restore_mc_state(model, arrays, where)  # first: refuses other managed tables before anything changes
+    check_mc_tables(model, arrays, where)  # other managed tables: refused before anything changes
     weights = {}
     for t in module.tables:
         key = f"weight/{t.name}"
@@ -208,6 +208,7 @@ def _restore_sparse(model, arrays, where: str) -> None:
     # SparseTables has no public setter for optimizer state (see the closing note of the
     # training-script change): the state is replaced whole, as the fused update does
     model.load_sparse_opt_state(SparseOptState(count=count, tables=tables))
+    restore_mc_state(model, arrays, where)  # the id maps, once the rows they point to are in place
 
 
 # -- files: written with fsync, verified against the manifest ---------------------------

@@ -16,7 +16,7 @@ import numpy as np
 
 from sparse_jax import MCH_STATE_FIELDS, ManagedSparseModule, MCHState
 
-__all__ = ["mc_state_arrays", "restore_mc_state"]
+__all__ = ["check_mc_tables", "mc_state_arrays", "restore_mc_state"]
 
 
 def _managed(model) -> ManagedSparseModule | None:
@@ -39,17 +39,25 @@ def mc_state_arrays(model) -> dict[str, np.ndarray]:
     return out
 
 
-def restore_mc_state(model, arrays, where: str) -> None:
-    """Load the id maps saved by `mc_state_arrays` into `model`; a checkpoint written with
-    other managed tables (or none) raises, naming them."""
+def check_mc_tables(model, arrays, where: str) -> None:
+    """Refuse a checkpoint whose id maps are of other managed tables (or of none) than
+    `model`'s, naming both (checked before anything is restored)."""
     module = _managed(model)
     saved = sorted({k.split("/")[1] for k in arrays if k.startswith("mc/")})
     wanted = [] if module is None else module.managed_tables
     if saved != wanted:
         raise ValueError(f"{where}: the checkpoint holds id maps of managed-collision tables {saved}, this model "
                          f"manages {wanted}; load it with the same [managed_collision] tables")
+
+
+def restore_mc_state(model, arrays, where: str) -> None:
+    """Load the id maps saved by `mc_state_arrays` into `model` (after `check_mc_tables`);
+    maps of other shapes raise before any map changes."""
+    module = _managed(model)
+    check_mc_tables(model, arrays, where)
     if module is None:
         return
+    wanted = module.managed_tables
     states, counters = {}, {}
     for table in wanted:
         missing = [f for f in (*MCH_STATE_FIELDS, "counters") if f"mc/{table}/{f}" not in arrays]

@@ -24,7 +24,7 @@ import dense_torch
 from hybrid._batch import as_host_kjt
 from hybrid._bridge import jax_to_torch
 from hybrid._model import Model
-from sparse_jax import PreparedBatch, QuantEmbeddingBagCollection
+from sparse_jax import ManagedSparseModule, PreparedBatch, QuantEmbeddingBagCollection
 
 __all__ = ["QuantizedModel", "quantize"]
 
@@ -103,6 +103,10 @@ def quantize(
     its dense tower is copied. Batches are padded to `model.capacity_ladder`."""
     if not isinstance(model, Model):
         raise TypeError(f"hybrid.quantize takes a trained hybrid.Model, got {type(model).__name__}")
+    if isinstance(model.sparse_module, ManagedSparseModule):
+        raise ValueError(f"hybrid.quantize of a model with managed-collision tables "
+                         f"{model.sparse_module.managed_tables} is not built yet (the quantized model would read raw "
+                         "ids as rows); export the float model with hybrid.export, which freezes the id maps")
     sparse = QuantEmbeddingBagCollection.from_float(
         model.sparse_module,
         model.sparse_params,

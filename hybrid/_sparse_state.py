@@ -79,6 +79,8 @@ class SparseTables:
         self.module, self.rule, self.device = module, rule, device
         self.pending = None  # the SparseStep whose backward runs next (set by its forward)
         params = module.init(key)
+        if isinstance(module, ManagedSparseModule):
+            module.place_maps(device)  # beside the tables, before any checkpoint loads into them
         # committed to one device from the start: the update returns committed arrays, and
         # jit keys its cache on commitment, so uncommitted first-step inputs would compile twice
         self._params = _committed(params, device)

@@ -219,9 +219,10 @@ class MCHManagedCollisionModule:
         pos = _search(state.sorted_hi, state.sorted_lo, uhi, ulo)
         hit = real & (state.sorted_hi[pos] == uhi) & (state.sorted_lo[pos] == ulo)
         hit_at = jnp.where(hit, pos, z)
-        counts = state.counts.at[hit_at].add(count, mode="drop")
-        lasts = state.last_access.at[hit_at].set(last, mode="drop")
         int_max = jnp.iinfo(jnp.int32).max
+        added = jnp.zeros(z, jnp.int32).at[hit_at].add(count, mode="drop")  # one window id per resident entry
+        counts = jnp.where(state.counts > int_max - added, int_max, state.counts + added)  # saturates, never wraps
+        lasts = state.last_access.at[hit_at].set(last, mode="drop")
         counts, lasts = counts.at[z - 1].set(int_max), lasts.at[z - 1].set(state.step)
         new = real & ~hit
         if self.eviction_policy == "lfu":

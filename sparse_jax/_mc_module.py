@@ -86,6 +86,11 @@ def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionEmbeddingBagCollec
                        for k in keys] + [""], dtype=object)
     owner = tables[np.repeat(np.arange(len(keys)), per_key)]
     raw = raw[:n]
+    reserved = (owner != "") & (raw == np.iinfo(np.int64).max)
+    if reserved.any():
+        where = _validate.locate(int(np.flatnonzero(reserved)[0]), np.asarray(host.lengths()), keys, stride)
+        raise ValueError(f"id 2**63 - 1 at {where} is reserved (it marks an empty slot of a managed-collision "
+                         "table); map it to another id")
     plain = np.where(owner != "", 0, raw)
     wide = (plain < np.iinfo(np.int32).min) | (plain > np.iinfo(np.int32).max)
     if wide.any():
@@ -127,6 +132,26 @@ class ManagedSparseModule(LayoutFacts):
         self._key = self._place_key(jax.random.fold_in(key, 0x4D43))
         self.mc_state, self.mc_counters = self._fresh_maps()
         return self.inner.init(key)
+
+    def _capacity(self, name: str, count: int, *, devices: int) -> int:
+        """Table `name`'s id capacity per device for a batch with at most `count` of its ids
+        on a device: a power of two (>= 8) that never shrinks, so steady training compiles
+        once, but whose high-water mark stays within what a training window holds (an eval
+        batch larger than any training batch gets its own shape and leaves the training
+        shape alone; a training batch that large is refused by the window)."""
+        module = self.mc.modules[name]
+        fits = max(8, module.history_capacity // (module.eviction_interval * devices))
+        need = max(8, 1 << max(0, count - 1).bit_length())
+        high = max(self._table_caps[name], need)
+        self._table_caps[name] = high
+        return max(need, min(high, fits))
+
+    def place_maps(self, device: jax.Device | None) -> None:
+        """Commit the id maps, counters and draw key to `device` (where the tables are), so a
+        map loaded before the first step lands there too."""
+        if device is not None:
+            self.mc_state, self.mc_counters, self._key = jax.device_put((self.mc_state, self.mc_counters, self._key),
+                                                                        device)
 
     @property
     def draw_key(self) -> jax.Array:
@@ -259,7 +284,7 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
         words, positions = {}, {}
         for name in self.managed_tables:
             mine = np.flatnonzero(owner == name).astype(np.int32)
-            cap = self._table_caps[name] = max(self._table_caps[name], 8, 1 << max(0, len(mine) - 1).bit_length())
+            cap = self._capacity(name, len(mine), devices=1)
             positions[name] = np.full(cap, capacity, np.int32)
             positions[name][: len(mine)] = mine
             words[name] = np.zeros((cap, 2), np.int32)

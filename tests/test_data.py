@@ -82,7 +82,8 @@ def test_criteo_raw_ids_keep_every_hex_bit_and_refuse_only_the_reserved_value(tm
     path.write_text(_criteo_line(1, ["1"] * 13, cats))
     sizes = [0] * 6 + [100] * 20
     data = read_criteo_tsv(path, num_embeddings=sizes)
-    assert [int(v[0]) for v in data.values[:6]] == [0x68FD1E64, -1, -1, -(2**63), 2**63 - 2, 0]
+    assert [v.tolist() for v in data.values[:6]] == [[0x68FD1E64], [], [-1], [-(2**63)], [2**63 - 2], [0]]
+    assert data.lengths[:6, 0].tolist() == [1, 0, 1, 1, 1, 1]  # missing: an empty bag, not an id
     assert data.num_embeddings[:7] == (0, 0, 0, 0, 0, 0, 100) and data.raw_keys == CRITEO_KEYS[:6]
     assert int(data.values[6][0]) == 1 + 0xA % 99  # a hashed feature beside them is unchanged
     path.write_text(_criteo_line(1, ["1"] * 13, ["7fffffffffffffff"] + ["a"] * 25))

@@ -1,6 +1,8 @@
 """Managed-collision id maps in checkpoints: a run resumed from a checkpoint remaps,
 evicts and resets exactly as the uninterrupted run (tables, id maps, counters, draws)."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -81,8 +83,9 @@ def test_a_checkpoint_loads_only_into_a_model_managing_the_same_tables(tmp_path)
     _train(model, opt, _batches(3))
     path = _checkpoint.save_checkpoint(tmp_path, step=3, model=model, dense_optimizer=opt)
     plain, popt = _model(modules={})
-    with pytest.raises(ValueError, match=r"the checkpoint holds id maps of managed-collision tables \['users'\], this "
-                                         r"model manages \[\]; load it with the same \[managed_collision\] tables$"):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"checkpoint {path}: the checkpoint holds id maps of managed-collision tables ['users'], this model "
+            "manages []; load it with the same [managed_collision] tables") + "$"):
         _checkpoint.load_checkpoint(path, model=plain, dense_optimizer=popt)
     other, oopt = _model(modules={"items": MCHManagedCollisionModule(8, history_capacity=64)})
     with pytest.raises(ValueError, match=r"holds id maps of managed-collision tables \['users'\], this model manages "

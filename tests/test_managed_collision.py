@@ -5,6 +5,7 @@ TorchRec's own `MCHManagedCollisionModule` where torchrec is installed."""
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -232,3 +233,15 @@ def test_the_collection_refuses_what_it_cannot_manage():
     ]:
         with pytest.raises(ValueError, match="^" + re.escape(f"{name}: {message}") + "$"):
             ManagedCollisionEmbeddingBagCollection(ebc, modules)
+
+
+def test_lfu_counts_saturate_instead_of_wrapping():
+    mc = MCHManagedCollisionModule(4, history_capacity=8, eviction_policy="lfu")
+    ids = RawIds.from_int64(np.array([11, 12, 13]))
+    state, _ = mc.profile(mc.init(), ids)  # all three admitted
+    state = state._replace(counts=jnp.where(state.counts < np.iinfo(np.int32).max, np.iinfo(np.int32).max - 1,
+                                            state.counts))
+    state, _ = mc.profile(state, RawIds.from_int64(np.array([11, 11, 11, 12])))
+    top = np.iinfo(np.int32).max
+    assert sorted(np.asarray(state.counts).tolist()) == [top - 1, top, top, top]  # 13 unseen; 11, 12 saturated
+    assert sorted(np.asarray(mc.remap(state, ids)).tolist()) == [0, 1, 2]  # nobody evicted

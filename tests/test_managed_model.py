@@ -191,3 +191,50 @@ def test_an_export_serves_raw_ids_through_the_frozen_map_as_eval_does(tmp_path):
         z.writestr("extra.npy", b"")
     with pytest.raises(hybrid.serving.ArtifactError, match=r"id_maps/00_users\.npz"):
         hybrid.serving.load(path)
+
+
+def test_an_eval_batch_larger_than_any_training_batch_leaves_training_running():
+    """The per-table id capacity grows with eval batches too, but a training window only
+    ever gets the training shape (a window of 32 ids, eval batches of 64 ids)."""
+    module = MCHManagedCollisionModule(Z, history_capacity=32)
+    model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
+    opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+    small = list(_batches(3, batch=4))
+    for users, items, dense, labels in small[:2]:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    users, items, dense, _ = next(_batches(1, seed=9, batch=40))
+    model.eval()
+    with torch.no_grad():
+        model(dense, _kjt(users, items, [int(i) for b in users for i in b]))
+    model.train()
+    users, items, dense, labels = small[2]
+    _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    users, items, dense, labels = next(_batches(1, seed=9, batch=40))  # a training batch that large is refused
+    with pytest.raises(ValueError, match=r"1 batches of 64 id positions \(padding to the capacity rung included\) "
+                                         r"may exceed history_capacity=32"):
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+
+
+def test_reserved_ids_a_quantized_copy_and_a_map_loaded_onto_another_device_are_handled(tmp_path):
+    from hybrid import _checkpoint
+
+    module = MCHManagedCollisionModule(Z, history_capacity=128)
+    model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
+    with pytest.raises(ValueError, match=r"^id 2\*\*63 - 1 at feature 'user', batch position 1, index 0 in the bag is "
+                                         r"reserved \(it marks an empty slot of a managed-collision table\); map it "
+                                         r"to another id$"):
+        model(torch.zeros(2, 3), _kjt([[5], [2**63 - 1]], [np.array([1]), np.array([2])], [5, 2**63 - 1]))
+    with pytest.raises(ValueError, match=r"^hybrid.quantize of a model with managed-collision tables \['users'\] is "
+                                         r"not built yet"):
+        hybrid.quantize(model, "int8")
+    opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+    for users, items, dense, labels in _batches(4):
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    path = _checkpoint.save_checkpoint(tmp_path, step=4, model=model, dense_optimizer=opt)
+    elsewhere = jax.sharding.Mesh(np.array(jax.devices()[1:2]), ("data",))  # the tables on device 1
+    other = hybrid.Model(_tables(), _dense(0), mesh=elsewhere, managed_collision_modules={"users": module})
+    oopt = torch.optim.SGD(other.dense_parameters(), lr=0.1)
+    _checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)  # before any step
+    users, items, dense, labels = next(_batches(1, seed=3))
+    _step(other, oopt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    assert {d.id for leaf in jax.tree.leaves(other.sparse_module.mc_state) for d in leaf.devices()} == {1}

@@ -190,3 +190,10 @@ def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan
     assert model.sparse_module.prepare_count - before == 8
     model.wait_for_sparse_update()
     assert model.compile_counts() == counts
+
+
+def test_the_all_to_all_input_dist_is_refused_for_managed_tables():
+    with pytest.raises(ValueError, match=r"^managed-collision tables need input_dist='all_gather' \(got 'all_to_all'\)"):
+        hybrid.Model(_tables(), dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]), mesh=hybrid.make_mesh(MESH),
+                     plan={"users": "row_wise", "items": "row_wise"}, input_dist="all_to_all",
+                     managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=256)})

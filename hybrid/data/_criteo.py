@@ -6,7 +6,8 @@ values written as hex strings (may be empty). Dense features are `log(1 + max(x,
 missing, and a present value hashes to `1 + int(hex, 16) % (num_embeddings[f] - 1)`.
 `num_embeddings[f] = 0` keeps feature f's raw ids instead (no vocabulary, no hashing, for
 a managed-collision table): the hex value's 64 bits as an int64 (two's complement above
-`2**63 - 1`; that one value is reserved and refused), missing -> -1.
+`2**63 - 1`; that one value is reserved and refused); a missing value is an empty bag (no
+id: every 64-bit value is some hex string, so no id could stand for "missing").
 
 Accepted field syntax (anything else is an error, never silently coerced):
 
@@ -104,6 +105,7 @@ def _lines(path: str | os.PathLike, f) -> Iterator[tuple[int, bytes]]:
 
 
 _INT64_MAX = (1 << 63) - 1
+_MISSING = _INT64_MAX  # a raw feature's missing value in `_parse` (refused as a value): an empty bag
 
 
 def _sizes(num_embeddings: int | Sequence[int]) -> tuple[int, ...]:
@@ -141,7 +143,7 @@ def _parse(line: str, where: str, sizes: tuple[int, ...]):
     ids = []
     for i, text in enumerate(fields[1 + NUM_DENSE :]):
         if text == "":
-            ids.append(0 if sizes[i] else -1)
+            ids.append(0 if sizes[i] else _MISSING)
         elif _HEX.fullmatch(text):
             value = int(text, 16)
             if sizes[i]:
@@ -165,11 +167,12 @@ def _parse(line: str, where: str, sizes: tuple[int, ...]):
 def _chunk(labels, dense, ids, sizes) -> ClickData:
     n = len(labels)
     id_matrix = np.array(ids, np.int64).reshape(n, NUM_SPARSE)
+    present = (id_matrix != _MISSING) | (np.array(sizes) > 0)  # a raw feature's missing value: no id
     return ClickData(
         CRITEO_KEYS,
         np.array(dense, np.float32).reshape(n, NUM_DENSE),
-        tuple(np.ascontiguousarray(id_matrix[:, f]) for f in range(NUM_SPARSE)),
-        np.ones((NUM_SPARSE, n), np.int64),
+        tuple(np.ascontiguousarray(id_matrix[present[:, f], f]) for f in range(NUM_SPARSE)),
+        present.T.astype(np.int64),
         np.array(labels, np.float32),
         sizes,
     )

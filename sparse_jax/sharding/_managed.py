@@ -99,6 +99,9 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         if len(sharded._local_rows) != sharded.num_devices:
             raise ValueError("managed-collision tables on a mesh of several processes are not built yet; train them "
                              "in one process (every mesh device local)")
+        if sharded.input_dist != "all_gather":
+            raise ValueError(f"managed-collision tables need input_dist='all_gather' (got {sharded.input_dist!r}): the "
+                             "all_to_all route capacity is counted on the host, before the ids are remapped to rows")
         mc = ManagedCollisionEmbeddingBagCollection(sharded.ebc, managed_collision_modules)
         configs = {t.name: t for t in sharded.tables}
         self.split = {name: table_split(sharded, configs[name]) for name in mc.modules}
@@ -139,8 +142,8 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         return {name: jnp.sum(c, axis=0) for name, c in self.mc_counters.items()}
 
     def frozen_maps(self):
-        raise ValueError("hybrid.export of a sharded managed-collision table is not built yet; load the checkpoint "
-                         "into an unsharded model (no mesh) and export that")
+        raise ValueError("hybrid.export of a sharded managed-collision table is not built yet (its id maps are per "
+                         "shard, each with its own default row); export a model whose managed tables are unsharded")
 
     # -- the batch ------------------------------------------------------------------------------
     def prepare(self, kjt, *, device=None) -> ShardedManagedBatch:  # noqa: ARG002 (placed on the mesh)
@@ -156,7 +159,7 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         for name in self.managed_tables:
             mine = owner[where] == name  # [devices, capacity]
             count = int(mine.sum(axis=1).max(initial=0))
-            cap = self._table_caps[name] = max(self._table_caps[name], 8, 1 << max(0, count - 1).bit_length())
+            cap = self._capacity(name, count, devices=devices)
             pos = np.full((devices, cap), capacity, np.int32)
             w = np.zeros((devices, cap, 2), np.int32)
             for d in range(devices):
