@@ -41,19 +41,20 @@ __all__ = ["ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule"
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ManagedBatch(PreparedBatch):
-    """A managed collection's prepared batch, before `remap`: the collection's own prepared
-    batch (`padded`, a placeholder where ids are managed) and per managed table its raw
-    ids as `[cap, 2]` int32 words with their positions in `padded`'s values (`cap`: the
-    table's own capacity, a power of two that never shrinks; padding positions point past
-    the values and are dropped)."""
+    """A managed module's prepared batch, before `remap`: the wrapped collection's own
+    prepared batch (`inner`: a `PaddedBatch`, or a sharded collection's `LocalBatches`, with
+    a placeholder where ids are managed) and per managed table its raw ids as int32 words
+    with their positions in `inner`'s values: `[cap, 2]` and `[cap]` unsharded, `[devices,
+    cap, 2]` and `[devices, cap]` on a mesh (`cap`: the table's own capacity per device, a
+    power of two; padding positions point past the values and are dropped)."""
 
-    padded: PaddedBatch
+    inner: PreparedBatch
     words: dict[str, jax.Array]
     positions: dict[str, jax.Array]
 
     @property
     def stride(self) -> int:
-        return self.padded.stride
+        return self.inner.stride
 
 
 def _raw_ids(values: np.ndarray) -> np.ndarray:
@@ -112,7 +113,7 @@ class ManagedSparseModule(LayoutFacts):
     """What the unsharded and the sharded managed-collision modules share: the id maps
     (`mc_state`, `mc_counters`, the draw key of fresh rows) and the `SparseModule`
     contract delegated to the collection they wrap (`inner`). A subclass provides
-    `prepare`, `needs_remap`, `remap`, `remap_eval`, `stats`, `frozen_maps` and
+    `prepare`, `remap`, `remap_eval`, `remap_compile_count`, `stats`, `frozen_maps` and
     `_fresh_maps`."""
 
     plan = None
@@ -157,6 +158,10 @@ class ManagedSparseModule(LayoutFacts):
     def draw_key(self) -> jax.Array:
         """The key fresh rows are drawn from (advanced by every training remap)."""
         return self._key
+
+    def needs_remap(self, batch) -> bool:
+        """Whether `batch` is this kind of module's prepared batch, not yet mapped to rows."""
+        return isinstance(batch, ManagedBatch)
 
     def _place_key(self, key):
         return key  # where the tables are: one device unsharded (the sharded module replicates it)
@@ -253,9 +258,6 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
     def _fresh_maps(self):
         return self.mc.init_state(), {name: jnp.zeros(3, jnp.int32) for name in self.mc.modules}
 
-    def needs_remap(self, batch) -> bool:
-        return isinstance(batch, ManagedBatch)
-
     def remap_compile_count(self) -> int:
         """Programs the remap has compiled (constant in a steady loop)."""
         return self._remap_train._cache_size() + self._remap_eval._cache_size()
@@ -300,15 +302,15 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
         and optimizer state; the slot batch is what the lookup and the fused update take."""
         self._check_batch(batch)
         (params, opt_state, self.mc_state, self.mc_counters, self._key, values) = self._remap_train(
-            params, opt_state, self.mc_state, self.mc_counters, self._key, batch.padded.kjt.values(), batch.words,
+            params, opt_state, self.mc_state, self.mc_counters, self._key, batch.inner.kjt.values(), batch.words,
             batch.positions)
-        return params, opt_state, PaddedBatch(batch.padded.kjt._replace(values=values))
+        return params, opt_state, PaddedBatch(batch.inner.kjt._replace(values=values))
 
     def remap_eval(self, batch: ManagedBatch) -> PaddedBatch:
         """An eval batch's slot ids (ids not resident read the default row); nothing changes."""
         self._check_batch(batch)
-        values = self._remap_eval(self.mc_state, batch.padded.kjt.values(), batch.words, batch.positions)
-        return PaddedBatch(batch.padded.kjt._replace(values=values))
+        values = self._remap_eval(self.mc_state, batch.inner.kjt.values(), batch.words, batch.positions)
+        return PaddedBatch(batch.inner.kjt._replace(values=values))
 
     @staticmethod
     def _check_batch(batch) -> None:

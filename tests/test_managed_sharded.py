@@ -13,6 +13,7 @@ import hybrid
 from hybrid import _checkpoint
 from sparse_jax import EmbeddingBagConfig, MCHManagedCollisionModule, RawIds, hashed_slots
 from tests.reference import ManagedCollisionLoop
+from tests.test_managed_model import _step
 
 Z, ITEMS, DIM = 16, 12, 4
 MESH = "data=2,model=4"
@@ -51,14 +52,6 @@ def _kjt(users, items, user_values):
     lengths = torch.tensor([len(b) for b in users] + [1] * len(items), dtype=torch.int32)
     values = torch.cat([torch.as_tensor(np.asarray(user_values, np.int64)), torch.from_numpy(items.astype(np.int64))])
     return ["user", "item"], values, lengths
-
-
-def _step(model, opt, sparse, dense, labels):
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(-1), labels)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.detach())
 
 
 @pytest.mark.parametrize("plan", [{"users": "data_parallel", "items": "table_wise"},

@@ -3,7 +3,7 @@
 
 from sparse_jax.plan import ParameterSharding, Shard, ShardingEstimate, ShardingPlan, ShardingType
 
-from ._managed import ShardedManagedBatch, ShardedManagedCollisionModule
+from ._managed import ShardedManagedCollisionModule
 from ._sequence import ShardedEmbeddingCollection
 from ._sharded import ShardedEmbeddingBagCollection, shard
 
@@ -14,7 +14,6 @@ __all__ = [
     "ShardingPlan",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
-    "ShardedManagedBatch",
     "ShardedManagedCollisionModule",
     "ShardingType",
     "shard",

@@ -36,30 +36,13 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds, hashed_slots
 from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
-from sparse_jax._mc_module import ManagedSparseModule, _occupied, split_raw_ids
-from sparse_jax._module import PreparedBatch
+from sparse_jax._mc_module import ManagedBatch, ManagedSparseModule, _occupied, split_raw_ids
 from sparse_jax.sharding import _placement
 from sparse_jax.sharding._local_batch import LocalBatches, split_batch
 from sparse_jax.sharding._placement import batch_sharding
 from sparse_jax.sharding._sharded import ShardedEmbeddingBagCollection
 
-__all__ = ["ShardedManagedBatch", "ShardedManagedCollisionModule"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ShardedManagedBatch(PreparedBatch):
-    """Before `remap`: the sharded collection's prepared batch (a placeholder where ids are
-    managed) and per managed table `[devices, cap, 2]` raw id words with their positions
-    `[devices, cap]` in each device's values (padding: past the values)."""
-
-    local: LocalBatches
-    words: dict[str, jax.Array]
-    positions: dict[str, jax.Array]
-
-    @property
-    def stride(self) -> int:
-        return self.local.stride
+__all__ = ["ShardedManagedCollisionModule"]
 
 
 class TableSplit(NamedTuple):
@@ -146,7 +129,7 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
                          "shard, each with its own default row); export a model whose managed tables are unsharded")
 
     # -- the batch ------------------------------------------------------------------------------
-    def prepare(self, kjt, *, device=None) -> ShardedManagedBatch:  # noqa: ARG002 (placed on the mesh)
+    def prepare(self, kjt, *, device=None) -> ManagedBatch:  # noqa: ARG002 (placed on the mesh)
         """Host work only: checks, the sharded collection's prepare with a placeholder at
         managed positions, and the raw id words of each device's part, placed beside it."""
         ids, raw, owner = split_raw_ids(kjt, self.mc)
@@ -170,10 +153,7 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         sharding = batch_sharding(self.mesh)
         words, positions = jax.device_put((words, positions), sharding)
         self.prepare_count += 1
-        return ShardedManagedBatch(local, words, positions)
-
-    def needs_remap(self, batch) -> bool:
-        return isinstance(batch, ShardedManagedBatch)
+        return ManagedBatch(local, words, positions)
 
     def remap_compile_count(self) -> int:
         """Programs the remap has compiled (constant in a steady loop)."""
@@ -283,14 +263,14 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
                                                     leaf.shape[0] == limit else leaf) for n, leaf in leaves.items()}
         return params, opt_tables
 
-    def remap(self, params, opt_state, batch: ShardedManagedBatch):
+    def remap(self, params, opt_state, batch: ManagedBatch):
         """A training batch's remap: `(params, opt_state, LocalBatches of table rows)`."""
         program = self._program(True, opt_state)
         (params, tables, self.mc_state, self.mc_counters, self._key, values) = program(
-            params, opt_state.tables, self.mc_state, self.mc_counters, self._key, batch.local.values, batch.words,
+            params, opt_state.tables, self.mc_state, self.mc_counters, self._key, batch.inner.values, batch.words,
             batch.positions)
-        return params, opt_state._replace(tables=tables), dataclasses.replace(batch.local, values=values)
+        return params, opt_state._replace(tables=tables), dataclasses.replace(batch.inner, values=values)
 
-    def remap_eval(self, batch: ShardedManagedBatch) -> LocalBatches:
-        values = self._program(False)(self.mc_state, batch.local.values, batch.words, batch.positions)
-        return dataclasses.replace(batch.local, values=values)
+    def remap_eval(self, batch: ManagedBatch) -> LocalBatches:
+        values = self._program(False)(self.mc_state, batch.inner.values, batch.words, batch.positions)
+        return dataclasses.replace(batch.inner, values=values)
