@@ -113,3 +113,17 @@ def test_changing_the_managed_collision_config_is_a_resume_change():
     assert _checkpoint.config_changes(old, {**old, "managed_collision": {"tables": {"t_user": 512},
                                                                           "eviction_policy": "lfu"}}) == [
         ("managed_collision.eviction_policy", "lru", "lfu")]
+
+
+def test_id_maps_missing_a_field_or_the_draw_key_are_refused_naming_the_checkpoint(tmp_path):
+    model, opt = _model()
+    _train(model, opt, _batches(3))
+    arrays = _checkpoint.sparse_state_arrays(model)
+    where = f"checkpoint {tmp_path}"
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"{where}: the checkpoint has id maps but no mc_key (the draw key of evicted rows)") + "$"):
+        _checkpoint._restore_sparse(model, {k: v for k, v in arrays.items() if k != "mc_key"}, where)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"{where}: the id map of table 'users' lacks ['slots', 'counters']") + "$"):
+        _checkpoint._restore_sparse(model, {k: v for k, v in arrays.items()
+                                            if k not in ("mc/users/slots", "mc/users/counters")}, where)
