@@ -205,12 +205,20 @@ def test_table_precision_and_rounding_come_from_the_config():
         load_config(None, ["model.data_type='INT8'"])
 
 
+@pytest.fixture(scope="module")
+def movielens_fp32(tmp_path_factory):
+    """The default MovieLens job (fp32 vocabulary tables): (eval metrics, metrics-file lines)."""
+    metrics = tmp_path_factory.mktemp("movielens") / "FP32.jsonl"
+    result = train.run(load_config("configs/movielens.toml", [f"log.metrics_path='{metrics}'"]))
+    return result["eval"], [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
 @pytest.mark.slow
-def test_movielens_fp16_and_bf16_tables_reach_the_fp32_auc(tmp_path):
+def test_movielens_fp16_and_bf16_tables_reach_the_fp32_auc(tmp_path, movielens_fp32):
     """Issue #14's bar: narrow tables (stochastic write-back, the default) end within 0.002
     eval AUC of fp32 tables on MovieLens-100K (same seed, same data order)."""
-    auc = {}
-    for data_type in ("FP32", "FP16", "BF16"):
+    auc = {"FP32": movielens_fp32[0]["auc"]}
+    for data_type in ("FP16", "BF16"):
         config = load_config("configs/movielens.toml", [f"model.data_type='{data_type}'",
                                                         f"log.metrics_path='{tmp_path / data_type}.jsonl'"])
         auc[data_type] = train.run(config)["eval"]["auc"]
@@ -234,9 +242,15 @@ def _raw_criteo_tsv(path, rows=640, seed=0):
 def test_criteo_raw_hex_ids_train_through_managed_tables_and_log_their_counters(tmp_path, capsys):
     path = _raw_criteo_tsv(tmp_path / "day_0.tsv")
     metrics = tmp_path / "m.jsonl"
-    tables = "{" + ", ".join(f"t_cat_{i} = 48" for i in range(26)) + "}"  # 60 ids seen, 47 rows each
+    every = load_config("configs/criteo.toml", [f"data.paths=['{path}']", "data.raw_ids=['*']",
+                                                  "managed_collision.tables={t_cat_0 = 48}", "train.batch_size=64"])
+    with pytest.raises(ConfigError, match=r"data.raw_ids: tables \['t_cat_1', 't_cat_2', .*'t_cat_25'\] get raw "
+                                          r"64-bit ids but have no managed-collision module"):
+        train.build(every)  # "*": all 26 features raw
+    tables = "{" + ", ".join(f"t_cat_{i} = 48" for i in range(3)) + "}"  # 60 ids seen, 47 rows each
     code = train.main(["--config", "configs/criteo.toml", "--steps", "24", f"--set=data.paths=['{path}']",
-                       "--set=data.raw_ids=['*']", f"--set=managed_collision.tables={tables}",
+                       "--set=data.raw_ids=['cat_0', 'cat_1', 'cat_2']", f"--set=managed_collision.tables={tables}",
+                       "--set=data.num_embeddings=64",
                        "--set=train.batch_size=64", "--set=train.eval_batch_size=64", "--set=train.eval_every=0",
                        "--set=checkpoint.dir=''", f"--set=log.metrics_path='{metrics}'", "--set=log.every=8",
                        "--set=train.mesh=''",
@@ -248,7 +262,7 @@ def test_criteo_raw_hex_ids_train_through_managed_tables_and_log_their_counters(
     counters = [r["managed_collision"]["t_cat_0"] for r in trains]
     assert [c["occupancy"] for c in counters] == [47, 47, 47]  # every row but the default one in use
     assert 0 < counters[0]["evictions"] < counters[-1]["evictions"] < counters[-1]["admissions"]
-    assert set(trains[0]["managed_collision"]) == {f"t_cat_{i}" for i in range(26)}
+    assert set(trains[0]["managed_collision"]) == {"t_cat_0", "t_cat_1", "t_cat_2"}
     assert records[-1]["kind"] == "eval" and records[-1]["auc"] > 0.6
 
 
@@ -274,15 +288,16 @@ def test_synthetic_data_has_no_raw_ids():
 
 
 @pytest.mark.slow
-def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_auc(tmp_path):
+def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_auc(tmp_path, movielens_fp32):
     """Issue #16's comparison: user, item and zip as raw 64-bit ids in managed tables of
     about half their vocabularies (LRU) against the same model on vocabulary rows."""
-    auc, stats = {}, {}
-    for name in ("movielens", "movielens_raw_ids"):
-        metrics = tmp_path / f"{name}.jsonl"
-        config = load_config(f"configs/{name}.toml", [f"log.metrics_path='{metrics}'"])
-        auc[name] = train.run(config)["eval"]["auc"]
-        stats[name] = [json.loads(line) for line in metrics.read_text().splitlines()][-2].get("managed_collision")
+    auc = {"movielens": movielens_fp32[0]["auc"]}
+    stats = {"movielens": movielens_fp32[1][-2].get("managed_collision")}
+    metrics = tmp_path / "raw.jsonl"
+    config = load_config("configs/movielens_raw_ids.toml", [f"log.metrics_path='{metrics}'"])
+    auc["movielens_raw_ids"] = train.run(config)["eval"]["auc"]
+    stats["movielens_raw_ids"] = [json.loads(line) for line in metrics.read_text().splitlines()][-2].get(
+        "managed_collision")
     print(f"MovieLens-100K eval AUC: vocabulary tables {auc['movielens']:.4f}, raw ids in managed tables "
           f"{auc['movielens_raw_ids']:.4f}; {stats['movielens_raw_ids']}")
     assert stats["movielens"] is None and stats["movielens_raw_ids"]["t_user"]["evictions"] > 1000
