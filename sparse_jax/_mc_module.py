@@ -15,8 +15,8 @@ between steps holds them exactly), and no device value is read on the host.
 Per table, device counters (`stats()`: occupancy, admissions and evictions so far) are
 updated in the same program; a log reads them when it logs, never per step.
 
-Unsharded only (an `EmbeddingBagCollection` on one device): a sharded managed table is
-not built yet (docs/torchrec_compat.md).
+This module is the unsharded form (an `EmbeddingBagCollection` on one device) and the base
+both forms share; the mesh form is `sparse_jax.sharding.ShardedManagedCollisionModule`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
 from sparse_jax._module import LayoutFacts, PaddedBatch, PreparedBatch
 from sparse_jax._prepare import host_kjt
 
-__all__ = ["ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule", "split_raw_ids"]
+__all__ = ["ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule", "profile_counted", "split_raw_ids"]
 
 
 @jax.tree_util.register_dataclass
@@ -107,6 +107,18 @@ def _occupied(state: MCHState, zch_size: int) -> jax.Array:
     """bool[zch_size]: the slots an id holds (the reserved default slot never counts)."""
     empty = (state.sorted_hi == _HI_MAX) & (state.sorted_lo == _LO_MAX)
     return jnp.zeros(zch_size, bool).at[state.slots].set(~empty)
+
+
+def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, valid: jax.Array):
+    """`module.profile` of one id map, with its counters advanced: (state, int32[3]
+    (occupancy, admissions so far, resident ids evicted so far), bool mask of the slots
+    given to new ids)."""
+    before = _occupied(state, module.zch_size)
+    state, evicted = module.profile(state, ids, valid=valid)
+    occupancy = jnp.sum(_occupied(state, module.zch_size).astype(jnp.int32))
+    admitted = jnp.sum(evicted.astype(jnp.int32))
+    displaced = jnp.sum((evicted & before).astype(jnp.int32))
+    return state, jnp.stack([occupancy, counters[1] + admitted, counters[2] + displaced]), evicted
 
 
 class ManagedSparseModule(LayoutFacts):
@@ -269,8 +281,7 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
         out = {}
         for name in self.managed_tables:
             state, module = self.mc_state[name], self.mc.modules[name]
-            hi, lo, slots = (np.asarray(a) for a in (state.sorted_hi, state.sorted_lo, state.slots))
-            raw = (hi.astype(np.int64) << 32) | lo.astype(np.int64)
+            raw, slots = RawIds(state.sorted_hi, state.sorted_lo).to_int64(), np.asarray(state.slots)
             resident = raw != np.iinfo(np.int64).max
             out[name] = (raw[resident], slots[resident].astype(np.int32), module.default_slot)
         return out
@@ -331,12 +342,8 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
             state, counters, evicted = dict(state), dict(counters), {}
             for name, module in zip(tables, modules, strict=True):
                 ids, valid = RawIds.from_words(words[name]), positions[name] < values.shape[0]
-                before = _occupied(state[name], module.zch_size)
-                state[name], evicted[name] = module.profile(state[name], ids, valid=valid)
-                occupancy = jnp.sum(_occupied(state[name], module.zch_size).astype(jnp.int32))
-                admitted = jnp.sum(evicted[name].astype(jnp.int32))
-                displaced = jnp.sum((evicted[name] & before).astype(jnp.int32))
-                counters[name] = jnp.stack([occupancy, counters[name][1] + admitted, counters[name][2] + displaced])
+                state[name], counters[name], evicted[name] = profile_counted(module, state[name], counters[name],
+                                                                             ids, valid)
                 values = values.at[positions[name]].set(module.remap(state[name], ids), mode="drop")
             key, draw = jax.random.split(key)
             params, opt_state = self.mc.reset_evicted(params, opt_state, evicted, draw)

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds, hashed_slots
 from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
-from sparse_jax._mc_module import ManagedBatch, ManagedSparseModule, _occupied, split_raw_ids
+from sparse_jax._mc_module import ManagedBatch, ManagedSparseModule, profile_counted, split_raw_ids
 from sparse_jax.sharding import _placement
 from sparse_jax.sharding._local_batch import LocalBatches, split_batch
 from sparse_jax.sharding._placement import batch_sharding
@@ -179,12 +179,8 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
                 owned = (pos < values.shape[0]) & (hashed_slots(ids, split.shards) == s if split.shards > 1 else True)
                 st = MCHState(*(x[0] for x in state[name]))
                 if training:
-                    before = _occupied(st, module.zch_size)
-                    st, ev = module.profile(st, ids, valid=owned)
-                    c = counters[name][0]
-                    counters[name] = jnp.stack([jnp.sum(_occupied(st, module.zch_size).astype(jnp.int32)),
-                                                c[1] + jnp.sum(ev.astype(jnp.int32)),
-                                                c[2] + jnp.sum((ev & before).astype(jnp.int32))])[None]
+                    st, counted, ev = profile_counted(module, st, counters[name][0], ids, owned)
+                    counters[name] = counted[None]
                     state[name] = MCHState(*(x[None] for x in st))
                     evicted[name] = ev[None]
                 rows = jnp.where(owned, s * module.zch_size + module.remap(st, ids), 0)
