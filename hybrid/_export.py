@@ -90,7 +90,7 @@ class _Source(NamedTuple):
     bounds_check: str
     ladder: tuple[int, ...]
     dense: nn.Module
-    id_maps: dict  # managed table -> (resident raw ids, their rows, default row): frozen for serving
+    id_maps: dict  # managed table -> sparse_jax.FrozenIdMap: the id map frozen for serving
 
 
 def _check_pooled(tables) -> None:
@@ -213,7 +213,8 @@ def _table_entry(i: int, table: _Table, outputs: list[_Output], id_map=None) -> 
         "features": [o.feature for o in outputs if o.table.name == t.name],
         "file": table_file(i, t.name),
         "managed_collision": None if id_map is None else {
-            "file": id_map_file(i, t.name), "resident": int(len(id_map[0])), "default_row": int(id_map[2])},
+            "file": id_map_file(i, t.name), "resident": int(len(id_map.ids)), "default_row": int(id_map.default_row),
+            "shards": int(id_map.shards)},
     }
 
 
@@ -370,9 +371,9 @@ def export(
     }
     for i, t in enumerate(source.tables):
         if t.config.name in source.id_maps:
-            ids, rows, _ = source.id_maps[t.config.name]
+            id_map = source.id_maps[t.config.name]
             buffer = io.BytesIO()
-            np.savez(buffer, ids=ids, rows=rows)
+            np.savez(buffer, ids=id_map.ids, rows=id_map.rows)
             files[id_map_file(i, t.config.name)] = buffer.getvalue()
     files[SPARSE_FILE] = sparse_bytes
     files[DENSE_FILE] = dense_bytes

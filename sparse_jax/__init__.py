@@ -22,8 +22,17 @@ from sparse_jax._managed_collision import (
     RawIds,
     hashed_slots,
 )
-from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
-from sparse_jax._mc_module import ManagedBatch, ManagedCollisionSparseModule, ManagedSparseModule
+from sparse_jax._mc_collection import (
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from sparse_jax._mc_module import (
+    FrozenIdMap,
+    ManagedBatch,
+    ManagedCollisionSparseModule,
+    ManagedSparseModule,
+)
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
 from sparse_jax._quant import (
     WEIGHT_TYPES,
@@ -43,13 +52,16 @@ __all__ = [
     "EmbeddingBagCollection",
     "EmbeddingCollection",
     "EmbeddingConfig",
+    "FrozenIdMap",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
     "MCH_STATE_FIELDS",
     "MCHManagedCollisionModule",
     "ManagedBatch",
+    "ManagedCollisionCollection",
     "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionEmbeddingCollection",
     "ManagedCollisionSparseModule",
     "ManagedSparseModule",
     "MCHState",

@@ -1,5 +1,6 @@
-"""Managed-collision tables in front of an `EmbeddingBagCollection` (TorchRec's
-`ManagedCollisionEmbeddingBagCollection`, unsharded, functional).
+"""Managed-collision tables in front of a table collection (TorchRec's
+`ManagedCollisionEmbeddingBagCollection` and `ManagedCollisionEmbeddingCollection`,
+unsharded, functional).
 
 Raw ids travel in the KJT as `[N, 2]` int32 words (`RawIds.words()`: the id's high word, then
 its low word's bits), so 64-bit ids pass with jax x64 off. `remap` turns them into slot ids
@@ -7,7 +8,8 @@ its low word's bits), so 64-bit ids pass with jax x64 off. `remap` turns them in
 one `MCHManagedCollisionModule` sees all of that table's features as one stream, as
 TorchRec's `ManagedCollisionCollection` does. `reset_evicted` gives the slots handed to new
 ids fresh rows (the table's `init_fn`, else its uniform init, drawn for those rows only)
-and zero optimizer state, so an id evicted and seen again starts over.
+and zero optimizer state, so an id evicted and seen again starts over. The pooled and the
+sequence form differ only in the collection they wrap.
 """
 
 from __future__ import annotations
@@ -18,23 +20,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds
 from sparse_jax.optim import SparseOptState
 
-__all__ = ["ManagedCollisionEmbeddingBagCollection"]
+__all__ = ["ManagedCollisionCollection", "ManagedCollisionEmbeddingBagCollection",
+           "ManagedCollisionEmbeddingCollection"]
 
 
-class ManagedCollisionEmbeddingBagCollection:
-    """`ebc` with a managed-collision module per table in `managed_collision_modules`
-    ({table name: module}, `zch_size == num_embeddings`); tables without one read slot ids
-    directly (their KJT features still arrive as words: the low word is the id)."""
+class ManagedCollisionCollection:
+    """A table collection (`collection`) with a managed-collision module per table in
+    `managed_collision_modules` ({table name: module}, `zch_size == num_embeddings`); tables
+    without one read slot ids directly (their KJT features still arrive as words: the low
+    word is the id). Build it through one of its two forms below."""
 
-    def __init__(self, ebc: EmbeddingBagCollection,
-                 managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
-        what = "ManagedCollisionEmbeddingBagCollection"
-        tables = {t.name: t for t in ebc.embedding_bag_configs()}
+    kind = "ManagedCollisionCollection"
+
+    def __init__(self, collection, managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
+        what = self.kind
+        tables = {t.name: t for t in collection.layout.tables}
         for name, module in managed_collision_modules.items():
             if name not in tables:
                 raise ValueError(f"{what}: no table {name!r} in the collection (tables: {list(tables)})")
@@ -42,13 +48,13 @@ class ManagedCollisionEmbeddingBagCollection:
                 raise ValueError(f"{what}: table {name!r} has {tables[name].num_embeddings} rows but its module's "
                                  f"zch_size is {module.zch_size}; make them equal")
         readers: dict[str, list[str]] = {}
-        for slot in ebc.layout.features:
+        for slot in collection.layout.features:
             readers.setdefault(slot.feature, []).append(slot.table)
         for feature, names in readers.items():
             if len(names) > 1 and any(n in managed_collision_modules for n in names):
                 raise ValueError(f"{what}: feature {feature!r} feeds tables {names}; a managed table needs features "
                                  "of its own (one slot per id and table)")
-        self.ebc = ebc
+        self.collection = collection
         self.modules = dict(managed_collision_modules)
         self._feature_table = {feature: names[0] for feature, names in readers.items()}
 
@@ -60,8 +66,8 @@ class ManagedCollisionEmbeddingBagCollection:
         `kjt`'s values are `[capacity, 2]` words; positions past its ids are padding."""
         words = kjt.values()
         if words.ndim != 2 or words.shape[1] != 2:
-            raise ValueError(f"ManagedCollisionEmbeddingBagCollection.remap: values must be [N, 2] raw id words "
-                             f"(RawIds.words()), got shape {tuple(words.shape)}")
+            raise ValueError(f"{self.kind}.remap: values must be [N, 2] raw id words (RawIds.words()), got shape "
+                             f"{tuple(words.shape)}")
         ids = RawIds.from_words(words)
         keys, stride = kjt.keys(), kjt.stride()
         pos = jnp.arange(words.shape[0], dtype=jnp.int32)
@@ -85,10 +91,11 @@ class ManagedCollisionEmbeddingBagCollection:
         optimizer state zeroed. At most `min(zch_size, history_capacity)` slots change per
         call, so only that many rows are drawn."""
         params, tables = dict(params), dict(opt_state.tables)
-        configs = {t.name: t for t in self.ebc.embedding_bag_configs()}
+        layout = self.collection.layout
+        configs = {t.name: t for t in layout.tables}
         for i, (name, mask) in enumerate(sorted(evicted.items())):
             module, config = self.modules[name], configs[name]
-            group, offset = self.ebc.layout.table_group[name]
+            group, offset = layout.table_group[name]
             buffer_rows = params[group].shape[0]
             k = min(module.zch_size, module.history_capacity)
             (slot,) = jnp.nonzero(mask, size=k, fill_value=module.zch_size)
@@ -101,3 +108,34 @@ class ManagedCollisionEmbeddingBagCollection:
                                      else leaf) for n, leaf in leaves.items()}
         return params, opt_state._replace(tables=tables)
 
+
+class ManagedCollisionEmbeddingBagCollection(ManagedCollisionCollection):
+    """`ebc` (an `EmbeddingBagCollection`: pooled tables) with managed-collision tables."""
+
+    kind = "ManagedCollisionEmbeddingBagCollection"
+
+    def __init__(self, ebc: EmbeddingBagCollection,
+                 managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
+        if not isinstance(ebc, EmbeddingBagCollection):
+            raise TypeError(f"{self.kind} wraps an EmbeddingBagCollection, got {type(ebc).__name__} (sequence "
+                            "tables: ManagedCollisionEmbeddingCollection)")
+        super().__init__(ebc, managed_collision_modules)
+        self.ebc = ebc
+
+
+class ManagedCollisionEmbeddingCollection(ManagedCollisionCollection):
+    """`ec` (an `EmbeddingCollection`: one row per id) with managed-collision tables."""
+
+    kind = "ManagedCollisionEmbeddingCollection"
+
+    def __init__(self, ec: EmbeddingCollection,
+                 managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
+        if not isinstance(ec, EmbeddingCollection):
+            raise TypeError(f"{self.kind} wraps an EmbeddingCollection, got {type(ec).__name__} (pooled tables: "
+                            "ManagedCollisionEmbeddingBagCollection)")
+        if ec.need_indices():
+            raise ValueError(f"{self.kind}: the collection was built with need_indices=True; its outputs would carry "
+                             "the placeholder ids of the managed features, not their raw ids or slots. Build the "
+                             "EmbeddingCollection with need_indices=False")
+        super().__init__(ec, managed_collision_modules)
+        self.ec = ec

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +31,15 @@ import numpy as np
 
 from sparse_jax import _validate
 from sparse_jax._jagged import KeyedJaggedTensor
-from sparse_jax._managed_collision import _HI_MAX, _LO_MAX, MCHState, RawIds
-from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
+from sparse_jax._managed_collision import _HI_MAX, _LO_MAX, MCHState, RawIds, hashed_slots
+from sparse_jax._mc_collection import (
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 from sparse_jax._module import LayoutFacts, PaddedBatch, PreparedBatch
 from sparse_jax._prepare import host_kjt
 
-__all__ = ["ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule", "profile_counted", "split_raw_ids"]
+__all__ = ["FrozenIdMap", "ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule", "profile_counted", "split_raw_ids"]
 
 
 @jax.tree_util.register_dataclass
@@ -70,7 +74,7 @@ def _raw_ids(values: np.ndarray) -> np.ndarray:
                      f"int32 words (RawIds.words()), got {values.dtype} values of shape {tuple(values.shape)}")
 
 
-def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionEmbeddingBagCollection):
+def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionCollection):
     """A batch of raw ids checked on the host: (the KJT with a placeholder 0 at every managed
     position and unmanaged ids as int32, for the collection's own checks and layout; the
     raw int64 id of every position; the managed table of every position, "" if none)."""
@@ -103,6 +107,41 @@ def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionEmbeddingBagCollec
     return host._replace(values=plain.astype(np.int32)), raw, owner
 
 
+class FrozenIdMap(NamedTuple):
+    """A managed table's id map frozen for serving: the resident raw ids ascending (int64),
+    the table row of each (int32), and the default row, the row of the last slot of a
+    shard of `default_row + 1` rows: with `shards > 1` (a row-wise table managed per shard)
+    an id not resident reads the default row of the shard it hashes to
+    (`hashed_slots(id, shards)`), as the training module reads it."""
+
+    ids: np.ndarray
+    rows: np.ndarray
+    default_row: int
+    shards: int = 1
+
+    def rows_of(self, values: np.ndarray) -> np.ndarray:
+        """int64 table rows of int64 raw ids `values` (host)."""
+        values = np.asarray(values, np.int64)
+        default = np.full(values.shape, self.default_row, np.int64)
+        if self.shards > 1 and values.size:
+            owner = np.asarray(hashed_slots(RawIds.from_int64(values), self.shards), np.int64)
+            default += owner * (self.default_row + 1)
+        ids = np.append(self.ids, np.iinfo(np.int64).max)  # a sentinel (never resident): every search lands
+        at = np.minimum(np.searchsorted(ids, values), len(self.ids))
+        return np.where(ids[at] == values, np.append(self.rows, 0)[at], default).astype(np.int64)
+
+
+def frozen_map(states: MCHState, shard_rows: int) -> FrozenIdMap:
+    """The `FrozenIdMap` of a table's id maps stacked one per shard (`[shards, ...]` host
+    arrays; shard s owns rows `s * shard_rows` on). Each id is resident in one shard at most."""
+    raw = RawIds(np.asarray(states.sorted_hi), np.asarray(states.sorted_lo)).to_int64()
+    rows = np.asarray(states.slots, np.int64) + np.arange(raw.shape[0])[:, None] * shard_rows
+    resident = raw != np.iinfo(np.int64).max
+    ids, rows = raw[resident], rows[resident]
+    order = np.argsort(ids, kind="stable")
+    return FrozenIdMap(ids[order], rows[order].astype(np.int32), shard_rows - 1, raw.shape[0])
+
+
 def _occupied(state: MCHState, zch_size: int) -> jax.Array:
     """bool[zch_size]: the slots an id holds (the reserved default slot never counts)."""
     empty = (state.sorted_hi == _HI_MAX) & (state.sorted_lo == _LO_MAX)
@@ -131,7 +170,7 @@ class ManagedSparseModule(LayoutFacts):
     plan = None
     mesh_axes = None
 
-    def __init__(self, mc: ManagedCollisionEmbeddingBagCollection, inner):
+    def __init__(self, mc: ManagedCollisionCollection, inner):
         self.mc, self.inner = mc, inner
         self.layout = inner.layout
         self.prepare_count = 0
@@ -247,8 +286,9 @@ class ManagedSparseModule(LayoutFacts):
 
 
 class ManagedCollisionSparseModule(ManagedSparseModule):
-    """`mc` (a `ManagedCollisionEmbeddingBagCollection` over an unsharded
-    `EmbeddingBagCollection`) with its id maps, as a `SparseModule`.
+    """`mc` (a `ManagedCollisionEmbeddingBagCollection` or
+    `ManagedCollisionEmbeddingCollection` over an unsharded collection) with its id maps, as
+    a `SparseModule`.
 
     One step: `batch = prepare(kjt)` (host work, may run ahead), then `params, opt_state,
     slots = remap(params, opt_state, batch)` (training) or `slots = remap_eval(batch)`,
@@ -258,12 +298,16 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
     against its table as usual, a managed feature's may be any int64 but `2**63 - 1`.
     """
 
-    def __init__(self, mc: ManagedCollisionEmbeddingBagCollection):
-        if not isinstance(mc, ManagedCollisionEmbeddingBagCollection):
-            raise TypeError(f"ManagedCollisionSparseModule wraps a ManagedCollisionEmbeddingBagCollection, got "
-                            f"{type(mc).__name__}")
-        self.ebc = mc.ebc
-        super().__init__(mc, mc.ebc)
+    def __init__(self, mc: ManagedCollisionCollection):
+        if not isinstance(mc, ManagedCollisionCollection):
+            raise TypeError(f"ManagedCollisionSparseModule wraps a ManagedCollisionEmbeddingBagCollection or a "
+                            f"ManagedCollisionEmbeddingCollection, got {type(mc).__name__}")
+        self.collection = mc.collection
+        self.sequence = isinstance(mc, ManagedCollisionEmbeddingCollection)
+        super().__init__(mc, mc.collection)
+        # where each managed table's rows are written: (array of the prepared batch, row offset)
+        self._target = {name: mc.collection.layout.table_group[name] if self.sequence else ("", 0)
+                        for name in mc.modules}
         self._remap_train = jax.jit(self._remap_program(training=True), donate_argnums=(0, 1, 2, 3, 4))
         self._remap_eval = jax.jit(self._remap_program(training=False))
 
@@ -274,17 +318,10 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
         """Programs the remap has compiled (constant in a steady loop)."""
         return self._remap_train._cache_size() + self._remap_eval._cache_size()
 
-    def frozen_maps(self) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
-        """{managed table: (resident raw ids ascending as int64, the slot of each as int32,
-        the default slot)} on the host: the id map frozen, for serving (an id not in it
-        reads the default row)."""
-        out = {}
-        for name in self.managed_tables:
-            state, module = self.mc_state[name], self.mc.modules[name]
-            raw, slots = RawIds(state.sorted_hi, state.sorted_lo).to_int64(), np.asarray(state.slots)
-            resident = raw != np.iinfo(np.int64).max
-            out[name] = (raw[resident], slots[resident].astype(np.int32), module.default_slot)
-        return out
+    def frozen_maps(self) -> dict[str, FrozenIdMap]:
+        """{managed table: its id map frozen on the host (`FrozenIdMap`), for serving}."""
+        return {name: frozen_map(jax.tree.map(lambda x: np.asarray(x)[None], self.mc_state[name]),
+                                 self.mc.modules[name].zch_size) for name in self.managed_tables}
 
     # -- the batch ------------------------------------------------------------------------------
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> ManagedBatch:
@@ -292,19 +329,42 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
         against their tables), prepare the collection's batch with a placeholder where ids
         are managed, and place the raw id words beside it. Reads no id map."""
         ids, raw, owner = split_raw_ids(kjt, self.mc)
-        padded = self.ebc.prepare(ids, device=device)
-        capacity = padded.kjt.values().shape[0]
+        inner = self.collection.prepare(ids, device=device)
+        arrays = self._targets(inner)
+        where = self._stream_positions(ids) if self.sequence else np.arange(raw.shape[0])
         words, positions = {}, {}
         for name in self.managed_tables:
-            mine = np.flatnonzero(owner == name).astype(np.int32)
+            mine = np.flatnonzero(owner == name)
             cap = self._capacity(name, len(mine), devices=1)
-            positions[name] = np.full(cap, capacity, np.int32)
-            positions[name][: len(mine)] = mine
+            positions[name] = np.full(cap, arrays[self._target[name][0]].shape[0], np.int32)  # padding: dropped
+            positions[name][: len(mine)] = where[mine]
             words[name] = np.zeros((cap, 2), np.int32)
             words[name][: len(mine)] = RawIds.from_int64(raw[mine]).words()
         words, positions = jax.device_put((words, positions), device)
         self.prepare_count += 1
-        return ManagedBatch(padded, words, positions)
+        return ManagedBatch(inner, words, positions)
+
+    def _stream_positions(self, host: KeyedJaggedTensor) -> np.ndarray:
+        """Per value of `host`, its position in its buffer's row stream (the order a
+        sequence collection's prepare lays its features out in). A managed feature feeds one
+        table, so its positions are its own."""
+        where = np.zeros(np.asarray(host.values()).shape[0], np.int64)
+        start = dict.fromkeys(self.layout.groups, 0)
+        for slot, ki in zip(self.layout.features, self.layout.key_indices(host.keys()), strict=True):
+            a, b = host._key_slice(ki)
+            where[a:b] = start[slot.group] + np.arange(b - a)
+            start[slot.group] += b - a
+        return where
+
+    def _targets(self, inner) -> dict[str, jax.Array]:
+        """The arrays of a prepared batch that hold row ids: a sequence collection's row
+        stream per buffer, a bag collection's KJT values."""
+        return dict(inner.rows) if self.sequence else {"": inner.kjt.values()}
+
+    def _with_targets(self, inner, arrays):
+        if self.sequence:
+            return dataclasses.replace(inner, rows=arrays)
+        return PaddedBatch(inner.kjt._replace(values=arrays[""]))
 
     # -- in the step ----------------------------------------------------------------------------
     def remap(self, params, opt_state, batch: ManagedBatch):
@@ -312,16 +372,16 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
         the batch and advance; the rows given to new ids are reset in the donated params
         and optimizer state; the slot batch is what the lookup and the fused update take."""
         self._check_batch(batch)
-        (params, opt_state, self.mc_state, self.mc_counters, self._key, values) = self._remap_train(
-            params, opt_state, self.mc_state, self.mc_counters, self._key, batch.inner.kjt.values(), batch.words,
+        (params, opt_state, self.mc_state, self.mc_counters, self._key, arrays) = self._remap_train(
+            params, opt_state, self.mc_state, self.mc_counters, self._key, self._targets(batch.inner), batch.words,
             batch.positions)
-        return params, opt_state, PaddedBatch(batch.inner.kjt._replace(values=values))
+        return params, opt_state, self._with_targets(batch.inner, arrays)
 
-    def remap_eval(self, batch: ManagedBatch) -> PaddedBatch:
+    def remap_eval(self, batch: ManagedBatch):
         """An eval batch's slot ids (ids not resident read the default row); nothing changes."""
         self._check_batch(batch)
-        values = self._remap_eval(self.mc_state, batch.inner.kjt.values(), batch.words, batch.positions)
-        return PaddedBatch(batch.inner.kjt._replace(values=values))
+        arrays = self._remap_eval(self.mc_state, self._targets(batch.inner), batch.words, batch.positions)
+        return self._with_targets(batch.inner, arrays)
 
     @staticmethod
     def _check_batch(batch) -> None:
@@ -332,22 +392,26 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
         tables = self.managed_tables
         modules = [self.mc.modules[name] for name in tables]
 
-        def remap_eval(state, values, words, positions):
+        def remap_eval(state, arrays, words, positions):
+            arrays = dict(arrays)
             for name, module in zip(tables, modules, strict=True):
+                at, offset = self._target[name]
                 slots = module.remap(state[name], RawIds.from_words(words[name]))
-                values = values.at[positions[name]].set(slots, mode="drop")
-            return values
+                arrays[at] = arrays[at].at[positions[name]].set(slots + offset, mode="drop")
+            return arrays
 
-        def remap_train(params, opt_state, state, counters, key, values, words, positions):
-            state, counters, evicted = dict(state), dict(counters), {}
+        def remap_train(params, opt_state, state, counters, key, arrays, words, positions):
+            state, counters, evicted, arrays = dict(state), dict(counters), {}, dict(arrays)
             for name, module in zip(tables, modules, strict=True):
-                ids, valid = RawIds.from_words(words[name]), positions[name] < values.shape[0]
+                at, offset = self._target[name]
+                ids, valid = RawIds.from_words(words[name]), positions[name] < arrays[at].shape[0]
                 state[name], counters[name], evicted[name] = profile_counted(module, state[name], counters[name],
                                                                              ids, valid)
-                values = values.at[positions[name]].set(module.remap(state[name], ids), mode="drop")
+                slots = module.remap(state[name], ids)
+                arrays[at] = arrays[at].at[positions[name]].set(slots + offset, mode="drop")
             key, draw = jax.random.split(key)
             params, opt_state = self.mc.reset_evicted(params, opt_state, evicted, draw)
-            return params, opt_state, state, counters, key, values
+            return params, opt_state, state, counters, key, arrays
 
         return remap_train if training else remap_eval
 

@@ -174,13 +174,13 @@ def test_an_export_serves_raw_ids_through_the_frozen_map_as_eval_does(tmp_path):
     model.eval()
     with torch.no_grad():
         want = model(dense, sparse)
-    ids, rows, default = model.sparse_module.frozen_maps()["users"]
-    assert len(ids) == Z - 1 and sorted(rows.tolist()) == list(range(Z - 1)) and default == Z - 1
+    ids, rows, default, shards = model.sparse_module.frozen_maps()["users"]
+    assert len(ids) == Z - 1 and sorted(rows.tolist()) == list(range(Z - 1)) and (default, shards) == (Z - 1, 1)
     path = hybrid.export(model, tmp_path / "mc", example=(dense, sparse))
     manifest = json.loads((path / "manifest.json").read_text())
     entry = {t["name"]: t for t in manifest["tables"]}
     assert entry["users"]["managed_collision"] == {"file": "id_maps/00_users.npz", "resident": Z - 1,
-                                                   "default_row": Z - 1}
+                                                   "default_row": Z - 1, "shards": 1}
     assert entry["items"]["managed_collision"] is None
     predictor = hybrid.serving.load(path)
     torch.testing.assert_close(predictor(dense, sparse), want, rtol=1e-6, atol=1e-6)

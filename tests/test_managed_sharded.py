@@ -3,6 +3,8 @@ one replicated id map for any placement but equal row blocks, which trains exact
 the unsharded model; per-shard maps for a row-wise table (ids hashed to shards, as
 TorchRec), checked against one plain-Python oracle per shard (tests/reference.py)."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -144,8 +146,44 @@ def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
                                          r"int32\[1, 16\] \(zch_size, history_capacity or the table's sharding "
                                          r"changed\?\)"):
         _checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)
-    with pytest.raises(ValueError, match=r"^hybrid.export of a sharded managed-collision table is not built yet"):
-        hybrid.export(model, tmp_path / "export", example=(dense, _kjt(users, items, [1] * sum(map(len, users)))))
+
+
+def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
+    """The shards' maps frozen into one: a resident id reads its row, an id no shard holds
+    reads the default row of the shard it hashes to, as the sharded model reads them."""
+    model, opt = _model({"users": "row_wise", "items": "data_parallel"})
+    batches = list(_batches(12, seed=4))
+    for users, items, dense, labels in batches:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    frozen = model.sparse_module.frozen_maps()["users"]
+    assert (frozen.default_row, frozen.shards) == (Z // 4 - 1, 4) and len(frozen.ids) > Z // 2
+    assert (np.diff(frozen.ids) > 0).all() and len(set(frozen.rows.tolist())) == len(frozen.rows)
+    assert all(r % (Z // 4) != Z // 4 - 1 for r in frozen.rows.tolist())  # no id holds a shard's default row
+    unseen = np.arange(2**40, 2**40 + 64, dtype=np.int64)
+    owner = np.asarray(hashed_slots(RawIds.from_int64(unseen), 4))
+    assert set(owner.tolist()) == {0, 1, 2, 3}
+    np.testing.assert_array_equal(frozen.rows_of(unseen), owner * (Z // 4) + Z // 4 - 1)
+    users, items, dense, _ = batches[-1]
+    users = [*users[:5], unseen[:3], [int(frozen.ids[0]), int(unseen[5])], [-(2**63)]]
+    sparse = _kjt(users, items, [int(i) for b in users for i in b])
+    model.eval()
+    with torch.no_grad():
+        want = model(dense, sparse)
+    path = hybrid.export(model, tmp_path / "export", example=(dense, sparse))
+    manifest = json.loads((path / "manifest.json").read_text())
+    entry = {t["name"]: t for t in manifest["tables"]}["users"]["managed_collision"]
+    assert (entry["shards"], entry["default_row"], entry["resident"]) == (4, Z // 4 - 1, len(frozen.ids))
+    predictor = hybrid.serving.load(path)
+    torch.testing.assert_close(predictor(dense, sparse), want, rtol=1e-6, atol=1e-6)
+    table = model.table_weights()["users"]
+    pooled = predictor.pooled({"user": [[int(i)] for i in unseen[:8]], "item": [[1]] * 8})
+    torch.testing.assert_close(pooled[:, :DIM], table[torch.from_numpy(owner[:8] * (Z // 4) + Z // 4 - 1)])
+    manifest_path = path / "manifest.json"
+    bad = manifest_path.read_text().replace('"shards": 4', '"shards": 3')
+    manifest_path.write_text(bad)
+    with pytest.raises(hybrid.serving.ArtifactError, match=r"table 'users''s id map names 3 shard\(s\) with default "
+                                                           r"row 3, which does not split its 16 rows"):
+        hybrid.serving.load(path)
 
 
 @pytest.mark.parametrize("plan", [None, {"users": "row_wise", "items": "table_wise"}], ids=["one_device", "row_wise"])

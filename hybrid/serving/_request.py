@@ -31,6 +31,8 @@ import jax
 import numpy as np
 import torch
 
+from sparse_jax import FrozenIdMap
+
 __all__ = ["RequestSpec", "SparseArrays", "read_sparse"]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -45,8 +47,8 @@ class RequestSpec(NamedTuple):
     bounds_check: str  # "error", "clamp" or "skip"
     max_batch_size: int
     id_capacities: tuple[int, ...]
-    # managed-collision features: feature -> (resident raw ids ascending, their rows, default row)
-    id_maps: Mapping[str, tuple[np.ndarray, np.ndarray, int]] | None = None
+    # managed-collision features: feature -> its table's frozen id map (sparse_jax.FrozenIdMap)
+    id_maps: Mapping[str, FrozenIdMap] | None = None
 
 
 class SparseArrays(NamedTuple):
@@ -194,11 +196,7 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
     values = values.astype(np.int64)
     id_map = (spec.id_maps or {}).get(feature)
     if id_map is not None:  # raw ids through the frozen map; an id not in it reads the default row
-        ids, rows, default = id_map
-        ids = np.append(ids, np.iinfo(np.int64).max)  # a sentinel (never a resident id): every search lands
-        rows = np.append(rows, default)
-        at = np.searchsorted(ids, values)
-        values = np.where(ids[at] == values, rows[at], default).astype(np.int64)
+        values = id_map.rows_of(values)
     ends = np.concatenate([[0], np.cumsum(col.lengths)])
     if spec.bounds_check == "error":
         limits = [

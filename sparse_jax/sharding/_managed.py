@@ -34,12 +34,24 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sparse_jax._embedding import SequenceBatch
 from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds, hashed_slots
-from sparse_jax._mc_collection import ManagedCollisionEmbeddingBagCollection
-from sparse_jax._mc_module import ManagedBatch, ManagedSparseModule, profile_counted, split_raw_ids
+from sparse_jax._mc_collection import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from sparse_jax._mc_module import (
+    FrozenIdMap,
+    ManagedBatch,
+    ManagedSparseModule,
+    frozen_map,
+    profile_counted,
+    split_raw_ids,
+)
 from sparse_jax.sharding import _placement
 from sparse_jax.sharding._local_batch import LocalBatches, split_batch
 from sparse_jax.sharding._placement import batch_sharding
+from sparse_jax.sharding._sequence import ShardedEmbeddingCollection
 from sparse_jax.sharding._sharded import ShardedEmbeddingBagCollection
 
 __all__ = ["ShardedManagedCollisionModule"]
@@ -70,15 +82,23 @@ def table_split(sharded: ShardedEmbeddingBagCollection, table) -> TableSplit:
 
 
 class ShardedManagedCollisionModule(ManagedSparseModule):
-    """`sharded` (a `ShardedEmbeddingBagCollection`) with a managed-collision module per
-    table in `managed_collision_modules` (`zch_size == num_embeddings`), as a
-    `SparseModule` (see the module docstring)."""
+    """`sharded` (a `ShardedEmbeddingBagCollection`, or a `ShardedEmbeddingCollection`) with
+    a managed-collision module per table in `managed_collision_modules` (`zch_size ==
+    num_embeddings`), as a `SparseModule` (see the module docstring). A sharded sequence
+    collection looks its ids up as one-id bags of the bag collection it keeps
+    (`ShardedEmbeddingCollection.bags`), so its managed tables are that collection's."""
 
-    def __init__(self, sharded: ShardedEmbeddingBagCollection,
+    def __init__(self, sharded: ShardedEmbeddingBagCollection | ShardedEmbeddingCollection,
                  managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
+        self.sequence = isinstance(sharded, ShardedEmbeddingCollection)
+        if self.sequence:
+            # the sequence collection's own checks (need_indices, features of their own) and
+            # its feature names, for the raw batch; the bags' for the per-id batch
+            self._front_mc = ManagedCollisionEmbeddingCollection(sharded.ec, managed_collision_modules)
+            front, sharded = sharded, sharded.bags
         if not isinstance(sharded, ShardedEmbeddingBagCollection):
-            raise TypeError(f"ShardedManagedCollisionModule wraps a ShardedEmbeddingBagCollection, got "
-                            f"{type(sharded).__name__}")
+            raise TypeError(f"ShardedManagedCollisionModule wraps a ShardedEmbeddingBagCollection or a "
+                            f"ShardedEmbeddingCollection, got {type(sharded).__name__}")
         if len(sharded._local_rows) != sharded.num_devices:
             raise ValueError("managed-collision tables on a mesh of several processes are not built yet; train them "
                              "in one process (every mesh device local)")
@@ -92,6 +112,9 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
                               for name, module in mc.modules.items()}
         self.sharded, self.mesh = sharded, sharded.mesh
         super().__init__(mc, sharded)
+        if self.sequence:  # the forward and the update take the sequence collection's batches
+            self.front = self.inner = front
+            self.layout = front.layout
         self.plan = sharded.plan
         self._programs: dict = {}
 
@@ -107,15 +130,21 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         axes = self.split[name].axes
         return NamedSharding(self.mesh, P(axes) if axes else P())
 
+    def _placed(self, name: str, x) -> jax.Array:
+        """`x` (one id map per shard, stacked) on the mesh with the sharding the remap's
+        outputs carry (the spec spelled out to the array's rank: an equal but shorter spec
+        would be a new signature, and compile the remap again on the second step)."""
+        spec = self._spec(name).spec
+        return jax.device_put(x, NamedSharding(self.mesh, P(*spec, *[None] * (x.ndim - len(spec)))))
+
     def _fresh_maps(self):
         def stacked(name):
             shards = self.split[name].shards
             state = self.shard_modules[name].init()
-            return jax.tree.map(lambda x: jax.device_put(jnp.broadcast_to(x, (shards, *x.shape)), self._spec(name)),
-                                state)
+            return jax.tree.map(lambda x: self._placed(name, jnp.broadcast_to(x, (shards, *x.shape))), state)
 
         states = {name: stacked(name) for name in self.managed_tables}
-        counters = {name: jax.device_put(jnp.zeros((self.split[name].shards, 3), jnp.int32), self._spec(name))
+        counters = {name: self._placed(name, jnp.zeros((self.split[name].shards, 3), jnp.int32))
                     for name in self.managed_tables}
         return states, counters
 
@@ -124,14 +153,26 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         ids evicted so far), summed over the table's id maps}: read them when you log."""
         return {name: jnp.sum(c, axis=0) for name, c in self.mc_counters.items()}
 
-    def frozen_maps(self):
-        raise ValueError("hybrid.export of a sharded managed-collision table is not built yet (its id maps are per "
-                         "shard, each with its own default row); export a model whose managed tables are unsharded")
+    def frozen_maps(self) -> dict[str, FrozenIdMap]:
+        """{managed table: its id maps frozen on the host, one per shard (`FrozenIdMap`: an id
+        not resident reads the default row of the shard it hashes to)}."""
+        return {name: frozen_map(jax.tree.map(np.asarray, self.mc_state[name]), self.split[name].rows)
+                for name in self.managed_tables}
 
     # -- the batch ------------------------------------------------------------------------------
-    def prepare(self, kjt, *, device=None) -> ManagedBatch:  # noqa: ARG002 (placed on the mesh)
+    def prepare(self, kjt, *, device=None):  # noqa: ARG002 (placed on the mesh)
         """Host work only: checks, the sharded collection's prepare with a placeholder at
-        managed positions, and the raw id words of each device's part, placed beside it."""
+        managed positions, and the raw id words of each device's part, placed beside it (a
+        `ManagedBatch`; for a sequence collection, a `SequenceBatch` whose rows are one)."""
+        if not self.sequence:
+            return self._prepare_bags(kjt)
+        ids, raw, owner = split_raw_ids(kjt, self._front_mc)
+        host = self.front.ec.check_host(ids)  # unmanaged ids against their tables
+        values = np.where(owner != "", raw, np.asarray(host.values(), np.int64))
+        per_id, lengths = self.front._per_id(host._replace(values=values))
+        return SequenceBatch(rows=self._prepare_bags(per_id), lengths=lengths, stride=host.stride())
+
+    def _prepare_bags(self, kjt) -> ManagedBatch:
         ids, raw, owner = split_raw_ids(kjt, self.mc)
         local = self.sharded.prepare(ids)
         devices, capacity = local.values.shape
@@ -154,6 +195,11 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         words, positions = jax.device_put((words, positions), sharding)
         self.prepare_count += 1
         return ManagedBatch(local, words, positions)
+
+    def needs_remap(self, batch) -> bool:
+        if self.sequence:
+            return isinstance(batch, SequenceBatch) and isinstance(batch.rows, ManagedBatch)
+        return isinstance(batch, ManagedBatch)
 
     def remap_compile_count(self) -> int:
         """Programs the remap has compiled (constant in a steady loop)."""
@@ -259,14 +305,31 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
                                                     leaf.shape[0] == limit else leaf) for n, leaf in leaves.items()}
         return params, opt_tables
 
-    def remap(self, params, opt_state, batch: ManagedBatch):
-        """A training batch's remap: `(params, opt_state, LocalBatches of table rows)`."""
+    def remap(self, params, opt_state, batch):
+        """A training batch's remap: `(params, opt_state, LocalBatches of table rows)` (a
+        sequence collection's: its `SequenceBatch` with those rows)."""
+        if self.sequence:
+            params, opt_state, rows = self._remap_bags(params, opt_state, self._bags_batch(batch))
+            return params, opt_state, dataclasses.replace(batch, rows=rows)
+        return self._remap_bags(params, opt_state, batch)
+
+    def _remap_bags(self, params, opt_state, batch: ManagedBatch):
         program = self._program(True, opt_state)
         (params, tables, self.mc_state, self.mc_counters, self._key, values) = program(
             params, opt_state.tables, self.mc_state, self.mc_counters, self._key, batch.inner.values, batch.words,
             batch.positions)
         return params, opt_state._replace(tables=tables), dataclasses.replace(batch.inner, values=values)
 
-    def remap_eval(self, batch: ManagedBatch) -> LocalBatches:
+    def remap_eval(self, batch):
+        if self.sequence:
+            return dataclasses.replace(batch, rows=self._remap_eval_bags(self._bags_batch(batch)))
+        return self._remap_eval_bags(batch)
+
+    def _remap_eval_bags(self, batch: ManagedBatch) -> LocalBatches:
         values = self._program(False)(self.mc_state, batch.inner.values, batch.words, batch.positions)
         return dataclasses.replace(batch.inner, values=values)
+
+    def _bags_batch(self, batch) -> ManagedBatch:
+        if not self.needs_remap(batch):
+            raise TypeError(f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}")
+        return batch.rows
