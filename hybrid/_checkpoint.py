@@ -59,7 +59,12 @@ import numpy as np
 import torch
 
 from hybrid._files import fsync_dir, publish_dir, sha256_file, write_atomic, write_fsynced
-from hybrid._mc_checkpoint import check_mc_tables, mc_state_arrays, restore_mc_state
+from hybrid._mc_checkpoint import (
+    check_mc_tables,
+    mc_state_arrays,
+    reshard_mc_arrays,
+    restore_mc_state,
+)
 from sparse_jax.optim import SparseOptState
 
 __all__ = [
@@ -156,6 +161,7 @@ def _row_values(arrays, table: str, leaf: str, c0: int, cn: int, where: str) -> 
 def _restore_sparse(model, arrays, where: str) -> None:
     module, opt_state = model.sparse_module, model.sparse_opt_state
     check_mc_tables(model, arrays, where)  # other managed tables: refused before anything changes
+    arrays = reshard_mc_arrays(model, arrays, where)  # id maps saved with another split, their rows with them
     weights = {}
     for t in module.tables:
         key = f"weight/{t.name}"

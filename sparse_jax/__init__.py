@@ -33,6 +33,7 @@ from sparse_jax._mc_module import (
     ManagedCollisionSparseModule,
     ManagedSparseModule,
 )
+from sparse_jax._mc_reshard import ReshardedIdMaps, reshard_id_maps
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
 from sparse_jax._quant import (
     WEIGHT_TYPES,
@@ -67,6 +68,7 @@ __all__ = [
     "MCHState",
     "PaddedBatch",
     "RawIds",
+    "ReshardedIdMaps",
     "PreparedBatch",
     "QuantEmbeddingBagCollection",
     "SparseModule",
@@ -81,6 +83,7 @@ __all__ = [
     "length_cap",
     "make_ladder",
     "make_update",
+    "reshard_id_maps",
     "quantize_rows",
     "quantized_pooled_lookup",
     "row_bytes",

@@ -31,7 +31,7 @@ import numpy as np
 
 from sparse_jax import _validate
 from sparse_jax._jagged import KeyedJaggedTensor
-from sparse_jax._managed_collision import _HI_MAX, _LO_MAX, MCHState, RawIds, hashed_slots
+from sparse_jax._managed_collision import _HI_MAX, _LO_MAX, MCHState, RawIds
 from sparse_jax._mc_collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingCollection,
@@ -108,27 +108,17 @@ def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionCollection):
 
 
 class FrozenIdMap(NamedTuple):
-    """A managed table's id map frozen for serving: the resident raw ids ascending (int64),
-    the table row of each (int32), and the default row, the row of the last slot of a
-    shard of `default_row + 1` rows: with `shards > 1` (a row-wise table managed per shard)
-    an id not resident reads the default row of the shard it hashes to
-    (`hashed_slots(id, shards)`), as the training module reads it."""
+    """A managed table's id map frozen for serving (`hybrid.export` writes it; the server
+    reads it with numpy only: `hybrid.serving`): the resident raw ids ascending (int64), the
+    table row of each (int32), and the default row, the row of the last slot of a shard of
+    `default_row + 1` rows. With `shards > 1` (a row-wise table managed per shard) an id
+    not resident reads the default row of the shard it hashes to (`hashed_slots(id,
+    shards)`), as the training module reads it."""
 
     ids: np.ndarray
     rows: np.ndarray
     default_row: int
     shards: int = 1
-
-    def rows_of(self, values: np.ndarray) -> np.ndarray:
-        """int64 table rows of int64 raw ids `values` (host)."""
-        values = np.asarray(values, np.int64)
-        default = np.full(values.shape, self.default_row, np.int64)
-        if self.shards > 1 and values.size:
-            owner = np.asarray(hashed_slots(RawIds.from_int64(values), self.shards), np.int64)
-            default += owner * (self.default_row + 1)
-        ids = np.append(self.ids, np.iinfo(np.int64).max)  # a sentinel (never resident): every search lands
-        at = np.minimum(np.searchsorted(ids, values), len(self.ids))
-        return np.where(ids[at] == values, np.append(self.rows, 0)[at], default).astype(np.int64)
 
 
 def frozen_map(states: MCHState, shard_rows: int) -> FrozenIdMap:

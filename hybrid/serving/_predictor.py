@@ -26,13 +26,13 @@ from hybrid.serving._artifact import (
     verify_files,
 )
 from hybrid.serving._request import RequestSpec, read_sparse
-from sparse_jax import FrozenIdMap
 
 __all__ = ["Predictor", "load"]
 
 
-def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, FrozenIdMap]:
-    """feature -> the frozen id map of its managed-collision table (none: {})."""
+def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, tuple]:
+    """feature -> the frozen id map of its managed-collision table (ids, rows, default row,
+    shards; none: {})."""
     maps = {}
     for entry in manifest["tables"]:
         mc = entry.get("managed_collision")  # absent in artifacts written before managed collision
@@ -56,7 +56,7 @@ def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, FrozenI
                                 f"{entry['name']!r} ({mc['resident']} ascending int64 ids with int32 rows in "
                                 f"[0, {entry['num_embeddings']})); re-export the model")
         for feature in entry["features"]:
-            maps[feature] = FrozenIdMap(ids, rows, int(mc["default_row"]), shards)
+            maps[feature] = (ids, rows, int(mc["default_row"]), shards)
     return maps
 
 

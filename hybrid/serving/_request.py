@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import torch
 
-from sparse_jax import FrozenIdMap
+from hybrid.serving._id_map import frozen_rows
 
 __all__ = ["RequestSpec", "SparseArrays", "read_sparse"]
 
@@ -47,8 +47,9 @@ class RequestSpec(NamedTuple):
     bounds_check: str  # "error", "clamp" or "skip"
     max_batch_size: int
     id_capacities: tuple[int, ...]
-    # managed-collision features: feature -> its table's frozen id map (sparse_jax.FrozenIdMap)
-    id_maps: Mapping[str, FrozenIdMap] | None = None
+    # managed-collision features: feature -> its table's frozen id map (ids, rows, default row,
+    # shards: sparse_jax.FrozenIdMap's fields; hybrid.serving._id_map)
+    id_maps: Mapping[str, tuple] | None = None
 
 
 class SparseArrays(NamedTuple):
@@ -196,7 +197,7 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
     values = values.astype(np.int64)
     id_map = (spec.id_maps or {}).get(feature)
     if id_map is not None:  # raw ids through the frozen map; an id not in it reads the default row
-        values = id_map.rows_of(values)
+        values = frozen_rows(id_map, values)
     ends = np.concatenate([[0], np.cumsum(col.lengths)])
     if spec.bounds_check == "error":
         limits = [

@@ -1,0 +1,134 @@
+"""A managed table's id maps moved onto another split of its rows (host, numpy).
+
+A managed table keeps one id map (`MCHState`) per shard: one for an unsharded or replicated
+table, one per row block for a row-wise table, whose ids go to shards by
+`hashed_slots(id, shards)`. A checkpoint saved with one split is loaded with another by
+`reshard_id_maps`: every resident id moves to the shard it hashes to under the new split,
+keeping its count and last access, and takes a slot there; `row_source` says which saved
+table row each new row takes, so the rows (and their optimizer state) move with their ids.
+Free slots keep whatever row they had (a slot's row is reset when an id is given it); each
+new shard's default row is the saved default row of shard `s % old shards` (a split into
+more shards copies the default rows, a merge keeps the first shard's).
+
+A shard with more resident ids than its slots (ids do not split evenly under a hash) keeps
+the strongest by the eviction policy (LFU: count, LRU: last access; then the smaller raw
+id); the others are dropped as an eviction would drop them (counted as evictions) and
+start over if seen again. The eviction windows move too (their entries are ids with the
+step they were seen at: each goes to its id's new shard), so a run resumed mid-window
+evicts as it would have.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from sparse_jax._managed_collision import (
+    _HI_MAX,
+    _LO_MAX,
+    MCHManagedCollisionModule,
+    MCHState,
+    RawIds,
+    hashed_slots,
+)
+
+__all__ = ["ReshardedIdMaps", "reshard_id_maps"]
+
+_EMPTY = np.iinfo(np.int64).max
+
+
+class ReshardedIdMaps(NamedTuple):
+    state: MCHState  # numpy leaves stacked one per new shard: [shards, ...]
+    counters: np.ndarray  # int32 [shards, 3]: occupancy, admissions, evictions (totals kept on shard 0)
+    row_source: np.ndarray  # int64 [num_embeddings]: the saved table row each new row takes
+    dropped: int  # resident ids no new shard had a slot for
+
+
+def _words(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ids (the empty marker included) as the map's (hi int32, lo uint32) words."""
+    raw = np.asarray(raw, np.int64)
+    return (raw >> 32).astype(np.int32), (raw & 0xFFFFFFFF).astype(np.uint32)
+
+
+def _owners(raw: np.ndarray, shards: int) -> np.ndarray:
+    if shards == 1 or raw.size == 0:
+        return np.zeros(raw.shape, np.int64)
+    return np.asarray(hashed_slots(RawIds.from_int64(raw), shards), np.int64)
+
+
+def reshard_id_maps(state: MCHState, counters: np.ndarray, module: MCHManagedCollisionModule,
+                    shards: int) -> ReshardedIdMaps:
+    """The id maps `state` (numpy leaves stacked one per saved shard, `[S, ...]`; `module`
+    is the whole table's, `zch_size` its rows) and their `counters` (`[S, 3]`) moved onto
+    `shards` shards (module docstring)."""
+    state = MCHState(*(np.asarray(leaf) for leaf in state))
+    z = module.zch_size
+    old = state.sorted_hi.shape[0]
+    if z % old or z % shards or z // shards < 2:
+        raise ValueError(f"id maps of a table of {z} rows cannot move from {old} to {shards} shard(s): every shard "
+                         "needs the same number of rows, at least 2 (one is its default row)")
+    rows_old, rows_new = z // old, z // shards
+    if len({int(x) for x in state.step}) != 1 or len({int(x) for x in state.last_eviction}) != 1:
+        raise ValueError("the saved id maps of one table disagree on their step or last eviction; the checkpoint "
+                         "is not of one run")
+    raw = RawIds(state.sorted_hi, state.sorted_lo).to_int64()  # [old, rows_old]
+    resident = raw != _EMPTY
+    shard_of = np.repeat(np.arange(old), rows_old).reshape(old, rows_old)
+    ids = raw[resident]
+    source = (shard_of * rows_old + state.slots)[resident]
+    counts, lasts = state.counts[resident], state.last_access[resident]
+    owner = _owners(ids, shards)
+    score = counts if module.eviction_policy == "lfu" else lasts
+
+    out = {f: [] for f in MCHState._fields}
+    row_source = np.arange(z, dtype=np.int64)  # free rows: whatever they hold (reset when given to an id)
+    window = _moved_window(state, shards, module.history_capacity)
+    dropped = 0
+    for s in range(shards):
+        mine = np.flatnonzero(owner == s)
+        keep = mine[np.lexsort((ids[mine], -score[mine]))][: rows_new - 1]  # strongest, then smaller id
+        dropped += len(mine) - len(keep)
+        keep = keep[np.argsort(ids[keep], kind="stable")]  # the map keeps its ids ascending
+        k = len(keep)
+        hi, lo = _words(np.concatenate([ids[keep], np.full(rows_new - k, _EMPTY)]))
+        row_source[s * rows_new: s * rows_new + k] = source[keep]
+        row_source[s * rows_new + rows_new - 1] = (s % old) * rows_old + rows_old - 1  # the default row
+        tail = (s % old, -1)  # the default entry's metadata (always the last sorted entry)
+        out["sorted_hi"].append(hi)
+        out["sorted_lo"].append(lo)
+        out["slots"].append(np.arange(rows_new, dtype=np.int32))
+        out["counts"].append(np.concatenate([counts[keep], np.zeros(rows_new - k - 1), [state.counts[tail]]]))
+        out["last_access"].append(np.concatenate([lasts[keep], np.zeros(rows_new - k - 1),
+                                                  [state.last_access[tail]]]))
+        for field, leaf in zip(("window_hi", "window_lo", "window_step", "window_used"), window[s], strict=True):
+            out[field].append(leaf)
+        out["step"].append(state.step[0])
+        out["last_eviction"].append(state.last_eviction[0])
+    dtypes = {f: leaf.dtype for f, leaf in zip(MCHState._fields, state, strict=True)}
+    new = MCHState(**{f: np.stack(v).astype(dtypes[f]) for f, v in out.items()})
+    totals = np.asarray(counters, np.int64).sum(axis=0)
+    new_counters = np.zeros((shards, 3), np.int64)
+    new_counters[:, 0] = ((new.sorted_hi != _HI_MAX) | (new.sorted_lo != _LO_MAX)).sum(axis=1)
+    new_counters[0, 1:] = totals[1:] + [0, dropped]
+    return ReshardedIdMaps(new, np.minimum(new_counters, np.iinfo(np.int32).max).astype(np.int32), row_source,
+                           dropped)
+
+
+def _moved_window(state: MCHState, shards: int, capacity: int) -> list[tuple]:
+    """Per new shard (window_hi, window_lo, window_step, window_used): the saved windows'
+    entries whose ids it owns, in saved order."""
+    used = np.arange(capacity)[None, :] < state.window_used[:, None]
+    raw = RawIds(state.window_hi[used], state.window_lo[used]).to_int64()
+    steps = state.window_step[used]
+    owner = _owners(raw, shards)
+    out = []
+    for s in range(shards):
+        mine = np.flatnonzero(owner == s)
+        if len(mine) > capacity:
+            raise ValueError(f"the saved eviction windows hold {len(mine)} ids for new shard {s}, more than its "
+                             f"history_capacity={capacity}; resume with the saved sharding until the next eviction")
+        hi, lo = _words(np.concatenate([raw[mine], np.zeros(capacity - len(mine), np.int64)]))
+        step = np.concatenate([steps[mine], np.zeros(capacity - len(mine), steps.dtype)])
+        out.append((hi, lo, step, np.int32(len(mine))))
+    return out

@@ -1,0 +1,194 @@
+"""Id maps saved with one split of a managed table loaded with another (`sparse_jax.reshard_id_maps`
+and checkpoints): every resident id moves to the shard it hashes to with its count, last
+access and row, the eviction windows move with their ids, and a shard that cannot hold its
+ids keeps the strongest by the policy."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import dense_torch
+import hybrid
+from hybrid import _checkpoint
+from sparse_jax import (
+    EmbeddingBagConfig,
+    MCHManagedCollisionModule,
+    MCHState,
+    RawIds,
+    hashed_slots,
+    reshard_id_maps,
+)
+from tests.test_managed_model import _step
+
+Z, ITEMS, DIM = 64, 12, 4
+EMPTY = np.iinfo(np.int64).max
+
+
+def _trained_map(module, steps, seed=0, pool=60, batch=20):
+    """A `module` id map after `steps` random training batches (numpy leaves, stacked [1, ...])."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-(2**62), 2**62, size=pool)
+    profile = jax.jit(module.profile)
+    state = module.init()
+    for _ in range(steps):
+        state, _ = profile(state, RawIds.from_int64(ids[rng.integers(0, pool, batch)]))
+    return MCHState(*(np.asarray(x)[None] for x in state))
+
+
+def _resident(state, s):
+    """{raw id: (slot, count, last access)} of shard s's map."""
+    raw = RawIds(state.sorted_hi[s], state.sorted_lo[s]).to_int64()
+    return {int(r): (int(state.slots[s][i]), int(state.counts[s][i]), int(state.last_access[s][i]))
+            for i, r in enumerate(raw) if r != EMPTY}
+
+
+def _window(state, s):
+    used = int(state.window_used[s])
+    raw = RawIds(state.window_hi[s][:used], state.window_lo[s][:used]).to_int64()
+    return sorted(zip(raw.tolist(), state.window_step[s][:used].tolist(), strict=True))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_ids_rows_and_windows_move_to_the_shard_their_hash_names_and_back(policy):
+    module = MCHManagedCollisionModule(Z, history_capacity=64, eviction_policy=policy, eviction_interval=3)
+    state = _trained_map(module, 7, pool=30)  # 7 calls: evictions at 3 and 6, one batch in the window
+    before = _resident(state, 0)
+    assert len(before) >= 20 and int(state.window_used[0]) == 20
+    counters = np.array([[len(before), 40, 9]], np.int32)
+    split = reshard_id_maps(state, counters, module, 4)
+    assert split.dropped == 0 and split.state.sorted_hi.shape == (4, Z // 4)
+    owner = dict(zip(before, np.asarray(hashed_slots(RawIds.from_int64(np.array(list(before))), 4)).tolist(),
+                     strict=True))
+    window = _window(state, 0)
+    for s in range(4):
+        mine = _resident(split.state, s)
+        assert set(mine) == {i for i, o in owner.items() if o == s}
+        raw = RawIds(split.state.sorted_hi[s], split.state.sorted_lo[s]).to_int64()
+        k = len(mine)
+        assert (np.diff(raw[:k]) > 0).all() and (raw[k:] == EMPTY).all()  # ascending, then the empty entries
+        for i, (slot, count, last) in mine.items():
+            assert slot < Z // 4 - 1  # never the shard's default slot
+            assert split.row_source[s * (Z // 4) + slot] == before[i][0]  # the row moves with its id
+            assert (count, last) == before[i][1:]
+        assert split.row_source[s * (Z // 4) + Z // 4 - 1] == Z - 1  # every default row: the saved one
+        ids = [w for w in window if hashed_slots(RawIds.from_int64(np.array([w[0]])), 4)[0] == s]
+        assert _window(split.state, s) == ids
+        assert int(split.state.step[s]) == 7 and int(split.state.last_eviction[s]) == 6
+    assert split.counters[:, 0].sum() == len(before) and split.counters[0, 1:].tolist() == [40, 9]
+    assert split.counters[1:, 1:].sum() == 0
+    merged = reshard_id_maps(split.state, split.counters, module, 1)  # and back: the same map up to slots
+    after = _resident(merged.state, 0)
+    assert {i: v[1:] for i, v in after.items()} == {i: v[1:] for i, v in before.items()}
+    for i, (slot, _, _) in after.items():
+        assert split.row_source[merged.row_source[slot]] == before[i][0]
+    assert _window(merged.state, 0) == window and merged.counters[0].tolist() == counters[0].tolist()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_shard_too_small_for_its_ids_keeps_the_strongest_and_counts_the_rest_evicted(policy):
+    module = MCHManagedCollisionModule(16, history_capacity=64, eviction_policy=policy)
+    state = _trained_map(module, 5, seed=3, pool=30)
+    before = _resident(state, 0)
+    split = reshard_id_maps(state, np.array([[len(before), len(before), 0]], np.int32), module, 8)  # 1 slot each
+    owner = np.asarray(hashed_slots(RawIds.from_int64(np.array(list(before))), 8)).tolist()
+    score = {i: (v[1] if policy == "lfu" else v[2]) for i, v in before.items()}
+    kept = set()
+    for s in range(8):
+        mine = [i for i, o in zip(before, owner, strict=True) if o == s]
+        if mine:
+            kept.add(min(mine, key=lambda i: (-score[i], i)))  # the strongest, then the smaller id
+        assert set(_resident(split.state, s)) == {i for i in kept if owner[list(before).index(i)] == s}
+    assert split.dropped == len(before) - len(kept) > 0
+    assert split.counters[0, 2] == split.dropped and split.counters[:, 0].sum() == len(kept)
+
+
+def test_splits_that_cannot_hold_the_map_are_refused():
+    module = MCHManagedCollisionModule(12, history_capacity=64)
+    state = _trained_map(module, 2)
+    with pytest.raises(ValueError, match=r"cannot move from 1 to 5 shard\(s\)"):
+        reshard_id_maps(state, np.zeros((1, 3), np.int32), module, 5)
+    with pytest.raises(ValueError, match=r"cannot move from 1 to 12 shard\(s\)"):  # one row each: no default row
+        reshard_id_maps(state, np.zeros((1, 3), np.int32), module, 12)
+
+
+def _model(plan, interval=1, seed=0):
+    torch.manual_seed(seed)
+    tables = [EmbeddingBagConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"]),
+              EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
+    module = MCHManagedCollisionModule(Z, history_capacity=512, eviction_interval=interval)
+    model = hybrid.Model(tables, dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
+                         mesh=hybrid.make_mesh("data=2,model=4") if plan else None, plan=plan,
+                         managed_collision_modules={"users": module}, seed=seed)
+    return model, torch.optim.SGD(model.dense_parameters(), lr=0.2)
+
+
+def _batches(steps, seed=0, batch=8, pool=24):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-(2**62), 2**62, size=pool)
+    for _ in range(steps):
+        users = [ids[rng.integers(0, pool, rng.integers(1, 3))] for _ in range(batch)]
+        items = rng.integers(0, ITEMS, batch)
+        yield users, items, torch.from_numpy(rng.normal(size=(batch, 3)).astype(np.float32)), \
+            torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32))
+
+
+def _kjt(users, items):
+    lengths = torch.tensor([len(b) for b in users] + [1] * len(items), dtype=torch.int32)
+    values = torch.cat([torch.as_tensor(np.concatenate(users).astype(np.int64)), torch.from_numpy(items)])
+    return ["user", "item"], values, lengths
+
+
+ROW_WISE = {"users": "row_wise", "items": "data_parallel"}
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(ROW_WISE, None), (None, ROW_WISE),
+                                               ({"users": "table_wise", "items": "data_parallel"}, ROW_WISE)],
+                         ids=["row_wise_to_one_device", "one_device_to_row_wise", "replicated_to_row_wise"])
+def test_a_checkpoint_loads_onto_another_split_and_reads_every_id_as_before(tmp_path, saved, loaded):
+    model, opt = _model(saved)
+    batches = list(_batches(10))
+    for users, items, dense, labels in batches:
+        _step(model, opt, _kjt(users, items), dense, labels)
+    path = _checkpoint.save_checkpoint(tmp_path, step=10, model=model, dense_optimizer=opt)
+    resumed, ropt = _model(loaded, seed=5)
+    _checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    frozen, moved = model.sparse_module.frozen_maps()["users"], resumed.sparse_module.frozen_maps()["users"]
+    np.testing.assert_array_equal(moved.ids, frozen.ids)  # 24 ids, 8 slots or more per shard: none dropped
+    users = [[int(i)] for i in frozen.ids]
+    items = np.zeros(len(users), np.int64)
+    dense = torch.zeros(len(users), 3)
+    for m in (model, resumed):
+        m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(dense, _kjt(users, items)), model(dense, _kjt(users, items)))
+    stats = np.asarray(resumed.managed_collision_stats()["users"])
+    assert stats.tolist() == np.asarray(model.managed_collision_stats()["users"]).tolist()
+    state = _checkpoint.sparse_state_arrays(resumed)  # the optimizer state moved with the rows
+    want = _checkpoint.sparse_state_arrays(model)
+    for key in [k for k in want if k.startswith("state/users/")]:
+        np.testing.assert_array_equal(state[key][moved.rows], want[key][frozen.rows], err_msg=key)
+    resumed.train()
+    for users, items, dense, labels in _batches(3, seed=1):  # and training goes on
+        _step(resumed, ropt, _kjt(users, items), dense, labels)
+
+
+def test_a_run_resumed_mid_window_on_another_split_admits_every_id_of_the_window(tmp_path):
+    """Eviction every 3 calls: 2 calls on a row-wise mesh fill the window, the 3rd (after a
+    resume on one device) admits all 24 ids, as a run on one device throughout does."""
+    batches = list(_batches(3, seed=2))
+    model, opt = _model(ROW_WISE, interval=3)
+    for users, items, dense, labels in batches[:2]:
+        _step(model, opt, _kjt(users, items), dense, labels)
+    assert np.asarray(model.managed_collision_stats()["users"])[0] == 0  # nothing admitted yet
+    path = _checkpoint.save_checkpoint(tmp_path, step=2, model=model, dense_optimizer=opt)
+    resumed, ropt = _model(None, interval=3)
+    _checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    single, sopt = _model(None, interval=3)
+    for users, items, dense, labels in batches:
+        _step(single, sopt, _kjt(users, items), dense, labels)
+    users, items, dense, labels = batches[2]
+    _step(resumed, ropt, _kjt(users, items), dense, labels)
+    want = single.sparse_module.frozen_maps()["users"].ids
+    assert len(want) == len({int(i) for b in batches for u in b[0] for i in u})
+    np.testing.assert_array_equal(resumed.sparse_module.frozen_maps()["users"].ids, want)
