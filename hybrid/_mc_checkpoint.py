@@ -34,13 +34,14 @@ def mc_state_arrays(model) -> dict[str, np.ndarray]:
     module = _managed(model)
     if module is None:
         return {}
+    states, counters, key = module.host_state()  # gathered from every process on a multi-process mesh
     out = {}
-    for table, state in module.mc_state.items():
+    for table, state in states.items():
         for field, leaf in zip(MCH_STATE_FIELDS, state, strict=True):
-            out[f"mc/{table}/{field}"] = np.asarray(leaf)
-    for table, counters in module.mc_counters.items():
-        out[f"mc/{table}/counters"] = np.asarray(counters)
-    out["mc_key"] = np.asarray(jax.random.key_data(module.draw_key))
+            out[f"mc/{table}/{field}"] = leaf
+    for table, c in counters.items():
+        out[f"mc/{table}/counters"] = c
+    out["mc_key"] = key
     return out
 
 

@@ -154,8 +154,8 @@ class ManagedSparseModule(LayoutFacts):
     """What the unsharded and the sharded managed-collision modules share: the id maps
     (`mc_state`, `mc_counters`, the draw key of fresh rows) and the `SparseModule`
     contract delegated to the collection they wrap (`inner`). A subclass provides
-    `prepare`, `remap`, `remap_eval`, `remap_compile_count`, `stats`, `frozen_maps` and
-    `_fresh_maps`."""
+    `prepare`, `remap`, `remap_eval`, `remap_compile_count`, `stats`, `frozen_maps`,
+    `host_state` and `_fresh_maps`."""
 
     plan = None
     mesh_axes = None
@@ -262,7 +262,7 @@ class ManagedSparseModule(LayoutFacts):
                 raise ValueError(f"table {name!r}: managed-collision {what} has {leaf.dtype}{list(leaf.shape)}, "
                                  f"expected {old.dtype}{list(old.shape)} (zch_size, history_capacity or the "
                                  "table's sharding changed?)")
-            return jax.device_put(leaf, old.sharding)
+            return jax.make_array_from_callback(leaf.shape, old.sharding, lambda index: leaf[index])  # any process
 
         new = {name: MCHState(*(placed(name, f, leaf, old) for f, leaf, old in
                                 zip(MCHState._fields, s, self.mc_state[name], strict=True)))
@@ -312,6 +312,11 @@ class ManagedCollisionSparseModule(ManagedSparseModule):
         """{managed table: its id map frozen on the host (`FrozenIdMap`), for serving}."""
         return {name: frozen_map(jax.tree.map(lambda x: np.asarray(x)[None], self.mc_state[name]),
                                  self.mc.modules[name].zch_size) for name in self.managed_tables}
+
+    def host_state(self):
+        """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays."""
+        return (jax.tree.map(np.asarray, self.mc_state), jax.tree.map(np.asarray, self.mc_counters),
+                np.asarray(jax.random.key_data(self._key)))
 
     # -- the batch ------------------------------------------------------------------------------
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> ManagedBatch:

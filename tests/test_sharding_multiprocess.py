@@ -21,13 +21,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.multiprocess
-def test_two_processes_match_one(tmp_path):
+def run_workers(tmp_path, workload: str = "plain"):
+    """Two worker processes of tests/mp_sharded_worker.py running `workload`: process 0's
+    results (an npz)."""
     port, out = _free_port(), tmp_path / "mp.npz"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.mp_sharded_worker", str(i), "2", str(port), str(out)], env=env,
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.Popen([sys.executable, "-m", "tests.mp_sharded_worker", str(i), "2", str(port), str(out), workload],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for i in range(2)
     ]
     logs = []
@@ -39,7 +40,12 @@ def test_two_processes_match_one(tmp_path):
                 q.kill()
             pytest.fail("multi-process workers timed out")
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-    got = np.load(out)
+    return np.load(out)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one(tmp_path):
+    got = run_workers(tmp_path)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     want = run_workload(mesh)
     assert set(got.files) == set(want)

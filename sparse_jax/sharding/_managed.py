@@ -18,8 +18,10 @@ all-gather input dist does), each shard profiles and maps the ids it owns, a `ps
 the shard axes gives every position its row, and each device keeps its own part; then the
 rows given to new ids are reset in the donated shard buffers and optimizer state.
 
-One process only (every mesh device local): several processes would have to agree on the
-per-table id capacities, which is not built.
+Several processes (`jax.distributed`): each prepares only its own samples, as the sharded
+collection does, and the processes agree on each managed table's id capacity through the
+same host key-value store (`ProcessAgreement`), so every process places arrays of one shape;
+the id maps are global arrays, gathered to the host only for checkpoints and export.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from sparse_jax._mc_module import (
     split_raw_ids,
 )
 from sparse_jax.sharding import _placement
+from sparse_jax.sharding._agree import ProcessAgreement
 from sparse_jax.sharding._local_batch import LocalBatches, split_batch
-from sparse_jax.sharding._placement import batch_sharding
 from sparse_jax.sharding._sequence import ShardedEmbeddingCollection
 from sparse_jax.sharding._sharded import ShardedEmbeddingBagCollection
 
@@ -99,9 +101,6 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         if not isinstance(sharded, ShardedEmbeddingBagCollection):
             raise TypeError(f"ShardedManagedCollisionModule wraps a ShardedEmbeddingBagCollection or a "
                             f"ShardedEmbeddingCollection, got {type(sharded).__name__}")
-        if len(sharded._local_rows) != sharded.num_devices:
-            raise ValueError("managed-collision tables on a mesh of several processes are not built yet; train them "
-                             "in one process (every mesh device local)")
         if sharded.input_dist != "all_gather":
             raise ValueError(f"managed-collision tables need input_dist='all_gather' (got {sharded.input_dist!r}): the "
                              "all_to_all route capacity is counted on the host, before the ids are remapped to rows")
@@ -117,6 +116,7 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
             self.layout = front.layout
         self.plan = sharded.plan
         self._programs: dict = {}
+        self._agree = ProcessAgreement()  # id capacities agreed between processes (same order on each)
 
     @property
     def mesh_axes(self):
@@ -124,7 +124,10 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
 
     # -- the id maps ----------------------------------------------------------------------------
     def _place_key(self, key):
-        return jax.device_put(key, NamedSharding(self.mesh, P()))
+        """`key` replicated on the mesh (from its host value: every process holds the same)."""
+        data = np.asarray(jax.random.key_data(key))
+        return jax.random.wrap_key_data(_placement._global_array(data, NamedSharding(self.mesh, P())),
+                                        impl=jax.random.key_impl(key))
 
     def _spec(self, name: str) -> NamedSharding:
         axes = self.split[name].axes
@@ -135,7 +138,8 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         outputs carry (the spec spelled out to the array's rank: an equal but shorter spec
         would be a new signature, and compile the remap again on the second step)."""
         spec = self._spec(name).spec
-        return jax.device_put(x, NamedSharding(self.mesh, P(*spec, *[None] * (x.ndim - len(spec)))))
+        sharding = NamedSharding(self.mesh, P(*spec, *[None] * (x.ndim - len(spec))))
+        return _placement._global_array(np.asarray(x), sharding)
 
     def _fresh_maps(self):
         def stacked(name):
@@ -156,8 +160,15 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
     def frozen_maps(self) -> dict[str, FrozenIdMap]:
         """{managed table: its id maps frozen on the host, one per shard (`FrozenIdMap`: an id
         not resident reads the default row of the shard it hashes to)}."""
-        return {name: frozen_map(jax.tree.map(np.asarray, self.mc_state[name]), self.split[name].rows)
-                for name in self.managed_tables}
+        states = self.host_state()[0]
+        return {name: frozen_map(states[name], self.split[name].rows) for name in self.managed_tables}
+
+    def host_state(self):
+        """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays, gathered
+        from every process (a collective: every process calls it)."""
+        states = {name: MCHState(*(_placement._host(leaf) for leaf in state)) for name, state in self.mc_state.items()}
+        counters = {name: _placement._host(c) for name, c in self.mc_counters.items()}
+        return states, counters, _placement._host(jax.random.key_data(self._key))
 
     # -- the batch ------------------------------------------------------------------------------
     def prepare(self, kjt, *, device=None):  # noqa: ARG002 (placed on the mesh)
@@ -173,26 +184,32 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         return SequenceBatch(rows=self._prepare_bags(per_id), lengths=lengths, stride=host.stride())
 
     def _prepare_bags(self, kjt) -> ManagedBatch:
+        """This process's part of a bag batch (one process: all of it): the collection's
+        prepare, then per managed table the raw id words of each local device's ids and
+        their positions, at a capacity every process agrees on."""
         ids, raw, owner = split_raw_ids(kjt, self.mc)
         local = self.sharded.prepare(ids)
-        devices, capacity = local.values.shape
+        rows = self.sharded._local_rows
+        capacity = local.values.shape[1]
         index = ids._replace(values=np.arange(1, raw.shape[0] + 1, dtype=np.int32))  # where each id lands
-        where = split_batch(index, devices, (capacity,), min_capacity=capacity)["values"].astype(np.int64) - 1
+        where = split_batch(index, len(rows), (capacity,), min_capacity=capacity)["values"].astype(np.int64) - 1
         owner = np.append(owner, "")  # position -1 (padding) owns nothing
+        tables = self.managed_tables
+        mine = {name: owner[where] == name for name in tables}  # [local devices, capacity]
+        counts = [int(mine[name].sum(axis=1).max(initial=0)) for name in tables]
+        if len(rows) < self.sharded.num_devices:
+            counts = self._agree.max(counts)
         words, positions = {}, {}
-        for name in self.managed_tables:
-            mine = owner[where] == name  # [devices, capacity]
-            count = int(mine.sum(axis=1).max(initial=0))
-            cap = self._capacity(name, count, devices=devices)
-            pos = np.full((devices, cap), capacity, np.int32)
-            w = np.zeros((devices, cap, 2), np.int32)
-            for d in range(devices):
-                (js,) = np.nonzero(mine[d])
+        for name, count in zip(tables, counts, strict=True):
+            cap = self._capacity(name, count, devices=self.sharded.num_devices)
+            pos = np.full((len(rows), cap), capacity, np.int32)
+            w = np.zeros((len(rows), cap, 2), np.int32)
+            for d in range(len(rows)):
+                (js,) = np.nonzero(mine[name][d])
                 pos[d, : len(js)] = js
                 w[d, : len(js)] = RawIds.from_int64(raw[where[d, js]]).words()
-            positions[name], words[name] = pos, w
-        sharding = batch_sharding(self.mesh)
-        words, positions = jax.device_put((words, positions), sharding)
+            positions[name] = _placement.place_rows(self.mesh, pos, rows)
+            words[name] = _placement.place_rows(self.mesh, w, rows)
         self.prepare_count += 1
         return ManagedBatch(local, words, positions)
 

@@ -27,6 +27,7 @@ __all__ = [
     "param_specs",
     "place",
     "place_batch",
+    "place_rows",
     "spec",
     "state_specs",
     "table_state",
@@ -140,22 +141,25 @@ def place_batch(
     mesh: jax.sharding.Mesh, parts: Mapping[str, np.ndarray], rows: Sequence[int] | None = None
 ) -> dict[str, jax.Array]:
     """The host arrays of `split_batch` ("values", "lengths", "weights") placed
-    batch-sharded: the device at mesh position `rows[i]` gets row i (`rows`: this process's
-    positions; default every position, one process). Each process uploads only its rows."""
+    batch-sharded (`place_rows`)."""
+    return {k: place_rows(mesh, parts[k], rows) for k in ("values", "lengths", "weights")}
+
+
+def place_rows(mesh: jax.sharding.Mesh, host: np.ndarray, rows: Sequence[int] | None = None) -> jax.Array:
+    """`host` (`[len(rows), ...]`) placed batch-sharded: the device at mesh position
+    `rows[i]` gets row i (`rows`: this process's positions; default every position, one
+    process). Each process uploads only its rows."""
     sharding = batch_sharding(mesh)
     n = mesh.devices.size
     rows = tuple(range(n)) if rows is None else tuple(rows)
     where = {r: i for i, r in enumerate(rows)}
 
-    def place_rows(host: np.ndarray) -> jax.Array:
-        def block(index):
-            first = index[0].start or 0
-            stop = n if index[0].stop is None else index[0].stop
-            return host[[where[r] for r in range(first, stop)]][(slice(None), *index[1:])]
+    def block(index):
+        first = index[0].start or 0
+        stop = n if index[0].stop is None else index[0].stop
+        return host[[where[r] for r in range(first, stop)]][(slice(None), *index[1:])]
 
-        return jax.make_array_from_callback((n, *host.shape[1:]), sharding, block)
-
-    return {k: place_rows(parts[k]) for k in ("values", "lengths", "weights")}
+    return jax.make_array_from_callback((n, *host.shape[1:]), sharding, block)
 
 
 def batch_sharded(mesh, grad) -> jax.Array:
