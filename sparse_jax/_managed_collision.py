@@ -100,24 +100,98 @@ def _less(ahi, alo, bhi, blo):
     return (ahi < bhi) | ((ahi == bhi) & (alo < blo))
 
 
+_BLOCK = 8  # entries per block of `_search`'s first level
+
+
 def _search(sorted_hi, sorted_lo, hi, lo):
-    """For each query, the first position in `sorted[:-1]` whose id is >= it (left side)."""
+    """For each query, the first position in `sorted[:-1]` whose id is >= it (left side).
+
+    In two levels, both counting the ids below the query: first the blocks of `_BLOCK` entries
+    whose last id is below it, in a small copy of those ids as `[hi, lo]` rows (one 8-byte
+    gather a step, cheaper on XLA CPU than two 4-byte ones), then the entries of its block."""
     n = sorted_hi.shape[0] - 1
-    left = jnp.zeros(hi.shape, jnp.int32)
-    right = jnp.full(hi.shape, n, jnp.int32)
-    for _ in range(max(n, 1).bit_length()):
-        mid = (left + right) // 2
-        at = jnp.minimum(mid, n - 1)
-        go_right = (mid < right) & _less(sorted_hi[at], sorted_lo[at], hi, lo)
-        left = jnp.where(go_right, mid + 1, left)
-        right = jnp.where(go_right | (mid >= right), right, mid)
-    return left
+    blocks = n // _BLOCK
+    fence = jnp.stack([sorted_hi[_BLOCK - 1:blocks * _BLOCK:_BLOCK],
+                       jax.lax.bitcast_convert_type(sorted_lo[_BLOCK - 1:blocks * _BLOCK:_BLOCK], jnp.int32)], axis=1)
+
+    def fence_at(at):
+        rows = fence[at]
+        return rows[:, 0], jax.lax.bitcast_convert_type(rows[:, 1], jnp.uint32)
+
+    block = _count_below(fence_at, blocks, jnp.zeros(hi.shape, jnp.int32), hi, lo)
+    return _count_below(lambda at: (sorted_hi[at], sorted_lo[at]), n, block * _BLOCK, hi, lo, _BLOCK - 1)
 
 
-def _stable_order(*keys):
-    """Indices sorting by `keys` (lexicographic, ascending, stable)."""
-    index = jnp.arange(keys[0].shape[0], dtype=jnp.int32)
-    return jax.lax.sort((*keys, index), num_keys=len(keys), is_stable=True)[-1]
+def _count_below(ids_at, n, start, hi, lo, most=None):
+    """`start` plus how many of the sorted ids `ids_at(start..n-1)` are below each query,
+    counting up to `most` (default: all) by halving steps."""
+    pos = start
+    for k in reversed(range((n if most is None else most).bit_length())):
+        cand = pos + (1 << k)
+        at = jnp.minimum(cand, n) - 1
+        at_hi, at_lo = ids_at(at)
+        pos = jnp.where((cand <= n) & _less(at_hi, at_lo, hi, lo), cand, pos)
+    return pos
+
+
+def _prefix_sum(x):
+    """Inclusive prefix sum of int32 `x`: a scan tree, ~4x faster on XLA CPU than `jnp.cumsum`
+    (a reduce-window)."""
+    return jax.lax.associative_scan(jnp.add, x)
+
+
+def _bit_length(x):
+    """Bits of non-negative int32 `x` (traced): 0 for 0."""
+    return 32 - jax.lax.clz(x)
+
+
+def _radix_pass(perm, word, shift):
+    """`perm` reordered stably by the digit of uint32 `word` (indexed like the input) at `shift`.
+
+    The digit is packed above the entry's place in `perm`, so the keys are distinct and a plain
+    one-operand value sort (XLA CPU's fast path, ~6x faster than a sort carrying an index) is a
+    stable sort of the digits; the low bits give the permutation back."""
+    n = perm.shape[0]
+    b = max(n - 1, 1).bit_length()
+    digit = (word[perm] >> shift) & np.uint32((1 << (32 - b)) - 1)
+    keys = (digit << np.uint32(b)) | jnp.arange(n, dtype=jnp.uint32)
+    return perm[(jax.lax.sort(keys) & np.uint32((1 << b) - 1)).astype(jnp.int32)]
+
+
+def _radix_order(words, widths, n):
+    """Indices sorting `n` entries by uint32 `words` (the most significant first; `widths[i]`
+    low bits of `words[i]` are used, a static int or a traced int32) ascending, stable: an LSD
+    radix sort."""
+    step = 32 - max(n - 1, 1).bit_length()
+    perm = jnp.arange(n, dtype=jnp.int32)
+    for word, width in zip(reversed(words), reversed(widths), strict=True):
+        if isinstance(width, int):
+            for shift in range(0, width, step):
+                perm = _radix_pass(perm, word, np.uint32(shift))
+        else:  # as many passes as the traced width needs
+            perm, _ = jax.lax.while_loop(lambda c, w=width: c[1] < w,
+                                         lambda c, w=word: (_radix_pass(c[0], w, c[1].astype(jnp.uint32)), c[1] + step),
+                                         (perm, jnp.int32(0)))
+    return perm
+
+
+def _pack(fields):
+    """`(words, widths)` for `_radix_order` from `(uint32 value, bits)` fields, the most
+    significant first, packed into as few words as fit (each word is a set of radix passes)."""
+    words, widths, word, width = [], [], None, 0
+    for value, bits in reversed(fields):
+        if bits == 0:
+            continue
+        if width + bits > 32:
+            words.append(word)
+            widths.append(width)
+            word, width = None, 0
+        word = value if word is None else word | (value << np.uint32(width))
+        width += bits
+    if word is not None:
+        words.append(word)
+        widths.append(width)
+    return words[::-1], widths[::-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,15 +255,13 @@ class MCHManagedCollisionModule:
                              "holds is ever dropped)")
         valid = jnp.ones(n, bool) if valid is None else valid
         step = state.step + 1
-        # pack this batch's valid ids behind the window's used entries
-        order = _stable_order((~valid).astype(jnp.int32))
-        taken = jnp.sum(valid.astype(jnp.int32))
-        at = state.window_used + jnp.arange(n, dtype=jnp.int32)
-        keep = jnp.arange(n) < taken
-        at = jnp.where(keep, at, self.history_capacity)
+        # pack this batch's valid ids, in order, behind the window's used entries
+        rank = _prefix_sum(valid.astype(jnp.int32))
+        taken = rank[-1]
+        at = jnp.where(valid, state.window_used + rank - 1, self.history_capacity)
         window = (
-            state.window_hi.at[at].set(ids.hi[order], mode="drop"),
-            state.window_lo.at[at].set(ids.lo[order], mode="drop"),
+            state.window_hi.at[at].set(ids.hi, mode="drop"),
+            state.window_lo.at[at].set(ids.lo, mode="drop"),
             state.window_step.at[at].set(jnp.broadcast_to(step, (n,)), mode="drop"),
         )
         state = state._replace(window_hi=window[0], window_lo=window[1], window_step=window[2],
@@ -200,22 +272,7 @@ class MCHManagedCollisionModule:
 
     def _evict(self, state: MCHState) -> tuple[MCHState, jax.Array]:
         z, h = self.zch_size, self.history_capacity
-        used = jnp.arange(h) < state.window_used
-        # the window's unique ids with their counts and last access
-        order = _stable_order((~used).astype(jnp.int32), state.window_hi, state.window_lo)
-        whi, wlo, wstep, wused = (state.window_hi[order], state.window_lo[order], state.window_step[order],
-                                  used[order])
-        first = wused & jnp.concatenate([jnp.ones(1, bool), (whi[1:] != whi[:-1]) | (wlo[1:] != wlo[:-1])])
-        uid = jnp.cumsum(first.astype(jnp.int32)) - 1
-        uid = jnp.where(wused, uid, h)
-        count = jax.ops.segment_sum(wused.astype(jnp.int32), uid, h)
-        last = jax.ops.segment_max(jnp.where(wused, wstep, 0), uid, h)
-        uhi = jnp.zeros(h, jnp.int32).at[jnp.where(first, uid, h)].set(whi, mode="drop")
-        ulo = jnp.zeros(h, jnp.uint32).at[jnp.where(first, uid, h)].set(wlo, mode="drop")
-        real = (jnp.arange(h) < jnp.sum(first.astype(jnp.int32))) & (count >= self.threshold)
-        # new candidates ranked by window count (descending), then raw id (ascending)
-        rank = _stable_order((~real).astype(jnp.int32), -count)
-        uhi, ulo, count, last, real = uhi[rank], ulo[rank], count[rank], last[rank], real[rank]
+        uhi, ulo, count, last, real = _window_ids(state, self.threshold)
         pos = _search(state.sorted_hi, state.sorted_lo, uhi, ulo)
         hit = real & (state.sorted_hi[pos] == uhi) & (state.sorted_lo[pos] == ulo)
         hit_at = jnp.where(hit, pos, z)
@@ -227,30 +284,132 @@ class MCHManagedCollisionModule:
         new = real & ~hit
         if self.eviction_policy == "lfu":
             resident_score, new_score = counts, count
+            fields = [(h - count, (h - 1).bit_length())]  # count descending, then raw id
         else:
             resident_score, new_score = lasts, last
-        merged = jnp.concatenate([resident_score, jnp.where(new, new_score, -1)])
-        ranked = _stable_order(-merged)  # descending, stable: resident first, then position
-        top, bottom = ranked[:z], ranked[z:]
-        won = top >= z  # new ids in the top z, best first
-        lost = bottom < z  # resident entries pushed out, best first
-        k = jnp.arange(z, dtype=jnp.int32)
-        winners = jnp.zeros(z, jnp.int32).at[jnp.where(won, jnp.cumsum(won) - 1, z)].set(top - z, mode="drop")
-        losers = jnp.full(z, z, jnp.int32).at[jnp.where(lost, jnp.cumsum(lost) - 1, z)].set(bottom, mode="drop")
-        moved = k < jnp.sum(won.astype(jnp.int32))
-        target = jnp.where(moved, losers, z)
-        sorted_hi = state.sorted_hi.at[target].set(uhi[winners], mode="drop")
-        sorted_lo = state.sorted_lo.at[target].set(ulo[winners], mode="drop")
-        counts = counts.at[target].set(count[winners], mode="drop")
-        lasts = lasts.at[target].set(last[winners], mode="drop")
-        evicted = jnp.zeros(z, bool).at[state.slots[jnp.minimum(target, z - 1)]].max(moved)
-        resort = _stable_order(sorted_hi, sorted_lo)
+            # last access descending (within the window: step - last < interval), then count
+            # descending, then raw id
+            fields = [((state.step - last).astype(jnp.uint32), (self.eviction_interval - 1).bit_length()),
+                      ((h - count).astype(jnp.uint32), (h - 1).bit_length())]
+        winner, loser = _contest(new, new_score, fields, resident_score)
+        loser_slot = state.slots[jnp.minimum(loser, z - 1)]
+        evicted = jnp.zeros(z, bool).at[jnp.where(loser < z, loser_slot, z)].set(True, mode="drop")
+        lost = jnp.zeros(z, bool).at[loser].set(True, mode="drop")
+        won = jnp.zeros(h, bool).at[winner].set(True, mode="drop")
+        won_slot = jnp.zeros(h, jnp.int32).at[winner].set(loser_slot, mode="drop")
+        # where every entry lands once losers leave and winners join, still sorted by raw id
+        below = pos + _less(state.sorted_hi[pos], state.sorted_lo[pos], uhi, ulo).astype(jnp.int32)  # residents < id
+        stay_at, win_at = _merged_places(lost, won, below)
+
+        def place(stayers, winners):
+            return jnp.zeros_like(stayers).at[stay_at].set(stayers, mode="drop").at[win_at].set(winners, mode="drop")
+
         state = state._replace(
-            sorted_hi=sorted_hi[resort], sorted_lo=sorted_lo[resort], slots=state.slots[resort],
-            counts=counts[resort], last_access=lasts[resort], window_used=jnp.zeros((), jnp.int32),
-            window_step=jnp.zeros(h, jnp.int32), last_eviction=state.step,
+            sorted_hi=place(state.sorted_hi, uhi), sorted_lo=place(state.sorted_lo, ulo),
+            slots=place(state.slots, won_slot), counts=place(counts, count), last_access=place(lasts, last),
+            window_used=jnp.zeros((), jnp.int32), window_step=jnp.zeros(h, jnp.int32), last_eviction=state.step,
         )
         return state, evicted
+
+
+def _window_ids(state: MCHState, threshold: int):
+    """The window's distinct ids ascending (`hi`, `lo`), with their counts, last access and
+    whether they are admitted (seen >= threshold times), padded to the window's size."""
+    h = state.window_hi.shape[0]
+    used = jnp.arange(h) < state.window_used
+    # unused entries (the window's tail) take the largest key: the stable sort leaves them last
+    key_hi = jnp.where(used, jax.lax.bitcast_convert_type(state.window_hi, jnp.uint32) ^ np.uint32(1 << 31), _LO_MAX)
+    key_lo = jnp.where(used, state.window_lo, _LO_MAX)
+    order = _radix_order([key_hi, key_lo], [32, 32], h)
+    whi, wlo, wstep, wused = state.window_hi[order], state.window_lo[order], state.window_step[order], used[order]
+    first = wused & jnp.concatenate([jnp.ones(1, bool), (whi[1:] != whi[:-1]) | (wlo[1:] != wlo[:-1])])
+    uid = jnp.where(wused, _prefix_sum(first.astype(jnp.int32)) - 1, h)
+    count = jax.ops.segment_sum(wused.astype(jnp.int32), uid, h)
+    last = jax.ops.segment_max(jnp.where(wused, wstep, 0), uid, h)
+    uhi = jnp.zeros(h, jnp.int32).at[jnp.where(first, uid, h)].set(whi, mode="drop")
+    ulo = jnp.zeros(h, jnp.uint32).at[jnp.where(first, uid, h)].set(wlo, mode="drop")
+    real = (jnp.arange(h) < jnp.sum(first.astype(jnp.int32))) & (count >= threshold)
+    return uhi, ulo, count, last, real
+
+
+def _contest(new, new_score, fields, resident_score):
+    """The new ids (`new`, by unique id) that take resident entries, and the entries they take:
+    `(winner, loser)`, the best winner with the best loser first, padded with `len(new)` and
+    `len(resident_score)`. As a stable descending sort of resident then new scores keeping the
+    top `len(resident_score)` would decide: a resident wins ties, then the earlier entry; new
+    ids rank by `fields` (`_best_new_first`)."""
+    h, z = new.shape[0], resident_score.shape[0]
+    best = _best_new_first(new, fields)
+    # at most h new ids, so only the h weakest residents can lose; the last entry (the default
+    # slot's, scored highest) never does
+    k = min(h, z - 1)
+    weakest = _weakest_first(resident_score[:z - 1], k)
+    # the i-th best new id is in the top z iff it beats the i-th weakest resident
+    i = jnp.arange(k, dtype=jnp.int32)
+    best_score = jnp.where(i < jnp.sum(new.astype(jnp.int32)), new_score[best[:k]], -1)
+    n_won = jnp.sum((best_score > resident_score[weakest]).astype(jnp.int32))
+    # the best winner takes the best loser's (the n_won-th weakest) entry, and so on down
+    moved = i < n_won
+    return jnp.where(moved, best[:k], h), jnp.where(moved, weakest[jnp.maximum(n_won - 1 - i, 0)], z)
+
+
+def _best_new_first(new, fields):
+    """Indices of the `new` entries, best first by `fields` (their sort keys, the most
+    significant first, as for `_pack`; ties: the lower index), then the others."""
+    n = new.shape[0]
+    at = jnp.where(new, _prefix_sum(new.astype(jnp.int32)) - 1, n)
+    index = jnp.zeros(n, jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    # the others, packed last, take the largest key: the stable sort leaves them last
+    fields = [(jnp.full(n, (1 << bits) - 1, jnp.uint32).at[at].set(value.astype(jnp.uint32), mode="drop"), bits)
+              for value, bits in fields]
+    words, widths = _pack(fields)
+    return index[_radix_order(words, widths, n)]
+
+
+def _weakest_first(score, k):
+    """Positions of the `k` lowest of int32 `score` (>= 0), the lowest first; among equal
+    scores the later position first (a resident loses to one before it)."""
+    t = _kth_smallest(score, k)
+    below = score < t
+    tied = score == t
+    # all entries below t, and the latest of those at t
+    tied_after = _prefix_sum(tied[::-1].astype(jnp.int32))[::-1]  # tied entries at positions >= p
+    take = below | (tied & (tied_after <= k - jnp.sum(below.astype(jnp.int32))))
+    at = _prefix_sum(take[::-1].astype(jnp.int32))[::-1] - 1  # latest position first
+    picked = jnp.zeros(k, jnp.int32).at[jnp.where(take, at, k)].set(
+        jnp.arange(score.shape[0], dtype=jnp.int32), mode="drop")
+    low = jnp.min(score)
+    key = (score[picked] - low).astype(jnp.uint32)
+    return picked[_radix_order([key], [_bit_length(t - low)], k)]
+
+
+def _kth_smallest(score, k):
+    """The `k`-th smallest of int32 `score` (>= 0), by bisection over values."""
+    def count_at_most(t):
+        return jnp.sum((score <= t).astype(jnp.int32))
+
+    def halve(bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        fits = count_at_most(mid) >= k
+        return jnp.where(fits, lo, mid), jnp.where(fits, mid, hi)
+
+    # count_at_most(lo) < k <= count_at_most(hi)
+    _, hi = jax.lax.while_loop(lambda b: b[0] < b[1] - 1, halve, (jnp.min(score) - 1, jnp.max(score)))
+    return hi
+
+
+def _merged_places(lost, won, below):
+    """Where the staying residents (not `lost`, in order) and the winning new ids (`won`,
+    ascending; `below`: how many residents are < each) land in one ascending array. New ids
+    never equal a resident, so this is the order a stable sort by raw id would give."""
+    z = lost.shape[0]
+    lost_upto = _prefix_sum(lost.astype(jnp.int32))
+    won_upto = _prefix_sum(jnp.zeros(z, jnp.int32).at[jnp.where(won, below, z)].add(1, mode="drop"))
+    stay_at = jnp.where(lost, z, jnp.arange(z, dtype=jnp.int32) - lost_upto + won_upto)
+    lost_before = jnp.concatenate([jnp.zeros(1, jnp.int32), lost_upto])[below]
+    win_at = jnp.where(won, _prefix_sum(won.astype(jnp.int32)) - 1 + below - lost_before, z)
+    return stay_at, win_at
 
 
 def hashed_slots(ids: RawIds, num_embeddings: int, seed: int = 0) -> jax.Array:
