@@ -140,7 +140,7 @@ def _source(model) -> _Source:
             qebc.bounds_check,
             tuple(qebc.ladder or DEFAULT_LADDER),
             model.dense,
-            {},
+            model.id_maps,
         )
     if isinstance(model, Model):
         module = model.sparse_module

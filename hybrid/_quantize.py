@@ -9,6 +9,11 @@ mesh-sharded model's tables are assembled on the host first); the dense tower is
 copy of `model.dense` in eval mode, so the float model is left as it was and can go on
 training. The quantized model never trains: a forward in training mode with grad enabled
 (e.g. `hybrid.TrainPipeline`) raises, and its dense parameters do not require grad.
+
+A model with managed-collision tables is quantized with its id maps frozen (as
+`hybrid.export` freezes them): the quantized model takes raw ids, maps each through its
+table's frozen map on the host (an id not resident reads its shard's default row), and
+exports with the maps.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import copy
 from collections.abc import Iterator, Mapping
 
 import jax
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,7 +30,15 @@ import dense_torch
 from hybrid._batch import as_host_kjt
 from hybrid._bridge import jax_to_torch
 from hybrid._model import Model
-from sparse_jax import ManagedSparseModule, PreparedBatch, QuantEmbeddingBagCollection
+from hybrid.serving._id_map import frozen_rows
+from sparse_jax import (
+    FrozenIdMap,
+    ManagedCollisionCollection,
+    ManagedSparseModule,
+    PreparedBatch,
+    QuantEmbeddingBagCollection,
+    split_raw_ids,
+)
 
 __all__ = ["QuantizedModel", "quantize"]
 
@@ -39,16 +53,22 @@ class QuantizedModel(nn.Module):
     forward in training mode with grad enabled raises.
 
     Attributes: `sparse_module` (the `QuantEmbeddingBagCollection`: `packed_tables`,
-    `table_bytes()`, `nbytes`), `dense` (the dense tower's copy).
+    `table_bytes()`, `nbytes`), `dense` (the dense tower's copy), `id_maps` ({managed table:
+    `sparse_jax.FrozenIdMap`}, empty without managed tables).
     """
 
-    def __init__(self, sparse_module: QuantEmbeddingBagCollection, dense: nn.Module):
+    def __init__(self, sparse_module: QuantEmbeddingBagCollection, dense: nn.Module,
+                 managed: ManagedCollisionCollection | None = None, id_maps: Mapping[str, FrozenIdMap] | None = None):
         super().__init__()
         if not isinstance(sparse_module, QuantEmbeddingBagCollection):
             raise TypeError(f"sparse_module must be a QuantEmbeddingBagCollection, got {type(sparse_module).__name__}")
+        if (managed is None) != (not id_maps) or (managed is not None and set(id_maps) != set(managed.modules)):
+            raise ValueError("QuantizedModel: give the managed-collision collection and one frozen id map per managed "
+                             "table together (hybrid.quantize does)")
         self.sparse_module = sparse_module
         self.dense = dense.eval().requires_grad_(False)
         self.training = False
+        self._managed, self.id_maps = managed, dict(id_maps or {})
 
     def train(self, mode: bool = True) -> QuantizedModel:
         """Record the mode only: the dense tower stays in eval mode (inference only)."""
@@ -64,7 +84,20 @@ class QuantizedModel(nn.Module):
         and placed on the tables' device, once."""
         if isinstance(sparse, PreparedBatch):
             return sparse
-        return self.sparse_module.prepare(as_host_kjt(sparse))
+        kjt = as_host_kjt(sparse)
+        if self._managed is not None:
+            kjt = self._rows_of_raw_ids(kjt)
+        return self.sparse_module.prepare(kjt)
+
+    def _rows_of_raw_ids(self, kjt):
+        """The batch with every managed feature's raw ids replaced by their frozen rows (the
+        raw-id checks of training: reserved ids, unmanaged ids that do not fit int32)."""
+        ids, raw, owner = split_raw_ids(kjt, self._managed)
+        values = np.asarray(ids.values(), np.int64)
+        for table, id_map in self.id_maps.items():
+            mine = owner == table
+            values[mine] = frozen_rows(id_map, raw[mine])
+        return ids._replace(values=values.astype(np.int32))
 
     def forward(self, dense_features: torch.Tensor, sparse) -> torch.Tensor:
         """`dense(dense_features, pooled embeddings of the quantized tables)`."""
@@ -103,10 +136,7 @@ def quantize(
     its dense tower is copied. Batches are padded to `model.capacity_ladder`."""
     if not isinstance(model, Model):
         raise TypeError(f"hybrid.quantize takes a trained hybrid.Model, got {type(model).__name__}")
-    if isinstance(model.sparse_module, ManagedSparseModule):
-        raise ValueError(f"hybrid.quantize of a model with managed-collision tables "
-                         f"{model.sparse_module.managed_tables} is not built yet (the quantized model would read raw "
-                         "ids as rows); export the float model with hybrid.export, which freezes the id maps")
+    managed = model.sparse_module if isinstance(model.sparse_module, ManagedSparseModule) else None
     sparse = QuantEmbeddingBagCollection.from_float(
         model.sparse_module,
         model.sparse_params,
@@ -116,4 +146,6 @@ def quantize(
         ladder=model.capacity_ladder,
         device=device if device is not None else jax.local_devices()[0],
     )
-    return QuantizedModel(sparse, copy.deepcopy(model.dense))
+    if managed is None:
+        return QuantizedModel(sparse, copy.deepcopy(model.dense))
+    return QuantizedModel(sparse, copy.deepcopy(model.dense), managed.mc, managed.frozen_maps())

@@ -32,6 +32,7 @@ from sparse_jax._mc_module import (
     ManagedBatch,
     ManagedCollisionSparseModule,
     ManagedSparseModule,
+    split_raw_ids,
 )
 from sparse_jax._mc_reshard import ReshardedIdMaps, reshard_id_maps
 from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
@@ -84,6 +85,7 @@ __all__ = [
     "make_ladder",
     "make_update",
     "reshard_id_maps",
+    "split_raw_ids",
     "quantize_rows",
     "quantized_pooled_lookup",
     "row_bytes",

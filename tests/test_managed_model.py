@@ -215,6 +215,36 @@ def test_an_eval_batch_larger_than_any_training_batch_leaves_training_running():
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
 
 
+@pytest.mark.parametrize("plan", [None, {"users": "row_wise", "items": "data_parallel"}], ids=["one_device", "row_wise"])
+def test_a_quantized_copy_maps_raw_ids_through_the_frozen_maps_and_exports_them(tmp_path, plan):
+    """fp16 rows: the quantized model reads what the float model reads in eval (a resident
+    id its row, an unseen id its shard's default row), and its export serves the same."""
+    module = MCHManagedCollisionModule(16, history_capacity=128)
+    tables = [EmbeddingBagConfig(name="users", num_embeddings=16, embedding_dim=DIM, feature_names=["user"]),
+              _tables()[1]]
+    mesh = hybrid.make_mesh("data=2,model=4") if plan else None
+    model = hybrid.Model(tables, _dense(0), mesh=mesh, plan=plan, managed_collision_modules={"users": module})
+    opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
+    batches = list(_batches(8, seed=4, batch=8))
+    for users, items, dense, labels in batches:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    users, items, dense, _ = batches[-1]
+    users = [*users[:5], [2**62 + 1, 2**40 + 7], [-(2**63)], []]  # unseen ids, an empty bag
+    sparse = _kjt(users, items, [int(i) for b in users for i in b])
+    model.eval()
+    with torch.no_grad():
+        want = model(dense, sparse)
+    qmodel = hybrid.quantize(model, "fp16")
+    assert set(qmodel.id_maps) == {"users"} and qmodel.id_maps["users"].shards == (4 if plan else 1)
+    with torch.no_grad():
+        got = qmodel(dense, sparse)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    path = hybrid.export(qmodel, tmp_path / "q", example=(dense, sparse))
+    torch.testing.assert_close(hybrid.serving.load(path)(dense, sparse), got, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"^id 2\*\*63 - 1 at feature 'user'"):
+        qmodel(dense, _kjt([[2**63 - 1]] * 8, items, [2**63 - 1] * 8))
+
+
 def test_reserved_ids_a_quantized_copy_and_a_map_loaded_onto_another_device_are_handled(tmp_path):
     from hybrid import _checkpoint
 
@@ -224,9 +254,6 @@ def test_reserved_ids_a_quantized_copy_and_a_map_loaded_onto_another_device_are_
                                          r"reserved \(it marks an empty slot of a managed-collision table\); map it "
                                          r"to another id$"):
         model(torch.zeros(2, 3), _kjt([[5], [2**63 - 1]], [np.array([1]), np.array([2])], [5, 2**63 - 1]))
-    with pytest.raises(ValueError, match=r"^hybrid.quantize of a model with managed-collision tables \['users'\] is "
-                                         r"not built yet"):
-        hybrid.quantize(model, "int8")
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
     for users, items, dense, labels in _batches(4):
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
