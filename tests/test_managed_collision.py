@@ -48,6 +48,33 @@ def test_long_streams_match_the_loop_oracle(policy, interval, threshold, zch):
     assert evictions >= zch  # filled (zch - 1 ids) and evicted
 
 
+@pytest.mark.parametrize(("policy", "interval", "zch", "batch", "pool"),
+                         [("lru", 1, 1000, 256, 3000), ("lfu", 1, 1000, 256, 3000), ("lru", 3, 300, 200, 900),
+                          ("lfu", 2, 4096, 1500, 20000)])
+def test_large_maps_match_the_loop_oracle(policy, interval, zch, batch, pool):
+    """Maps of many blocks (the two-level search), windows of many radix digits, and
+    contests among thousands of tied scores (LFU counts of 1 and 2, LRU steps)."""
+    mc = MCHManagedCollisionModule(zch, history_capacity=batch * interval, eviction_policy=policy,
+                                   eviction_interval=interval)
+    oracle = ManagedCollisionLoop(zch, policy, interval)
+    profile, remap = _compiled(mc)
+    state = mc.init()
+    rng = np.random.default_rng(zch)
+    values = rng.integers(-(2**63), 2**63 - 1, size=pool, dtype=np.int64)
+    values[:4] = [0, -1, 2**32, -(2**63)]
+    weights = 1.0 / np.arange(1, pool + 1) ** 0.8
+    evictions = 0
+    for step in range(12):
+        raw = values[rng.choice(pool, size=batch, p=weights / weights.sum())]
+        ids = RawIds.from_int64(raw)
+        state, evicted = profile(state, ids)
+        expected = oracle.profile([int(i) for i in raw])
+        assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == expected, step
+        np.testing.assert_array_equal(remap(state, ids), oracle.remap([int(i) for i in raw]), err_msg=str(step))
+        evictions += len(expected)
+    assert evictions > zch  # filled (zch - 1 ids), then resident ids evicted
+
+
 def test_padding_is_not_seen():
     mc = MCHManagedCollisionModule(4, history_capacity=6, eviction_policy="lfu")
     ids = RawIds.from_int64(np.array([7, 7, 9, 9, 9, 9]))
