@@ -15,8 +15,11 @@ between steps holds them exactly), and no device value is read on the host.
 Per table, device counters (`stats()`: occupancy, admissions and evictions so far) are
 updated in the same program; a log reads them when it logs, never per step.
 
-This module is the unsharded form (an `EmbeddingBagCollection` on one device) and the base
-both forms share; the mesh form is `sparse_jax.sharding.ShardedManagedCollisionModule`.
+This module is the unsharded form (an `EmbeddingBagCollection` or an `EmbeddingCollection`
+on one device: the slots are written into the bag batch's values, or into the sequence
+batch's row streams at the table's row offset) and the base both forms share; the mesh form
+is `sparse_jax.sharding.ShardedManagedCollisionModule`. `FrozenIdMap` is a map frozen for
+serving (`hybrid.export`, `hybrid.quantize`).
 """
 
 from __future__ import annotations
