@@ -135,12 +135,10 @@ def _load_data(config):
 
     d = config.data
     if d.source == "movielens":
-        try:
-            return data.load_movielens(d.cache_dir or None, raw_ids=d.raw_ids)
-        except ValueError as e:
-            if "raw_ids" not in str(e):
-                raise
-            raise ConfigError(f"data.raw_ids: {e}") from None
+        unknown = sorted(set(d.raw_ids) - set(data.MOVIELENS_FEATURES))
+        if unknown:
+            raise ConfigError(f"data.raw_ids names {unknown}, not MovieLens features {list(data.MOVIELENS_FEATURES)}")
+        return data.load_movielens(d.cache_dir or None, raw_ids=d.raw_ids)
     if d.raw_ids and d.source == "synthetic":
         raise ConfigError("data.raw_ids: the synthetic source has no raw ids; use movielens or criteo")
     if d.source == "synthetic":
@@ -249,7 +247,7 @@ def _ladder(config, train, evaluation) -> list[int]:
 def _managed_collision(config, train, evaluation, num_devices: int = 1) -> dict:
     """{table: MCHManagedCollisionModule} of [managed_collision]; every raw-id feature's
     table must be one."""
-    from sparse_jax import MCHManagedCollisionModule
+    from sparse_jax import MCHManagedCollisionModule, managed_id_capacity
 
     mc = config.managed_collision
     names = {f"t_{key}" for key in train.keys}
@@ -269,7 +267,7 @@ def _managed_collision(config, train, evaluation, num_devices: int = 1) -> dict:
         if mc.history_capacity:
             return mc.history_capacity
         ids = config.train.batch_size // num_devices * longest[name[2:]]  # per device, each padded alike
-        return max(8, 1 << (ids - 1).bit_length()) * num_devices * mc.eviction_interval
+        return managed_id_capacity(ids) * num_devices * mc.eviction_interval
 
     try:
         return {name: MCHManagedCollisionModule(rows, history_capacity=history(name),

@@ -32,6 +32,7 @@ from sparse_jax._mc_module import (
     ManagedBatch,
     ManagedCollisionSparseModule,
     ManagedSparseModule,
+    managed_id_capacity,
     split_raw_ids,
 )
 from sparse_jax._mc_reshard import ReshardedIdMaps, reshard_id_maps
@@ -84,6 +85,7 @@ __all__ = [
     "length_cap",
     "make_ladder",
     "make_update",
+    "managed_id_capacity",
     "reshard_id_maps",
     "split_raw_ids",
     "quantize_rows",

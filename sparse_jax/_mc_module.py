@@ -42,7 +42,8 @@ from sparse_jax._mc_collection import (
 from sparse_jax._module import LayoutFacts, PaddedBatch, PreparedBatch
 from sparse_jax._prepare import host_kjt
 
-__all__ = ["FrozenIdMap", "ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule", "profile_counted", "split_raw_ids"]
+__all__ = ["FrozenIdMap", "ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule", "managed_id_capacity",
+           "profile_counted", "split_raw_ids"]
 
 
 @jax.tree_util.register_dataclass
@@ -135,6 +136,13 @@ def frozen_map(states: MCHState, shard_rows: int) -> FrozenIdMap:
     return FrozenIdMap(ids[order], rows[order].astype(np.int32), shard_rows - 1, raw.shape[0])
 
 
+def managed_id_capacity(count: int) -> int:
+    """The id capacity a managed table's ids are padded to on a device holding `count` of
+    them: a power of two, at least 8 (a window of `eviction_interval` batches holds that
+    many per device)."""
+    return max(8, 1 << max(0, count - 1).bit_length())
+
+
 def _occupied(state: MCHState, zch_size: int) -> jax.Array:
     """bool[zch_size]: the slots an id holds (the reserved default slot never counts)."""
     empty = (state.sorted_hi == _HI_MAX) & (state.sorted_lo == _LO_MAX)
@@ -186,7 +194,7 @@ class ManagedSparseModule(LayoutFacts):
         shape alone; a training batch that large is refused by the window)."""
         module = self.mc.modules[name]
         fits = max(8, module.history_capacity // (module.eviction_interval * devices))
-        need = max(8, 1 << max(0, count - 1).bit_length())
+        need = managed_id_capacity(count)
         high = max(self._table_caps[name], need)
         self._table_caps[name] = high
         return max(need, min(high, fits))

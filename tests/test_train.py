@@ -269,7 +269,7 @@ def test_criteo_raw_hex_ids_train_through_managed_tables_and_log_their_counters(
 @pytest.mark.parametrize(("overrides", "message"), [
     (["data.raw_ids=['user']"], r"data.raw_ids: tables \['t_user'\] get raw 64-bit ids but have no managed-collision "
                                 r"module; give each its rows in \[managed_collision\] tables \(e.g. t_user = 1024\)"),
-    (["data.raw_ids=['users']"], r"data.raw_ids: load_movielens: raw_ids names \['users'\], not MovieLens features"),
+    (["data.raw_ids=['users']"], r"data.raw_ids names \['users'\], not MovieLens features"),
     (["managed_collision.tables={t_nope=8}"], r"managed_collision.tables names \['t_nope'\], not tables of this "
                                               r"dataset"),
     (["managed_collision.tables={t_user=1}"], r"\[managed_collision\]: MCHManagedCollisionModule: zch_size=1 must be "
