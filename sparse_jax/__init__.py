@@ -21,6 +21,7 @@ from sparse_jax._managed_collision import (
     MCHState,
     RawIds,
     hashed_slots,
+    host_hashed_slots,
 )
 from sparse_jax._mc_collection import (
     ManagedCollisionCollection,
@@ -80,6 +81,7 @@ __all__ = [
     "capacity_for",
     "dequantize_rows",
     "hashed_slots",
+    "host_hashed_slots",
     "jt_is_equal",
     "kjt_is_equal",
     "length_cap",

@@ -37,7 +37,7 @@ import numpy as np
 
 from sparse_jax.optim._rounding import _mix  # murmur3's finalizer, as the rounding draw
 
-__all__ = ["MCH_STATE_FIELDS", "MCHManagedCollisionModule", "MCHState", "RawIds", "hashed_slots"]
+__all__ = ["MCH_STATE_FIELDS", "MCHManagedCollisionModule", "MCHState", "RawIds", "hashed_slots", "host_hashed_slots"]
 
 _HI_MAX = np.int32(np.iinfo(np.int32).max)
 _LO_MAX = np.uint32(np.iinfo(np.uint32).max)  # (_HI_MAX, _LO_MAX) is INT64_MAX: an empty slot
@@ -420,3 +420,21 @@ def hashed_slots(ids: RawIds, num_embeddings: int, seed: int = 0) -> jax.Array:
     x = ids.lo.astype(jnp.uint32) ^ jnp.uint32(seed & 0xFFFFFFFF)
     x = _mix(x ^ _mix(ids.hi.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
     return (x % jnp.uint32(num_embeddings)).astype(jnp.int32)
+
+
+def host_hashed_slots(ids: np.ndarray, num_embeddings: int, seed: int = 0) -> np.ndarray:
+    """`hashed_slots` of int64 `ids` on the host, with numpy (bit for bit the same slots):
+    for host-side preparation, which must not run device work."""
+    ids = np.asarray(ids, np.int64)
+    hi, lo = (ids >> 32).astype(np.uint32), (ids & 0xFFFFFFFF).astype(np.uint32)
+
+    def mix(h):
+        h = h ^ (h >> np.uint32(16))
+        h = h * np.uint32(0x85EBCA6B)
+        h = h ^ (h >> np.uint32(13))
+        h = h * np.uint32(0xC2B2AE35)
+        return h ^ (h >> np.uint32(16))
+
+    with np.errstate(over="ignore"):
+        x = mix((lo ^ np.uint32(seed & 0xFFFFFFFF)) ^ mix(hi + np.uint32(0x9E3779B9)))
+    return (x % np.uint32(num_embeddings)).astype(np.int32)

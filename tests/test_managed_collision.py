@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax import MCHManagedCollisionModule, RawIds, hashed_slots
+from sparse_jax import MCHManagedCollisionModule, RawIds, hashed_slots, host_hashed_slots
 from tests.reference import ManagedCollisionLoop
 
 BATCH = 24
@@ -149,6 +149,12 @@ def test_hashed_slots_stay_in_range_and_spread_ids_that_differ_only_in_the_high_
     assert (np.asarray(hashed_slots(ids, 100, seed=1)) != slots).mean() > 0.9
     with pytest.raises(ValueError, match="^" + re.escape("hashed_slots: num_embeddings=0 must be an int >= 1") + "$"):
         hashed_slots(ids, 0)
+    some = np.random.default_rng(0).integers(-(2**63), 2**63 - 1, 4096, dtype=np.int64)
+    some[:3] = [0, -1, -(2**63)]
+    for n, seed in [(2, 0), (7, 0), (100, 1), (2**31 - 1, 2**32 - 1)]:  # numpy on the host: the same slots
+        got = host_hashed_slots(some, n, seed=seed)
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, hashed_slots(RawIds.from_int64(some), n, seed=seed))
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])

@@ -15,7 +15,13 @@ import hybrid
 from hybrid import _checkpoint
 from hybrid.serving._id_map import frozen_rows
 from hybrid.serving._id_map import hashed_slots as serving_hash
-from sparse_jax import EmbeddingBagConfig, MCHManagedCollisionModule, RawIds, hashed_slots
+from sparse_jax import (
+    EmbeddingBagConfig,
+    MCHManagedCollisionModule,
+    RawIds,
+    hashed_slots,
+    host_hashed_slots,
+)
 from tests.reference import ManagedCollisionLoop
 from tests.test_managed_model import _step
 
@@ -224,8 +230,46 @@ def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan
     assert model.compile_counts() == counts
 
 
-def test_the_all_to_all_input_dist_is_refused_for_managed_tables():
-    with pytest.raises(ValueError, match=r"^managed-collision tables need input_dist='all_gather' \(got 'all_to_all'\)"):
-        hybrid.Model(_tables(), dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]), mesh=hybrid.make_mesh(MESH),
+@pytest.mark.parametrize("plan", [{"users": "row_wise", "items": "row_wise"},
+                                  {"users": "table_wise", "items": "row_wise"}], ids=["per_shard", "one_map"])
+def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
+    """Each id of a table managed per shard is routed to the shard its hash names, counted
+    exactly on the host. The ids are skewed so that an id counted at the wrong shard would
+    undercount: every user id hashes to shard 1 and every item row lies in shard 1's block,
+    so shard 1 receives both streams."""
+    models = []
+    for input_dist in ("all_gather", "all_to_all"):
+        torch.manual_seed(0)
+        model = hybrid.Model(_tables(), dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]), mesh=hybrid.make_mesh(MESH),
+                             plan=plan, input_dist=input_dist, seed=0,
+                             managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=256)})
+        models.append((model, torch.optim.SGD(model.dense_parameters(), lr=0.2)))
+    rng = np.random.default_rng(6)
+    pool = rng.integers(-(2**62), 2**62, size=400)
+    pool = pool[host_hashed_slots(pool, 4) == 1][:40]
+    for step in range(12):  # 8 samples a device: 16 user ids and 8 items, all sent to shard 1
+        users = [pool[rng.integers(2 * step, 2 * step + 8, 2)] for _ in range(64)]  # the ids drift: evictions
+        items = rng.integers(ITEMS // 4, 2 * ITEMS // 4, 64)  # shard 1's rows
+        dense = torch.from_numpy(rng.normal(size=(64, 3)).astype(np.float32))
+        labels = torch.from_numpy(rng.integers(0, 2, 64).astype(np.float32))
+        sparse = _kjt(users, items, [int(i) for b in users for i in b])
+        losses = [_step(m, o, sparse, dense, labels) for m, o in models]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    (gather, _), (routed, _) = models
+    for name, w in gather.table_weights().items():
+        np.testing.assert_allclose(routed.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+    assert np.asarray(routed.managed_collision_stats()["users"])[2] > 0
+    local = routed.prepare(_kjt(users, items, [int(i) for b in users for i in b])).inner
+    # per shard: 16 user ids and 8 items from one device to shard 1; one map: the user ids go
+    # to the table's owner, the items to shard 1
+    assert local.route_capacity >= (24 if plan["users"] == "row_wise" else 16)
+
+
+def test_a_managed_table_over_unequal_row_blocks_is_refused_with_all_to_all():
+    tables = [EmbeddingBagConfig(name="users", num_embeddings=18, embedding_dim=DIM, feature_names=["user"]),
+              _tables()[1]]
+    with pytest.raises(ValueError, match=r"^managed table 'users' splits its rows into blocks .* without an id map "
+                                         r"per block .* input_dist='all_gather'$"):
+        hybrid.Model(tables, dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]), mesh=hybrid.make_mesh(MESH),
                      plan={"users": "row_wise", "items": "row_wise"}, input_dist="all_to_all",
-                     managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=256)})
+                     managed_collision_modules={"users": MCHManagedCollisionModule(18, history_capacity=256)})

@@ -37,7 +37,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax._embedding import SequenceBatch
-from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds, hashed_slots
+from sparse_jax._managed_collision import (
+    MCHManagedCollisionModule,
+    MCHState,
+    RawIds,
+    hashed_slots,
+    host_hashed_slots,
+)
 from sparse_jax._mc_collection import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
@@ -83,6 +89,22 @@ def table_split(sharded: ShardedEmbeddingBagCollection, table) -> TableSplit:
     return TableSplit(1, (), table.num_embeddings)
 
 
+def _check_routable(sharded: ShardedEmbeddingBagCollection, configs, split: Mapping[str, TableSplit]) -> None:
+    """The all_to_all input dist counts each device's sends on the host, from the rows a
+    batch reads, before a managed id has its row. A table managed per shard sends each id to
+    the shard its hash names (its placeholder row is that shard's first: the count is
+    exact), and a whole-table map under a placement that does not split rows sends every id
+    alike; a whole-table map over split rows would send an id where its row, unknown on the
+    host, lives: refused."""
+    for name, parts in split.items():
+        rows = {(r0, rn) for buf in sharded.buffers for table, _, _, r0, rn, _, _ in buf.blocks if table == name}
+        if parts.shards == 1 and rows != {(0, configs[name].num_embeddings)}:
+            raise ValueError(f"managed table {name!r} splits its rows into blocks {sorted(rows)} without an id map per "
+                             "block (that needs num_embeddings divisible by the shard count, at least 2 rows each); "
+                             "with input_dist='all_to_all' the host cannot count where its ids go. Use equal "
+                             "row-wise blocks, another placement, or input_dist='all_gather'")
+
+
 class ShardedManagedCollisionModule(ManagedSparseModule):
     """`sharded` (a `ShardedEmbeddingBagCollection`, or a `ShardedEmbeddingCollection`) with
     a managed-collision module per table in `managed_collision_modules` (`zch_size ==
@@ -101,14 +123,13 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         if not isinstance(sharded, ShardedEmbeddingBagCollection):
             raise TypeError(f"ShardedManagedCollisionModule wraps a ShardedEmbeddingBagCollection or a "
                             f"ShardedEmbeddingCollection, got {type(sharded).__name__}")
-        if sharded.input_dist != "all_gather":
-            raise ValueError(f"managed-collision tables need input_dist='all_gather' (got {sharded.input_dist!r}): the "
-                             "all_to_all route capacity is counted on the host, before the ids are remapped to rows")
         mc = ManagedCollisionEmbeddingBagCollection(sharded.ebc, managed_collision_modules)
         configs = {t.name: t for t in sharded.tables}
         self.split = {name: table_split(sharded, configs[name]) for name in mc.modules}
         self.shard_modules = {name: dataclasses.replace(module, zch_size=self.split[name].rows)
                               for name, module in mc.modules.items()}
+        if sharded.input_dist == "all_to_all":
+            _check_routable(sharded, configs, self.split)
         self.sharded, self.mesh = sharded, sharded.mesh
         super().__init__(mc, sharded)
         if self.sequence:  # the forward and the update take the sequence collection's batches
@@ -185,10 +206,18 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
 
     def _prepare_bags(self, kjt) -> ManagedBatch:
         """This process's part of a bag batch (one process: all of it): the collection's
-        prepare, then per managed table the raw id words of each local device's ids and
-        their positions, at a capacity every process agrees on."""
+        prepare (each id of a table managed per shard held by its shard's first row, so the
+        all_to_all input dist counts its sends exactly), then per managed table the raw id
+        words of each local device's ids and their positions, at a capacity every process
+        agrees on."""
         ids, raw, owner = split_raw_ids(kjt, self.mc)
-        local = self.sharded.prepare(ids)
+        placeholder = np.array(ids.values())
+        for name in self.managed_tables:
+            parts = self.split[name]
+            if parts.shards > 1:
+                mine = owner == name
+                placeholder[mine] = host_hashed_slots(raw[mine], parts.shards) * parts.rows
+        local = self.sharded.prepare(ids._replace(values=placeholder.astype(np.int32)))
         rows = self.sharded._local_rows
         capacity = local.values.shape[1]
         index = ids._replace(values=np.arange(1, raw.shape[0] + 1, dtype=np.int32))  # where each id lands
