@@ -103,13 +103,73 @@ def test_a_shard_too_small_for_its_ids_keeps_the_strongest_and_counts_the_rest_e
     assert split.counters[0, 2] == split.dropped and split.counters[:, 0].sum() == len(kept)
 
 
+def _map_of(module, ids, step=3):
+    """A one-shard map holding `ids` (after one eviction at `step`), empty window."""
+    state = module.init()
+    profile = jax.jit(module.profile)
+    state = state._replace(step=jax.numpy.int32(step - 1), last_eviction=jax.numpy.int32(step - 1))
+    state, _ = profile(state, RawIds.from_int64(np.asarray(ids, np.int64)))
+    return MCHState(*(np.asarray(x)[None] for x in state))
+
+
+def test_leaf_types_default_entries_and_edge_ids_survive_a_split_and_a_merge():
+    module = MCHManagedCollisionModule(16, history_capacity=64)
+    edge = [2**63 - 2, -(2**63), 0, -1, 2**32 - 1]  # 2**63 - 2: the empty marker's high word
+    state = _map_of(module, edge)
+    assert len(_resident(state, 0)) == 5
+    four = reshard_id_maps(state, np.array([[5, 5, 0]], np.int32), module, 4)
+    two = reshard_id_maps(four.state, four.counters, module, 2)  # shard 1 of 2 takes old shard 1's default row
+    for moved, shards in ((four, 4), (two, 2)):
+        assert [leaf.dtype for leaf in moved.state] == [np.asarray(leaf).dtype for leaf in state]
+        assert moved.counters.dtype == np.int32 and moved.counters[:, 0].sum() == 5
+        rows = 16 // shards
+        owners = np.asarray(hashed_slots(RawIds.from_int64(np.array(edge)), shards)).tolist()
+        assert {i for s in range(shards) for i in _resident(moved.state, s)} == set(edge)
+        for i, o in zip(edge, owners, strict=True):
+            assert i in _resident(moved.state, o)
+        for s in range(shards):  # the default entry (last) keeps the saved one's metadata
+            assert (moved.state.counts[s][-1], moved.state.last_access[s][-1]) == (state.counts[0][-1],
+                                                                                   state.last_access[0][-1])
+    assert set(hashed_slots(RawIds.from_int64(np.array(edge)), 2).tolist()) == {0, 1}
+    assert two.row_source[[7, 15]].tolist() == [3, 7]  # shard s of 2: the saved default row of shard s of 4
+    candidates = 2**40 + np.arange(8, dtype=np.int64)
+    owners = np.asarray(hashed_slots(RawIds.from_int64(candidates), 4))
+    lone, owner = int(candidates[owners != 0][0]), int(owners[owners != 0][0])  # a map of one id, not shard 0's
+    single = reshard_id_maps(_map_of(module, [lone]), np.zeros((1, 3), np.int32), module, 4)
+    assert list(_resident(single.state, owner)) == [lone]
+
+
 def test_splits_that_cannot_hold_the_map_are_refused():
     module = MCHManagedCollisionModule(12, history_capacity=64)
     state = _trained_map(module, 2)
-    with pytest.raises(ValueError, match=r"cannot move from 1 to 5 shard\(s\)"):
-        reshard_id_maps(state, np.zeros((1, 3), np.int32), module, 5)
-    with pytest.raises(ValueError, match=r"cannot move from 1 to 12 shard\(s\)"):  # one row each: no default row
-        reshard_id_maps(state, np.zeros((1, 3), np.int32), module, 12)
+    for shards in (5, 12):  # 12: one row each, no default row
+        with pytest.raises(ValueError, match=rf"^id maps of a table of 12 rows cannot move from 1 to {shards} "
+                                             r"shard\(s\): every shard needs the same number of rows, at least 2 "
+                                             r"\(one is its default row\)$"):
+            reshard_id_maps(state, np.zeros((1, 3), np.int32), module, shards)
+    two = reshard_id_maps(state, np.zeros((1, 3), np.int32), module, 2)
+    for field in ("step", "last_eviction"):
+        torn = two.state._replace(**{field: np.array([4, 5], np.int32)})
+        with pytest.raises(ValueError, match=r"^the saved id maps of one table disagree on their step or last "
+                                             r"eviction; the checkpoint is not of one run$"):
+            reshard_id_maps(torn, two.counters, module, 1)
+    small = MCHManagedCollisionModule(12, history_capacity=8, eviction_interval=4)
+    ids = np.arange(6, dtype=np.int64) + 2**40
+    owner = np.asarray(hashed_slots(RawIds.from_int64(ids), 2))
+    ids = np.concatenate([ids[owner == 0][:1].repeat(4), ids[owner == 1][:1].repeat(4)])  # 4 ids a shard
+    window = MCHManagedCollisionModule(6, history_capacity=8, eviction_interval=4).init()  # a shard of 2
+    window = window._replace(window_used=np.int32(8))
+    window = window._replace(window_hi=RawIds.from_int64(ids).hi, window_lo=RawIds.from_int64(ids).lo,
+                             window_step=np.ones(8, np.int32))
+    stacked = MCHState(*(np.stack([np.asarray(x)] * 2) for x in window))
+    stacked = stacked._replace(window_used=np.array([4, 4], np.int32))
+    one = reshard_id_maps(stacked, np.zeros((2, 3), np.int32), small, 1)  # 4 + 4 fit a window of 8
+    assert int(one.state.window_used[0]) == 8
+    with pytest.raises(ValueError, match=r"^the saved eviction windows hold 9 ids for new shard 0, more than its "
+                                         r"history_capacity=8; resume with the saved sharding until the next "
+                                         r"eviction$"):
+        reshard_id_maps(stacked._replace(window_used=np.array([5, 4], np.int32)), np.zeros((2, 3), np.int32),
+                        small, 1)
 
 
 def _model(plan, interval=1, seed=0):
