@@ -70,6 +70,9 @@ def reshard_mc_arrays(model, arrays, where: str):
         live = module.mc_state[table].sorted_hi
         if any(k not in arrays for k in keys) or arrays[keys[0]].shape == live.shape:
             continue  # a map that lacks a field is refused by restore_mc_state, naming it
+        weight = arrays.get(f"weight/{table}")
+        if weight is not None and weight.shape[0] != module.mc.modules[table].zch_size:
+            continue  # another table size: refused with the table's shapes by the caller
         stacked = live.ndim == 2  # [shards, rows] on a mesh, [rows] unsharded
         saved = [np.asarray(arrays[k]) for k in keys]
         if saved[0].ndim == 1:

@@ -257,7 +257,7 @@ class MCHManagedCollisionModule:
         step = state.step + 1
         # pack this batch's valid ids, in order, behind the window's used entries
         rank = _prefix_sum(valid.astype(jnp.int32))
-        taken = rank[-1]
+        taken = jnp.sum(valid.astype(jnp.int32))  # (rank[-1] fails on an empty batch)
         at = jnp.where(valid, state.window_used + rank - 1, self.history_capacity)
         window = (
             state.window_hi.at[at].set(ids.hi, mode="drop"),

@@ -69,6 +69,11 @@ def reshard_id_maps(state: MCHState, counters: np.ndarray, module: MCHManagedCol
         raise ValueError(f"id maps of a table of {z} rows cannot move from {old} to {shards} shard(s): every shard "
                          "needs the same number of rows, at least 2 (one is its default row)")
     rows_old, rows_new = z // old, z // shards
+    saved_rows, saved_window = old * state.sorted_hi.shape[1], state.window_hi.shape[1]
+    if saved_rows != z or saved_window != module.history_capacity:
+        raise ValueError(f"the saved id maps hold {saved_rows} rows and windows of {saved_window} ids, this table "
+                         f"{z} rows and history_capacity={module.history_capacity}; load them with the saved "
+                         "zch_size and history_capacity (only the split may change)")
     if len({int(x) for x in state.step}) != 1 or len({int(x) for x in state.last_eviction}) != 1:
         raise ValueError("the saved id maps of one table disagree on their step or last eviction; the checkpoint "
                          "is not of one run")

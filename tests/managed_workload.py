@@ -9,6 +9,8 @@ import numpy as np
 from sparse_jax import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
     KeyedJaggedTensor,
     MCHManagedCollisionModule,
     RawIds,
@@ -54,4 +56,12 @@ def run_managed_workload(mesh) -> dict[str, np.ndarray]:
                                                                       strict=True)})
     out["mc/counters"], out["mc/key"] = counters["users"], key
     out["stats"] = np.asarray(module.stats()["users"])
+    ec = EmbeddingCollection([EmbeddingConfig(name="users", num_embeddings=Z, embedding_dim=DIM,
+                                              feature_names=["user"])])
+    try:  # a sequence collection's managed tables: one process only
+        ShardedManagedCollisionModule(shard(ec, mesh, {"users": "row_wise"}),
+                                      {"users": MCHManagedCollisionModule(Z, history_capacity=256)})
+        out["sequence_refused"] = np.array(False)
+    except NotImplementedError as e:
+        out["sequence_refused"] = np.array("several processes are not supported" in str(e))
     return out

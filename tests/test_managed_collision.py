@@ -75,6 +75,13 @@ def test_large_maps_match_the_loop_oracle(policy, interval, zch, batch, pool):
     assert evictions > zch  # filled (zch - 1 ids), then resident ids evicted
 
 
+def test_an_empty_batch_is_a_step_that_admits_nothing():
+    mc = MCHManagedCollisionModule(4, history_capacity=6, eviction_interval=1)
+    state, evicted = mc.profile(mc.init(), RawIds.from_int64(np.zeros(0, np.int64)))
+    assert int(state.step) == 1 and int(state.last_eviction) == 1 and not np.asarray(evicted).any()
+    assert int(state.window_used) == 0
+
+
 def test_padding_is_not_seen():
     mc = MCHManagedCollisionModule(4, history_capacity=6, eviction_policy="lfu")
     ids = RawIds.from_int64(np.array([7, 7, 9, 9, 9, 9]))

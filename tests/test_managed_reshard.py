@@ -122,7 +122,6 @@ def test_leaf_types_default_entries_and_edge_ids_survive_a_split_and_a_merge():
     for moved, shards in ((four, 4), (two, 2)):
         assert [leaf.dtype for leaf in moved.state] == [np.asarray(leaf).dtype for leaf in state]
         assert moved.counters.dtype == np.int32 and moved.counters[:, 0].sum() == 5
-        rows = 16 // shards
         owners = np.asarray(hashed_slots(RawIds.from_int64(np.array(edge)), shards)).tolist()
         assert {i for s in range(shards) for i in _resident(moved.state, s)} == set(edge)
         for i, o in zip(edge, owners, strict=True):
@@ -147,6 +146,12 @@ def test_splits_that_cannot_hold_the_map_are_refused():
                                              r"shard\(s\): every shard needs the same number of rows, at least 2 "
                                              r"\(one is its default row\)$"):
             reshard_id_maps(state, np.zeros((1, 3), np.int32), module, shards)
+    for other in (MCHManagedCollisionModule(24, history_capacity=64), MCHManagedCollisionModule(12, history_capacity=32)):
+        with pytest.raises(ValueError, match=rf"^the saved id maps hold 12 rows and windows of 64 ids, this table "
+                                             rf"{other.zch_size} rows and history_capacity={other.history_capacity}; "
+                                             r"load them with the saved zch_size and history_capacity \(only the "
+                                             r"split may change\)$"):
+            reshard_id_maps(state, np.zeros((1, 3), np.int32), other, 2)
     two = reshard_id_maps(state, np.zeros((1, 3), np.int32), module, 2)
     for field in ("step", "last_eviction"):
         torn = two.state._replace(**{field: np.array([4, 5], np.int32)})
@@ -172,11 +177,11 @@ def test_splits_that_cannot_hold_the_map_are_refused():
                         small, 1)
 
 
-def _model(plan, interval=1, seed=0):
+def _model(plan, interval=1, seed=0, rows=Z, history=512):
     torch.manual_seed(seed)
-    tables = [EmbeddingBagConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"]),
+    tables = [EmbeddingBagConfig(name="users", num_embeddings=rows, embedding_dim=DIM, feature_names=["user"]),
               EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
-    module = MCHManagedCollisionModule(Z, history_capacity=512, eviction_interval=interval)
+    module = MCHManagedCollisionModule(rows, history_capacity=history, eviction_interval=interval)
     model = hybrid.Model(tables, dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
                          mesh=hybrid.make_mesh("data=2,model=4") if plan else None, plan=plan,
                          managed_collision_modules={"users": module}, seed=seed)
@@ -252,3 +257,18 @@ def test_a_run_resumed_mid_window_on_another_split_admits_every_id_of_the_window
     want = single.sparse_module.frozen_maps()["users"].ids
     assert len(want) == len({int(i) for b in batches for u in b[0] for i in u})
     np.testing.assert_array_equal(resumed.sparse_module.frozen_maps()["users"].ids, want)
+
+
+def test_a_checkpoint_of_another_table_size_or_window_is_refused_naming_both(tmp_path):
+    model, opt = _model(ROW_WISE)
+    for users, items, dense, labels in _batches(2):
+        _step(model, opt, _kjt(users, items), dense, labels)
+    path = _checkpoint.save_checkpoint(tmp_path, step=2, model=model, dense_optimizer=opt)
+    smaller, sopt = _model(None, rows=Z // 2)
+    with pytest.raises(ValueError, match=rf"table 'users' is saved as \[{Z}, {DIM}\] but configured as "
+                                         rf"\[{Z // 2}, {DIM}\]"):
+        _checkpoint.load_checkpoint(path, model=smaller, dense_optimizer=sopt)
+    narrower, nopt = _model(None, history=256)
+    with pytest.raises(ValueError, match=rf"table 'users': the saved id maps hold {Z} rows and windows of 512 ids, "
+                                         rf"this table {Z} rows and history_capacity=256"):
+        _checkpoint.load_checkpoint(path, model=narrower, dense_optimizer=nopt)

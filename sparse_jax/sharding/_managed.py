@@ -18,7 +18,8 @@ all-gather input dist does), each shard profiles and maps the ids it owns, a `ps
 the shard axes gives every position its row, and each device keeps its own part; then the
 rows given to new ids are reset in the donated shard buffers and optimizer state.
 
-Several processes (`jax.distributed`): each prepares only its own samples, as the sharded
+Several processes (`jax.distributed`, bag collections; a sequence collection is refused, as
+`ShardedEmbeddingCollection` itself refuses them): each prepares only its own samples, as the sharded
 collection does, and the processes agree on each managed table's id capacity through the
 same host key-value store (`ProcessAgreement`), so every process places arrays of one shape;
 the id maps are global arrays, gathered to the host only for checkpoints and export.
@@ -120,6 +121,11 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
             # its feature names, for the raw batch; the bags' for the per-id batch
             self._front_mc = ManagedCollisionEmbeddingCollection(sharded.ec, managed_collision_modules)
             front, sharded = sharded, sharded.bags
+            if len(sharded._local_rows) < sharded.num_devices:
+                raise NotImplementedError(
+                    "managed tables of a sharded EmbeddingCollection across several processes are not supported "
+                    "(as the sharded EmbeddingCollection itself: each process's share of ids gives a different "
+                    "per-id batch); use one process, or an EmbeddingBagCollection")
         if not isinstance(sharded, ShardedEmbeddingBagCollection):
             raise TypeError(f"ShardedManagedCollisionModule wraps a ShardedEmbeddingBagCollection or a "
                             f"ShardedEmbeddingCollection, got {type(sharded).__name__}")
