@@ -145,7 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=int, default=1)
     ap.add_argument("--check", type=int, default=5, help="batches compared slot for slot first")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--alone-repeats", type=int, default=10)
+    ap.add_argument("--alone-repeats", type=int, default=15,
+                    help="rounds of the TorchRec-alone run (as many as paired: with eviction every few calls a "
+                         "short run's median can land on the calls around an eviction)")
     ap.add_argument("--side", choices=["both", "torchrec"], default="both", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from benchmarks.timing import paired_ratio, summarize
