@@ -116,9 +116,7 @@ class ManagedCollisionEmbeddingBagCollection(ManagedCollisionCollection):
 
     def __init__(self, ebc: EmbeddingBagCollection,
                  managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
-        if not isinstance(ebc, EmbeddingBagCollection):
-            raise TypeError(f"{self.kind} wraps an EmbeddingBagCollection, got {type(ebc).__name__} (sequence "
-                            "tables: ManagedCollisionEmbeddingCollection)")
+        _check_wraps(self.kind, ebc, EmbeddingBagCollection, "sequence tables: ManagedCollisionEmbeddingCollection")
         super().__init__(ebc, managed_collision_modules)
         self.ebc = ebc
 
@@ -130,12 +128,15 @@ class ManagedCollisionEmbeddingCollection(ManagedCollisionCollection):
 
     def __init__(self, ec: EmbeddingCollection,
                  managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
-        if not isinstance(ec, EmbeddingCollection):
-            raise TypeError(f"{self.kind} wraps an EmbeddingCollection, got {type(ec).__name__} (pooled tables: "
-                            "ManagedCollisionEmbeddingBagCollection)")
+        _check_wraps(self.kind, ec, EmbeddingCollection, "pooled tables: ManagedCollisionEmbeddingBagCollection")
         if ec.need_indices():
             raise ValueError(f"{self.kind}: the collection was built with need_indices=True; its outputs would carry "
                              "the placeholder ids of the managed features, not their raw ids or slots. Build the "
                              "EmbeddingCollection with need_indices=False")
         super().__init__(ec, managed_collision_modules)
         self.ec = ec
+
+
+def _check_wraps(kind: str, collection, wanted: type, other: str) -> None:
+    if not isinstance(collection, wanted):
+        raise TypeError(f"{kind} wraps an {wanted.__name__}, got {type(collection).__name__} ({other})")

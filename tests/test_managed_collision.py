@@ -35,17 +35,22 @@ def test_long_streams_match_the_loop_oracle(policy, interval, threshold, zch):
     mc = MCHManagedCollisionModule(zch, history_capacity=BATCH * interval, eviction_policy=policy,
                                    eviction_interval=interval, threshold=threshold)
     oracle = ManagedCollisionLoop(zch, policy, interval, threshold)
+    assert _against_the_oracle(mc, oracle, _stream(seed=zch, steps=150)) >= zch  # filled (zch - 1 ids), evicted
+
+
+def _against_the_oracle(mc, oracle, batches) -> int:
+    """Profile and remap every batch (raw int64 ids) with `mc` and `oracle`, asserting the
+    same slots and evicted slots each step; the evictions counted."""
     profile, remap = _compiled(mc)
-    state = mc.init()
-    evictions = 0
-    for step, batch in enumerate(_stream(seed=zch, steps=150)):
+    state, evictions = mc.init(), 0
+    for step, batch in enumerate(batches):
         ids = RawIds.from_int64(batch)
         state, evicted = profile(state, ids)
         expected = oracle.profile([int(i) for i in batch])
         assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == expected, step
         np.testing.assert_array_equal(remap(state, ids), oracle.remap([int(i) for i in batch]), err_msg=str(step))
         evictions += len(expected)
-    assert evictions >= zch  # filled (zch - 1 ids) and evicted
+    return evictions
 
 
 @pytest.mark.parametrize(("policy", "interval", "zch", "batch", "pool"),
@@ -56,22 +61,12 @@ def test_large_maps_match_the_loop_oracle(policy, interval, zch, batch, pool):
     contests among thousands of tied scores (LFU counts of 1 and 2, LRU steps)."""
     mc = MCHManagedCollisionModule(zch, history_capacity=batch * interval, eviction_policy=policy,
                                    eviction_interval=interval)
-    oracle = ManagedCollisionLoop(zch, policy, interval)
-    profile, remap = _compiled(mc)
-    state = mc.init()
     rng = np.random.default_rng(zch)
     values = rng.integers(-(2**63), 2**63 - 1, size=pool, dtype=np.int64)
     values[:4] = [0, -1, 2**32, -(2**63)]
     weights = 1.0 / np.arange(1, pool + 1) ** 0.8
-    evictions = 0
-    for step in range(12):
-        raw = values[rng.choice(pool, size=batch, p=weights / weights.sum())]
-        ids = RawIds.from_int64(raw)
-        state, evicted = profile(state, ids)
-        expected = oracle.profile([int(i) for i in raw])
-        assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == expected, step
-        np.testing.assert_array_equal(remap(state, ids), oracle.remap([int(i) for i in raw]), err_msg=str(step))
-        evictions += len(expected)
+    batches = (values[rng.choice(pool, size=batch, p=weights / weights.sum())] for _ in range(12))
+    evictions = _against_the_oracle(mc, ManagedCollisionLoop(zch, policy, interval), batches)
     assert evictions > zch  # filled (zch - 1 ids), then resident ids evicted
 
 

@@ -20,6 +20,7 @@ from sparse_jax import (
     reshard_id_maps,
 )
 from tests.test_managed_model import _step
+from tests.test_managed_sharded import _batches as sharded_batches
 
 Z, ITEMS, DIM = 64, 12, 4
 EMPTY = np.iinfo(np.int64).max
@@ -188,14 +189,8 @@ def _model(plan, interval=1, seed=0, rows=Z, history=512):
     return model, torch.optim.SGD(model.dense_parameters(), lr=0.2)
 
 
-def _batches(steps, seed=0, batch=8, pool=24):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(-(2**62), 2**62, size=pool)
-    for _ in range(steps):
-        users = [ids[rng.integers(0, pool, rng.integers(1, 3))] for _ in range(batch)]
-        items = rng.integers(0, ITEMS, batch)
-        yield users, items, torch.from_numpy(rng.normal(size=(batch, 3)).astype(np.float32)), \
-            torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32))
+def _batches(steps, seed=0):
+    return sharded_batches(steps, seed=seed, pool=24, shortest=1)
 
 
 def _kjt(users, items):

@@ -48,11 +48,12 @@ def _model(plan=None, policy="lru", init_fn=None, managed=True, seed=0):
     return model, torch.optim.SGD(model.dense_parameters(), lr=0.2)
 
 
-def _batches(steps, seed=0, batch=8, pool=40):
+def _batches(steps, seed=0, batch=8, pool=40, shortest=0):
+    """(user bags of raw ids, `shortest` to 2 each; item rows; dense; labels) per step."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(-(2**62), 2**62, size=pool)
     for _ in range(steps):
-        users = [ids[rng.integers(0, pool, rng.integers(0, 3))] for _ in range(batch)]
+        users = [ids[rng.integers(0, pool, rng.integers(shortest, 3))] for _ in range(batch)]
         items = rng.integers(0, ITEMS, batch)
         yield users, items, torch.from_numpy(rng.normal(size=(batch, 3)).astype(np.float32)), \
             torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32))
