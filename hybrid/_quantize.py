@@ -33,6 +33,7 @@ from hybrid._model import Model
 from hybrid.serving._id_map import frozen_rows
 from sparse_jax import (
     FrozenIdMap,
+    KeyedJaggedTensor,
     ManagedCollisionCollection,
     ManagedSparseModule,
     PreparedBatch,
@@ -97,7 +98,8 @@ class QuantizedModel(nn.Module):
         for table, id_map in self.id_maps.items():
             mine = owner == table
             values[mine] = frozen_rows(id_map, raw[mine])
-        return ids._replace(values=values.astype(np.int32))
+        return KeyedJaggedTensor(ids.keys(), values.astype(np.int32), weights=ids.weights_or_none(),
+                                 lengths=ids.lengths(), stride=ids.stride())
 
     def forward(self, dense_features: torch.Tensor, sparse) -> torch.Tensor:
         """`dense(dense_features, pooled embeddings of the quantized tables)`."""
