@@ -71,6 +71,12 @@ def _torchrec_rank(rank: int, world: int, port: int, tiny: bool, out: str) -> No
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps({"times": times, "losses": losses}))
     dist.destroy_process_group()
+    # the work is done and written: leave without the interpreter's teardown, where a gloo or
+    # TorchRec background thread still joinable at exit sometimes aborts the rank ("terminate
+    # called without an active exception") and turned a finished run into a failed one
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _ours(tiny: bool, out: str) -> None:
@@ -122,8 +128,9 @@ def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -
                              cwd=HERE.parent, env=env)
             for r in range(2)
         ]
-        if any(p.wait(timeout=900) != 0 for p in ranks):
-            raise RuntimeError("a TorchRec rank failed")
+        codes = [p.wait(timeout=900) for p in ranks]  # every rank waited for: none left running
+        if any(codes):
+            raise RuntimeError(f"a TorchRec rank failed (exit codes {codes})")
         ours, theirs = json.loads(ours_out.read_text()), json.loads(theirs_out.read_text())
     med = {"hybridrec (8-device mesh)": float(np.median(ours["times"])), "torchrec (2 ranks)": float(np.median(theirs["times"]))}
     loss_err = abs(ours["losses"][0] - theirs["losses"][0]) / max(abs(theirs["losses"][0]), 1e-12)
