@@ -61,7 +61,7 @@ class RawIds(NamedTuple):
         if (wide == np.iinfo(np.int64).max).any():
             at = int(np.flatnonzero(wide == np.iinfo(np.int64).max)[0])
             raise ValueError(f"RawIds.from_int64: id 2**63 - 1 at position {at} is reserved (it marks an empty slot)")
-        return RawIds((wide >> 32).astype(np.int32), (wide & 0xFFFFFFFF).astype(np.uint32))
+        return _split_int64(wide)
 
     def to_int64(self) -> np.ndarray:
         return (np.asarray(self.hi).astype(np.int64) << 32) | np.asarray(self.lo).astype(np.int64)
@@ -75,6 +75,12 @@ class RawIds(NamedTuple):
         """The inverse of `words` (numpy or JAX arrays, traced too)."""
         words = jnp.asarray(words)
         return RawIds(words[:, 0].astype(jnp.int32), jax.lax.bitcast_convert_type(words[:, 1], jnp.uint32))
+
+
+def _split_int64(wide: np.ndarray) -> RawIds:
+    """int64 ids as their two words, unchecked (the empty marker `2**63 - 1` included)."""
+    wide = np.asarray(wide, np.int64)
+    return RawIds((wide >> 32).astype(np.int32), (wide & 0xFFFFFFFF).astype(np.uint32))
 
 
 class MCHState(NamedTuple):
@@ -425,8 +431,8 @@ def hashed_slots(ids: RawIds, num_embeddings: int, seed: int = 0) -> jax.Array:
 def host_hashed_slots(ids: np.ndarray, num_embeddings: int, seed: int = 0) -> np.ndarray:
     """`hashed_slots` of int64 `ids` on the host, with numpy (bit for bit the same slots):
     for host-side preparation, which must not run device work."""
-    ids = np.asarray(ids, np.int64)
-    hi, lo = (ids >> 32).astype(np.uint32), (ids & 0xFFFFFFFF).astype(np.uint32)
+    words = _split_int64(ids)
+    hi, lo = words.hi.astype(np.uint32), words.lo  # the high word's bits, as the device hash takes them
 
     def mix(h):
         h = h ^ (h >> np.uint32(16))

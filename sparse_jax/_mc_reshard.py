@@ -30,6 +30,7 @@ from sparse_jax._managed_collision import (
     MCHManagedCollisionModule,
     MCHState,
     RawIds,
+    _split_int64,
     hashed_slots,
 )
 
@@ -43,12 +44,6 @@ class ReshardedIdMaps(NamedTuple):
     counters: np.ndarray  # int32 [shards, 3]: occupancy, admissions, evictions (totals kept on shard 0)
     row_source: np.ndarray  # int64 [num_embeddings]: the saved table row each new row takes
     dropped: int  # resident ids no new shard had a slot for
-
-
-def _words(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int64 ids (the empty marker included) as the map's (hi int32, lo uint32) words."""
-    raw = np.asarray(raw, np.int64)
-    return (raw >> 32).astype(np.int32), (raw & 0xFFFFFFFF).astype(np.uint32)
 
 
 def _owners(raw: np.ndarray, shards: int) -> np.ndarray:
@@ -96,7 +91,7 @@ def reshard_id_maps(state: MCHState, counters: np.ndarray, module: MCHManagedCol
         dropped += len(mine) - len(keep)
         keep = keep[np.argsort(ids[keep], kind="stable")]  # the map keeps its ids ascending
         k = len(keep)
-        hi, lo = _words(np.concatenate([ids[keep], np.full(rows_new - k, _EMPTY)]))
+        hi, lo = _split_int64(np.concatenate([ids[keep], np.full(rows_new - k, _EMPTY)]))
         row_source[s * rows_new: s * rows_new + k] = source[keep]
         row_source[s * rows_new + rows_new - 1] = (s % old) * rows_old + rows_old - 1  # the default row
         tail = (s % old, -1)  # the default entry's metadata (always the last sorted entry)
@@ -133,7 +128,7 @@ def _moved_window(state: MCHState, shards: int, capacity: int) -> list[tuple]:
         if len(mine) > capacity:
             raise ValueError(f"the saved eviction windows hold {len(mine)} ids for new shard {s}, more than its "
                              f"history_capacity={capacity}; resume with the saved sharding until the next eviction")
-        hi, lo = _words(np.concatenate([raw[mine], np.zeros(capacity - len(mine), np.int64)]))
+        hi, lo = _split_int64(np.concatenate([raw[mine], np.zeros(capacity - len(mine), np.int64)]))
         step = np.concatenate([steps[mine], np.zeros(capacity - len(mine), steps.dtype)])
         out.append((hi, lo, step, np.int32(len(mine))))
     return out
