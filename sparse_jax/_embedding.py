@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax import _capacity, _lookup
+from sparse_jax import _capacity, _guard, _lookup
 from sparse_jax._configs import EmbeddingConfig
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PreparedBatch
+from sparse_jax._row_update import update_rows
 from sparse_jax._tables import TableCollection
-from sparse_jax.optim._apply import apply_row_rule
 from sparse_jax.optim._base import RowRule, SparseOptState
 
 __all__ = ["EmbeddingCollection", "with_indices"]
@@ -186,14 +186,14 @@ class EmbeddingCollection(TableCollection):
 
     def update_step(self, rule: RowRule):
         def step(params, opt_state: SparseOptState, streams):
-            count = opt_state.count + 1
+            count = opt_state.count + 1  # the rule's step number
             new_params, new_states = dict(params), dict(opt_state.tables)
             for group, (rows, grad) in streams.items():
                 n = rows.shape[0]
-                new_params[group], new_states[group] = apply_row_rule(
+                new_params[group], new_states[group] = update_rows(
                     rule, params[group], opt_state.tables[group], count, rows,
                     jnp.arange(n, dtype=jnp.int32), jnp.ones(n, jnp.float32), grad, kernel="xla",
                 )
-            return new_params, SparseOptState(count=count, tables=new_states)
+            return new_params, SparseOptState(count=_guard.next_count(opt_state.count), tables=new_states)
 
         return step

@@ -18,11 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparse_jax import _kernels, _lookup
+from sparse_jax import _guard, _kernels, _lookup
 from sparse_jax._configs import PoolingType
+from sparse_jax._kernels._platform import by_platform
 from sparse_jax._layout import TableLayout
+from sparse_jax._lookup import use_ffi
 from sparse_jax._module import PreparedBatch
-from sparse_jax.optim._apply import apply_row_rule
+from sparse_jax._row_update import ffi_rule, update_rows
 from sparse_jax.optim._base import RowRule, SparseOptState
 
 __all__ = ["make_update", "fused_update"]
@@ -37,19 +39,58 @@ def _bag_grads(layout: TableLayout, group: str, pooled_grad):
 def _jagged_kernel_update(layout: TableLayout, group: str, rule: RowRule, table, state, kjt, pooled_grad, *,
                           weighted: bool, bounds_check: str):
     """The C++ kernel's update of one fp32 buffer, read from the KJT and the pooled gradient
-    in place (no id stream, no stacked bag gradients)."""
+    in place (no id stream, no stacked bag gradients). Under the guard a skipped step hands
+    the kernel empty bags (all offsets 0): it writes nothing."""
     key_indices = layout.key_indices(kjt.keys())
     members = [i for i, s in enumerate(layout.features) if s.group == group]
     slots = [layout.features[i] for i in members]
     leaf = state.get("momentum1") if isinstance(state, dict) else None
+    good = _guard.current()
+    offsets = kjt.offsets() if good is None else jnp.where(good, kjt.offsets(), 0)
     new_table, new_leaf = _kernels.jagged_fused_update(
-        rule.name, table, leaf, kjt.values(), kjt.offsets(), kjt.weights() if weighted else None, pooled_grad,
+        rule.native, table, leaf, kjt.values(), offsets, kjt.weights() if weighted else None, pooled_grad,
         stride=kjt.stride(), keys=[key_indices[i] for i in members], row_offsets=[s.row_offset for s in slots],
         num_rows=[s.num_rows for s in slots], mean=[s.pooling is PoolingType.MEAN for s in slots],
         grad_columns=[s.out_offset for s in slots], clamp=bounds_check == "clamp",
         lr=rule.hyperparams["lr"], eps=rule.hyperparams.get("eps", 0.0),
     )
     return new_table, ({"momentum1": new_leaf} if leaf is not None else state)
+
+
+def _group_update(layout: TableLayout, group: str, rule: RowRule, table, state, step, kjt, pooled_grad, *,
+                  weighted: bool, bounds_check: str, kernel: str):
+    """One group's update. The id stream feeds `update_rows` (C++, Pallas or XLA by the
+    lowering platform); on CPU, fp32 buffers of a rule the C++ kernels know take the jagged
+    C++ update instead (it reads the KJT in place), chosen when the CPU program is lowered."""
+
+    def stream(table, state, step, kjt, pooled_grad):
+        rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
+        return update_rows(rule, table, state, step, rows, bag, scale, _bag_grads(layout, group, pooled_grad),
+                           kernel=kernel)
+
+    if kernel not in ("auto", "ffi") or not ffi_rule(rule, table) or (kernel == "ffi" and not use_ffi(kernel, table)):
+        return stream(table, state, step, kjt, pooled_grad)
+    leaves, treedef = jax.tree_util.tree_flatten((table, state, step, kjt, pooled_grad))
+
+    def unpacked(fn):
+        def run(*ops):
+            out = fn(*jax.tree_util.tree_unflatten(treedef, ops))
+            return jax.tree_util.tree_leaves(out)
+
+        return run
+
+    def cpu(table, state, step, kjt, pooled_grad):
+        from sparse_jax._kernels import _ffi
+
+        if _ffi._register() is not None:  # not built: decided when the CPU program is lowered
+            return stream(table, state, step, kjt, pooled_grad)
+        return _jagged_kernel_update(layout, group, rule, table, state, kjt, pooled_grad, weighted=weighted,
+                                     bounds_check=bounds_check)
+
+    out_tree = jax.tree_util.tree_structure((table, state))
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves((table, state))]
+    out = by_platform(leaves, avals, default=unpacked(stream), cpu=unpacked(cpu))
+    return jax.tree_util.tree_unflatten(out_tree, out)
 
 
 def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOptState, kjt, pooled_grad, *,
@@ -62,17 +103,10 @@ def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOp
     step = opt_state.count + 1
     new_params, new_states = {}, {}
     for group in layout.groups:
-        if rule.name in _kernels.RULES and _lookup.use_ffi(kernel, params[group]):
-            new_params[group], new_states[group] = _jagged_kernel_update(
-                layout, group, rule, params[group], opt_state.tables[group], kjt, pooled_grad,
-                weighted=weighted, bounds_check=bounds_check)
-            continue
-        rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
-        new_params[group], new_states[group] = apply_row_rule(
-            rule, params[group], opt_state.tables[group], step, rows, bag, scale,
-            _bag_grads(layout, group, pooled_grad), kernel=kernel,
-        )
-    return new_params, SparseOptState(count=step, tables=new_states)
+        new_params[group], new_states[group] = _group_update(
+            layout, group, rule, params[group], opt_state.tables[group], step, kjt, pooled_grad, weighted=weighted,
+            bounds_check=bounds_check, kernel=kernel)
+    return new_params, SparseOptState(count=_guard.next_count(opt_state.count), tables=new_states)
 
 
 class _Update:
@@ -82,8 +116,8 @@ class _Update:
 
     With `skip_nonfinite`, a batch whose gradient (or weights) holds a NaN or an infinity,
     or whose `ok` flag is false, leaves the tables and optimizer state exactly as they were
-    (a `lax.cond` inside the program: decided on the device, nothing is read on the host,
-    buffers stay in place). `nonfinite()` gives, as device arrays, how many calls were
+    (decided on the device by predicated writes, `sparse_jax._guard`: no branch, nothing is
+    read on the host, buffers stay in place). `nonfinite()` gives, as device arrays, how many calls were
     skipped and the index of the first one (-1: none); read them when you log."""
 
     def __init__(self, module, rule: RowRule, *, skip_nonfinite: bool):
@@ -166,12 +200,15 @@ def all_finite(tree) -> jax.Array:
 
 
 def _guarded(step):
-    """`step` run only when its operands are finite and `ok` holds (`lax.cond`: the skipped
-    branch returns the donated buffers untouched, in place)."""
+    """`step` whose writes are kept only when its operands are finite and `ok` holds: the
+    step is traced under `_guard.predicated(good)`, so every update masks its writes with
+    the flag on the device (no `lax.cond`: a GPU conditional syncs with the host). A
+    skipped call leaves the donated buffers exactly as they were."""
 
     def run(params, opt_state, operands, ok, skipped, call):
         good = jnp.all(ok) & all_finite(operands)
-        params, opt_state = jax.lax.cond(good, step, lambda p, s, _: (p, s), params, opt_state, operands)
+        with _guard.predicated(good):
+            params, opt_state = step(params, opt_state, operands)
         count, first = skipped
         first = jnp.where(~good & (first < 0), call, first)
         return params, opt_state, (count + (~good).astype(jnp.int32), first)

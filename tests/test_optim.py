@@ -292,10 +292,10 @@ def test_state_is_placed_like_its_table(spec):
 
 @pytest.mark.parametrize("rule", ["sgd", "adagrad", "rowwise_adagrad"])
 def test_the_id_stream_update_on_the_cpu_kernel_equals_xla(rule):
-    """`apply_row_rule` (the sharded programs' update) with kernel='auto' runs the C++ id-stream
+    """`update_rows` (the sharded programs' update) with kernel='auto' runs the C++ id-stream
     kernel on the buffer and its state leaf; kernel='xla' the XLA form: same numbers."""
     from sparse_jax import _kernels
-    from sparse_jax.optim._apply import apply_row_rule
+    from sparse_jax._row_update import update_rows as apply_row_rule
 
     if not _kernels.available():
         pytest.skip("CPU kernels not built")

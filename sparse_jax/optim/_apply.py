@@ -51,24 +51,21 @@ def dedup_row_grads(rows, bag, scale, bag_grads, *, num_rows: int):
     return jnp.where(first, rows_s, -1), summed
 
 
-def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, *, kernel: str):
-    """One fused update of one buffer. Returns (new table, new state).
+def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, *, scatter_add: bool = True,
+                   good=None):
+    """One fused update of one buffer in XLA ops. Returns (new table, new state).
 
-    With `kernel` "auto"/"ffi", fp32 buffers on CPU and a rule the C++ kernel knows (sgd,
-    adagrad, rowwise_adagrad), the whole step runs in one fused custom call, in place.
+    `scatter_add`: SGD on an fp32 table may scatter-add every id's step without dedup (the
+    fastest form on CPU); a GPU program passes False (a float scatter-add over repeated rows is
+    an atomic per id there, and its sum order changes from run to run). `good` (traced bool
+    or None): when false, nothing is written (rows out of range, global leaves kept).
+    Which kernel runs the update (C++, Pallas or this) is chosen by the caller
+    (`sparse_jax._row_update`), not here.
     """
-    from sparse_jax import _kernels
-    from sparse_jax._lookup import use_ffi
-
-    if rule.name in _kernels.RULES and use_ffi(kernel, table):
-        leaf = state.get("momentum1") if isinstance(state, dict) else None
-        new_table, new_leaf = _kernels.fused_update(
-            rule.name, table, leaf, rows, bag, scale, bag_grads, lr=rule.hyperparams["lr"],
-            eps=rule.hyperparams.get("eps", 0.0),
-        )
-        return new_table, ({"momentum1": new_leaf} if leaf is not None else state)
     num_rows = table.shape[0]
-    if rule.name == "sgd" and table.dtype == jnp.float32:
+    if good is not None:
+        rows = jnp.where(good, rows, num_rows)
+    if scatter_add and rule.native == "sgd" and table.dtype == jnp.float32:
         # SGD is linear: scatter-add every id's step, no dedup (measured 0.24-0.29x of the
         # sort + segment_sum form, benchmarks/NOTES.md); ids that contribute nothing carry
         # the row index num_rows (and an out-of-range bag, read as 0) and are dropped
@@ -87,7 +84,10 @@ def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grad
     def scatter(old, new):
         if is_row_leaf(old, num_rows):
             return old.at[unique].set(new.astype(old.dtype), mode="drop", unique_indices=True)
-        return new.astype(old.dtype) if hasattr(old, "dtype") else new
+        if not hasattr(old, "dtype"):
+            return new
+        new = new.astype(old.dtype)
+        return new if good is None else jnp.where(good, new, old)
 
     state = jax.tree_util.tree_map(scatter, state, new_state_rows)
     return table, state

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["RowRule", "SparseOptState", "is_row_leaf"]
+__all__ = ["NATIVE", "RowRule", "SparseOptState", "is_row_leaf"]
+
+NATIVE = (None, "sgd", "adagrad", "rowwise_adagrad", "adam")  # RowRule.native
 
 
 class SparseOptState(NamedTuple):
@@ -36,6 +38,10 @@ class RowRule:
     stochastic_rounding: how stepped rows are written back into fp16 / bf16 tables
       (FBGEMM's `stochastic_rounding`, on by default as there; `False` rounds to nearest);
       `seed` picks the draw (`sparse_jax.optim._rounding`). fp32 tables are unaffected.
+    native: the FBGEMM optimizer this rule is exactly ("sgd", "adagrad", "rowwise_adagrad",
+      "adam"), declared by the rule's own factory: kernels that implement an optimizer
+      natively (the C++ CPU kernels) take only rules that declare it, whatever the `name`.
+      None (any other rule, e.g. `from_optax`): the generic path.
     """
 
     name: str
@@ -44,12 +50,15 @@ class RowRule:
     hyperparams: dict[str, float] = dataclasses.field(default_factory=dict)
     stochastic_rounding: bool = True
     seed: int = 0
+    native: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.stochastic_rounding, bool):
             raise ValueError(f"{self.name}: stochastic_rounding={self.stochastic_rounding!r} must be True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"{self.name}: seed={self.seed!r} must be an int in [0, 2**32)")
+        if self.native not in NATIVE:
+            raise ValueError(f"{self.name}: native={self.native!r} is not one of {NATIVE}")
 
     def init(self, params: dict[str, jax.Array]) -> SparseOptState:
         """Fresh state for every buffer of `params`, placed like the buffers (mesh-sharded

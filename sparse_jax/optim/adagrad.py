@@ -22,4 +22,5 @@ def adagrad(lr: float = 0.01, eps: float = 1e-8, *, stochastic_rounding: bool = 
         s = state["momentum1"] + grads * grads
         return rows - hp["lr"] * grads / (jnp.sqrt(s) + hp["eps"]), {"momentum1": s}
 
-    return RowRule("adagrad", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed)
+    return RowRule("adagrad", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed,
+                   native="adagrad")

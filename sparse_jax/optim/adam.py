@@ -38,4 +38,5 @@ def adam(
         new = rows - hp["lr"] * (m_hat / (jnp.sqrt(v_hat) + hp["eps"]) + hp["weight_decay"] * rows)
         return new, {"momentum1": m, "momentum2": v}
 
-    return RowRule("adam", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed)
+    return RowRule("adam", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed,
+                   native="adam")

@@ -24,4 +24,5 @@ def rowwise_adagrad(lr: float = 0.01, eps: float = 1e-8, *, stochastic_rounding:
         scale = hp["lr"] / (jnp.sqrt(s) + hp["eps"])
         return rows - scale[:, None] * grads, {"momentum1": s}
 
-    return RowRule("rowwise_adagrad", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed)
+    return RowRule("rowwise_adagrad", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed,
+                   native="rowwise_adagrad")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparse_jax import _lookup
-from sparse_jax.optim._apply import apply_row_rule
+from sparse_jax import _guard, _lookup
+from sparse_jax._row_update import update_rows
 from sparse_jax.optim._base import RowRule
 from sparse_jax.sharding import _row_stat
 from sparse_jax.sharding._input_dist import positions, routed_stream, stream
@@ -95,7 +95,7 @@ def update_local(static: ShardedStatic, rule: RowRule, params, state, count, loc
     tables takes each row's statistic over the whole table row (`_row_stat`)."""
     step = count + 1
     new_params, new_states = {}, {}
-    space = _row_stat.row_space(static) if rule.name == "rowwise_adagrad" else None
+    space = _row_stat.row_space(static) if rule.native == "rowwise_adagrad" else None
     split = {}
     if space is not None and space.size:
         stat = jnp.zeros((space.size,), jnp.float32)
@@ -110,7 +110,7 @@ def update_local(static: ShardedStatic, rule: RowRule, params, state, count, loc
                 rule, params[buf.name], state[buf.name], split[buf.name], stat, step)
             continue
         rows, bag, scale, bag_grads, _ = _buffer_stream(static, buf, local, grad)
-        new_params[buf.name], new_states[buf.name] = apply_row_rule(
+        new_params[buf.name], new_states[buf.name] = update_rows(
             rule, params[buf.name], state[buf.name], step, rows, bag, scale, bag_grads, kernel=static.kernel
         )
-    return new_params, new_states, step
+    return new_params, new_states, _guard.next_count(count)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_jax import _guard
 from sparse_jax.optim._apply import dedup_row_grads
 from sparse_jax.optim._base import RowRule
 from sparse_jax.optim._rounding import round_rows
@@ -105,6 +106,9 @@ def apply_rowwise_split(rule: RowRule, table, state, deduped, stat, step):
     num_rows = table.shape[0]
     full = jnp.where(index < stat.shape[0], stat.at[index].get(mode="fill", fill_value=0), sq)
     rows = jnp.where(unique < 0, num_rows, unique)
+    good = _guard.current()
+    if good is not None:  # the non-finite guard: a skipped step writes no row
+        rows = jnp.where(good, rows, num_rows)
     s = state["momentum1"].at[rows].get(mode="fill", fill_value=0) + full / dim.astype(jnp.float32)
     w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
     new_w = w - (rule.hyperparams["lr"] / (jnp.sqrt(s) + rule.hyperparams["eps"]))[:, None] * grads

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sparse_jax import _guard
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._module import LayoutFacts
 from sparse_jax._validate import is_concrete
@@ -252,12 +253,13 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
             local, grad = operands
             specs = jax.tree_util.tree_map(lambda _: P(all_axes), local)
             state_specs = _placement.state_specs(static.buffers, opt_state)
+            body, flag = _guard.through_shard_map(functools.partial(update_local, static, rule))
             fn = jax.shard_map(
-                functools.partial(update_local, static, rule), mesh=mesh,
-                in_specs=(param_specs, state_specs.tables, P(), specs, P(all_axes)),
+                body, mesh=mesh,
+                in_specs=(param_specs, state_specs.tables, P(), specs, P(all_axes), *[P()] * len(flag)),
                 out_specs=(param_specs, state_specs.tables, P()), check_vma=False,
             )
-            new_params, tables, count = fn(params, opt_state.tables, opt_state.count, local, grad)
+            new_params, tables, count = fn(params, opt_state.tables, opt_state.count, local, grad, *flag)
             return new_params, SparseOptState(count=count, tables=tables)
 
         return step

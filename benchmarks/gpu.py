@@ -1,0 +1,298 @@
+"""`python -m benchmarks.gpu`: the GPU comparison in one command.
+
+On a GPU it times, side by side (interleaved rounds, medians), on FBGEMM's workloads (W1:
+T8 E1e5 D64 B2048 L20, uniform and Zipf(1.15) ids):
+- the pooled forward: the Pallas jagged kernel, the pure-XLA per-position form, the XLA
+  gather + segment_sum reference, torch's `embedding_bag` on the same GPU, and FBGEMM's GPU
+  TBE when `fbgemm_gpu` (the CUDA build) is installed;
+- the fused update (rowwise Adagrad, SGD): the Pallas sorted-run kernel (sort included) and
+  the pure-XLA update (`kernel="xla"`); FBGEMM's TBE backward + fused optimizer when installed;
+- the HBM roofline: a device copy of 1 GiB (bytes read + written per second).
+It checks first that the Pallas results equal the XLA ones (forward to fp32 rounding; the
+update's rows and state) and that two Pallas updates from the same start are bitwise equal
+(no atomics). For each program it reports the launches XLA compiled (fusions + custom
+calls) and GB/s in FBGEMM's byte convention with % of the measured copy roofline.
+
+On a machine without a GPU, `--tiny` runs the same code on tiny shapes with the Pallas
+kernels in interpret mode (the suite runs it so that it cannot rot); its times mean nothing.
+
+    python -m benchmarks.gpu                  # on the GPU: W1 uniform + Zipf, ~1-2 min
+    python -m benchmarks.gpu --tiny           # anywhere: a smoke run
+Writes `gpu.json` and `gpu.md` into `--out` (default `runs/bench/gpu-<time>/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.workloads import Workload, make_batch, tiny_set
+from sparse_jax._kernels import _pallas
+from sparse_jax._lookup import _sum_positions
+from sparse_jax.optim import rowwise_adagrad, sgd
+from sparse_jax.optim._apply import apply_row_rule
+
+__all__ = ["main", "run"]
+
+
+def _timeit(cases: dict, rounds: int, reps: int) -> dict[str, dict]:
+    """Interleaved rounds: each round runs every case `reps` times; per case the median
+    (and min/max) of the per-call times over rounds, in ms."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for fn in cases.values():  # warm-up / compile
+        jax.block_until_ready(fn())
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                out = fn()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / reps * 1e3)
+    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for k, v in times.items()}
+
+
+def _launches(jitted, *args) -> dict[str, int]:
+    """Kernels XLA compiled for the program: fusions and custom calls of the entry
+    computation (each is a launch), sorts, and whether any float scatter-add is left."""
+    text = jitted.lower(*args).compile().as_text()
+    entry = text[text.find("ENTRY"):]
+    return {"fusions": entry.count(" fusion("), "custom_calls": entry.count("custom-call("),
+            "sorts": text.count(" sort("), "scatters": text.count(" scatter(")}
+
+
+def _roofline_gbs(interpret: bool) -> float:
+    n = (1 << 20) if interpret else (1 << 28)  # 4 MiB or 1 GiB of fp32
+    x = jnp.ones((n,), jnp.float32)
+    copy = jax.jit(lambda a: a + 0.0)
+    res = _timeit({"copy": lambda: copy(x)}, rounds=5, reps=3 if interpret else 20)
+    return 2 * n * 4 / (res["copy"]["median_ms"] * 1e-3) / 1e9
+
+
+class _Case:
+    """One workload's operands on the device: a stacked table (features key-major) and its
+    jagged batch, the per-position matrices of the XLA form, the id stream of the update."""
+
+    def __init__(self, w: Workload):
+        b = make_batch(w)
+        self.w = w
+        self.table = jnp.asarray(b.tables.reshape(w.T * w.E, w.D))
+        self.values = jnp.asarray(b.ids.astype(np.int32))
+        self.offsets = jnp.asarray(b.offsets.astype(np.int32))
+        rows = (b.ids.reshape(w.T, w.B * w.L) + (np.arange(w.T) * w.E)[:, None]).reshape(-1).astype(np.int32)
+        self.pos_rows = jnp.asarray(rows.reshape(w.T * w.B, w.L))
+        self.pos_w = jnp.ones((w.T * w.B, w.L), jnp.float32)
+        self.rows = jnp.asarray(rows)
+        bag = np.repeat(np.arange(w.T * w.B, dtype=np.int32), w.L)
+        self.bag = jnp.asarray(bag)
+        self.scale = jnp.ones(rows.shape, jnp.float32)
+        grad = b.pooled_grad.reshape(w.B, w.T, w.D).transpose(1, 0, 2).reshape(w.T * w.B, w.D)
+        self.bag_grads = jnp.asarray(grad)
+        self.static = dict(stride=w.B, keys=list(range(w.T)), row_offsets=[t * w.E for t in range(w.T)],
+                           num_rows=[w.E] * w.T, mean=[False] * w.T, clamp=False)
+
+
+def _forward_cases(c: _Case, interpret: bool):
+    w = c.w
+    pallas = jax.jit(lambda t, v, o: _pallas.jagged_pooled_sum(t, v, o, None, interpret=interpret, **c.static))
+
+    def per_position(t, rows, wts):
+        pooled = _sum_positions(t, rows, wts)  # [T*B, D] key-major
+        return pooled.reshape(w.T, w.B, w.D).transpose(1, 0, 2).reshape(w.B, w.T * w.D)
+
+    def seg_sum(t, rows, bag):
+        pooled = jax.ops.segment_sum(t[rows], bag, num_segments=w.T * w.B, indices_are_sorted=True)
+        return pooled.reshape(w.T, w.B, w.D).transpose(1, 0, 2).reshape(w.B, w.T * w.D)
+
+    xla_pp, xla_seg = jax.jit(per_position), jax.jit(seg_sum)
+    cases = {
+        "pallas": (pallas, (c.table, c.values, c.offsets)),
+        "xla_per_position": (xla_pp, (c.table, c.pos_rows, c.pos_w)),
+        "xla_segment_sum": (xla_seg, (c.table, c.rows, c.bag)),
+    }
+    return cases
+
+
+def _torch_forward(c: _Case):
+    """torch's `embedding_bag` (and FBGEMM's GPU TBE when installed) on the same GPU, or {}."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    w = c.w
+    dev = torch.device("cuda")
+    weight = torch.from_numpy(np.asarray(c.table)).to(dev)
+    rows = torch.from_numpy(np.asarray(c.rows)).to(dev).long()
+    offsets = torch.arange(0, w.T * w.B * w.L, w.L, device=dev)
+    out = {}
+
+    def eb():
+        return torch.nn.functional.embedding_bag(rows, weight, offsets, mode="sum")
+
+    out["torch_embedding_bag"] = eb
+    try:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+        out["fbgemm_tbe"] = None  # installed: timed below
+    except Exception:  # noqa: BLE001 - absent or a CPU-only build
+        pass
+    return out
+
+
+def _time_torch(fns: dict, rounds: int, reps: int) -> dict:
+    import torch
+
+    res = {}
+    for name, fn in fns.items():
+        if fn is None:
+            continue
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) / reps * 1e3)
+        res[name] = {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts)}
+    return res
+
+
+def _update_fns(c: _Case, rule, interpret: bool):
+    num_rows = c.table.shape[0]
+
+    def pallas(table, state, rows, bag, scale, bag_grads):
+        rs, starts, bs, ss = _pallas.sorted_runs(rows, bag, scale, num_rows)
+        return _pallas.sorted_run_update(rule, table, state, jnp.int32(1), rs, starts, bs, ss, bag_grads,
+                                         interpret=interpret)
+
+    def xla(table, state, rows, bag, scale, bag_grads):
+        return apply_row_rule(rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads, kernel="xla")
+
+    return {"pallas": jax.jit(pallas, donate_argnums=(0, 1)), "xla": jax.jit(xla, donate_argnums=(0, 1))}
+
+
+def _check(c: _Case, interpret: bool) -> dict:
+    fwd = _forward_cases(c, interpret)
+    outs = {k: np.asarray(fn(*args)) for k, (fn, args) in fwd.items()}
+    checks = {"forward_max_abs_diff": float(max(np.abs(outs["pallas"] - o).max() for o in outs.values()))}
+    for rule in (rowwise_adagrad(lr=0.05), sgd(lr=0.05)):
+        fns = _update_fns(c, rule, interpret)
+        res = {}
+        for k, fn in fns.items():
+            t = jnp.array(c.table, copy=True)
+            s = rule.init_table(t)
+            res[k] = fn(t, s, c.rows, c.bag, c.scale, c.bag_grads)
+        diff = float(np.abs(np.asarray(res["pallas"][0]) - np.asarray(res["xla"][0])).max())
+        t2 = jnp.array(c.table, copy=True)
+        again = fns["pallas"](t2, rule.init_table(t2), c.rows, c.bag, c.scale, c.bag_grads)
+        checks[f"{rule.name}_max_abs_diff"] = diff
+        checks[f"{rule.name}_bitwise_reproducible"] = bool(np.array_equal(np.asarray(again[0]),
+                                                                          np.asarray(res["pallas"][0])))
+    return checks
+
+
+def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -> dict:
+    results = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+               "jax": jax.__version__, "interpret": interpret, "workloads": []}
+    results["copy_roofline_gbs"] = _roofline_gbs(interpret)
+    for w in workloads:
+        c = _Case(w)
+        entry = {"workload": w.as_dict(), "checks": _check(c, interpret)}
+        fwd = _forward_cases(c, interpret)
+        entry["forward"] = _timeit({k: (lambda fn=fn, a=a: fn(*a)) for k, (fn, a) in fwd.items()}, rounds, reps)
+        entry["forward_launches"] = {k: _launches(fn, *a) for k, (fn, a) in fwd.items()}
+        torch_fns = _torch_forward(c)
+        if torch_fns:
+            entry["forward"].update(_time_torch(torch_fns, rounds, reps))
+        entry["update"] = {}
+        entry["update_launches"] = {}
+        for rule in (rowwise_adagrad(lr=0.05), sgd(lr=0.05)):
+            fns = _update_fns(c, rule, interpret)
+            state = {k: [jnp.array(c.table, copy=True)] for k in fns}
+            opt = {k: [rule.init_table(state[k][0])] for k in fns}
+
+            def step(k, fn, state=state, opt=opt, c=c):
+                def go():
+                    state[k][0], opt[k][0] = fn(state[k][0], opt[k][0], c.rows, c.bag, c.scale, c.bag_grads)
+                    return state[k][0]
+                return go
+
+            timed = _timeit({k: step(k, fn) for k, fn in fns.items()}, rounds, reps)
+            entry["update"][rule.name] = timed
+            probe = jnp.array(c.table, copy=True)
+            entry["update_launches"][rule.name] = {
+                k: _launches(fn, probe, rule.init_table(probe), c.rows, c.bag, c.scale, c.bag_grads)
+                for k, fn in fns.items()}
+        results["workloads"].append(entry)
+    return results
+
+
+def markdown(results: dict) -> str:
+    roof = results["copy_roofline_gbs"]
+    lines = [f"# GPU comparison on {results['device']} ({results['backend']}, jax {results['jax']}"
+             f"{', INTERPRET MODE: times mean nothing' if results['interpret'] else ''})", "",
+             f"Copy roofline: {roof:.0f} GB/s (bytes read + written).", ""]
+    for e in results["workloads"]:
+        w = e["workload"]
+        fwd_bytes = w["B"] * w["T"] * w["L"] * w["D"] * 4 + w["B"] * w["T"] * w["D"] * 4
+        lines += [f"## {w['name']}", "", f"Checks: {json.dumps(e['checks'])}", "",
+                  "| program | median ms | vs Pallas | GB/s (FBGEMM bytes) | % roofline | launches |",
+                  "|---|---|---|---|---|---|"]
+        base = e["forward"]["pallas"]["median_ms"]
+        for k, v in e["forward"].items():
+            gbs = fwd_bytes / (v["median_ms"] * 1e-3) / 1e9
+            launch = e["forward_launches"].get(k, {})
+            lines.append(f"| forward {k} | {v['median_ms']:.3f} | {v['median_ms'] / base:.2f}x | {gbs:.0f} | "
+                         f"{100 * gbs / roof:.0f}% | {launch.get('fusions', '-')}f+{launch.get('custom_calls', '-')}c |")
+        for rule, timed in e["update"].items():
+            base = timed["pallas"]["median_ms"]
+            for k, v in timed.items():
+                gbs = 2 * fwd_bytes / (v["median_ms"] * 1e-3) / 1e9
+                launch = e["update_launches"][rule][k]
+                lines.append(f"| update {rule} {k} | {v['median_ms']:.3f} | {v['median_ms'] / base:.2f}x | {gbs:.0f} | "
+                             f"{100 * gbs / roof:.0f}% | {launch['fusions']}f+{launch['custom_calls']}c, "
+                             f"{launch['sorts']} sort, {launch['scatters']} scatter |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, Pallas in interpret mode off a GPU")
+    p.add_argument("--out", default=None, help="output directory (default runs/bench/gpu-<time>)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None)
+    args = p.parse_args(argv)
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    if not on_gpu and not args.tiny:
+        p.error(f"no GPU here (jax.default_backend() is {jax.default_backend()!r}): run with --tiny for the "
+                "interpret-mode smoke run")
+    interpret = not on_gpu
+    workloads = tiny_set() if args.tiny else [Workload(), Workload(alpha=1.15)]
+    rounds = args.rounds or (2 if args.tiny else 15)
+    reps = args.reps or (1 if args.tiny else 10)
+    results = run(workloads, interpret=interpret, rounds=rounds, reps=reps)
+    out = pathlib.Path(args.out or os.path.join("runs", "bench", time.strftime("gpu-%Y%m%d-%H%M%S")))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps(results, indent=1))
+    md = markdown(results)
+    (out / "gpu.md").write_text(md)
+    print(md)
+    print(f"\nwritten: {out / 'gpu.json'}, {out / 'gpu.md'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

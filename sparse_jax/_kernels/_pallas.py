@@ -1,0 +1,216 @@
+"""GPU kernels in Pallas (Triton backend): the jagged pooled lookup and the sorted-run update.
+
+Both read the jagged layout as it is (offsets, no length caps, no padding to a power of two)
+and use no atomics: every output element has exactly one writer, so results are bitwise the
+same on every run. `interpret=True` runs them on any backend (the tests' CPU check against
+the plain loops of `tests/reference.py`); a program lowered for CUDA holds one Triton custom
+call per kernel.
+
+* `jagged_pooled_sum`: one program per (feature, sample) bag, as FBGEMM's warp-per-bag
+  forward: it walks the bag's ids from `offsets`, accumulates weighted rows in registers
+  (fp32, whatever the table's dtype) and writes its `[dim]` slice of `[B, F * dim]` once.
+  The same signature as the C++ kernel (`_ffi.jagged_pooled_sum`).
+* `sorted_runs` (XLA, no float scatter): the id stream sorted by row (ids outside the table
+  sort last), each run's start, and the bag and scale of every sorted id.
+* `sorted_run_update`: one program per run of equal rows: it sums the run's gradient rows
+  (`grad[bag] * scale`, in sorted order), applies the row rule in registers (the rule's own
+  `update_rows` on a `[1, dim]` row) and writes the row and its per-row state once, in
+  place (the buffers are aliased to the outputs). No `[rows, dim]` gradient, no per-id
+  temporaries beyond the sort.
+
+Limits (callers fall back to the XLA form): `dim` a power of two (Triton block shapes), rules
+whose state is per-row only (sgd, adagrad, rowwise_adagrad, adam).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+__all__ = ["jagged_pooled_sum", "per_row_state", "pooled_positions", "sorted_run_update", "sorted_runs",
+           "supports_dim"]
+
+
+def supports_dim(dim: int) -> bool:
+    """Triton blocks are powers of two: rows of another width take the XLA form."""
+    return dim >= 1 and dim & (dim - 1) == 0
+
+
+def per_row_state(state, num_rows: int, dim: int) -> bool:
+    """Whether every state leaf is per-row (`[rows]` or `[rows, dim]`): the kernel reads and
+    writes them with the row; global leaves (an optax step count) need the XLA form."""
+    return all(hasattr(x, "ndim") and x.ndim in (1, 2) and x.shape[0] == num_rows and (x.ndim == 1 or x.shape[1] == dim)
+               for x in jax.tree_util.tree_leaves(state))
+
+
+def _compiler_params(num_warps: int):
+    from jax.experimental.pallas import triton as plt
+
+    return plt.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+def _warps(dim: int) -> int:
+    return max(1, min(4, dim // 64))
+
+
+def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row_offsets, num_rows, mean, clamp: bool,
+                      interpret: bool = False):
+    """Pooled sums `[stride, len(keys) * dim]` fp32 of the KJT features `keys` (indices into
+    the KJT's keys), each reading the table buffer at its `row_offsets` with `num_rows`
+    rows; `mean` divides a feature's bags by their length; ids outside `[0, num_rows)` are
+    clamped (`clamp`) or skipped. `weights`: per-id weights or None."""
+    n_feat = len(keys)
+    dim = table.shape[1]
+    if not supports_dim(dim):
+        raise ValueError(f"the Pallas lookup needs a power-of-two dim, got {dim}; use kernel='xla'")
+    static = jnp.asarray([list(keys), list(row_offsets), list(num_rows), [int(bool(m)) for m in mean]], jnp.int32)
+    weighted = weights is not None
+    operands = [static, offsets.astype(jnp.int32), values.astype(jnp.int32)]
+    if weighted:
+        operands.append(weights.astype(jnp.float32))
+    operands.append(table)
+    kernel = functools.partial(_pooled_kernel, stride=stride, dim=dim, clamp=clamp, weighted=weighted)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((stride, n_feat * dim), jnp.float32), grid=(n_feat, stride),
+        interpret=interpret, compiler_params=_compiler_params(_warps(dim)), name="hybridrec_jagged_pooled_sum",
+    )(*operands)
+
+
+def _pooled_kernel(static_ref, off_ref, val_ref, *refs, stride, dim, clamp, weighted):
+    if weighted:
+        w_ref, t_ref, o_ref = refs
+    else:
+        (t_ref, o_ref), w_ref = refs, None
+    j, b = pl.program_id(0), pl.program_id(1)
+    bag = static_ref[0, j] * stride + b
+    row_offset, n_rows, is_mean = static_ref[1, j], static_ref[2, j], static_ref[3, j]
+    start, end = off_ref[bag], off_ref[bag + 1]
+
+    def add(i, acc):
+        idx = val_ref[i]
+        if clamp:
+            keep = True
+            idx = jnp.minimum(jnp.maximum(idx, 0), n_rows - 1)
+        else:
+            keep = (idx >= 0) & (idx < n_rows)
+            idx = jnp.where(keep, idx, 0)
+        w = w_ref[i] if weighted else jnp.float32(1)
+        w = jnp.where(keep, w, jnp.float32(0))
+        return acc + w * t_ref[idx + row_offset, :].astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(start, end, add, jnp.zeros((dim,), jnp.float32))
+    length = jnp.maximum(end - start, 1).astype(jnp.float32)
+    acc = jnp.where(is_mean != 0, acc / length, acc)
+    o_ref[b, pl.ds(j * dim, dim)] = acc
+
+
+def pooled_positions(table, rows, w, *, interpret: bool = False):
+    """`sum_l w[:, l] * table[rows[:, l]]` `[bags, dim]` fp32 (the per-position matrices of
+    the sharded lookup, as the C++ `pooled_sum`): one program per bag, rows accumulated in
+    registers; positions of weight 0 (padding) read row 0 (one cache-hot row) and add nothing."""
+    dim = table.shape[1]
+    if not supports_dim(dim):
+        raise ValueError(f"the Pallas lookup needs a power-of-two dim, got {dim}; use kernel='xla'")
+    bags, cap = rows.shape
+    kernel = functools.partial(_positions_kernel, cap=cap, dim=dim)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((bags, dim), jnp.float32), grid=(max(bags, 1),),
+        interpret=interpret, compiler_params=_compiler_params(_warps(dim)), name="hybridrec_pooled_positions",
+    )(rows.astype(jnp.int32), w.astype(jnp.float32), table)
+
+
+def _positions_kernel(rows_ref, w_ref, t_ref, o_ref, *, cap, dim):
+    b = pl.program_id(0)
+
+    def add(p, acc):
+        w = w_ref[b, p]
+        row = jnp.where(w != 0, rows_ref[b, p], 0)
+        return acc + w * t_ref[row, :].astype(jnp.float32)
+
+    o_ref[b, :] = jax.lax.fori_loop(0, cap, add, jnp.zeros((dim,), jnp.float32))
+
+
+def sorted_runs(rows, bag, scale, num_rows: int):
+    """The id stream sorted by row: `(rows_s, starts, bag_s, scale_s)`.
+
+    `rows_s` `[N]`: rows ascending, ids outside `[0, num_rows)` (padding, skipped) as
+    `num_rows`, sorted last; `starts` `[N + 1]`: the first sorted position of each run of
+    equal rows, then `N` (fill); `bag_s`, `scale_s`: each sorted id's bag and scale. The
+    sort is stable (equal rows keep the stream's order: the sums are reproducible). Integer
+    work only: no float scatter."""
+    n = rows.shape[0]
+    key = jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows).astype(jnp.int32)
+    rows_s, perm = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
+    first = jnp.concatenate([jnp.ones((min(n, 1),), bool), rows_s[1:] != rows_s[:-1]])
+    (starts,) = jnp.nonzero(first, size=n + 1, fill_value=n)
+    return rows_s, starts.astype(jnp.int32), bag[perm], scale[perm]
+
+
+def sorted_run_update(rule, table, state: dict, step, rows_s, starts, bag_s, scale_s, bag_grads, good=None, *,
+                      interpret: bool = False):
+    """One fused update of one buffer from `sorted_runs`' output: `(new table, new state)`.
+
+    `state`: the rule's per-row leaves (`[rows]` or `[rows, dim]` fp32); `step` the 1-based
+    step (int32 scalar); `bag_grads` `[bags, dim]`; `good` (bool scalar or None): when false
+    no program writes, so the buffers stay exactly as they were (the non-finite guard by
+    predication, no host sync). The table and state are updated in place (aliased)."""
+    num_rows, dim = table.shape
+    if not supports_dim(dim):
+        raise ValueError(f"the Pallas update needs a power-of-two dim, got {dim}; use kernel='xla'")
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    if not per_row_state(state, num_rows, dim):
+        raise ValueError(f"{rule.name}: the Pallas update needs per-row state leaves ([rows] or [rows, dim]), got "
+                         f"{[getattr(x, 'shape', x) for x in leaves]}; use kernel='xla'")
+    n = rows_s.shape[0]
+    good = jnp.ones((), bool) if good is None else good
+    flags = jnp.stack([jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())])
+    operands = [flags, starts, rows_s, bag_s, scale_s.astype(jnp.float32), bag_grads, table, *leaves]
+    first_buffer = 6
+    kernel = functools.partial(_update_kernel, rule=rule, treedef=treedef, num_rows=num_rows,
+                               num_bags=bag_grads.shape[0], n=n, dim=dim)
+    outs = pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)],
+        grid=(max(n, 1),), input_output_aliases={first_buffer + i: i for i in range(1 + len(leaves))},
+        interpret=interpret, compiler_params=_compiler_params(_warps(dim)), name="hybridrec_sorted_run_update",
+    )(*operands)
+    return outs[0], jax.tree_util.tree_unflatten(treedef, outs[1:])
+
+
+def _update_kernel(flags_ref, starts_ref, rows_ref, bag_ref, scale_ref, g_ref, t_in, *refs, rule, treedef, num_rows,
+                   num_bags, n, dim):
+    from sparse_jax.optim._rounding import round_rows
+
+    k_leaves = treedef.num_leaves
+    s_in, t_out, s_out = refs[:k_leaves], refs[k_leaves], refs[k_leaves + 1:]
+    k = pl.program_id(0)
+    start = starts_ref[k]
+    end = starts_ref[jnp.minimum(k + 1, n)]
+    row = rows_ref[jnp.minimum(start, n - 1)]
+    step, good = flags_ref[0], flags_ref[1]
+    active = (start < n) & (row < num_rows) & (good != 0)
+
+    @pl.when(active)
+    def _():
+        def add(i, acc):
+            b = bag_ref[i]
+            keep = (b >= 0) & (b < num_bags)
+            s = jnp.where(keep, scale_ref[i], jnp.float32(0))
+            return acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32)
+
+        grad = jax.lax.fori_loop(start, end, add, jnp.zeros((dim,), jnp.float32))
+        w = t_in[row, :].astype(jnp.float32)
+        rows_state = jax.tree_util.tree_unflatten(
+            treedef, [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in])
+        new_w, new_state = rule.update_rows(w[None, :], rows_state, grad[None, :], step)
+        new_w = round_rows(new_w, t_out.dtype, stochastic=rule.stochastic_rounding, seed=rule.seed, step=step,
+                           rows=jnp.full((1,), row, jnp.int32))
+        t_out[row, :] = new_w[0].astype(t_out.dtype)
+        for ref, value in zip(s_out, jax.tree_util.tree_leaves(new_state), strict=True):
+            value = value.astype(ref.dtype)
+            if len(ref.shape) == 1:
+                ref[pl.ds(row, 1)] = value.reshape(1)
+            else:
+                ref[row, :] = value[0]
