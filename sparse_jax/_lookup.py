@@ -18,6 +18,7 @@ the traced code, handled by `bounds_check`:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -32,7 +33,7 @@ from sparse_jax._validate import is_concrete
 __all__ = ["BOUNDS_CHECKS", "KERNELS", "check_ids", "id_stream", "pooled_per_position", "pooled_segment_sum"]
 
 BOUNDS_CHECKS = ("error", "clamp", "skip")
-KERNELS = ("auto", "ffi", "xla", "reference")
+KERNELS = ("auto", "ffi", "xla", "reference", "pallas")
 _UNROLL = 4  # positions per loop iteration of the XLA per-position pooling
 
 
@@ -119,12 +120,50 @@ def use_ffi(kernel: str, table) -> bool:
 
 
 def sum_positions(table, rows, w, kernel: str):
-    """`sum_l w[:, l] * table[rows[:, l]]` by the fused C++ kernel or by XLA (`_sum_positions`)."""
-    if use_ffi(kernel, table):
-        from sparse_jax import _kernels
+    """`sum_l w[:, l] * table[rows[:, l]]`, the kernel chosen when the program is lowered:
+    the fused C++ kernel on CPU (fp32, "auto"/"ffi", built), the Pallas kernel on CUDA
+    ("auto"/"pallas", power-of-two dims), else XLA (`_sum_positions`)."""
+    from sparse_jax._kernels import _pallas
+    from sparse_jax._kernels._platform import by_platform
 
-        return _kernels.pooled_sum(table, rows, w)
-    return _sum_positions(table, rows, w)
+    pallas_ok = _pallas.supports_dim(table.shape[1])
+    if kernel == "pallas":
+        _require_pallas(pallas_ok, table)
+        impls = dict(default=functools.partial(_pallas.pooled_positions, interpret=True),
+                     cuda=_pallas.pooled_positions)
+    elif kernel in ("auto", "ffi"):
+        cpu = None
+        if use_ffi(kernel, table) or (kernel == "auto" and table.dtype == jnp.float32):
+            cpu = _when_built(lambda t, r, x: _ffi_pooled_sum(t, r, x), _sum_positions)
+        impls = dict(default=_sum_positions, cpu=cpu, cuda=_pallas.pooled_positions if pallas_ok else None)
+    else:
+        return _sum_positions(table, rows, w)
+    out = by_platform((table, rows, w), [jax.ShapeDtypeStruct((rows.shape[0], table.shape[1]), jnp.float32)],
+                      **impls)
+    return out[0]
+
+
+def _ffi_pooled_sum(table, rows, w):
+    from sparse_jax import _kernels
+
+    return _kernels.pooled_sum(table, rows, w)
+
+
+def _when_built(ffi_fn, fallback):
+    """The C++ form when the CPU kernels are built, decided when the CPU program is lowered."""
+
+    def run(*ops):
+        from sparse_jax._kernels import _ffi
+
+        return ffi_fn(*ops) if _ffi._register() is None else fallback(*ops)
+
+    return run
+
+
+def _require_pallas(ok: bool, table) -> None:
+    if not ok:
+        raise ValueError(f"kernel='pallas' needs power-of-two embedding dims, got a [{table.shape[0]}, "
+                         f"{table.shape[1]}] buffer; use kernel='auto' (XLA for this buffer)")
 
 
 def _sum_positions(table, rows, w):
@@ -159,44 +198,115 @@ def _caps(kjt: KeyedJaggedTensor, key_indices: Sequence[int]) -> list[int]:
     return [caps[ki] for ki in key_indices]
 
 
-def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str):
-    """Per feature (output order) a `[B, dim]` fp32 block. Features of one group with the
-    same cap are looked up together (one fused loop over their stacked bags)."""
-    key_indices = layout.key_indices(kjt.keys())
-    out: list = [None] * len(layout.features)
-    stride = kjt.stride()
-    jagged = [g for g in layout.groups if use_ffi(kernel, params[g])]
-    for group in jagged:  # the C++ kernel reads the jagged layout itself: no id matrix, no caps
-        from sparse_jax import _kernels
+def _group_members(layout: TableLayout, group: str) -> list[int]:
+    return [i for i, s in enumerate(layout.features) if s.group == group]
 
-        members = [i for i, s in enumerate(layout.features) if s.group == group]
-        slots = [layout.features[i] for i in members]
-        pooled = _kernels.jagged_pooled_sum(
-            params[group], kjt.values(), kjt.offsets(), kjt.weights() if weighted else None, stride=stride,
-            keys=[key_indices[i] for i in members], row_offsets=[s.row_offset for s in slots],
-            num_rows=[s.num_rows for s in slots], mean=[s.pooling is PoolingType.MEAN for s in slots],
-            clamp=bounds_check == "clamp",
-        )
+
+def _jagged_args(kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str) -> dict:
+    key_indices = layout.key_indices(kjt.keys())
+    members = _group_members(layout, group)
+    slots = [layout.features[i] for i in members]
+    return dict(stride=kjt.stride(), keys=[key_indices[i] for i in members], row_offsets=[s.row_offset for s in slots],
+                num_rows=[s.num_rows for s in slots], mean=[s.pooling is PoolingType.MEAN for s in slots],
+                clamp=bounds_check == "clamp")
+
+
+def _group_per_position(table, kjt, layout: TableLayout, group: str, caps, *, weighted: bool, bounds_check: str):
+    """The XLA form of one group: `[B, F_g * dim]` (features of one cap looked up together)."""
+    key_indices = layout.key_indices(kjt.keys())
+    stride = kjt.stride()
+    members = _group_members(layout, group)
+    blocks: dict[int, jax.Array] = {}
+    by_cap: dict[int, list[int]] = {}
+    for i in members:
+        by_cap.setdefault(caps[i], []).append(i)
+    for cap, same in by_cap.items():
+        mats = [_position_matrix(kjt, key_indices[i], cap, layout.features[i], weighted, bounds_check) for i in same]
+        pooled = _sum_positions(table, jnp.concatenate([m[0] for m in mats]), jnp.concatenate([m[1] for m in mats]))
+        for j, i in enumerate(same):
+            blocks[i] = pooled[j * stride : (j + 1) * stride]
+    return jnp.concatenate([blocks[i] for i in members], axis=1)
+
+
+def _group_segment_sum(table, kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str):
+    """The reference form of one group (no caps needed): `[B, F_g * dim]`."""
+    stride, n = kjt.stride(), len(_group_members(layout, group))
+    rows, bag, scale = id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
+    gathered = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * scale[:, None]
+    pooled = jax.ops.segment_sum(gathered, bag, num_segments=n * stride)
+    return pooled.reshape(n, stride, -1).transpose(1, 0, 2).reshape(stride, -1)
+
+
+def _jagged_kernel(fn, kjt, layout, group, weighted, bounds_check, **extra):
+    args = _jagged_args(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
+
+    def run(table, kjt):
+        return fn(table, kjt.values(), kjt.offsets(), kjt.weights() if weighted else None, **args, **extra)
+
+    return run
+
+
+def pooled_group(table, kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str, kernel: str):
+    """One group's pooled sums `[B, F_g * dim]` fp32 (the group's features side by side), the
+    kernel chosen when the program is lowered:
+
+    | kernel | CPU | CUDA | other |
+    |---|---|---|---|
+    | "auto" | C++ jagged kernel (fp32, built), else XLA | Pallas jagged kernel (power-of-two dim), else XLA | XLA |
+    | "ffi" | C++ (an error when unavailable) | as "auto" | as "auto" |
+    | "pallas" | Pallas, interpret mode | Pallas | Pallas, interpret mode |
+    | "xla" | XLA per-position | XLA per-position | XLA per-position |
+
+    The XLA form needs the batch's length caps (a prepared batch); without them it is the
+    segment-sum form."""
+    from sparse_jax import _kernels
+    from sparse_jax._kernels import _pallas
+    from sparse_jax._kernels._platform import by_platform
+
+    caps = kjt.length_caps()
+    caps = None if caps is None else [caps[ki] for ki in layout.key_indices(kjt.keys())]
+    opts = dict(weighted=weighted, bounds_check=bounds_check)
+
+    def xla(table, kjt):
+        if caps is None:
+            return _group_segment_sum(table, kjt, layout, group, **opts)
+        return _group_per_position(table, kjt, layout, group, caps, **opts)
+
+    pallas_ok = _pallas.supports_dim(table.shape[1])
+    if kernel == "xla":
+        if caps is None:
+            _caps(kjt, layout.key_indices(kjt.keys()))  # raises the prepare-first error
+        return xla(table, kjt)
+    if kernel == "pallas":
+        _require_pallas(pallas_ok, table)
+        impls = dict(default=_jagged_kernel(_pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check,
+                                            interpret=True),
+                     cuda=_jagged_kernel(_pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check))
+    else:
+        ffi = use_ffi(kernel, table) or (kernel == "auto" and table.dtype == jnp.float32)
+        cpu = _jagged_kernel(_kernels.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check)
+        impls = dict(default=xla, cpu=_when_built(cpu, xla) if ffi else None,
+                     cuda=_jagged_kernel(_pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check)
+                     if pallas_ok else None)
+    leaves, treedef = jax.tree_util.tree_flatten((table, kjt))
+
+    def flat(fn):
+        return lambda *ops: [fn(*jax.tree_util.tree_unflatten(treedef, ops))]
+
+    n = len(_group_members(layout, group))
+    aval = jax.ShapeDtypeStruct((kjt.stride(), n * table.shape[1]), jnp.float32)
+    return by_platform(leaves, [aval], **{k: flat(f) if f is not None else None for k, f in impls.items()})[0]
+
+
+def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str):
+    """Per feature (output order) a `[B, dim]` fp32 block (`pooled_group` per group)."""
+    out: list = [None] * len(layout.features)
+    for group in layout.groups:
+        pooled = pooled_group(params[group], kjt, layout, group, weighted=weighted, bounds_check=bounds_check,
+                              kernel=kernel)
         dim = layout.groups[group][1]
-        for j, i in enumerate(members):
+        for j, i in enumerate(_group_members(layout, group)):
             out[i] = pooled[:, j * dim : (j + 1) * dim]
-    if len(jagged) == len(layout.groups):
-        return out
-    caps = _caps(kjt, key_indices)
-    batches: dict[tuple[str, int], list[int]] = {}
-    for i, slot in enumerate(layout.features):
-        if slot.group not in jagged:
-            batches.setdefault((slot.group, caps[i]), []).append(i)
-    for (group, cap), members in batches.items():
-        mats = [
-            _position_matrix(kjt, key_indices[i], cap, layout.features[i], weighted, bounds_check)
-            for i in members
-        ]
-        rows = jnp.concatenate([m[0] for m in mats])
-        w = jnp.concatenate([m[1] for m in mats])
-        pooled = _sum_positions(params[group], rows, w)  # the C++ kernel's groups went the jagged way
-        for j, i in enumerate(members):
-            out[i] = pooled[j * stride : (j + 1) * stride]
     return out
 
 

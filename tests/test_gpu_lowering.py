@@ -1,0 +1,142 @@
+"""The programs a GPU runs, lowered for CUDA on this CPU machine and read.
+
+`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` needs no GPU. The W1 training
+step (T8 E1e5 D64 B2048 L20: the guarded fused update and the pooled forward) and a sharded
+step must hold: no `case`/`if` (a GPU conditional copies its predicate to the host and
+waits), no float scatter-add over non-unique indices (atomics, run-to-run sums), no CPU-only
+custom call (the C++ kernels), the Pallas kernels present, and no `[ids, dim]` temporary.
+The same trace lowered for CPU holds the C++ kernels instead: the choice is the lowering
+platform's, not the host's."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    make_update,
+    optim,
+)
+from sparse_jax.sharding import shard
+
+TRITON = "xla.gpu.triton"
+
+
+def _scatters(text: str) -> list[dict]:
+    """Every `stablehlo.scatter` with its combiner and result type."""
+    out = []
+    for m in re.finditer(r'"stablehlo\.scatter"\(', text):
+        end = text.find("\n    }) ", m.end())
+        end = text.find("\n", text.find("}) ", m.end()))
+        body = text[m.start():end]
+        result = body[body.rfind("->"):]
+        out.append({"adds": "stablehlo.add" in body, "unique": "unique_indices = true" in body,
+                    "float": bool(re.search(r"x(f32|f16|bf16)>", result))})
+    return out
+
+
+def audit(text: str) -> dict:
+    scatters = _scatters(text)
+    return {
+        "case_or_if": text.count("stablehlo.case") + text.count("stablehlo.if"),
+        "float_scatter_add_non_unique": sum(s["adds"] and s["float"] and not s["unique"] for s in scatters),
+        "cpu_custom_calls": len(re.findall(r"custom_call @Hybridrec", text)),
+        "triton_kernels": text.count(TRITON),
+    }
+
+
+def _w1(T=8, E=100_000, D=64, B=2048, L=20, rule="rowwise_adagrad", mesh=None):
+    tables = [EmbeddingBagConfig(name=f"t{t}", num_embeddings=E, embedding_dim=D, feature_names=[f"f{t}"])
+              for t in range(T)]
+    module = EmbeddingBagCollection(tables)  # kernel="auto", the default
+    if mesh is not None:
+        module = shard(module, mesh, {f"t{t}": "row_wise" if t % 2 else "table_wise" for t in range(T)})
+    rng = np.random.default_rng(0)
+    kjt = KeyedJaggedTensor([f"f{t}" for t in range(T)], rng.integers(0, E, T * B * L),
+                            lengths=np.full(T * B, L))
+    batch = module.prepare(kjt)
+    r = getattr(optim, rule)(lr=0.05)
+    if mesh is not None:
+        params = module.init(jax.random.key(0))  # placed on the mesh (small tables)
+        return module, batch, params, r.init(params), r, T * B * L
+    params = jax.eval_shape(module.init, jax.random.key(0))  # abstract: a W1 table is never allocated
+    state = jax.eval_shape(r.init, params)
+    return module, batch, params, state, r, T * B * L
+
+
+def _lowered_step(module, batch, params, state, r, platform):
+    update = make_update(module, r, skip_nonfinite=True)  # as hybrid.Model builds it
+    operands = module.update_operands(batch, jnp.zeros((batch_size(module, batch), sum(module.layout.output_dims))))
+    flag, skipped = jnp.ones((1,), bool), (jnp.int32(0), jnp.int32(-1))
+    return update.jitted.trace(params, state, operands, flag, skipped, jnp.int32(0)).lower(
+        lowering_platforms=(platform,)).as_text()
+
+
+def batch_size(module, batch):
+    return batch.kjt.stride() if hasattr(batch, "kjt") else batch.local_batch * module.num_devices
+
+
+@pytest.mark.parametrize("rule", ["rowwise_adagrad", "sgd", "adam"])
+def test_the_w1_training_step_lowered_for_cuda_is_gpu_right(rule):
+    module, batch, params, state, r, n_ids = _w1(rule=rule)
+    text = _lowered_step(module, batch, params, state, r, "cuda")
+    got = audit(text)
+    assert got["case_or_if"] == 0, got
+    assert got["float_scatter_add_non_unique"] == 0, got
+    assert got["cpu_custom_calls"] == 0, got
+    assert got["triton_kernels"] >= 1, got
+    big = [int(n) for n in re.findall(r"tensor<(\d+)x64xf32>", text) if int(n) >= n_ids]
+    buffers = {rows for rows, _ in module.layout.groups.values()}  # the stacked tables and their state
+    assert set(big) <= buffers, f"[ids, dim] temporaries in the update: {sorted(set(big) - buffers)}"
+    forward = jax.jit(lambda p, b: module.apply(p, b).values()).trace(params, batch).lower(
+        lowering_platforms=("cuda",)).as_text()
+    fwd = audit(forward)
+    assert fwd["triton_kernels"] >= 1 and fwd["cpu_custom_calls"] == 0 and fwd["case_or_if"] == 0, fwd
+    assert "stablehlo.while" not in forward  # no per-position loop: the jagged kernel reads offsets
+
+
+def test_the_same_step_lowered_for_cpu_takes_the_cpu_kernels():
+    from sparse_jax import _kernels
+
+    if not _kernels.available():
+        pytest.skip("CPU kernels not built")
+    module, batch, params, state, r, _ = _w1(T=2, E=1000, B=64, L=4)
+    text = _lowered_step(module, batch, params, state, r, "cpu")
+    got = audit(text)
+    assert got["cpu_custom_calls"] == 1 and got["triton_kernels"] == 0 and got["case_or_if"] == 0, got
+    forward = jax.jit(lambda p, b: module.apply(p, b).values()).trace(params, batch)
+    assert audit(forward.lower(lowering_platforms=("cpu",)).as_text())["cpu_custom_calls"] == 1
+    assert audit(forward.lower(lowering_platforms=("cuda",)).as_text())["triton_kernels"] == 1  # one trace, both
+
+
+def test_a_sharded_step_lowered_for_cuda_is_gpu_right():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    module, batch, params, state, r, _ = _w1(T=4, E=4096, B=256, L=8, mesh=mesh)
+    got = audit(_lowered_step(module, batch, params, state, r, "cuda"))
+    assert got["case_or_if"] == 0 and got["cpu_custom_calls"] == 0, got
+    assert got["float_scatter_add_non_unique"] == 0, got
+    assert got["triton_kernels"] >= 1, got
+
+
+def test_the_audit_sees_what_it_forbids():
+    """The audit itself: a lax.cond, a float scatter-add and the C++ kernels are counted."""
+    x = jnp.zeros((8, 4), jnp.float32)
+    cond = jax.jit(lambda a, p: jax.lax.cond(p, lambda a: a + 1, lambda a: a, a)).trace(x, True).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert audit(cond)["case_or_if"] >= 1
+    add = jax.jit(lambda a, i: a.at[i].add(1.0)).trace(x, jnp.zeros(3, jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert audit(add)["float_scatter_add_non_unique"] == 1
+    unique = jax.jit(lambda a, i: a.at[i].set(1.0, unique_indices=True)).trace(x, jnp.zeros(3, jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert audit(unique)["float_scatter_add_non_unique"] == 0
+    module, batch, params, state, r, _ = _w1(T=2, E=1000, B=64, L=4)
+    old = jax.jit(lambda p, b: module.apply(p, b).values()).trace(params, batch)
+    assert audit(old.lower(lowering_platforms=("cpu",)).as_text())["triton_kernels"] == 0

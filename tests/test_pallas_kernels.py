@@ -1,0 +1,190 @@
+"""The Pallas (Triton) kernels in interpret mode against the plain loops of `tests/reference.py`.
+
+On a machine without a GPU, `interpret=True` runs each kernel's own body (the same program a
+GPU compiles) with XLA: every kernel is checked here over shapes x dtypes x rules, ids -1, 0,
+E-1, E under clamp / skip, empty and long bags, duplicates and Zipf ids; a bug planted in a
+kernel's indexing, masking or rule fails these."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sparse_jax import optim
+from sparse_jax._kernels import _pallas
+from sparse_jax._row_update import update_rows
+from tests import reference
+
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+
+def _bags(rng, n_bags, E, *, zipf=False, edge=False, long_bag=0):
+    lengths = rng.integers(0, 6, n_bags)
+    lengths[0] = 0  # an empty bag
+    if long_bag:
+        lengths[-1] = long_bag
+    ids = (rng.zipf(1.2, lengths.sum()) - 1) % E if zipf else rng.integers(0, E, lengths.sum())
+    if edge and ids.size >= 4:
+        ids[:4] = [-1, 0, E - 1, E]
+    return lengths, ids
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dim", [4, 32])
+@pytest.mark.parametrize("bounds", ["clamp", "skip"])
+def test_jagged_pooled_sum_equals_the_loops(dtype, dim, bounds):
+    rng = np.random.default_rng(dim + len(dtype) + len(bounds))
+    E, B = 20, 5
+    keys = ["a", "b", "c"]  # b and c read the buffer at row offset E, c with MEAN
+    lengths, ids = _bags(rng, len(keys) * B, E, edge=True, long_bag=40, zipf=dtype == "bf16")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    weights = rng.uniform(0.5, 1.5, ids.size).astype(np.float32)
+    table = rng.normal(size=(2 * E, dim)).astype(NP_DTYPES[dtype])
+    for weighted in (False, True):
+        out = _pallas.jagged_pooled_sum(
+            jnp.asarray(table), jnp.asarray(ids.astype(np.int32)), jnp.asarray(offsets),
+            jnp.asarray(weights) if weighted else None, stride=B, keys=[0, 1, 2], row_offsets=[0, E, E],
+            num_rows=[E, E, E], mean=[False, False, True], clamp=bounds == "clamp", interpret=True)
+        bag_ids, bag_w = {}, {}
+        for k, key in enumerate(keys):
+            bag_ids[key], bag_w[key] = [], []
+            for b in range(B):
+                a, z = offsets[k * B + b], offsets[k * B + b + 1]
+                kept = [(int(i), float(w)) for i, w in zip(ids[a:z], weights[a:z], strict=True)
+                        if bounds == "clamp" or 0 <= i < E]
+                bag_ids[key].append([min(max(i, 0), E - 1) + (E if k else 0) for i, _ in kept])
+                # MEAN divides by the bag's true length, skipped ids included
+                scale = 1.0 if k < 2 or z == a else len(kept) / (z - a)
+                bag_w[key].append([(w if weighted else 1.0) * scale for _, w in kept])
+        want = reference.pooled_lookup({"t": table.astype(np.float64)},
+                                       [("a", "t", "SUM"), ("b", "t", "SUM"), ("c", "t", "MEAN")], bag_ids, bag_w)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_pooled_positions_equals_the_loops():
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(30, 16)).astype(np.float32)
+    rows = rng.integers(0, 30, (7, 5)).astype(np.int32)
+    w = rng.uniform(size=(7, 5)).astype(np.float32)
+    w[2, 3:] = 0  # padding positions
+    w[4] = 0  # an empty bag
+    out = _pallas.pooled_positions(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(w), interpret=True)
+    want = np.array([[sum(w[b, p] * table[rows[b, p]].astype(np.float64) for p in range(5))][0] for b in range(7)])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+
+
+def test_sorted_runs_sort_stably_and_mark_every_run():
+    rows = jnp.asarray([5, 2, 9, 2, -1, 5, 7, 2], jnp.int32)  # 9 and -1 lie outside 8 rows
+    bag = jnp.arange(8, dtype=jnp.int32)
+    rows_s, starts, bag_s, _ = _pallas.sorted_runs(rows, bag, jnp.ones(8, jnp.float32), 8)
+    assert rows_s.tolist() == [2, 2, 2, 5, 5, 7, 8, 8]
+    assert bag_s.tolist() == [1, 3, 7, 0, 5, 6, 2, 4]  # stable: stream order within a run
+    assert starts.tolist() == [0, 3, 5, 6, 8, 8, 8, 8, 8]
+
+
+RULES = {
+    "sgd": dict(lr=0.1),
+    "adagrad": dict(lr=0.1, eps=1e-6),
+    "rowwise_adagrad": dict(lr=0.1, eps=1e-6),
+    "adam": dict(lr=0.05, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.01),
+}
+
+
+def _stream(rng, n, E, n_bags, zipf):
+    rows = ((rng.zipf(1.3, n) - 1) % E if zipf else rng.integers(0, E, n)).astype(np.int32)
+    rows[:3] = [-1, E, E]  # outside the buffer (skipped ids, padding)
+    bag = rng.integers(0, n_bags, n).astype(np.int32)
+    bag[1] = n_bags  # padding's out-of-range bag
+    scale = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    return rows, bag, scale
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("zipf", [False, True])
+def test_sorted_run_update_equals_the_loops(rule, zipf):
+    rng = np.random.default_rng(len(rule) + zipf)
+    E, D, n, n_bags, step = 24, 8, 64, 10, 3
+    rows, bag, scale = _stream(rng, n, E, n_bags, zipf)
+    bag_grads = rng.normal(size=(n_bags, D)).astype(np.float32)
+    table = rng.normal(size=(E, D)).astype(np.float32)
+    r = getattr(optim, rule)(**RULES[rule])
+    state = r.init_table(jnp.asarray(table))
+    if rule != "sgd":  # a state that is not all zero
+        state = jax.tree_util.tree_map(lambda x: x + 0.25, state)
+    new_t, new_s = update_rows(r, jnp.asarray(table), state, jnp.int32(step), jnp.asarray(rows), jnp.asarray(bag),
+                               jnp.asarray(scale), jnp.asarray(bag_grads), kernel="pallas")
+    grads = {}
+    for i, b, s in zip(rows, bag, scale, strict=True):
+        if 0 <= i < E and b < n_bags:
+            grads[int(i)] = grads.get(int(i), 0.0) + float(s) * bag_grads[b].astype(np.float64)
+    weights = {"t": table.astype(np.float64)}
+    host = {k: np.asarray(v, np.float64) for k, v in (state.items() if isinstance(state, dict) else [])}
+    states = {"t": {i: {k: v[i] for k, v in host.items()} for i in grads}}
+    reference.fused_step(rule, r.hyperparams, weights, states, {"t": grads}, step)
+    np.testing.assert_allclose(np.asarray(new_t), weights["t"], rtol=1e-5, atol=1e-6)
+    for k, leaf in (new_s.items() if isinstance(new_s, dict) else []):
+        want = host[k].copy()
+        for i in grads:
+            want[i] = states["t"][i][k]
+        np.testing.assert_allclose(np.asarray(leaf), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_sorted_run_update_of_narrow_tables_rounds_as_the_xla_form(dtype, stochastic):
+    """Narrow rows are written back as the XLA form writes them (round to nearest, or the same
+    counter-based stochastic draw). The two sum a row's gradients in different orders, so a
+    row may land one unit in the last place apart; nearly all are bitwise equal."""
+    rng = np.random.default_rng(5)
+    E, D, n = 16, 16, 48
+    rows, bag, scale = _stream(rng, n, E, 6, True)
+    table = jnp.asarray(rng.normal(size=(E, D)).astype(NP_DTYPES[dtype]))
+    r = optim.rowwise_adagrad(lr=0.3, stochastic_rounding=stochastic, seed=7)
+    args = (jnp.int32(2), jnp.asarray(rows), jnp.asarray(bag), jnp.asarray(scale),
+            jnp.asarray(rng.normal(size=(6, D)).astype(np.float32)))
+    a, sa = update_rows(r, table, r.init_table(table), *args, kernel="pallas")
+    b, sb = update_rows(r, table, r.init_table(table), *args, kernel="xla")
+    assert a.dtype == table.dtype
+    same = np.asarray(a).view(np.uint16) == np.asarray(b).view(np.uint16)
+    assert same.mean() > 0.95, same.mean()
+    ulp = 2.0**-10 if dtype == "fp16" else 2.0**-7
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2 * ulp, atol=1e-3)
+    assert not np.array_equal(np.asarray(a).view(np.uint16), np.asarray(table).view(np.uint16))
+    np.testing.assert_allclose(np.asarray(sa["momentum1"]), np.asarray(sb["momentum1"]), rtol=1e-6)
+
+
+def test_a_skipped_step_writes_nothing_and_the_update_is_reproducible():
+    rng = np.random.default_rng(9)
+    rows, bag, scale = _stream(rng, 80, 12, 5, True)
+    table = jnp.asarray(rng.normal(size=(12, 8)).astype(np.float32))
+    r = optim.adam(lr=0.1)
+    runs = _pallas.sorted_runs(jnp.asarray(rows), jnp.asarray(bag), jnp.asarray(scale), 12)
+    g = jnp.asarray(rng.normal(size=(5, 8)).astype(np.float32)).at[2, 3].set(jnp.nan)
+    kept, kept_state = _pallas.sorted_run_update(r, table, r.init_table(table), jnp.int32(1), *runs, g,
+                                                 jnp.zeros((), bool), interpret=True)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(table))
+    assert not any(np.asarray(x).any() for x in jax.tree_util.tree_leaves(kept_state))
+    g = g.at[2, 3].set(1.0)
+    once = _pallas.sorted_run_update(r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True)
+    again = _pallas.sorted_run_update(r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True)
+    for x, y in zip(jax.tree_util.tree_leaves(once), jax.tree_util.tree_leaves(again), strict=True):
+        assert np.array_equal(np.asarray(x), np.asarray(y))  # no atomics: bitwise the same
+    assert not np.array_equal(np.asarray(once[0]), np.asarray(table))
+
+
+def test_pallas_refuses_what_it_cannot_run_and_names_the_way_out():
+    table = jnp.zeros((8, 12), jnp.float32)  # 12: not a power of two
+    with pytest.raises(ValueError, match="power-of-two"):
+        update_rows(optim.sgd(lr=0.1), table, (), jnp.int32(1), jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32),
+                    jnp.ones(4, jnp.float32), jnp.zeros((1, 12), jnp.float32), kernel="pallas")
+    import optax
+
+    custom = optim.from_optax(optax.sgd(0.1), name="sgd")  # named like SGD, but not declared native
+    assert custom.native is None
+    with pytest.raises(ValueError, match="native rule"):
+        update_rows(custom, jnp.zeros((8, 8), jnp.float32), custom.init_table(jnp.zeros((8, 8))), jnp.int32(1),
+                    jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32), jnp.ones(4, jnp.float32),
+                    jnp.zeros((1, 8), jnp.float32), kernel="pallas")
