@@ -555,7 +555,15 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
             if latest is None:
                 echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
             else:
-                meta = _checkpoint.load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+                try:
+                    meta = _checkpoint.load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+                except ConfigError:
+                    raise
+                except ValueError as e:  # the checkpoint does not fit this config's model
+                    raise ConfigError(
+                        f"--resume: {e}. Resume with the config that wrote it, or train this config as a "
+                        "fresh run in another checkpoint.dir"
+                    ) from None
                 start = int(meta["step"])
                 tracker.load_state_dict(meta["loss_tracker"])
                 echo(f"resumed from {latest} at step {start}")
