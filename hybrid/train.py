@@ -445,8 +445,9 @@ def _refuse_to_replace_metrics(config, resume: bool) -> None:
         return
     with open(path) as f:
         lines = sum(1 for line in f if line.strip())
-    run_dir = os.path.dirname(os.path.normpath(path)) or "."
-    fresh = os.path.join(f"{run_dir}-{time.strftime('%Y%m%d-%H%M%S')}", os.path.basename(path))
+    run_dir = os.path.dirname(os.path.normpath(path))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    fresh = os.path.join(f"{run_dir}-{stamp}" if run_dir else f"run-{stamp}", os.path.basename(path))
     resume_hint = ", resume that run with --resume (it appends to them)" if config.checkpoint.dir else ""
     raise ConfigError(
         f"log.metrics_path {path} already holds {lines} metrics line(s) of an earlier run; refusing to "
