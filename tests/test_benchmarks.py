@@ -235,7 +235,8 @@ def test_mc_remap_benchmark_gates_on_torchrec_slots_and_reports_both_calls(capsy
         mc_remap.main(small)
 
 
-def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_committed_results(tmp_path, capsys):
+def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_committed_results(tmp_path, capsys,
+                                                                                             monkeypatch):
     """`python -m benchmarks.xla_vs_fbgemm --tiny` once replaced benchmarks/results/: now every
     benchmark writes runs/bench/<name>-<time>/ unless --out or --update-results says otherwise."""
     import argparse
@@ -245,6 +246,11 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
 
     from benchmarks import e2e_sharded, e2e_step, e2e_vs_torchrec, report
 
+    root = pathlib.Path(report.__file__).resolve().parent.parent
+    assert pathlib.Path(report.RUNS_DIR) == root / "runs" / "bench"  # runs/ is git-ignored
+    assert "runs/" in (root / ".gitignore").read_text().split()
+    assert pathlib.Path(report.RESULTS_DIR) == root / "benchmarks" / "results"
+    monkeypatch.setattr(report, "RUNS_DIR", str(tmp_path / "runs" / "bench"))  # nothing made in the tree
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     report.add_output_args(parser, "demo")
