@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 	@echo "== ready: $(VENV)"
 
+# ARGS: more flags for the training script, e.g. make train ARGS=--overwrite
+ARGS ?=
 train: $(STAMP)
-	$(PY) -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4
+	$(PY) -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4 $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

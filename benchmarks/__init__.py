@@ -1,7 +1,9 @@
 """Benchmarks: hybridrec against FBGEMM's CPU table-batched embedding and TorchRec.
 
 Run `python -m benchmarks.xla_vs_fbgemm` (kernel level, see its --help) and
-`python -m benchmarks.e2e_vs_torchrec` (end to end). Findings: `benchmarks/NOTES.md`.
+`python -m benchmarks.e2e_vs_torchrec` (end to end). Each run writes a fresh
+`runs/bench/<name>-<time>/` (git-ignored); `--update-results` writes the committed
+`benchmarks/results/` instead (`report.output_dir`). Findings: `benchmarks/NOTES.md`.
 One concept per module:
 
 * `workloads`   - the FBGEMM-style workload knobs (T, E, D, B, L, alpha, weighted, dtype) and

@@ -1,7 +1,7 @@
 """Sharded end-to-end step throughput: `hybrid.Model` on an 8-device mesh vs TorchRec DMP
 with 2 ranks (gloo, CPU), same DLRM, tables, global batch and optimizers.
 
-    python -m benchmarks.e2e_sharded [--tiny] [--out benchmarks/results]
+    python -m benchmarks.e2e_sharded [--tiny] [--out DIR | --update-results]
 
 Each side runs in its own processes (ours: one process with 8 XLA CPU devices; TorchRec:
 two ranks, each feeding half the global batch), one after the other, so the pair is not
@@ -22,6 +22,8 @@ import sys
 import tempfile
 
 import numpy as np
+
+from benchmarks import report
 
 __all__ = ["main", "run"]
 
@@ -111,7 +113,8 @@ def _ours(tiny: bool, out: str) -> None:
     pathlib.Path(out).write_text(json.dumps({"times": times, "losses": [float(x) for x in losses]}))
 
 
-def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -> dict:
+def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
+    """Both sides, then `e2e_sharded[_tiny].json` in `out_dir` (None: a fresh runs/bench/ directory)."""
     # each side sets up its own process group: no inherited MASTER_* (this process may hold one)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "XLA_FLAGS")}
     env.update(PYTHONPATH=str(HERE.parent), JAX_PLATFORMS="cpu")
@@ -143,7 +146,7 @@ def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -
         "ratio_time_ours_over_torchrec": med["hybridrec (8-device mesh)"] / med["torchrec (2 ranks)"],
         "note": "sides run one after the other (separate processes), not interleaved",
     }
-    out = pathlib.Path(out_dir)
+    out = pathlib.Path(out_dir or report.fresh_run_dir("e2e_sharded"))
     out.mkdir(parents=True, exist_ok=True)
     name = "e2e_sharded_tiny" if tiny else "e2e_sharded"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
@@ -153,9 +156,11 @@ def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results")
+    report.add_output_args(parser, "e2e_sharded")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.tiny, args.out), indent=2))
+    out = report.output_dir(parser, args, "e2e_sharded")
+    print(json.dumps(run(args.tiny, out), indent=2))
+    print(f"results: {out}")
 
 
 if __name__ == "__main__":

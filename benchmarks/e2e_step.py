@@ -1,7 +1,7 @@
 """One DLRM training step, broken down: hybridrec (plain loop and `hybrid.TrainPipeline`) vs
 TorchRec DistributedModelParallel (plain loop and `TrainPipelineSparseDist`).
 
-    python -m benchmarks.e2e_step [--tiny] [--out benchmarks/results] [--rounds N] [--steps N]
+    python -m benchmarks.e2e_step [--tiny] [--out DIR | --update-results] [--rounds N] [--steps N]
 
 Workload W1 (PERF_NOTES.md): T=8 tables of E=1e5 rows, D=64, batch B=2048, L=20 uniform ids per
 bag, 13 dense features; the DLRM of `benchmarks.e2e_vs_torchrec` (dense arch [128, D], over arch
@@ -70,6 +70,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks import report
 from benchmarks.timing import interleaved, paired_ratio, summarize
 
 __all__ = ["main", "quietness_probe", "run"]
@@ -811,7 +812,7 @@ def _harness(w: dict, pool: list) -> dict:
 
 def run(
     tiny: bool = False,
-    out_dir: str | os.PathLike = "benchmarks/results",
+    out_dir: str | os.PathLike | None = None,
     *,
     rounds: int | None = None,
     steps: int | None = None,
@@ -851,16 +852,14 @@ def run(
         "samples_s": h["samples"],
         "elapsed_s": now() - t_start,
     }
-    _write(result, out_dir, tiny)
+    _write(result, out_dir or report.fresh_run_dir("e2e_step"), tiny)  # None: a fresh runs/bench/ directory
     return result
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
-    parser.add_argument(
-        "--out", default="benchmarks/results", help="where the JSON and Markdown go"
-    )
+    report.add_output_args(parser, "e2e_step")
     parser.add_argument(
         "--rounds", type=int, default=None, help="interleaved rounds (default 9; tiny 3)"
     )
@@ -868,9 +867,11 @@ def main(argv=None) -> None:
         "--steps", type=int, default=None, help="steps per side per round (default 5; tiny 2)"
     )
     args = parser.parse_args(argv)
+    out = report.output_dir(parser, args, "e2e_step")
     command = " ".join(["python -m benchmarks.e2e_step", *(sys.argv[1:] if argv is None else argv)])
-    result = run(args.tiny, args.out, rounds=args.rounds, steps=args.steps, command=command)
+    result = run(args.tiny, out, rounds=args.rounds, steps=args.steps, command=command)
     print(_markdown(result))
+    print(f"results: {out}")
 
 
 if __name__ == "__main__":

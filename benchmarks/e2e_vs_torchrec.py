@@ -1,6 +1,6 @@
 """End-to-end training-step throughput: `hybrid.Model` vs TorchRec's DistributedModelParallel.
 
-    python -m benchmarks.e2e_vs_torchrec [--tiny] [--out benchmarks/results]
+    python -m benchmarks.e2e_vs_torchrec [--tiny] [--out DIR | --update-results]
 
 The same DLRM (TorchRec's `DLRM` dense/interaction/over arches; ours `dense_torch.DLRM`
 with TorchRec's state-dict keys) with the same starting weights, the same batches and
@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 import torch
+
+from benchmarks import report
 
 __all__ = ["main", "run"]
 
@@ -157,7 +159,8 @@ def _tables_of_dmp(dmp) -> dict[str, np.ndarray]:
     return out
 
 
-def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -> dict:
+def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
+    """Gate and time both sides; `e2e[_tiny].json` / `.md` in `out_dir` (None: a fresh runs/bench/ directory)."""
     torch.set_num_threads(int(os.environ.get("HYBRIDREC_TORCH_THREADS", "2")))
     w = _workload(tiny)
     lr = 0.01
@@ -198,7 +201,7 @@ def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "versions": {"torch": torch.__version__, "jax": __import__("jax").__version__},
     }
-    out = pathlib.Path(out_dir)
+    out = pathlib.Path(out_dir or report.fresh_run_dir("e2e_vs_torchrec"))
     out.mkdir(parents=True, exist_ok=True)
     name = "e2e_tiny" if tiny else "e2e"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
@@ -215,10 +218,12 @@ def run(tiny: bool = False, out_dir: str | os.PathLike = "benchmarks/results") -
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
-    parser.add_argument("--out", default="benchmarks/results", help="where the JSON and Markdown go")
+    report.add_output_args(parser, "e2e_vs_torchrec")
     args = parser.parse_args(argv)
-    result = run(args.tiny, args.out)
+    out = report.output_dir(parser, args, "e2e_vs_torchrec")
+    result = run(args.tiny, out)
     print(json.dumps({k: result[k] for k in ("gate", "median_step_s", "ratio_time_ours_over_torchrec")}, indent=2))
+    print(f"results: {out}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from benchmarks import report
+
 __all__ = ["ENVS", "main"]
 
 ENVS = {
@@ -70,8 +72,9 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="rowwise_adagrad", choices=("rowwise_adagrad", "sgd"))
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    report.add_output_args(p, "explore_malloc")
     args = p.parse_args(argv)
+    args.out = report.output_dir(p, args, "explore_malloc")
     from benchmarks.timing import paired_ratio, summarize
     from benchmarks.workloads import Workload
 
@@ -136,6 +139,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "explore_malloc.md"), "w") as f:
         f.write(md)
     print(md)
+    print(f"results: {args.out}")
     return 0
 
 

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import gate
+from benchmarks import gate, report
 from benchmarks.timing import interleaved, paired_ratio, summarize
 from benchmarks.workloads import Workload, make_batch
 from benchmarks.xla_side import XlaSide
@@ -494,8 +494,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget-s", type=float, default=40.0)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    report.add_output_args(p, "explore_update")
     args = p.parse_args(argv)
+    args.out = report.output_dir(p, args, "explore_update")
     for need in ("lib",):
         if need not in args.forward:
             args.forward.insert(0, need)
@@ -534,6 +535,7 @@ def main(argv=None) -> int:
     with open(stem + ".md", "w") as f:
         f.write(md)
     print(md)
+    print(f"results: {args.out}")
     return 0
 
 

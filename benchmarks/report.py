@@ -4,14 +4,57 @@ Ratios are ours / FBGEMM of median times: below 1 ours is faster. "paired" is th
 of per-round ratios (both sides ran in the same round), the steadier figure on a shared
 machine. GB/s use FBGEMM's byte convention (see `workloads.Workload.fwd_bytes`); the
 backward is counted as 2x the forward bytes over the backward + update time alone.
+
+Where every benchmark writes (`add_output_args` / `output_dir`): a fresh run directory
+`runs/bench/<name>-<time>/` (git-ignored) by default, `--out DIR` when given, and the
+committed `benchmarks/results/` (the figures the README and NOTES quote) only with
+`--update-results`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import time
 
-__all__ = ["write_all", "markdown", "plot"]
+__all__ = ["RESULTS_DIR", "RUNS_DIR", "add_output_args", "fresh_run_dir", "output_dir", "write_all", "markdown",
+           "plot"]
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # committed
+RUNS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "bench")  # git-ignored
+
+
+def fresh_run_dir(name: str) -> str:
+    """A new `runs/bench/<name>-<time>[-n]/` path (not created yet)."""
+    base = os.path.join(RUNS_DIR, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """`--out` and `--update-results` for benchmark `name` (resolve them with `output_dir`)."""
+    parser.add_argument("--out", default=None,
+                        help=f"output directory (default: a fresh runs/bench/{name}-<time>/, git-ignored)")
+    parser.add_argument("--update-results", action="store_true",
+                        help="write into the committed benchmarks/results/ (the figures the docs quote) instead")
+
+
+def output_dir(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> str:
+    """Where this run writes: `--out`, the committed results with `--update-results`, else a
+    fresh run directory. Exits with a usage error for both flags, or `--update-results` with
+    `--tiny` (smoke sizes would replace the committed figures)."""
+    if args.update_results and args.out:
+        parser.error(f"--out {args.out} and --update-results name two places; give one")
+    if args.update_results and getattr(args, "tiny", False):
+        parser.error("--update-results with --tiny would replace the committed benchmarks/results/ with smoke-size "
+                     "figures; drop --tiny (or --update-results: the run then goes to runs/bench/)")
+    if args.update_results:
+        return RESULTS_DIR
+    return args.out or fresh_run_dir(name)
 
 PATH_LABEL = {"auto": "hybridrec default (kernel=auto)", "xla": "hybridrec xla", "reference": "hybridrec reference",
               "fbgemm": "FBGEMM TBE"}

@@ -13,7 +13,8 @@ outputs and the weights after one update must match FBGEMM; nothing is timed oth
 interleaved timing (every timer stops only when the JAX arrays its case produced are
 computed: `timing.clocked`), the default update's phases, every side timed again alone in
 a fresh process (`benchmarks.alone`), and peak RSS of each side in its own process. Results
-go to `--out` (default benchmarks/results/): xla_vs_fbgemm.json / .md / .png. Exit status 1
+go to a fresh runs/bench/xla_vs_fbgemm-<time>/ (`--out DIR` elsewhere; `--update-results`: the
+committed benchmarks/results/): xla_vs_fbgemm.json / .md / .png. Exit status 1
 if any gate failed, 3 if a side's time in the harness is more than 15% away from its time
 alone (the ratios are then void).
 """
@@ -38,7 +39,6 @@ from benchmarks.workloads import DTYPES, Workload, default_set, make_batch, tiny
 
 __all__ = ["main", "run_workload", "parse_args"]
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 PATHS = ("auto", "xla", "reference")  # ours: the library default (kernel="auto"), pure XLA, reference
 TINY = dict(T=2, E=1000, D=16, B=64, L=4)
@@ -346,12 +346,13 @@ def parse_args(argv=None):
                    help="largest |harness / alone - 1| accepted (default benchmarks.alone.TOLERANCE = 0.15)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="peak RSS per side (one subprocess each)")
-    p.add_argument("--out", default=RESULTS_DIR, help="output directory")
+    report.add_output_args(p, "xla_vs_fbgemm")
     p.add_argument("--inject-fault", choices=FAULTS, default=None,
                    help="self-tests: feed FBGEMM wrong initial weights / a wrong lr (the gate must refuse), "
                         "or slow FBGEMM inside the harness only (the alone comparison must refuse)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    args.out = report.output_dir(p, args, "xla_vs_fbgemm")
     if args.alone_tolerance is None:
         from benchmarks.alone import TOLERANCE
 
@@ -416,6 +417,7 @@ def main(argv=None) -> int:
     log(f"wrote {', '.join(paths.values())} in {results['elapsed_s']:.0f} s")
     if not args.quiet:
         print(report.markdown(results))
+    print(f"results: {args.out}")
     if not all(wr["gate_ok"] for wr in results["workloads"]):
         return 1
     disagree = [wr["workload"]["name"] for wr in results["workloads"] if not wr.get("alone_ok", True)]

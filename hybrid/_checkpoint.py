@@ -582,6 +582,52 @@ def _moved_aside(root: pathlib.Path, old_id: str) -> pathlib.Path:
     return aside
 
 
+def saved_table_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
+    """{table: [rows, dim]} of checkpoint `path`, from the array headers of its tables.npz
+    (nothing else is read)."""
+    out = {}
+    with zipfile.ZipFile(pathlib.Path(path) / "tables.npz") as z:
+        for info in z.infolist():
+            name = info.filename
+            if not (name.startswith("weight/") and name.endswith(".npy")):
+                continue
+            with z.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                out[name[len("weight/") : -len(".npy")]] = list(read(f)[0])
+    return out
+
+
+def _refuse_other_tables(latest: pathlib.Path, model) -> None:
+    """A resume whose tables (names, [rows, dim]) are not the checkpoint's stops here, naming
+    every difference, before anything is loaded."""
+    from hybrid._train_config import ConfigError
+
+    try:
+        saved = saved_table_shapes(latest)
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return  # unreadable: load_checkpoint reports it, naming the file
+    wanted = {t.name: [t.num_embeddings, t.embedding_dim] for t in model.sparse_module.tables}
+    differences = []
+    if missing := sorted(set(wanted) - set(saved)):
+        differences.append(f"this config's tables {missing} are not in the checkpoint")
+    if extra := sorted(set(saved) - set(wanted)):
+        differences.append(f"the checkpoint's tables {extra} are not in this config")
+    differences += [
+        f"table {name!r} is saved as {saved[name]} but configured as {wanted[name]} (num_embeddings, embedding_dim)"
+        for name in sorted(set(saved) & set(wanted))
+        if saved[name] != wanted[name]
+    ]
+    if differences:
+        raise ConfigError(
+            f"--resume from {latest}: the checkpoint holds other tables than this config builds: "
+            f"{'; '.join(differences)}. Not even checkpoint.allow_config_change can load it: it is "
+            f"another model. Resume it with the config that wrote it (stored under 'config' in "
+            f"{latest / 'meta.json'}), or train this config as a fresh run in another checkpoint.dir "
+            "(--set checkpoint.dir=...)"
+        )
+
+
 def _fmt(value) -> str:
     return json.dumps(value) if not isinstance(value, str) else repr(value)
 
@@ -699,6 +745,8 @@ def prepare_run(
                 "checkpoint.allow_config_change: resuming with changed "
                 + ", ".join(k for k, _, _ in changes)
             )
+    if latest is not None:
+        _refuse_other_tables(latest, model)
     for p in root.iterdir():  # leftovers of saves killed midway (this run owns the directory)
         if p.name.startswith(".tmp-") and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)

@@ -37,7 +37,9 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              steps, admitting an id seen threshold times; history_capacity (ids a window
              holds; 0: per table, its ids in a device's part of a training batch rounded up
              to a power of two, x devices x eviction_interval))
-    [log]    metrics_path (JSON lines; "" = none); every (steps); loss_window
+    [log]    metrics_path (JSON lines; "" = none); every (steps); loss_window; overwrite (a
+             fresh run (no --resume) whose metrics_path already holds metrics replaces them
+             instead of refusing; `--overwrite` sets it and checkpoint.overwrite)
 
 Tables come from the dataset: one `t_<feature>` per sparse feature with the feature's
 `num_embeddings` and the model's `embedding_dim`.
@@ -138,6 +140,7 @@ class LogSection:
     metrics_path: str = ""
     every: int = 50
     loss_window: int = 100
+    overwrite: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -2,12 +2,18 @@
 
     python -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4
     python -m hybrid.train --config configs/synthetic.toml --set train.batch_size=256 --steps 200
-    python -m hybrid.train --config configs/movielens.toml --resume     # from checkpoint.dir
+    python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --set checkpoint.every=100
+    python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --resume
 
-Builds the dataset's tables (one per sparse feature), the dense tower (DLRM, DLRM_DCN or
-two_tower) and `hybrid.Model` on the mesh, prints the sharding plan, trains with a
-progress line (loss, samples/s), evaluates (AUC, log loss, NE, accuracy) every
-`train.eval_every` steps and at the end, writes metrics as JSON lines and checkpoints.
+`--config` is required (configs/*.toml; `--set` changes single keys). The last two lines
+write checkpoints and then continue from the newest one (`--resume` reads checkpoint.dir,
+which must be the same). Builds the dataset's tables (one per sparse feature), the dense
+tower (DLRM, DLRM_DCN or two_tower) and `hybrid.Model` on the mesh, prints the sharding
+plan, trains with a progress line (loss, samples/s), evaluates (AUC, log loss, NE,
+accuracy) every `train.eval_every` steps and at the end, writes metrics as JSON lines
+(log.metrics_path) and checkpoints (checkpoint.dir), and ends by printing where they went.
+A fresh run never replaces an earlier run's metrics or checkpoints: it refuses, unless
+`--overwrite` (earlier checkpoints are moved aside, not deleted); `--resume` appends.
 Config keys: see `hybrid/_train_config.py`. On CPU, a `--mesh` needing more devices than
 the host has sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` itself (when JAX
 has not started yet).
@@ -20,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import sys
 import time
 
@@ -31,15 +38,36 @@ from hybrid.data._criteo import CriteoFormatError
 __all__ = ["build", "evaluate", "main", "run"]
 
 
+def _config_files() -> list[str]:
+    """The example configs shipped in the repository's configs/ (as paths from its root)."""
+    root = pathlib.Path(__file__).resolve().parent.parent / "configs"
+    names = sorted(p.name for p in root.glob("*.toml")) or [
+        "criteo.toml", "movielens.toml", "movielens_raw_ids.toml", "synthetic.toml"
+    ]
+    return [f"configs/{n}" for n in names]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        if "--config" in message and "required" in message:
+            message = (
+                f"{message}: name a TOML config, one of {', '.join(_config_files())} (e.g. "
+                "--config configs/synthetic.toml for a quick run; --set key=value changes single keys)"
+            )
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m hybrid.train",
         description=__doc__,
         epilog="Config keys and defaults: hybrid/_train_config.py. Example configs: configs/*.toml.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--config", help="TOML file (configs/movielens.toml, criteo.toml, synthetic.toml)"
+        "--config",
+        required=True,
+        help="TOML file (required): " + ", ".join(_config_files()),
     )
     p.add_argument("--mesh", help="device mesh, e.g. data=2,model=4 (overrides train.mesh)")
     p.add_argument(
@@ -54,7 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest checkpoint in checkpoint.dir",
+        help="continue from the newest checkpoint in checkpoint.dir (its metrics file is appended to)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over where an earlier run wrote: replace log.metrics_path and move "
+        "checkpoint.dir's checkpoints aside (sets log.overwrite and checkpoint.overwrite)",
     )
     return p
 
@@ -90,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"train.mesh={json.dumps(args.mesh)}")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if args.overwrite:
+        overrides += ["log.overwrite=true", "checkpoint.overwrite=true"]
     try:
         config = load_config(args.config, overrides)
         from hybrid._distributed import read_torchrun_env
@@ -402,6 +438,36 @@ def evaluate(model, data, batch_size: int) -> dict[str, float]:
     return eval_metrics(torch.cat(logits), torch.from_numpy(data.labels))
 
 
+def _refuse_to_replace_metrics(config, resume: bool) -> None:
+    """A fresh run never replaces an earlier run's metrics unless log.overwrite (--overwrite)."""
+    path = config.log.metrics_path
+    if resume or config.log.overwrite or not path or not os.path.isfile(path) or not os.path.getsize(path):
+        return
+    with open(path) as f:
+        lines = sum(1 for line in f if line.strip())
+    run_dir = os.path.dirname(os.path.normpath(path))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    fresh = os.path.join(f"{run_dir}-{stamp}" if run_dir else f"run-{stamp}", os.path.basename(path))
+    resume_hint = ", resume that run with --resume (it appends to them)" if config.checkpoint.dir else ""
+    raise ConfigError(
+        f"log.metrics_path {path} already holds {lines} metrics line(s) of an earlier run; refusing to "
+        f"overwrite them. Pass --overwrite (or --set log.overwrite=true) to replace them{resume_hint}, or "
+        f"write this run to another run directory: --set log.metrics_path={fresh}"
+        + (" (and another checkpoint.dir)" if config.checkpoint.dir else "")
+    )
+
+
+def _where_outputs_went(config, newest_checkpoint) -> list[str]:
+    """The closing lines: where this run's metrics and checkpoints are."""
+    path, ckpt_dir = config.log.metrics_path, config.checkpoint.dir
+    return [
+        f"metrics: {path}" if path else "metrics: none written (log.metrics_path is empty)",
+        f"checkpoints: {ckpt_dir} (newest: {newest_checkpoint.name})"
+        if ckpt_dir and newest_checkpoint is not None
+        else "checkpoints: none written (checkpoint.dir is empty; --set checkpoint.dir=... writes them)",
+    ]
+
+
 class _JsonLines:
     """Metrics as JSON lines; on resume, records past the checkpoint's step are dropped."""
 
@@ -459,6 +525,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(config.train.torch_threads)
     try:
+        _refuse_to_replace_metrics(config, resume)  # before any data is read
         model, dense_opt, train, evaluation, num_devices = build(config)
         ckpt_run = (  # preflight before any step: writable, room, checkpointable, run identity
             _checkpoint.prepare_run(
@@ -489,7 +556,15 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
             if latest is None:
                 echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
             else:
-                meta = _checkpoint.load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+                try:
+                    meta = _checkpoint.load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+                except ConfigError:
+                    raise
+                except ValueError as e:  # the checkpoint does not fit this config's model
+                    raise ConfigError(
+                        f"--resume: {e}. Resume with the config that wrote it, or train this config as a "
+                        "fresh run in another checkpoint.dir"
+                    ) from None
                 start = int(meta["step"])
                 tracker.load_state_dict(meta["loss_tracker"])
                 echo(f"resumed from {latest} at step {start}")
@@ -502,9 +577,9 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
         losses: dict[int, float] = {}
         metrics: dict = {}
 
-        def checkpoint(step: int) -> None:
+        def checkpoint(step: int):
             if ckpt_dir:
-                _checkpoint.save_checkpoint(
+                return _checkpoint.save_checkpoint(
                     ckpt_dir,
                     step=step,
                     model=model,
@@ -513,6 +588,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                     meta={"loss_tracker": tracker.state_dict(), "config": config.to_dict()},
                     run_id=ckpt_run.run_id,
                 )
+            return None
 
         def run_eval(step: int) -> dict:
             result = evaluate(model, evaluation, config.train.eval_batch_size)
@@ -616,7 +692,8 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
         pipeline.close()
         bar.close()
         metrics = run_eval(total)
-        checkpoint(total)
+        for line in _where_outputs_went(config, checkpoint(total)):
+            echo(line)
         return {"eval": metrics, "losses": losses, "step": total}
     finally:
         torch.set_num_threads(threads)

@@ -233,3 +233,47 @@ def test_mc_remap_benchmark_gates_on_torchrec_slots_and_reports_both_calls(capsy
     monkeypatch.setattr(mc_remap, "theirs", shifted)
     with pytest.raises(AssertionError, match="train batch 0"):
         mc_remap.main(small)
+
+
+def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_committed_results(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """`python -m benchmarks.xla_vs_fbgemm --tiny` once replaced benchmarks/results/: now every
+    benchmark writes runs/bench/<name>-<time>/ unless --out or --update-results says otherwise."""
+    import argparse
+    import inspect
+    import os
+    import pathlib
+
+    from benchmarks import e2e_sharded, e2e_step, e2e_vs_torchrec, report
+
+    root = pathlib.Path(report.__file__).resolve().parent.parent
+    assert pathlib.Path(report.RUNS_DIR) == root / "runs" / "bench"  # runs/ is git-ignored
+    assert "runs/" in (root / ".gitignore").read_text().split()
+    assert pathlib.Path(report.RESULTS_DIR) == root / "benchmarks" / "results"
+    monkeypatch.setattr(report, "RUNS_DIR", str(tmp_path / "runs" / "bench"))  # nothing made in the tree
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true")
+    report.add_output_args(parser, "demo")
+    default = report.output_dir(parser, parser.parse_args(["--tiny"]), "demo")
+    assert os.path.dirname(default) == report.RUNS_DIR and os.path.basename(default).startswith("demo-")
+    assert report.RESULTS_DIR not in default and not os.path.exists(default)
+    assert report.output_dir(parser, parser.parse_args(["--update-results"]), "demo") == report.RESULTS_DIR
+    assert report.output_dir(parser, parser.parse_args(["--out", str(tmp_path)]), "demo") == str(tmp_path)
+    for both in (["--out", str(tmp_path), "--update-results"], ["--tiny", "--update-results"]):
+        with pytest.raises(SystemExit):
+            report.output_dir(parser, parser.parse_args(both), "demo")
+    assert "--update-results" in capsys.readouterr().err
+    os.makedirs(default)
+    assert report.fresh_run_dir("demo") != default  # never an existing directory
+    os.rmdir(default)
+
+    assert os.path.dirname(xla_vs_fbgemm.parse_args(["--tiny"]).out) == report.RUNS_DIR
+    for module in (e2e_sharded, e2e_step, e2e_vs_torchrec):
+        assert inspect.signature(module.run).parameters["out_dir"].default is None, module.__name__
+    # every benchmark CLI with an output directory takes it from report (no default of its own)
+    here = pathlib.Path(report.__file__).parent
+    writers = [p for p in here.glob("*.py") if p.name != "report.py" and '"--out"' in p.read_text()]
+    assert all("report.add_output_args(" in p.read_text() for p in writers), writers
+    with_helper = sorted(p.stem for p in here.glob("*.py") if "report.add_output_args(" in p.read_text())
+    assert with_helper == ["e2e_sharded", "e2e_step", "e2e_vs_torchrec", "explore_malloc", "explore_update",
+                           "xla_vs_fbgemm"]

@@ -40,6 +40,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
         sys.executable,
         "-m",
         "hybrid.train",
+        "--config",
+        "configs/synthetic.toml",
         "--steps",
         str(steps),
         *(f"--set={s}" for s in common),
@@ -71,7 +73,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert sorted(after) == list(range(1, steps + 1))
 
     reference = train.run(
-        load_config(None, [*common, f"train.steps={steps}"]), echo=lambda *_: None
+        load_config("configs/synthetic.toml", [*common, f"train.steps={steps}", "log.metrics_path=''"]), echo=lambda *_: None
     )
     np.testing.assert_array_equal(
         [after[s] for s in range(1, steps + 1)],

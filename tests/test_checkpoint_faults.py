@@ -292,6 +292,31 @@ def test_interrupted_save_leaves_no_partial_checkpoint(ckpt, fresh_model, monkey
     assert meta["step"] == 8
 
 
+def test_resume_into_another_models_checkpoints_is_refused_naming_every_table_that_differs(ckpt, capsys):
+    """The config-change refusal suggests checkpoint.allow_config_change; with it, a checkpoint of
+    other tables is refused by name before anything is loaded (was: a ValueError traceback)."""
+    before = _snapshot(ckpt)
+    other = ["data.num_sparse=4", "model.embedding_dim=4", "model.dense_arch_layer_sizes=[8, 4]",
+             "checkpoint.allow_config_change=true"]
+    with pytest.raises(ConfigError) as e:
+        _run(ckpt, *other, resume=True, steps=12)
+    message = str(e.value)
+    assert message.startswith(f"--resume from {ckpt / 'step_00000008'}: the checkpoint holds other tables than "
+                              "this config builds: this config's tables ['t_cat_3'] are not in the checkpoint; "
+                              "table 't_cat_0' is saved as [64, 8] but configured as [64, 4]"), message
+    for part in ("not even checkpoint.allow_config_change", str(ckpt / "step_00000008" / "meta.json"),
+                 "fresh run in another checkpoint.dir"):
+        assert part.lower() in message.lower(), message
+    with pytest.raises(ConfigError, match=r"the checkpoint's tables \['t_cat_2'\] are not in this config"):
+        _run(ckpt, "data.num_sparse=2", "checkpoint.allow_config_change=true", resume=True, steps=12)
+    capsys.readouterr()
+    code = train.main(["--config", "configs/synthetic.toml", "--steps", "12", "--resume", *(f"--set={s}" for s in SMALL),
+                       f"--set=checkpoint.dir='{ckpt}'", "--set=log.metrics_path=''", *(f"--set={s}" for s in other)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --resume from") and "Traceback" not in err, err
+    assert _snapshot(ckpt) == before
+
+
 def test_killed_save_leftover_is_ignored_and_cleaned_on_resume(ckpt):
     leftover = ckpt / ".tmp-abc123"
     leftover.mkdir()

@@ -85,3 +85,16 @@ def test_every_make_command_names_a_target_and_variables_the_makefile_has():
                 else:
                     assert word in targets, f"README: `{line}` names a target the Makefile lacks"
     assert seen >= 3
+
+
+def test_the_first_screen_says_what_it_is_how_to_run_it_how_long_and_how_to_run_a_subset():
+    """A newcomer's first screen: what the project is, the two commands with their times and
+    outputs, a quick test subset; the install and GPU details come later."""
+    with open(README) as f:
+        first = "\n".join(f.read().splitlines()[:45])
+    for must in ("TorchRec-style", "JAX", "PyTorch", "zero-copy", "make train", "make test", "4 minutes",
+                 "15 minutes", "metrics: data_cache/runs/movielens/metrics.jsonl", "--overwrite",
+                 "python -m pytest -q tests/test_jagged.py", " -k "):
+        assert must in first, must
+    for later in ("jaxlib", "PTX", "nvptx", "CUDA"):
+        assert later not in first, later

@@ -1,6 +1,7 @@
 """`python -m hybrid.train`: config errors, a small synthetic run, the MovieLens job."""
 
 import json
+import shlex
 
 import numpy as np
 import pytest
@@ -28,8 +29,29 @@ def test_help_lists_the_options(capsys):
     with pytest.raises(SystemExit):
         train.main(["--help"])
     out = capsys.readouterr().out
-    for flag in ("--config", "--mesh", "--set", "--resume", "--steps"):
+    for flag in ("--config", "--mesh", "--set", "--resume", "--steps", "--overwrite"):
         assert flag in out
+
+
+def test_no_config_is_a_usage_error_naming_the_config_files(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "4"])  # no silent default job
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--config" in err and "required" in err
+    for name in ("configs/movielens.toml", "configs/synthetic.toml", "configs/criteo.toml"):
+        assert name in err, err
+
+
+def test_the_help_examples_parse_and_the_resume_example_names_a_checkpoint_dir():
+    examples = [shlex.split(line)[3:] for line in train.__doc__.splitlines()
+                if line.strip().startswith("python -m hybrid.train")]
+    assert len(examples) >= 3 and any("--resume" in e for e in examples)
+    for argv in examples:
+        args = train._parser().parse_args(argv)
+        config = load_config(args.config, args.set)
+        if args.resume:  # --resume reads checkpoint.dir: the example must give one
+            assert config.checkpoint.dir, argv
 
 
 @pytest.mark.parametrize(
@@ -85,6 +107,8 @@ def test_synthetic_run_learns_and_writes_metrics(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     code = train.main(
         [
+            "--config",
+            "configs/synthetic.toml",
             "--mesh",
             "data=2,model=4",
             "--steps",
@@ -98,12 +122,44 @@ def test_synthetic_run_learns_and_writes_metrics(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "ShardingPlan" in out and "eval @ step 32: AUC" in out
+    assert out.splitlines()[-2:] == [f"metrics: {metrics}",  # the run ends saying where its outputs are
+                                     "checkpoints: none written (checkpoint.dir is empty; --set checkpoint.dir=... "
+                                     "writes them)"]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     trains = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in trains] == [4, 8, 12, 16, 20, 24, 28, 32]
     assert {"loss", "loss_window", "loss_lifetime", "samples_per_s"} <= set(trains[0])
     (final,) = [r for r in records if r["kind"] == "eval"]
     assert final["auc"] > 0.6 and final["count"] == 1024
+
+
+def test_a_second_run_refuses_to_replace_metrics_a_resume_appends_and_overwrite_replaces(tmp_path, capsys):
+    metrics, ckpt = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "ckpt"
+    argv = ["--config", "configs/synthetic.toml", "--steps", "4", *(f"--set={s}" for s in SMALL),
+            f"--set=log.metrics_path='{metrics}'", f"--set=checkpoint.dir='{ckpt}'", "--set=checkpoint.every=4"]
+
+    def train_steps():
+        return [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
+
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == [f"metrics: {metrics}", f"checkpoints: {ckpt} (newest: step_00000004)"]
+    first = metrics.read_text()
+
+    assert train.main(argv) == 2  # the same command again: refused before any data is read
+    err = capsys.readouterr().err
+    assert f"log.metrics_path {metrics} already holds 2 metrics line(s) of an earlier run" in err
+    for way_out in ("--overwrite", "--resume", "another run directory: --set log.metrics_path=", "checkpoint.dir"):
+        assert way_out in err, err
+    assert metrics.read_text() == first
+
+    assert train.main([*argv, "--steps", "8", "--resume"]) == 0  # its own metrics: appended
+    assert train_steps() == [4, 8] and metrics.read_text().startswith(first)
+    assert capsys.readouterr().out.splitlines()[-1] == f"checkpoints: {ckpt} (newest: step_00000008)"
+
+    assert train.main([*argv, "--overwrite"]) == 0  # a fresh run: metrics replaced, checkpoints moved aside
+    assert train_steps() == [4]
+    assert "checkpoint.overwrite: moved the checkpoints" in capsys.readouterr().out
 
 
 def _logistic_regression_auc(train_data, eval_data, epochs=5, lr=0.01):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 ARGS = [
+    "--config=configs/synthetic.toml",
     "--steps=8",
     "--mesh=data=2",
     "--set=log.every=1",
