@@ -6,7 +6,7 @@ T8 E1e5 D64 B2048 L20, uniform and Zipf(1.15) ids):
   gather + segment_sum reference, torch's `embedding_bag` on the same GPU, and FBGEMM's GPU
   TBE when `fbgemm_gpu` (the CUDA build) is installed;
 - the fused update (rowwise Adagrad, SGD): the Pallas sorted-run kernel (sort included) and
-  the pure-XLA update (`kernel="xla"`); FBGEMM's TBE backward + fused optimizer when installed;
+  the pure-XLA update (the dedup form, no scatter-add, on a GPU); FBGEMM's TBE backward + fused optimizer when installed;
 - the HBM roofline: a device copy of 1 GiB (bytes read + written per second).
 It checks first that the Pallas results equal the XLA ones (forward to fp32 rounding; the
 update's rows and state) and that two Pallas updates from the same start are bitwise equal
@@ -18,14 +18,14 @@ kernels in interpret mode (the suite runs it so that it cannot rot); its times m
 
     python -m benchmarks.gpu                  # on the GPU: W1 uniform + Zipf, ~1-2 min
     python -m benchmarks.gpu --tiny           # anywhere: a smoke run
-Writes `gpu.json` and `gpu.md` into `--out` (default `runs/bench/gpu-<time>/`).
+Writes `gpu.json` and `gpu.md` into `--out` (default `runs/bench/gpu-<time>/`;
+`--update-results`: `benchmarks/results/gpu/`, the figures the README quotes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import time
@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import report
 from benchmarks.workloads import Workload, make_batch, tiny_set
 from sparse_jax._kernels import _pallas
 from sparse_jax._lookup import _sum_positions
@@ -41,6 +42,10 @@ from sparse_jax.optim import rowwise_adagrad, sgd
 from sparse_jax.optim._apply import apply_row_rule
 
 __all__ = ["main", "run"]
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def _timeit(cases: dict, rounds: int, reps: int) -> dict[str, dict]:
@@ -178,7 +183,8 @@ def _update_fns(c: _Case, rule, interpret: bool):
                                          interpret=interpret)
 
     def xla(table, state, rows, bag, scale, bag_grads):
-        return apply_row_rule(rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads, kernel="xla")
+        return apply_row_rule(rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads,
+                              scatter_add=not on_gpu())
 
     return {"pallas": jax.jit(pallas, donate_argnums=(0, 1)), "xla": jax.jit(xla, donate_argnums=(0, 1))}
 
@@ -201,6 +207,42 @@ def _check(c: _Case, interpret: bool) -> dict:
         checks[f"{rule.name}_bitwise_reproducible"] = bool(np.array_equal(np.asarray(again[0]),
                                                                           np.asarray(res["pallas"][0])))
     return checks
+
+
+def _library_steps(w: Workload, interpret: bool, rounds: int, reps: int) -> dict:
+    """The path users run: `EmbeddingBagCollection.apply` and the guarded fused update
+    (`make_update(..., skip_nonfinite=True)`, as `hybrid.Model` builds it) on a prepared batch,
+    kernel "auto" (Pallas on a GPU) against "xla"; rowwise Adagrad."""
+    from sparse_jax import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        KeyedJaggedTensor,
+        make_update,
+    )
+
+    b = make_batch(w)
+    tables = [EmbeddingBagConfig(name=f"t{t}", num_embeddings=w.E, embedding_dim=w.D, feature_names=[f"f{t}"])
+              for t in range(w.T)]
+    kjt = KeyedJaggedTensor([f"f{t}" for t in range(w.T)], b.ids, lengths=b.lengths)
+    grad = jnp.asarray(b.pooled_grad)
+    rule = rowwise_adagrad(lr=0.05)
+    cases, keep = {}, {}
+    for kernel in ("pallas" if interpret else "auto", "xla"):
+        module = EmbeddingBagCollection(tables, kernel=kernel)
+        batch = module.prepare(kjt)
+        params = module.init(jax.random.key(0))
+        keep[kernel] = [params, rule.init(params)]
+        update = make_update(module, rule, skip_nonfinite=True)
+        fwd = jax.jit(lambda p, bt, m=module: m.apply(p, bt).values())
+
+        def step(kernel=kernel, update=update, fwd=fwd, batch=batch):
+            params, state = keep[kernel]
+            out = fwd(params, batch)
+            keep[kernel] = list(update(params, state, batch, grad))
+            return out, keep[kernel][0]
+
+        cases[f"step_{kernel}"] = step
+    return _timeit(cases, rounds, reps)
 
 
 def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -> dict:
@@ -235,6 +277,7 @@ def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -
             entry["update_launches"][rule.name] = {
                 k: _launches(fn, probe, rule.init_table(probe), c.rows, c.bag, c.scale, c.bag_grads)
                 for k, fn in fns.items()}
+        entry["library_step"] = _library_steps(w, interpret, rounds, reps)
         results["workloads"].append(entry)
     return results
 
@@ -264,6 +307,12 @@ def markdown(results: dict) -> str:
                 lines.append(f"| update {rule} {k} | {v['median_ms']:.3f} | {v['median_ms'] / base:.2f}x | {gbs:.0f} | "
                              f"{100 * gbs / roof:.0f}% | {launch['fusions']}f+{launch['custom_calls']}c, "
                              f"{launch['sorts']} sort, {launch['scatters']} scatter |")
+        steps = e.get("library_step", {})
+        if steps:
+            base = next(iter(steps.values()))["median_ms"]
+            for k, v in steps.items():
+                lines.append(f"| library forward + guarded update, {k} | {v['median_ms']:.3f} | "
+                             f"{v['median_ms'] / base:.2f}x | | | |")
         lines.append("")
     return "\n".join(lines)
 
@@ -271,20 +320,21 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes, Pallas in interpret mode off a GPU")
-    p.add_argument("--out", default=None, help="output directory (default runs/bench/gpu-<time>)")
+    report.add_output_args(p, "gpu")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
     args = p.parse_args(argv)
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    if not on_gpu and not args.tiny:
+    if not on_gpu() and not args.tiny:
         p.error(f"no GPU here (jax.default_backend() is {jax.default_backend()!r}): run with --tiny for the "
                 "interpret-mode smoke run")
-    interpret = not on_gpu
+    interpret = not on_gpu()
     workloads = tiny_set() if args.tiny else [Workload(), Workload(alpha=1.15)]
     rounds = args.rounds or (2 if args.tiny else 15)
     reps = args.reps or (1 if args.tiny else 10)
     results = run(workloads, interpret=interpret, rounds=rounds, reps=reps)
-    out = pathlib.Path(args.out or os.path.join("runs", "bench", time.strftime("gpu-%Y%m%d-%H%M%S")))
+    out = pathlib.Path(report.output_dir(p, args, "gpu"))
+    if args.update_results:
+        out = out / "gpu"
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps(results, indent=1))
     md = markdown(results)

@@ -275,5 +275,5 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
     writers = [p for p in here.glob("*.py") if p.name != "report.py" and '"--out"' in p.read_text()]
     assert all("report.add_output_args(" in p.read_text() for p in writers), writers
     with_helper = sorted(p.stem for p in here.glob("*.py") if "report.add_output_args(" in p.read_text())
-    assert with_helper == ["e2e_sharded", "e2e_step", "e2e_vs_torchrec", "explore_malloc", "explore_update",
+    assert with_helper == ["e2e_sharded", "e2e_step", "e2e_vs_torchrec", "explore_malloc", "explore_update", "gpu",
                            "xla_vs_fbgemm"]
