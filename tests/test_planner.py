@@ -6,7 +6,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sparse_jax._configs import EmbeddingBagConfig, EmbeddingConfig
@@ -97,6 +97,21 @@ specs_strategy = st.lists(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(  # the refusal once compared t2's need with the most free memory on ANY device
+    specs=[
+        (1, 4, 1, False, 0.0),
+        (1, 4, 1, False, 1.0),
+        (3, 4, 1, False, 15.0),
+        (67, 256, 2, False, 3.0),
+        (3, 4, 1, False, 0.0),
+        (1, 4, 1, False, 0.0),
+        (2, 64, 2, True, 2.0),
+    ],
+    mesh={"a": 2, "b": 2, "c": 2},
+    budget_mib=8,
+    batch=8192,
+    seed=0,
+)
 @given(
     specs=specs_strategy,
     mesh=st.sampled_from(MESHES),
@@ -115,11 +130,16 @@ def test_every_plan_places_each_table_once_within_budget_and_is_deterministic(
         plan = planner.plan(tables, batch_size=batch, pooling_factors=pooling)
     except PlannerError as e:
         # The refusal must be true by its own numbers: what it says the table needs is more
-        # than the budget (or than what is left beside the tables placed before it), and at
-        # least the weights + row-wise state of its most split layout, counted here by hand.
+        # than the budget (or than what the device it names has left beside the tables placed
+        # before it), and at least the weights + row-wise state of its most split layout,
+        # counted here by hand.
         msg = str(e)
-        need = _bytes_in(msg, "needs at least ") if "needs at least" in msg else _bytes_in(msg, "needs ")
-        left = budget if "the budget is" in msg else _bytes_in(msg, "largest budget left on any device is ")
+        if "needs at least" in msg:
+            need, left = _bytes_in(msg, "needs at least "), budget
+            assert "the budget is" in msg, msg
+        else:
+            need, left = _bytes_in(msg, "needs "), _bytes_in(msg, "which has only ")
+            assert " on device " in msg, msg
         assert need > left, msg
         assert left <= budget and "To fit" in msg
         name = msg.split("'")[1]
@@ -247,17 +267,36 @@ def test_planner_error_when_tables_do_not_fit_together():
         Planner(topo).plan(tables, batch_size=64)
     msg = str(err.value)
     assert (
-        "does not fit beside the tables placed before it: its smallest allowed layout, row_wise"
+        "does not fit beside the tables placed before it: its closest allowed layout, row_wise"
         in msg
     )
-    assert (
-        "the largest budget left on any device is" in msg
-        and "(of 8,388,608 bytes (8.00 MiB))" in msg
-    )
+    # The device it names is short by its own numbers (each layout needs its bytes on its
+    # own devices, not on whichever device has the most room).
+    assert " on device model=" in msg and "(of 8,388,608 bytes (8.00 MiB))" in msg
+    assert _bytes_in(msg, "needs ") > _bytes_in(msg, "which has only ")
     assert (
         "use a mesh of at least 4 devices (all tables' weights and optimizer state alone are 32,640,000"
         in msg
     )
+
+
+def test_planner_error_names_the_device_that_falls_short():
+    # Both tables are pinned to model=0: 'b' does not fit there beside 'a', though model=1
+    # is nearly empty. The refusal must name model=0 and what model=0 has left, not compare
+    # b's need with the room on model=1.
+    topo = Topology(axes={"model": 2}, device_memory_bytes=16 * 2**20)
+    pin = ParameterConstraints(pin={"model": 0})
+    tables = [table("a", rows=200_000), table("b", rows=100_000)]
+    with pytest.raises(PlannerError) as err:
+        Planner(topo, {"a": pin, "b": pin}).plan(tables, batch_size=64)
+    msg = str(err.value)
+    assert msg.startswith("table 'b' does not fit beside the tables placed before it"), msg
+    assert "table_wise over ['model'] at model=0" in msg and " on device model=0, " in msg, msg
+    need, left = _bytes_in(msg, "needs "), _bytes_in(msg, "which has only ")
+    # counted by hand: fp32 weights + a row-wise Adagrad word per row, 17 x 4 bytes a row
+    assert need >= 100_000 * 17 * 4 > left
+    assert left <= topo.device_memory_bytes - 200_000 * 17 * 4, msg
+    assert "To fit: move or drop the pin={'model': 0} of 'b'" in msg
 
 
 # Cost formulas -----------------------------------------------------------------------------
