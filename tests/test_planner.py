@@ -230,6 +230,26 @@ def test_pooling_factors_change_the_cost_and_are_checked():
         )
 
 
+def test_an_option_that_exactly_fills_a_device_fits():
+    # Two table_wise tables on a 2-device mesh with a budget of exactly one table's bytes:
+    # the only plan puts one table on each device, filling both to the byte. A byte less
+    # and nothing fits.
+    tables = [table("a", rows=5000), table("b", rows=5000)]
+    pooling = {"a": 1.0, "b": 1.0}
+    tw = ParameterConstraints(sharding_types=["table_wise"])
+    probe = CostModel(topology=Topology(axes={"model": 2}), batch_size=256)
+    one = probe.device_vectors(tables[0], _layout.table_wise(5000, 16, ("model",), (0,)), 1.0)[0]
+    exact = int(one.max())
+    assert exact == one.max() and exact > 5000 * 17 * 4  # whole bytes, weights + state at least
+    fits = Topology(axes={"model": 2}, device_memory_bytes=exact)
+    plan = Planner(fits, {"a": tw, "b": tw}).plan(tables, batch_size=256, pooling_factors=pooling)
+    assert plan.device_totals()[0] == [exact, exact]
+    assert {plan["a"].shards[0].device, plan["b"].shards[0].device} == {(0,), (1,)}
+    short = Topology(axes={"model": 2}, device_memory_bytes=exact - 1)
+    with pytest.raises(PlannerError, match="needs at least"):
+        Planner(short, {"a": tw, "b": tw}).plan(tables, batch_size=256, pooling_factors=pooling)
+
+
 # Errors ------------------------------------------------------------------------------------
 
 
