@@ -414,9 +414,11 @@ def test_memory_counts_optimizer_state():
 def test_criteo_plans_fast_and_prints_stats(capsys):
     topo = Topology(axes={"data": 2, "model": 4}, device_memory_bytes=8 * GiB)
     tables = criteo_tables()
-    start = time.perf_counter()
+    # CPU time of this process, not wall time: other processes on a loaded machine do not
+    # count. About 0.1 s here; the bound catches a search that blows up, not a slow host.
+    start = time.process_time()
     plan = Planner(topo).plan(tables, batch_size=16384)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 3.0
     assert len(plan) == 26
     mem, ms = plan.device_totals()
     assert max(mem) <= 8 * GiB and max(ms) > 0
