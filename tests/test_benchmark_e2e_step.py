@@ -83,9 +83,9 @@ class _Lookup(torch.autograd.Function):
 class _FakeModel(nn.Module):
     """`hybrid.Model`'s surface as e2e_step and `hybrid.TrainPipeline` use it. The update, run
     in backward, replaces `sparse_params` (fast) and then `sparse_opt_state` (slow when
-    `heavy`), both asynchronously; the lookup does not wait for the previous update. An
-    observer thread per update records when its arrays really were ready (`done_at`),
-    independently of the benchmark's own waiter."""
+    `heavy`), both asynchronously; the lookup does not wait for the previous update. Each
+    update's arrays are kept (`states`), and whether they were still being computed right
+    after the update returned (`pending_at_dispatch`)."""
 
     def __init__(self, heavy: bool, prep_s: float = 0.0):
         super().__init__()
@@ -97,12 +97,9 @@ class _FakeModel(nn.Module):
         self.reset()
 
     def reset(self) -> None:
-        self.forward_at: list[float] = []
-        self.backward_at: list[float] = []
-        self.dispatch_s: list[float] = []
-        self.done_at: list[float] = []
+        self.states: list[tuple] = []
+        self.pending_at_dispatch: list[bool] = []
         self.prep_durations: list[float] = []
-        self.observers: list[threading.Thread] = []
 
     @property
     def sparse_params(self):
@@ -125,28 +122,13 @@ class _FakeModel(nn.Module):
         return jax.device_put(np.asarray(sparse))  # as sparse_jax places: not queued behind updates
 
     def update(self):
-        t0 = time.perf_counter()
-        self.backward_at.append(t0)
         self.params = {"t": _light(self.params["t"])}
         self.opt_state = (_heavy if self.heavy else _light)(self.opt_state)
-        self.dispatch_s.append(time.perf_counter() - t0)
-        state, i = (self.params, self.opt_state), len(self.done_at)
-        self.done_at.append(float("nan"))
-
-        def observe():
-            jax.block_until_ready(state)
-            self.done_at[i] = time.perf_counter()
-
-        self.observers.append(threading.Thread(target=observe, daemon=True))
-        self.observers[-1].start()
+        self.pending_at_dispatch.append(not self.opt_state.is_ready())
+        self.states.append((self.params["t"], self.opt_state))
 
     def forward(self, dense, prepared):
-        self.forward_at.append(time.perf_counter())
         return self.dense(dense, _Emb(_Lookup.apply(self.anchor, self, prepared)))
-
-    def observed(self) -> None:
-        for t in self.observers:
-            t.join()
 
 
 def _fake_items(B: int = 8):
@@ -155,50 +137,57 @@ def _fake_items(B: int = 8):
     return itertools.cycle([(dense, np.arange(B, dtype=np.int32), labels)])
 
 
-def _heavy_seconds() -> float:
-    x = jnp.eye(512, dtype=jnp.float32) * 0.1
-    _heavy(x).block_until_ready()  # compiled
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        _heavy(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+class _Reads:
+    """Stands in for `e2e_step.now`: the real time, and at each read its thread and, per
+    update so far, whether that update's arrays were computed (checked before the time is
+    taken). What the round clocks must wait for is then checked by readiness at the reads
+    that close their segments, not by durations, so that a loaded machine cannot fail it."""
+
+    def __init__(self, model: _FakeModel):
+        self.model, self.log = model, []
+
+    def __call__(self) -> float:
+        ready = [all(a.is_ready() for a in state) for state in self.model.states]
+        t = time.perf_counter()
+        self.log.append((threading.current_thread().name, t, ready))
+        return t
 
 
-def _check_round_waited(model: _FakeModel, r: dict, n: int, heavy_s: float) -> None:
-    model.observed()
-    assert len(model.done_at) == n and len(model.forward_at) == n
+def _check_round_waited(model: _FakeModel, r: dict, n: int, reads: _Reads) -> None:
+    assert len(model.states) == n
     # the update really ran asynchronously (else this test would prove nothing)
-    assert max(model.dispatch_s) < 0.5 * heavy_s, (model.dispatch_s, heavy_s)
-    # the round's clock (started before the first forward) stopped after the last update was
-    # done; the slack covers the observer's wake-up only (stopping early misses >= one update)
-    slack = 0.3 * heavy_s
-    assert n * r["step"] >= max(model.done_at) - model.forward_at[0] - slack, (r, model.done_at)
-    # and the waiter's `ready` stamps are no earlier than the slow optimizer state
-    waited = np.mean(np.asarray(model.done_at) - np.asarray(model.backward_at))
-    assert r["sparse_update"] >= waited - slack, (r, waited)
+    assert any(model.pending_at_dispatch), model.pending_at_dispatch
+    # the round's clock (its first read on the main thread) stopped when every update was done
+    main = [(t, ready) for name, t, ready in reads.log if name == "MainThread"]
+    t0 = main[0][0]
+    end = min(main, key=lambda read: abs(read[0] - t0 - n * r["step"]))
+    assert end[0] - t0 == pytest.approx(n * r["step"], rel=1e-9, abs=1e-9), (r, main)
+    assert end[1] == [True] * n, (r, end)
+    # and the waiter stamped each step's `ready` once that step's update was done
+    waiter = [ready for name, _, ready in reads.log if name.endswith("(_serve)")]
+    assert len(waiter) == n and all(ready[k] for k, ready in enumerate(waiter)), waiter
 
 
-def test_plain_round_clock_waits_for_the_async_sparse_update():
-    heavy_s, n = _heavy_seconds(), 3
+def test_plain_round_clock_waits_for_the_async_sparse_update(monkeypatch):
+    n = 3
     model = _FakeModel(heavy=True)
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
     one_round = e2e_step._hybrid_plain_case(model, opt, _fake_items(), n)
     one_round()  # warm-up: first-call costs
-    model.observed()
     model.reset()
+    reads = _Reads(model)
+    monkeypatch.setattr(e2e_step, "now", reads)
     r = one_round()
-    _check_round_waited(model, r, n, heavy_s)
+    _check_round_waited(model, r, n, reads)
     # the loop's own segments are a small part: the updates overlapped them
     assert r["host_prep"] + r["lookup"] + r["dense"] < 0.5 * r["step"], r
     assert r["host_prep"] == r["host_prep_critical"]
 
 
-def test_pipeline_round_clock_waits_for_the_async_sparse_update():
+def test_pipeline_round_clock_waits_for_the_async_sparse_update(monkeypatch):
     import hybrid
 
-    heavy_s, n = _heavy_seconds(), 3
+    n = 3
     model = _FakeModel(heavy=True)
     pipeline = hybrid.TrainPipeline(
         model, torch.optim.SGD(model.dense_parameters(), lr=0.1), e2e_step._bce
@@ -206,12 +195,14 @@ def test_pipeline_round_clock_waits_for_the_async_sparse_update():
     try:
         one_round = e2e_step._hybrid_pipeline_case(pipeline, model, _fake_items(), n)
         one_round()
-        model.observed()
+        jax.block_until_ready(model.states)
         model.reset()
+        reads = _Reads(model)
+        monkeypatch.setattr(e2e_step, "now", reads)
         r = one_round()
     finally:
         pipeline.close()
-    _check_round_waited(model, r, n, heavy_s)
+    _check_round_waited(model, r, n, reads)
 
 
 def test_pipeline_round_accounts_host_prep_per_step():
@@ -221,7 +212,7 @@ def test_pipeline_round_accounts_host_prep_per_step():
     main thread waited for a batch) is no more than that."""
     import hybrid
 
-    prep_s, n = 0.03, 3
+    prep_s, n = 0.2, 3  # long beside what a loaded machine adds to a step or a thread switch
     model = _FakeModel(heavy=False, prep_s=prep_s)
     pipeline = hybrid.TrainPipeline(
         model, torch.optim.SGD(model.dense_parameters(), lr=0.1), e2e_step._bce
@@ -235,9 +226,11 @@ def test_pipeline_round_accounts_host_prep_per_step():
         pipeline.close()
     prepared = model.prep_durations  # this round's n look-ahead batches, all finished
     assert len(prepared) == n
-    # prepare_s times more than the sleep (next(), tensors, device_put): a little above the sum
-    assert sum(prepared) <= n * r["host_prep"] <= sum(prepared) + n * 0.015, (r, prepared)
-    assert r["host_prep_critical"] <= r["host_prep"] + 1e-3, r
+    # prepare_s times more than the sleep (next(), tensors, device_put): above the sum, by
+    # less than one more batch would add (the look-ahead batch counted twice, or one missed)
+    assert sum(prepared) <= n * r["host_prep"] < sum(prepared) + 0.5 * prep_s, (r, prepared)
+    # the wait for a batch ends up to a thread switch after its preparation does
+    assert r["host_prep_critical"] <= r["host_prep"] + 0.25 * prep_s, r
     assert r["step"] >= r["host_prep_critical"], r
 
 

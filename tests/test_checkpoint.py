@@ -53,7 +53,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     log = tmp_path / "first_run.log"
     with open(log, "wb") as stderr:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         latest = _checkpoint.latest_checkpoint(ckpt)
         if latest is not None and int(latest.name[5:]) >= 2 * every:
@@ -65,7 +65,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     killed_at = max(_losses(metrics))
     assert 2 * every <= killed_at < steps
     resumed = subprocess.run(
-        [*argv, "--resume"], env=env, capture_output=True, text=True, timeout=80
+        [*argv, "--resume"], env=env, capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout

@@ -86,7 +86,7 @@ def test_two_processes_on_loopback():
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=90)[0])
+            outputs.append(p.communicate(timeout=300)[0])
     finally:
         for p in procs:
             if p.poll() is None:

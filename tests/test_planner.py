@@ -6,7 +6,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sparse_jax._configs import EmbeddingBagConfig, EmbeddingConfig
@@ -97,6 +97,21 @@ specs_strategy = st.lists(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(  # the refusal once compared t2's need with the most free memory on ANY device
+    specs=[
+        (1, 4, 1, False, 0.0),
+        (1, 4, 1, False, 1.0),
+        (3, 4, 1, False, 15.0),
+        (67, 256, 2, False, 3.0),
+        (3, 4, 1, False, 0.0),
+        (1, 4, 1, False, 0.0),
+        (2, 64, 2, True, 2.0),
+    ],
+    mesh={"a": 2, "b": 2, "c": 2},
+    budget_mib=8,
+    batch=8192,
+    seed=0,
+)
 @given(
     specs=specs_strategy,
     mesh=st.sampled_from(MESHES),
@@ -115,11 +130,16 @@ def test_every_plan_places_each_table_once_within_budget_and_is_deterministic(
         plan = planner.plan(tables, batch_size=batch, pooling_factors=pooling)
     except PlannerError as e:
         # The refusal must be true by its own numbers: what it says the table needs is more
-        # than the budget (or than what is left beside the tables placed before it), and at
-        # least the weights + row-wise state of its most split layout, counted here by hand.
+        # than the budget (or than what the device it names has left beside the tables placed
+        # before it), and at least the weights + row-wise state of its most split layout,
+        # counted here by hand.
         msg = str(e)
-        need = _bytes_in(msg, "needs at least ") if "needs at least" in msg else _bytes_in(msg, "needs ")
-        left = budget if "the budget is" in msg else _bytes_in(msg, "largest budget left on any device is ")
+        if "needs at least" in msg:
+            need, left = _bytes_in(msg, "needs at least "), budget
+            assert "the budget is" in msg, msg
+        else:
+            need, left = _bytes_in(msg, "needs "), _bytes_in(msg, "which has only ")
+            assert " on device " in msg, msg
         assert need > left, msg
         assert left <= budget and "To fit" in msg
         name = msg.split("'")[1]
@@ -210,6 +230,26 @@ def test_pooling_factors_change_the_cost_and_are_checked():
         )
 
 
+def test_an_option_that_exactly_fills_a_device_fits():
+    # Two table_wise tables on a 2-device mesh with a budget of exactly one table's bytes:
+    # the only plan puts one table on each device, filling both to the byte. A byte less
+    # and nothing fits.
+    tables = [table("a", rows=5000), table("b", rows=5000)]
+    pooling = {"a": 1.0, "b": 1.0}
+    tw = ParameterConstraints(sharding_types=["table_wise"])
+    probe = CostModel(topology=Topology(axes={"model": 2}), batch_size=256)
+    one = probe.device_vectors(tables[0], _layout.table_wise(5000, 16, ("model",), (0,)), 1.0)[0]
+    exact = int(one.max())
+    assert exact == one.max() and exact > 5000 * 17 * 4  # whole bytes, weights + state at least
+    fits = Topology(axes={"model": 2}, device_memory_bytes=exact)
+    plan = Planner(fits, {"a": tw, "b": tw}).plan(tables, batch_size=256, pooling_factors=pooling)
+    assert plan.device_totals()[0] == [exact, exact]
+    assert {plan["a"].shards[0].device, plan["b"].shards[0].device} == {(0,), (1,)}
+    short = Topology(axes={"model": 2}, device_memory_bytes=exact - 1)
+    with pytest.raises(PlannerError, match="needs at least"):
+        Planner(short, {"a": tw, "b": tw}).plan(tables, batch_size=256, pooling_factors=pooling)
+
+
 # Errors ------------------------------------------------------------------------------------
 
 
@@ -247,17 +287,36 @@ def test_planner_error_when_tables_do_not_fit_together():
         Planner(topo).plan(tables, batch_size=64)
     msg = str(err.value)
     assert (
-        "does not fit beside the tables placed before it: its smallest allowed layout, row_wise"
+        "does not fit beside the tables placed before it: its closest allowed layout, row_wise"
         in msg
     )
-    assert (
-        "the largest budget left on any device is" in msg
-        and "(of 8,388,608 bytes (8.00 MiB))" in msg
-    )
+    # The device it names is short by its own numbers (each layout needs its bytes on its
+    # own devices, not on whichever device has the most room).
+    assert " on device model=" in msg and "(of 8,388,608 bytes (8.00 MiB))" in msg
+    assert _bytes_in(msg, "needs ") > _bytes_in(msg, "which has only ")
     assert (
         "use a mesh of at least 4 devices (all tables' weights and optimizer state alone are 32,640,000"
         in msg
     )
+
+
+def test_planner_error_names_the_device_that_falls_short():
+    # Both tables are pinned to model=0: 'b' does not fit there beside 'a', though model=1
+    # is nearly empty. The refusal must name model=0 and what model=0 has left, not compare
+    # b's need with the room on model=1.
+    topo = Topology(axes={"model": 2}, device_memory_bytes=16 * 2**20)
+    pin = ParameterConstraints(pin={"model": 0})
+    tables = [table("a", rows=200_000), table("b", rows=100_000)]
+    with pytest.raises(PlannerError) as err:
+        Planner(topo, {"a": pin, "b": pin}).plan(tables, batch_size=64)
+    msg = str(err.value)
+    assert msg.startswith("table 'b' does not fit beside the tables placed before it"), msg
+    assert "table_wise over ['model'] at model=0" in msg and " on device model=0, " in msg, msg
+    need, left = _bytes_in(msg, "needs "), _bytes_in(msg, "which has only ")
+    # counted by hand: fp32 weights + a row-wise Adagrad word per row, 17 x 4 bytes a row
+    assert need >= 100_000 * 17 * 4 > left
+    assert left <= topo.device_memory_bytes - 200_000 * 17 * 4, msg
+    assert "To fit: move or drop the pin={'model': 0} of 'b'" in msg
 
 
 # Cost formulas -----------------------------------------------------------------------------
@@ -355,9 +414,11 @@ def test_memory_counts_optimizer_state():
 def test_criteo_plans_fast_and_prints_stats(capsys):
     topo = Topology(axes={"data": 2, "model": 4}, device_memory_bytes=8 * GiB)
     tables = criteo_tables()
-    start = time.perf_counter()
+    # CPU time of this process, not wall time: other processes on a loaded machine do not
+    # count. About 0.1 s here; the bound catches a search that blows up, not a slow host.
+    start = time.process_time()
     plan = Planner(topo).plan(tables, batch_size=16384)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 3.0
     assert len(plan) == 26
     mem, ms = plan.device_totals()
     assert max(mem) <= 8 * GiB and max(ms) > 0

@@ -54,7 +54,7 @@ def test_two_processes_match_one(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=300,
     )
     assert single.returncode == 0, single.stderr[-2000:]
     multi = subprocess.run(
@@ -74,7 +74,7 @@ def test_two_processes_match_one(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=300,
     )
     assert multi.returncode == 0, multi.stderr[-3000:]
     a, b = _records(one), _records(two)

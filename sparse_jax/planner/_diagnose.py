@@ -127,16 +127,28 @@ def infeasible(items, failure, tables, topology, constraints, model, pooling) ->
         )
         state = sum(_state_bytes(by_name[n], model) for n in item.names)
     else:
-        free = float(failure.free.max())
+        # Each layout needs its bytes on its own devices: name, for the layout that comes
+        # closest to fitting, the device that falls furthest short.
+        short = item.mem - failure.free  # options x devices; every option is short somewhere
+        j = int(np.argmin(short.max(axis=1)))
+        d = int(np.argmax(short[j]))
+        where = " ".join(
+            f"{a}={c}"
+            for a, c in zip(
+                topology.axes, np.unravel_index(d, tuple(topology.axes.values())), strict=True
+            )
+        )
         msg = (
-            f"{_who(item.names)} does not fit beside the tables placed before it: its smallest allowed "
-            f"layout, {smallest}, needs {_b(need)} on a device, and the largest budget left on any "
-            f"device is {_b(free)} (of {_b(budget)})."
+            f"{_who(item.names)} does not fit beside the tables placed before it: its closest "
+            f"allowed layout, {label(item.options[j][0])}, needs {_b(item.mem[j, d])} on device "
+            f"{where}, which has only {_b(failure.free[d])} left (of {_b(budget)})."
         )
         state = sum(_state_bytes(t, model) for t in tables)
     remedies = []
     for name in item.names:
         c = constraints.get(name)
+        if c is not None and c.pin is not None and need <= budget:
+            remedies.append(f"move or drop the pin={c.pin!r} of {name!r}")
         if c is not None and c.sharding_types is not None and ST.ROW_WISE not in c.sharding_types:
             axes = (
                 tuple(a for a in topology.axes if topology.axes[a] > 1) or tuple(topology.axes)[:1]
