@@ -38,18 +38,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax._embedding import SequenceBatch
-from sparse_jax._managed_collision import (
+from sparse_jax.managed._collection import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from sparse_jax.managed._id_map import (
     MCHManagedCollisionModule,
     MCHState,
     RawIds,
     hashed_slots,
     host_hashed_slots,
 )
-from sparse_jax._mc_collection import (
-    ManagedCollisionEmbeddingBagCollection,
-    ManagedCollisionEmbeddingCollection,
-)
-from sparse_jax._mc_module import (
+from sparse_jax.managed._unsharded import (
     FrozenIdMap,
     ManagedBatch,
     ManagedSparseModule,

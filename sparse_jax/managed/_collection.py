@@ -23,7 +23,7 @@ import numpy as np
 from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import KeyedJaggedTensor
-from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds
+from sparse_jax.managed._id_map import MCHManagedCollisionModule, MCHState, RawIds
 from sparse_jax.optim import SparseOptState
 
 __all__ = ["ManagedCollisionCollection", "ManagedCollisionEmbeddingBagCollection",

@@ -34,13 +34,13 @@ import numpy as np
 
 from sparse_jax import _validate
 from sparse_jax._jagged import KeyedJaggedTensor
-from sparse_jax._managed_collision import _HI_MAX, _LO_MAX, MCHState, RawIds
-from sparse_jax._mc_collection import (
+from sparse_jax._module import LayoutFacts, PaddedBatch, PreparedBatch
+from sparse_jax._prepare import host_kjt
+from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingCollection,
 )
-from sparse_jax._module import LayoutFacts, PaddedBatch, PreparedBatch
-from sparse_jax._prepare import host_kjt
+from sparse_jax.managed._id_map import _HI_MAX, _LO_MAX, MCHState, RawIds
 
 __all__ = ["FrozenIdMap", "ManagedBatch", "ManagedCollisionSparseModule", "ManagedSparseModule", "managed_id_capacity",
            "profile_counted", "split_raw_ids"]
