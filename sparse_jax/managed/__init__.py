@@ -6,20 +6,28 @@ TorchRec's managed-collision modules, functional. The concept in its files:
   raw ids as two words, `RawIds`; the plain hashed mode, `hashed_slots`).
 - `_collection`: managed-collision tables in front of a table collection
   (`ManagedCollisionEmbeddingBagCollection`, `ManagedCollisionEmbeddingCollection`).
+- `_batch`: a managed module's prepared batch (`ManagedBatch`): raw ids checked on the
+  host (`split_raw_ids`) and placed as words beside the collection's own batch.
+- `_base`: what the two managed modules share (the id maps on the device, their counters,
+  the contract delegated to the wrapped collection).
 - `_unsharded`: such a collection with its id maps as a `SparseModule`
   (`ManagedCollisionSparseModule`), the form a trainer drives.
 - `_sharded`: the same on a mesh (`ShardedManagedCollisionModule`, exported from
   `sparse_jax.sharding`: it is built on the mesh runtime).
+- `_frozen`: an id map frozen for serving (`FrozenIdMap`).
 - `_reshard`: a table's id maps moved onto another split of its rows (`reshard_id_maps`).
 
 The public names are re-exported from `sparse_jax`.
 """
 
+from sparse_jax.managed._base import ManagedSparseModule
+from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity, split_raw_ids
 from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
 )
+from sparse_jax.managed._frozen import FrozenIdMap
 from sparse_jax.managed._id_map import (
     MCH_STATE_FIELDS,
     MCHManagedCollisionModule,
@@ -29,14 +37,7 @@ from sparse_jax.managed._id_map import (
     host_hashed_slots,
 )
 from sparse_jax.managed._reshard import ReshardedIdMaps, reshard_id_maps
-from sparse_jax.managed._unsharded import (
-    FrozenIdMap,
-    ManagedBatch,
-    ManagedCollisionSparseModule,
-    ManagedSparseModule,
-    managed_id_capacity,
-    split_raw_ids,
-)
+from sparse_jax.managed._unsharded import ManagedCollisionSparseModule
 
 __all__ = [
     "FrozenIdMap",

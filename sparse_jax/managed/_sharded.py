@@ -38,24 +38,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax._embedding import SequenceBatch
+from sparse_jax.managed._base import ManagedSparseModule, profile_counted
+from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
 from sparse_jax.managed._collection import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
 )
+from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
 from sparse_jax.managed._id_map import (
     MCHManagedCollisionModule,
     MCHState,
     RawIds,
     hashed_slots,
     host_hashed_slots,
-)
-from sparse_jax.managed._unsharded import (
-    FrozenIdMap,
-    ManagedBatch,
-    ManagedSparseModule,
-    frozen_map,
-    profile_counted,
-    split_raw_ids,
 )
 from sparse_jax.sharding import _placement
 from sparse_jax.sharding._agree import ProcessAgreement
