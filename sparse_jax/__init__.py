@@ -15,7 +15,13 @@ from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
 from sparse_jax._keyed_tensor import KeyedTensor
-from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
+from sparse_jax._module import (
+    ManagedSparseModule,
+    PaddedBatch,
+    PreparedBatch,
+    SparseModule,
+    StoredBlock,
+)
 from sparse_jax._quant import (
     WEIGHT_TYPES,
     dequantize_rows,
@@ -33,7 +39,6 @@ from sparse_jax.managed import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
     ManagedCollisionSparseModule,
-    ManagedSparseModule,
     MCHManagedCollisionModule,
     MCHState,
     RawIds,

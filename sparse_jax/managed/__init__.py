@@ -17,10 +17,14 @@ TorchRec's managed-collision modules, functional. The concept in its files:
 - `_frozen`: an id map frozen for serving (`FrozenIdMap`).
 - `_reshard`: a table's id maps moved onto another split of its rows (`reshard_id_maps`).
 
+The contract a trainer uses is `sparse_jax.ManagedSparseModule` (a Protocol, in
+`sparse_jax/_module.py` beside `SparseModule`): every `SparseModule`'s `managed()` returns
+the module as one, or None for a plain collection, so nothing outside this folder asks the
+type of a module. Both managed modules share `_base.ManagedModuleBase`.
+
 The public names are re-exported from `sparse_jax`.
 """
 
-from sparse_jax.managed._base import ManagedSparseModule
 from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity, split_raw_ids
 from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
@@ -49,7 +53,6 @@ __all__ = [
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
     "ManagedCollisionSparseModule",
-    "ManagedSparseModule",
     "RawIds",
     "ReshardedIdMaps",
     "hashed_slots",

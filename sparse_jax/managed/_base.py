@@ -16,7 +16,7 @@ from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity
 from sparse_jax.managed._collection import ManagedCollisionCollection
 from sparse_jax.managed._id_map import _HI_MAX, _LO_MAX, MCHState, RawIds
 
-__all__ = ["ManagedSparseModule", "profile_counted"]
+__all__ = ["ManagedModuleBase", "profile_counted"]
 
 
 def _occupied(state: MCHState, zch_size: int) -> jax.Array:
@@ -37,10 +37,11 @@ def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, v
     return state, jnp.stack([occupancy, counters[1] + admitted, counters[2] + displaced]), evicted
 
 
-class ManagedSparseModule(LayoutFacts):
+class ManagedModuleBase(LayoutFacts):
     """What the unsharded and the sharded managed-collision modules share: the id maps
     (`mc_state`, `mc_counters`, the draw key of fresh rows) and the `SparseModule`
-    contract delegated to the collection they wrap (`inner`). A subclass provides
+    contract delegated to the collection they wrap (`inner`); both forms implement
+    `sparse_jax.ManagedSparseModule` (the declared contract). A subclass provides
     `prepare`, `remap`, `remap_eval`, `remap_compile_count`, `stats`, `frozen_maps`,
     `host_state` and `_fresh_maps`."""
 
@@ -86,6 +87,10 @@ class ManagedSparseModule(LayoutFacts):
     def draw_key(self) -> jax.Array:
         """The key fresh rows are drawn from (advanced by every training remap)."""
         return self._key
+
+    def managed(self) -> ManagedModuleBase:
+        """This module: it manages raw ids (`SparseModule.managed`)."""
+        return self
 
     def needs_remap(self, batch) -> bool:
         """Whether `batch` is this kind of module's prepared batch, not yet mapped to rows."""

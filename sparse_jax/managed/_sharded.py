@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax._embedding import SequenceBatch
-from sparse_jax.managed._base import ManagedSparseModule, profile_counted
+from sparse_jax.managed._base import ManagedModuleBase, profile_counted
 from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
 from sparse_jax.managed._collection import (
     ManagedCollisionEmbeddingBagCollection,
@@ -101,7 +101,7 @@ def _check_routable(sharded: ShardedEmbeddingBagCollection, configs, split: Mapp
                              "row-wise blocks, another placement, or input_dist='all_gather'")
 
 
-class ShardedManagedCollisionModule(ManagedSparseModule):
+class ShardedManagedCollisionModule(ManagedModuleBase):
     """`sharded` (a `ShardedEmbeddingBagCollection`, or a `ShardedEmbeddingCollection`) with
     a managed-collision module per table in `managed_collision_modules` (`zch_size ==
     num_embeddings`), as a `SparseModule` (see the module docstring). A sharded sequence

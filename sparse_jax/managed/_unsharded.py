@@ -31,7 +31,7 @@ import numpy as np
 
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._module import PaddedBatch
-from sparse_jax.managed._base import ManagedSparseModule, profile_counted
+from sparse_jax.managed._base import ManagedModuleBase, profile_counted
 from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
 from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
@@ -43,7 +43,7 @@ from sparse_jax.managed._id_map import RawIds
 __all__ = ["ManagedCollisionSparseModule"]
 
 
-class ManagedCollisionSparseModule(ManagedSparseModule):
+class ManagedCollisionSparseModule(ManagedModuleBase):
     """`mc` (a `ManagedCollisionEmbeddingBagCollection` or
     `ManagedCollisionEmbeddingCollection` over an unsharded collection) with its id maps, as
     a `SparseModule`.
