@@ -13,7 +13,10 @@ TorchRec's managed-collision modules, functional. The concept in its files:
 - `_unsharded`: such a collection with its id maps as a `SparseModule`
   (`ManagedCollisionSparseModule`), the form a trainer drives.
 - `_sharded`: the same on a mesh (`ShardedManagedCollisionModule`, exported from
-  `sparse_jax.sharding`: it is built on the mesh runtime).
+  `sparse_jax.sharding`, which imports it: it is built on the mesh runtime, so import it
+  from there).
+- `_reset`: fresh rows and zero optimizer state for the slots given to new ids (one
+  routine for the unsharded buffers and each device's blocks of a sharded table).
 - `_frozen`: an id map frozen for serving (`FrozenIdMap`).
 - `_reshard`: a table's id maps moved onto another split of its rows (`reshard_id_maps`).
 

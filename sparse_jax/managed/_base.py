@@ -14,6 +14,7 @@ from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._module import LayoutFacts
 from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity
 from sparse_jax.managed._collection import ManagedCollisionCollection
+from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
 from sparse_jax.managed._id_map import _HI_MAX, _LO_MAX, MCHState, RawIds
 
 __all__ = ["ManagedModuleBase", "profile_counted"]
@@ -42,8 +43,8 @@ class ManagedModuleBase(LayoutFacts):
     (`mc_state`, `mc_counters`, the draw key of fresh rows) and the `SparseModule`
     contract delegated to the collection they wrap (`inner`); both forms implement
     `sparse_jax.ManagedSparseModule` (the declared contract). A subclass provides
-    `prepare`, `remap`, `remap_eval`, `remap_compile_count`, `stats`, `frozen_maps`,
-    `host_state` and `_fresh_maps`."""
+    `prepare`, `remap`, `remap_eval`, `remap_compile_count`, `stats`, `host_state` and
+    `_fresh_maps`."""
 
     plan = None
     mesh_axes = None
@@ -91,6 +92,14 @@ class ManagedModuleBase(LayoutFacts):
     def managed(self) -> ManagedModuleBase:
         """This module: it manages raw ids (`SparseModule.managed`)."""
         return self
+
+    def frozen_maps(self) -> dict[str, FrozenIdMap]:
+        """{managed table: its id maps frozen on the host (`FrozenIdMap`), for serving: one
+        map, or one per shard for a table managed per shard (an id not resident reads the
+        default row of the shard it hashes to). Gathers `host_state()`: on a multi-process
+        mesh every process calls it."""
+        states = self.host_state()[0]
+        return {name: frozen_map(states[name]) for name in self.managed_tables}
 
     def needs_remap(self, batch) -> bool:
         """Whether `batch` is this kind of module's prepared batch, not yet mapped to rows."""

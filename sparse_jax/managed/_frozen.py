@@ -26,11 +26,14 @@ class FrozenIdMap(NamedTuple):
     shards: int = 1
 
 
-def frozen_map(states: MCHState, shard_rows: int) -> FrozenIdMap:
-    """The `FrozenIdMap` of a table's id maps stacked one per shard (`[shards, ...]` host
-    arrays; shard s owns rows `s * shard_rows` on). Each id is resident in one shard at most."""
-    raw = RawIds(np.asarray(states.sorted_hi), np.asarray(states.sorted_lo)).to_int64()
-    rows = np.asarray(states.slots, np.int64) + np.arange(raw.shape[0])[:, None] * shard_rows
+def frozen_map(states: MCHState) -> FrozenIdMap:
+    """The `FrozenIdMap` of a table's id map (host arrays, `[rows]`: one map for the whole
+    table) or id maps stacked one per shard (`[shards, rows]`: shard s owns table rows
+    `s * rows` on). Each id is resident in one shard at most."""
+    shard_rows = np.shape(states.sorted_hi)[-1]  # a map holds one entry per slot of its shard
+    raw = RawIds(np.asarray(states.sorted_hi), np.asarray(states.sorted_lo)).to_int64().reshape(-1, shard_rows)
+    slots = np.asarray(states.slots, np.int64).reshape(-1, shard_rows)
+    rows = slots + np.arange(raw.shape[0])[:, None] * shard_rows
     resident = raw != np.iinfo(np.int64).max
     ids, rows = raw[resident], rows[resident]
     order = np.argsort(ids, kind="stable")

@@ -37,7 +37,6 @@ from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingCollection,
 )
-from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
 from sparse_jax.managed._id_map import RawIds
 
 __all__ = ["ManagedCollisionSparseModule"]
@@ -75,11 +74,6 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
     def remap_compile_count(self) -> int:
         """Programs the remap has compiled (constant in a steady loop)."""
         return self._remap_train._cache_size() + self._remap_eval._cache_size()
-
-    def frozen_maps(self) -> dict[str, FrozenIdMap]:
-        """{managed table: its id map frozen on the host (`FrozenIdMap`), for serving}."""
-        return {name: frozen_map(jax.tree.map(lambda x: np.asarray(x)[None], self.mc_state[name]),
-                                 self.mc.modules[name].zch_size) for name in self.managed_tables}
 
     def host_state(self):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays."""
