@@ -55,7 +55,7 @@ from hybrid.serving._artifact import (
     table_file,
 )
 from hybrid.serving._request import RequestSpec, read_sparse
-from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, ManagedSparseModule, PoolingType
+from sparse_jax import DEFAULT_LADDER, EmbeddingBagConfig, PoolingType
 
 __all__ = ["export"]
 
@@ -144,6 +144,7 @@ def _source(model) -> _Source:
         )
     if isinstance(model, Model):
         module = model.sparse_module
+        managed = module.managed()
         _check_pooled(module.tables)
         weights = module.table_weights(model.sparse_params)  # a sharded module gathers to the host
         tables = [
@@ -158,7 +159,7 @@ def _source(model) -> _Source:
             module.bounds_check,
             tuple(model.capacity_ladder),
             model.dense,
-            module.frozen_maps() if isinstance(module, ManagedSparseModule) else {},
+            {} if managed is None else managed.frozen_maps(),
         )
     raise TypeError(
         f"hybrid.export takes a hybrid.Model or hybrid.quantize(...)'s QuantizedModel, got {type(model).__name__}"

@@ -25,8 +25,7 @@ __all__ = ["check_mc_tables", "mc_state_arrays", "reshard_mc_arrays", "restore_m
 
 
 def _managed(model) -> ManagedSparseModule | None:
-    module = model.sparse_module
-    return module if isinstance(module, ManagedSparseModule) else None
+    return model.sparse_module.managed()
 
 
 def mc_state_arrays(model) -> dict[str, np.ndarray]:

@@ -46,7 +46,6 @@ from hybrid._state_dict import EmbeddingBagsState
 from sparse_jax import (
     DEFAULT_LADDER,
     EmbeddingBagConfig,
-    ManagedSparseModule,
     PreparedBatch,
 )
 from sparse_jax.optim import RowRule, SparseOptState, rowwise_adagrad
@@ -167,8 +166,8 @@ class Model(nn.Module):
     def managed_collision_stats(self) -> dict[str, jax.Array]:
         """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
         ids evicted so far)}; empty without managed tables. Read them when you log."""
-        module = self._tables.module
-        return module.stats() if isinstance(module, ManagedSparseModule) else {}
+        managed = self._tables.managed
+        return managed.stats() if managed is not None else {}
 
     def compile_counts(self) -> dict[str, int]:
         """Programs the sparse lookup and update have compiled (steady training: constant)."""

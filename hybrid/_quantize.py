@@ -35,7 +35,6 @@ from sparse_jax import (
     FrozenIdMap,
     KeyedJaggedTensor,
     ManagedCollisionCollection,
-    ManagedSparseModule,
     PreparedBatch,
     QuantEmbeddingBagCollection,
     split_raw_ids,
@@ -61,8 +60,6 @@ class QuantizedModel(nn.Module):
     def __init__(self, sparse_module: QuantEmbeddingBagCollection, dense: nn.Module,
                  managed: ManagedCollisionCollection | None = None, id_maps: Mapping[str, FrozenIdMap] | None = None):
         super().__init__()
-        if not isinstance(sparse_module, QuantEmbeddingBagCollection):
-            raise TypeError(f"sparse_module must be a QuantEmbeddingBagCollection, got {type(sparse_module).__name__}")
         if (managed is None) != (not id_maps) or (managed is not None and set(id_maps) != set(managed.modules)):
             raise ValueError("QuantizedModel: give the managed-collision collection and one frozen id map per managed "
                              "table together (hybrid.quantize does)")
@@ -138,7 +135,7 @@ def quantize(
     its dense tower is copied. Batches are padded to `model.capacity_ladder`."""
     if not isinstance(model, Model):
         raise TypeError(f"hybrid.quantize takes a trained hybrid.Model, got {type(model).__name__}")
-    managed = model.sparse_module if isinstance(model.sparse_module, ManagedSparseModule) else None
+    managed = model.sparse_module.managed()
     sparse = QuantEmbeddingBagCollection.from_float(
         model.sparse_module,
         model.sparse_params,

@@ -17,7 +17,6 @@ import torch
 from sparse_jax import (
     KeyedJaggedTensor,
     KeyedTensor,
-    ManagedSparseModule,
     PreparedBatch,
     SparseModule,
     make_update,
@@ -66,21 +65,22 @@ def _to_torch_copy(array: jax.Array) -> torch.Tensor:
 
 
 class SparseTables:
-    """Holds `module` (an EBC or a sharded one), `params`, `opt_state` and the update step."""
+    """Holds `module` (a `sparse_jax.SparseModule`, from `_build_sparse`), `params`,
+    `opt_state` and the update step. It uses the module through the contract only: a managed
+    module is reached through `module.managed()`."""
 
-    def __init__(self, module, rule: RowRule, key: jax.Array, device: jax.Device | None = None):
+    def __init__(self, module: SparseModule, rule: RowRule, key: jax.Array, device: jax.Device | None = None):
         if not isinstance(rule, RowRule):
             raise TypeError(
                 f"sparse_optimizer must be a sparse_jax.optim row rule (sgd, adagrad, rowwise_adagrad, "
                 f"adam or from_optax(...)), got {type(rule).__name__}"
             )
-        if not isinstance(module, SparseModule):
-            raise TypeError(f"{type(module).__name__} does not implement sparse_jax.SparseModule")
         self.module, self.rule, self.device = module, rule, device
+        self.managed = module.managed()  # the managed-collision part, or None
         self.pending = None  # the SparseStep whose backward runs next (set by its forward)
         params = module.init(key)
-        if isinstance(module, ManagedSparseModule):
-            module.place_maps(device)  # beside the tables, before any checkpoint loads into them
+        if self.managed is not None:
+            self.managed.place_maps(device)  # beside the tables, before any checkpoint loads into them
         # committed to one device from the start: the update returns committed arrays, and
         # jit keys its cache on commitment, so uncommitted first-step inputs would compile twice
         self._params = _committed(params, device)
@@ -123,11 +123,11 @@ class SparseTables:
         managed-collision batch is remapped first: in training its id maps advance and the
         rows they gave to new ids are reset (donated tables and state), in eval it is only
         read; the update then takes the slot ids."""
-        if isinstance(self.module, ManagedSparseModule) and self.module.needs_remap(batch):
+        if self.managed is not None and self.managed.needs_remap(batch):
             if training:
-                self._params, self._opt_state, batch = self.module.remap(self._params, self._opt_state, batch)
+                self._params, self._opt_state, batch = self.managed.remap(self._params, self._opt_state, batch)
             else:
-                batch = self.module.remap_eval(batch)
+                batch = self.managed.remap_eval(batch)
         return self.module.apply(self._params, batch), batch
 
     def apply_gradient(self, batch: PreparedBatch, pooled_grad: jax.Array, ok=None) -> None:
@@ -146,8 +146,8 @@ class SparseTables:
         """Programs compiled so far by the lookup and the update (for recompilation checks;
         shared with other models built from the same tables and optimizer)."""
         counts = {"lookup": self.module.lookup_compile_count(), "update": self._update.compile_count()}
-        if isinstance(self.module, ManagedSparseModule):
-            counts["remap"] = self.module.remap_compile_count()
+        if self.managed is not None:
+            counts["remap"] = self.managed.remap_compile_count()
         return counts
 
     # -- whole-table access (copies) ---------------------------------------------------------

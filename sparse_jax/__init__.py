@@ -15,29 +15,13 @@ from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
 from sparse_jax._keyed_tensor import KeyedTensor
-from sparse_jax._managed_collision import (
-    MCH_STATE_FIELDS,
-    MCHManagedCollisionModule,
-    MCHState,
-    RawIds,
-    hashed_slots,
-    host_hashed_slots,
-)
-from sparse_jax._mc_collection import (
-    ManagedCollisionCollection,
-    ManagedCollisionEmbeddingBagCollection,
-    ManagedCollisionEmbeddingCollection,
-)
-from sparse_jax._mc_module import (
-    FrozenIdMap,
-    ManagedBatch,
-    ManagedCollisionSparseModule,
+from sparse_jax._module import (
     ManagedSparseModule,
-    managed_id_capacity,
-    split_raw_ids,
+    PaddedBatch,
+    PreparedBatch,
+    SparseModule,
+    StoredBlock,
 )
-from sparse_jax._mc_reshard import ReshardedIdMaps, reshard_id_maps
-from sparse_jax._module import PaddedBatch, PreparedBatch, SparseModule, StoredBlock
 from sparse_jax._quant import (
     WEIGHT_TYPES,
     dequantize_rows,
@@ -47,6 +31,24 @@ from sparse_jax._quant import (
 )
 from sparse_jax._quant_collection import QuantEmbeddingBagCollection
 from sparse_jax._update import make_update
+from sparse_jax.managed import (
+    MCH_STATE_FIELDS,
+    FrozenIdMap,
+    ManagedBatch,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+    ManagedCollisionSparseModule,
+    MCHManagedCollisionModule,
+    MCHState,
+    RawIds,
+    ReshardedIdMaps,
+    hashed_slots,
+    host_hashed_slots,
+    managed_id_capacity,
+    reshard_id_maps,
+    split_raw_ids,
+)
 
 __all__ = [
     "BaseEmbeddingConfig",

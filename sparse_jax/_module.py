@@ -1,7 +1,8 @@
 """The sparse-module contract: what `hybrid` (and any trainer) may call on a sparse module.
 
-`EmbeddingBagCollection`, `EmbeddingCollection` and their sharded forms implement
-`SparseModule`. One training step uses it in this order:
+`EmbeddingBagCollection`, `EmbeddingCollection`, their sharded forms and the
+managed-collision modules implement `SparseModule`; the managed ones also
+`ManagedSparseModule`. One training step uses it in this order:
 
     batch = module.prepare(kjt)                    # once per batch, off the critical path
     out = module.apply(params, batch)              # forward on the prepared batch
@@ -14,6 +15,16 @@ the returned `PreparedBatch` is a pytree that `apply` and the update consume as 
 nothing re-checks, re-pads or re-splits it and no device value is read on the host.
 `stored_blocks()` says where each table's rows live in the stacked buffers (checkpoints
 walk it instead of the modules' internals).
+
+`managed()` says whether a module maps raw ids through managed-collision id maps: it
+returns the module as a `ManagedSparseModule` (the managed forms), or None (the plain
+collections and their sharded forms). A trainer asks it, never the module's type:
+
+    managed = module.managed()
+    if managed is not None and managed.needs_remap(batch):
+        params, opt_state, batch = managed.remap(params, opt_state, batch)   # training
+        # (eval: batch = managed.remap_eval(batch))
+    out = module.apply(params, batch)
 """
 
 from __future__ import annotations
@@ -23,10 +34,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
+import numpy as np
 
 from sparse_jax._jagged import KeyedJaggedTensor
 
-__all__ = ["LayoutFacts", "PaddedBatch", "PreparedBatch", "SparseModule", "StoredBlock", "UpdateStep"]
+__all__ = ["LayoutFacts", "ManagedSparseModule", "PaddedBatch", "PreparedBatch", "SparseModule", "StoredBlock",
+           "UpdateStep"]
 
 
 class LayoutFacts:
@@ -128,3 +141,57 @@ class SparseModule(Protocol):
 
     def lookup_compile_count(self) -> int:
         """Programs the jitted lookup has compiled (constant in a steady loop)."""
+
+    def managed(self) -> ManagedSparseModule | None:
+        """This module as a `ManagedSparseModule` if it manages raw ids, else None."""
+
+
+@runtime_checkable
+class ManagedSparseModule(SparseModule, Protocol):
+    """A `SparseModule` whose managed tables take raw 64-bit ids and map them to rows through
+    id maps it holds on the device (`sparse_jax.ManagedCollisionSparseModule`, and
+    `sparse_jax.sharding.ShardedManagedCollisionModule` on a mesh); `managed()` returns it.
+
+    Its `prepare` returns a batch of raw ids; `remap` (training: the id maps advance and the
+    rows they gave to new ids are reset) or `remap_eval` (read only) turns it into the batch
+    of table rows that `apply` and the fused update take.
+
+    Attributes: `mc` (the `ManagedCollisionCollection`: `mc.modules` is `{table:
+    MCHManagedCollisionModule}` for the whole table), `managed_tables` (their names,
+    sorted), `mc_state` (`{table: MCHState}` on the device; leaves stacked `[shards, ...]`
+    on a mesh, one map per shard).
+    """
+
+    mc: Any
+    managed_tables: list[str]
+    mc_state: Mapping[str, Any]
+
+    def place_maps(self, device: jax.Device | None) -> None:
+        """Commit the id maps, counters and draw key to `device` (where the tables are)."""
+
+    def needs_remap(self, batch) -> bool:
+        """Whether `batch` is this module's prepared batch of raw ids, not yet remapped."""
+
+    def remap(self, params, opt_state, batch) -> tuple[Any, Any, PreparedBatch]:
+        """A training batch's remap: `(params, opt_state, batch of rows)`; `params` and
+        `opt_state` are donated (the rows given to new ids are reset in them)."""
+
+    def remap_eval(self, batch) -> PreparedBatch:
+        """An eval batch's rows (ids not resident read the default row); nothing changes."""
+
+    def remap_compile_count(self) -> int:
+        """Programs the remap has compiled (constant in a steady loop)."""
+
+    def stats(self) -> dict[str, jax.Array]:
+        """`{table: int32[3]}` device counters: slots in use, ids admitted, resident ids evicted."""
+
+    def frozen_maps(self) -> dict[str, Any]:
+        """`{table: FrozenIdMap}`: the id maps frozen on the host, for serving."""
+
+    def host_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray], np.ndarray]:
+        """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays (a
+        collective on a multi-process mesh: every process calls it)."""
+
+    def load_mc_state(self, state: Mapping[str, Any], counters: Mapping | None = None,
+                      key: jax.Array | None = None) -> None:
+        """Replace the id maps (and counters, draw key), e.g. from a checkpoint."""

@@ -25,6 +25,10 @@ class TableCollection(LayoutFacts):
     plan = None  # unsharded: no ShardingPlan
     mesh_axes = None
 
+    def managed(self) -> None:
+        """A plain collection manages no ids (`SparseModule.managed`)."""
+        return None
+
     def check_structure(self, kjt) -> None:
         """The KJT's keys and id dtype fit this collection (no id is read); collections add
         their checks."""

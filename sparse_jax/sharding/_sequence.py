@@ -77,6 +77,10 @@ class ShardedEmbeddingCollection(LayoutFacts):
     def lookup_compile_count(self) -> int:
         return self.bags.lookup_compile_count()
 
+    def managed(self) -> None:
+        """A plain sharded collection manages no ids (`SparseModule.managed`)."""
+        return None
+
     def _per_id(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, dict[str, np.ndarray]]:
         """The per-id host KJT (one id per bag, features padded to one batch) and each
         feature's lengths."""

@@ -143,6 +143,10 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
     def lookup_compile_count(self) -> int:
         return self._apply_jit._cache_size()
 
+    def managed(self) -> None:
+        """A plain sharded collection manages no ids (`SparseModule.managed`)."""
+        return None
+
     # -- weights and state (host copies; see `_placement.py`) -----------------------------------
     def init(self, key: jax.Array) -> dict[str, jax.Array]:
         """The same weights as `ebc.init(key)`, placed on the mesh."""

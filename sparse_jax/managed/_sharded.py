@@ -38,25 +38,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax._embedding import SequenceBatch
-from sparse_jax._managed_collision import (
+from sparse_jax.managed._base import ManagedModuleBase, profile_counted
+from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
+from sparse_jax.managed._collection import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from sparse_jax.managed._id_map import (
     MCHManagedCollisionModule,
     MCHState,
     RawIds,
     hashed_slots,
     host_hashed_slots,
 )
-from sparse_jax._mc_collection import (
-    ManagedCollisionEmbeddingBagCollection,
-    ManagedCollisionEmbeddingCollection,
-)
-from sparse_jax._mc_module import (
-    FrozenIdMap,
-    ManagedBatch,
-    ManagedSparseModule,
-    frozen_map,
-    profile_counted,
-    split_raw_ids,
-)
+from sparse_jax.managed._reset import RowBlock, reset_rows
 from sparse_jax.sharding import _placement
 from sparse_jax.sharding._agree import ProcessAgreement
 from sparse_jax.sharding._local_batch import LocalBatches, split_batch
@@ -106,7 +101,7 @@ def _check_routable(sharded: ShardedEmbeddingBagCollection, configs, split: Mapp
                              "row-wise blocks, another placement, or input_dist='all_gather'")
 
 
-class ShardedManagedCollisionModule(ManagedSparseModule):
+class ShardedManagedCollisionModule(ManagedModuleBase):
     """`sharded` (a `ShardedEmbeddingBagCollection`, or a `ShardedEmbeddingCollection`) with
     a managed-collision module per table in `managed_collision_modules` (`zch_size ==
     num_embeddings`), as a `SparseModule` (see the module docstring). A sharded sequence
@@ -183,12 +178,6 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
         """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
         ids evicted so far), summed over the table's id maps}: read them when you log."""
         return {name: jnp.sum(c, axis=0) for name, c in self.mc_counters.items()}
-
-    def frozen_maps(self) -> dict[str, FrozenIdMap]:
-        """{managed table: its id maps frozen on the host, one per shard (`FrozenIdMap`: an id
-        not resident reads the default row of the shard it hashes to)}."""
-        states = self.host_state()[0]
-        return {name: frozen_map(states[name], self.split[name].rows) for name in self.managed_tables}
 
     def host_state(self):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays, gathered
@@ -331,31 +320,21 @@ class ShardedManagedCollisionModule(ManagedSparseModule):
     def _reset_local(self, params, opt_tables, evicted, key):
         """On each device: fresh rows (the table's init, the same draw everywhere) and zero
         per-row state for every slot given to a new id, in the blocks this device stores."""
-        params, opt_tables = dict(params), dict(opt_tables)
         configs = {t.name: t for t in self.tables}
-        for i, name in enumerate(sorted(evicted)):
-            split, module, config = self.split[name], self.shard_modules[name], configs[name]
+        masks, limits, blocks = {}, {}, {name: [] for name in evicted}
+        for name in evicted:
+            split, module = self.split[name], self.shard_modules[name]
             mask = evicted[name]  # [1, rows]: this shard's map
             if split.axes:
                 mask = jax.lax.all_gather(mask[0], split.axes, tiled=True)  # every shard's, in order
-            k = split.shards * min(module.zch_size, module.history_capacity)
-            (rows,) = jnp.nonzero(mask.reshape(-1), size=k, fill_value=config.num_embeddings)  # table rows
-            fresh = config.initial_weights(jax.random.fold_in(key, i), rows=k)
-            for buf in self.sharded.buffers:
-                c = jax.lax.axis_index(buf.axes) if buf.axes else 0
-                for table, coord, local, r0, rn, c0, cn in buf.blocks:
-                    if table != name:
-                        continue
-                    limit = params[buf.name].shape[0]
-                    here = (rows >= r0) & (rows < r0 + rn) & (c == coord)
-                    at = jnp.where(here, local + rows - r0, limit)
-                    w = params[buf.name]
-                    params[buf.name] = w.at[at, :cn].set(fresh[:, c0:c0 + cn].astype(w.dtype), mode="drop")
-                    leaves = opt_tables.get(buf.name)
-                    if isinstance(leaves, Mapping):
-                        opt_tables[buf.name] = {n: (leaf.at[at].set(0, mode="drop") if leaf.ndim and
-                                                    leaf.shape[0] == limit else leaf) for n, leaf in leaves.items()}
-        return params, opt_tables
+            masks[name] = mask.reshape(-1)  # over the table's rows
+            limits[name] = split.shards * min(module.zch_size, module.history_capacity)
+        for buf in self.sharded.buffers:
+            c = jax.lax.axis_index(buf.axes) if buf.axes else 0
+            for table, coord, local, r0, rn, c0, cn in buf.blocks:
+                if table in blocks:
+                    blocks[table].append(RowBlock(buf.name, local, r0, rn, c0, cn, here=c == coord))
+        return reset_rows(params, opt_tables, masks, key, configs=configs, limits=limits, blocks=blocks)
 
     def remap(self, params, opt_state, batch):
         """A training batch's remap: `(params, opt_state, LocalBatches of table rows)` (a

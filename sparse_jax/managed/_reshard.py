@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sparse_jax._managed_collision import (
+from sparse_jax.managed._id_map import (
     _HI_MAX,
     _LO_MAX,
     MCHManagedCollisionModule,

@@ -23,7 +23,8 @@ import numpy as np
 from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import KeyedJaggedTensor
-from sparse_jax._managed_collision import MCHManagedCollisionModule, MCHState, RawIds
+from sparse_jax.managed._id_map import MCHManagedCollisionModule, MCHState, RawIds
+from sparse_jax.managed._reset import RowBlock, reset_rows
 from sparse_jax.optim import SparseOptState
 
 __all__ = ["ManagedCollisionCollection", "ManagedCollisionEmbeddingBagCollection",
@@ -90,22 +91,13 @@ class ManagedCollisionCollection:
         """(params, opt_state) with every evicted slot's row drawn afresh and its per-row
         optimizer state zeroed. At most `min(zch_size, history_capacity)` slots change per
         call, so only that many rows are drawn."""
-        params, tables = dict(params), dict(opt_state.tables)
         layout = self.collection.layout
         configs = {t.name: t for t in layout.tables}
-        for i, (name, mask) in enumerate(sorted(evicted.items())):
-            module, config = self.modules[name], configs[name]
-            group, offset = layout.table_group[name]
-            buffer_rows = params[group].shape[0]
-            k = min(module.zch_size, module.history_capacity)
-            (slot,) = jnp.nonzero(mask, size=k, fill_value=module.zch_size)
-            rows = jnp.where(slot < module.zch_size, offset + slot, buffer_rows)  # fill: dropped
-            fresh = config.initial_weights(jax.random.fold_in(key, i), rows=k)
-            params[group] = params[group].at[rows].set(fresh.astype(params[group].dtype), mode="drop")
-            leaves = tables.get(group)
-            if isinstance(leaves, Mapping):
-                tables[group] = {n: (leaf.at[rows].set(0, mode="drop") if leaf.ndim and leaf.shape[0] == buffer_rows
-                                     else leaf) for n, leaf in leaves.items()}
+        blocks = {name: [RowBlock(*layout.table_group[name], 0, configs[name].num_embeddings, 0,
+                                  configs[name].embedding_dim)] for name in evicted}
+        limits = {name: min(m.zch_size, m.history_capacity) for name, m in self.modules.items()}
+        params, tables = reset_rows(params, opt_state.tables, evicted, key, configs=configs, limits=limits,
+                                    blocks=blocks)
         return params, opt_state._replace(tables=tables)
 
 

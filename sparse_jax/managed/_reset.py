@@ -1,0 +1,56 @@
+"""Fresh rows for the slots an id map gave to new ids, so an id evicted and seen again
+starts over: the table's init (`init_fn`, else its uniform init) drawn for those rows only,
+and zero per-row optimizer state. One routine for both stores: an unsharded collection's
+stacked buffers (one block per table) and, inside `shard_map`, the blocks of a sharded
+table that each device holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["RowBlock", "reset_rows"]
+
+
+class RowBlock(NamedTuple):
+    """Rows `row_offset : row_offset + num_rows` and columns `col_offset : col_offset +
+    num_cols` of a table, stored in params buffer `buffer` from row `buffer_row` on; `here`:
+    whether this device holds the block (a traced bool inside `shard_map`, True unsharded)."""
+
+    buffer: str
+    buffer_row: int
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+    here: Any = True
+
+
+def reset_rows(params: Mapping[str, jax.Array], opt_tables: Mapping[str, Any], evicted: Mapping[str, jax.Array],
+               key: jax.Array, *, configs: Mapping[str, Any], limits: Mapping[str, int],
+               blocks: Mapping[str, Sequence[RowBlock]]):
+    """(params, opt_tables) with every table row `evicted[table]` (bool over the table's
+    rows) marks drawn afresh in each of `blocks[table]`, and its per-row optimizer state
+    zeroed. `limits[table]`: at most that many rows are marked, and that many rows are drawn
+    (from `fold_in(key, i)` for the i-th table by name, the same draw on every device)."""
+    params, opt_tables = dict(params), dict(opt_tables)
+    for i, name in enumerate(sorted(evicted)):
+        config, k = configs[name], limits[name]
+        (rows,) = jnp.nonzero(evicted[name], size=k, fill_value=config.num_embeddings)  # fill: dropped
+        fresh = config.initial_weights(jax.random.fold_in(key, i), rows=k)
+        for block in blocks[name]:
+            w = params[block.buffer]
+            limit = w.shape[0]
+            inside = (rows >= block.row_offset) & (rows < block.row_offset + block.num_rows) & block.here
+            at = jnp.where(inside, block.buffer_row + rows - block.row_offset, limit)
+            c0, cn = block.col_offset, block.num_cols
+            params[block.buffer] = w.at[at, :cn].set(fresh[:, c0:c0 + cn].astype(w.dtype), mode="drop")
+            leaves = opt_tables.get(block.buffer)
+            if isinstance(leaves, Mapping):
+                opt_tables[block.buffer] = {n: (leaf.at[at].set(0, mode="drop") if leaf.ndim and leaf.shape[0] == limit
+                                                else leaf) for n, leaf in leaves.items()}
+    return params, opt_tables

@@ -1,0 +1,178 @@
+"""`ManagedCollisionSparseModule`: a managed-collision collection as a `SparseModule`, the
+form a trainer (`hybrid.Model`, `hybrid.TrainPipeline`) drives.
+
+It holds the id maps (one `MCHState` per managed table) on the device, as TorchRec's
+managed-collision modules hold theirs as buffers. `prepare` does the host work once per
+batch (checks, padding, placement: what a pipeline runs one batch ahead): the raw ids are
+placed as words beside the collection's prepared batch, whose managed positions hold a
+placeholder. `remap` then runs in the step, right before the lookup, as one jitted
+program: for a training batch it profiles the ids (the id maps advance), maps them to
+slots, and resets the rows the maps gave to new ids (fresh rows, zero optimizer state,
+donated buffers), so an id evicted and seen again starts over; for an eval batch it only
+maps. The id maps therefore always match the batches whose steps ran (a checkpoint taken
+between steps holds them exactly), and no device value is read on the host.
+
+Per table, device counters (`stats()`: occupancy, admissions and evictions so far) are
+updated in the same program; a log reads them when it logs, never per step.
+
+This module is the unsharded form (an `EmbeddingBagCollection` or an `EmbeddingCollection`
+on one device: the slots are written into the bag batch's values, or into the sequence
+batch's row streams at the table's row offset); what both forms share is in `_base`, and
+the mesh form is `sparse_jax.sharding.ShardedManagedCollisionModule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax._jagged import KeyedJaggedTensor
+from sparse_jax._module import PaddedBatch
+from sparse_jax.managed._base import ManagedModuleBase, profile_counted
+from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
+from sparse_jax.managed._collection import (
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from sparse_jax.managed._id_map import RawIds
+
+__all__ = ["ManagedCollisionSparseModule"]
+
+
+class ManagedCollisionSparseModule(ManagedModuleBase):
+    """`mc` (a `ManagedCollisionEmbeddingBagCollection` or
+    `ManagedCollisionEmbeddingCollection` over an unsharded collection) with its id maps, as
+    a `SparseModule`.
+
+    One step: `batch = prepare(kjt)` (host work, may run ahead), then `params, opt_state,
+    slots = remap(params, opt_state, batch)` (training) or `slots = remap_eval(batch)`,
+    then the collection's lookup and fused update on `slots`. `prepare` takes raw ids as
+    `[N]` integers (int64, as a TorchRec KJT carries them) or `[N, 2]` int32 words
+    (`RawIds.words()`, for a JAX KJT with x64 off); an unmanaged feature's ids are checked
+    against its table as usual, a managed feature's may be any int64 but `2**63 - 1`.
+    """
+
+    def __init__(self, mc: ManagedCollisionCollection):
+        if not isinstance(mc, ManagedCollisionCollection):
+            raise TypeError(f"ManagedCollisionSparseModule wraps a ManagedCollisionEmbeddingBagCollection or a "
+                            f"ManagedCollisionEmbeddingCollection, got {type(mc).__name__}")
+        self.collection = mc.collection
+        self.sequence = isinstance(mc, ManagedCollisionEmbeddingCollection)
+        super().__init__(mc, mc.collection)
+        # where each managed table's rows are written: (array of the prepared batch, row offset)
+        self._target = {name: mc.collection.layout.table_group[name] if self.sequence else ("", 0)
+                        for name in mc.modules}
+        self._remap_train = jax.jit(self._remap_program(training=True), donate_argnums=(0, 1, 2, 3, 4))
+        self._remap_eval = jax.jit(self._remap_program(training=False))
+
+    def _fresh_maps(self):
+        return self.mc.init_state(), {name: jnp.zeros(3, jnp.int32) for name in self.mc.modules}
+
+    def remap_compile_count(self) -> int:
+        """Programs the remap has compiled (constant in a steady loop)."""
+        return self._remap_train._cache_size() + self._remap_eval._cache_size()
+
+    def host_state(self):
+        """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays."""
+        return (jax.tree.map(np.asarray, self.mc_state), jax.tree.map(np.asarray, self.mc_counters),
+                np.asarray(jax.random.key_data(self._key)))
+
+    # -- the batch ------------------------------------------------------------------------------
+    def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> ManagedBatch:
+        """Check `kjt` on the host (raw ids as int64 or words; unmanaged features' ids
+        against their tables), prepare the collection's batch with a placeholder where ids
+        are managed, and place the raw id words beside it. Reads no id map."""
+        ids, raw, owner = split_raw_ids(kjt, self.mc)
+        inner = self.collection.prepare(ids, device=device)
+        arrays = self._targets(inner)
+        where = self._stream_positions(ids) if self.sequence else np.arange(raw.shape[0])
+        words, positions = {}, {}
+        for name in self.managed_tables:
+            mine = np.flatnonzero(owner == name)
+            cap = self._capacity(name, len(mine), devices=1)
+            positions[name] = np.full(cap, arrays[self._target[name][0]].shape[0], np.int32)  # padding: dropped
+            positions[name][: len(mine)] = where[mine]
+            words[name] = np.zeros((cap, 2), np.int32)
+            words[name][: len(mine)] = RawIds.from_int64(raw[mine]).words()
+        words, positions = jax.device_put((words, positions), device)
+        self.prepare_count += 1
+        return ManagedBatch(inner, words, positions)
+
+    def _stream_positions(self, host: KeyedJaggedTensor) -> np.ndarray:
+        """Per value of `host`, its position in its buffer's row stream (the order a
+        sequence collection's prepare lays its features out in). A managed feature feeds one
+        table, so its positions are its own."""
+        where = np.zeros(np.asarray(host.values()).shape[0], np.int64)
+        start = dict.fromkeys(self.layout.groups, 0)
+        for slot, ki in zip(self.layout.features, self.layout.key_indices(host.keys()), strict=True):
+            a, b = host._key_slice(ki)
+            where[a:b] = start[slot.group] + np.arange(b - a)
+            start[slot.group] += b - a
+        return where
+
+    def _targets(self, inner) -> dict[str, jax.Array]:
+        """The arrays of a prepared batch that hold row ids: a sequence collection's row
+        stream per buffer, a bag collection's KJT values."""
+        return dict(inner.rows) if self.sequence else {"": inner.kjt.values()}
+
+    def _with_targets(self, inner, arrays):
+        if self.sequence:
+            return dataclasses.replace(inner, rows=arrays)
+        return PaddedBatch(inner.kjt._replace(values=arrays[""]))
+
+    # -- in the step ----------------------------------------------------------------------------
+    def remap(self, params, opt_state, batch: ManagedBatch):
+        """A training batch's remap: `(params, opt_state, slot batch)`. The id maps profile
+        the batch and advance; the rows given to new ids are reset in the donated params
+        and optimizer state; the slot batch is what the lookup and the fused update take."""
+        self._check_batch(batch)
+        (params, opt_state, self.mc_state, self.mc_counters, self._key, arrays) = self._remap_train(
+            params, opt_state, self.mc_state, self.mc_counters, self._key, self._targets(batch.inner), batch.words,
+            batch.positions)
+        return params, opt_state, self._with_targets(batch.inner, arrays)
+
+    def remap_eval(self, batch: ManagedBatch):
+        """An eval batch's slot ids (ids not resident read the default row); nothing changes."""
+        self._check_batch(batch)
+        arrays = self._remap_eval(self.mc_state, self._targets(batch.inner), batch.words, batch.positions)
+        return self._with_targets(batch.inner, arrays)
+
+    @staticmethod
+    def _check_batch(batch) -> None:
+        if not isinstance(batch, ManagedBatch):
+            raise TypeError(f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}")
+
+    def _remap_program(self, *, training: bool):
+        tables = self.managed_tables
+        modules = [self.mc.modules[name] for name in tables]
+
+        def remap_eval(state, arrays, words, positions):
+            arrays = dict(arrays)
+            for name, module in zip(tables, modules, strict=True):
+                at, offset = self._target[name]
+                slots = module.remap(state[name], RawIds.from_words(words[name]))
+                arrays[at] = arrays[at].at[positions[name]].set(slots + offset, mode="drop")
+            return arrays
+
+        def remap_train(params, opt_state, state, counters, key, arrays, words, positions):
+            state, counters, evicted, arrays = dict(state), dict(counters), {}, dict(arrays)
+            for name, module in zip(tables, modules, strict=True):
+                at, offset = self._target[name]
+                ids, valid = RawIds.from_words(words[name]), positions[name] < arrays[at].shape[0]
+                state[name], counters[name], evicted[name] = profile_counted(module, state[name], counters[name],
+                                                                             ids, valid)
+                slots = module.remap(state[name], ids)
+                arrays[at] = arrays[at].at[positions[name]].set(slots + offset, mode="drop")
+            key, draw = jax.random.split(key)
+            params, opt_state = self.mc.reset_evicted(params, opt_state, evicted, draw)
+            return params, opt_state, state, counters, key, arrays
+
+        return remap_train if training else remap_eval
+
+    def stats(self) -> dict[str, jax.Array]:
+        """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
+        ids evicted so far)}: read them when you log."""
+        return dict(self.mc_counters)
