@@ -163,6 +163,19 @@ class Model(nn.Module):
         collective that must not overlap JAX's work calls this first."""
         jax.block_until_ready((self._tables.params, self._tables.opt_state))
 
+    def order_after_sparse_update(self) -> torch.Tensor:
+        """A torch view of the sparse optimizer's step counter on this process's device,
+        defined only once every sparse update dispatched so far has finished. Taking it
+        orders the torch work queued after it (a dense all-reduce) after JAX's update on the
+        device: on a GPU, DLPack makes torch's current stream wait for the update's event,
+        with no host wait; on CPU (no streams) it waits for the update, as
+        `wait_for_sparse_update`."""
+        count = self._tables.opt_state.count
+        if jax.default_backend() == "cpu":
+            jax.block_until_ready((self._tables.params, self._tables.opt_state))
+        local = count.addressable_shards[0].data if len(count.sharding.device_set) > 1 else count
+        return torch.utils.dlpack.from_dlpack(local)
+
     def managed_collision_stats(self) -> dict[str, jax.Array]:
         """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
         ids evicted so far)}; empty without managed tables. Read them when you log."""

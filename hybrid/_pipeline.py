@@ -99,8 +99,9 @@ class TrainPipeline:
         dense tower's first parameter, else `hybrid.torch_device()`).
       dense_grad_hook: called as `dense_grad_hook(model)` between backward and the
         optimizer step (e.g. to all-reduce dense gradients across processes). Before it
-        runs, the sparse update is waited for, so a torch collective never runs while the
-        JAX update's collectives may still use the same devices.
+        runs, torch's work is ordered after the sparse update (`Model.order_after_sparse_update`:
+        a device-side dependency on a GPU, no host wait), so a torch collective never runs
+        while the JAX update's collectives may still use the same devices.
     """
 
     def __init__(
@@ -182,7 +183,7 @@ class TrainPipeline:
         self.optimizer.zero_grad()
         loss.backward()  # dense grads; dispatches the fused sparse update (asynchronous)
         if self.dense_grad_hook is not None:
-            self.model.wait_for_sparse_update()
+            self.model.order_after_sparse_update()
             self.dense_grad_hook(self.model)
         self._guard.step(finite, ready.index)  # skipped on the device unless all finite
         self.stats.steps += 1

@@ -275,3 +275,5 @@ def test_the_dense_grad_hook_runs_only_after_the_sparse_update_finished():
     for _ in range(3):
         pipeline.progress(it)
     assert seen == [True, True, True]
+    barrier = model.order_after_sparse_update()  # what the pipeline takes before the hook
+    assert isinstance(barrier, torch.Tensor) and int(barrier) == 3  # the updates' step counter
