@@ -178,8 +178,8 @@ def _update_fns(c: _Case, rule, interpret: bool):
     num_rows = c.table.shape[0]
 
     def pallas(table, state, rows, bag, scale, bag_grads):
-        rs, starts, bs, ss = _pallas.sorted_runs(rows, bag, scale, num_rows)
-        return _pallas.sorted_run_update(rule, table, state, jnp.int32(1), rs, starts, bs, ss, bag_grads,
+        rows_s, perm = _pallas.sorted_runs(rows, num_rows)
+        return _pallas.sorted_run_update(rule, table, state, jnp.int32(1), rows_s, perm, bag, scale, bag_grads,
                                          interpret=interpret)
 
     def xla(table, state, rows, bag, scale, bag_grads):

@@ -79,8 +79,8 @@ def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, 
     def pallas(interpret: bool):
         def run(*ops):
             t, st, s, r, b, sc, g, ok = unpack(ops)
-            runs = _pallas.sorted_runs(r, b, sc, num_rows)
-            return flat(_pallas.sorted_run_update(rule, t, st, s, *runs, g, ok, interpret=interpret))
+            rows_s, perm = _pallas.sorted_runs(r, num_rows)
+            return flat(_pallas.sorted_run_update(rule, t, st, s, rows_s, perm, b, sc, g, ok, interpret=interpret))
 
         return run
 

@@ -76,13 +76,11 @@ def test_pooled_positions_equals_the_loops():
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
 
 
-def test_sorted_runs_sort_stably_and_mark_every_run():
+def test_sorted_runs_sort_stably_and_put_outside_rows_last():
     rows = jnp.asarray([5, 2, 9, 2, -1, 5, 7, 2], jnp.int32)  # 9 and -1 lie outside 8 rows
-    bag = jnp.arange(8, dtype=jnp.int32)
-    rows_s, starts, bag_s, _ = _pallas.sorted_runs(rows, bag, jnp.ones(8, jnp.float32), 8)
+    rows_s, perm = _pallas.sorted_runs(rows, 8)
     assert rows_s.tolist() == [2, 2, 2, 5, 5, 7, 8, 8]
-    assert bag_s.tolist() == [1, 3, 7, 0, 5, 6, 2, 4]  # stable: stream order within a run
-    assert starts.tolist() == [0, 3, 5, 6, 8, 8, 8, 8, 8]
+    assert perm.tolist() == [1, 3, 7, 0, 5, 6, 2, 4]  # stable: stream order within a run
 
 
 RULES = {
@@ -161,7 +159,7 @@ def test_a_skipped_step_writes_nothing_and_the_update_is_reproducible():
     rows, bag, scale = _stream(rng, 80, 12, 5, True)
     table = jnp.asarray(rng.normal(size=(12, 8)).astype(np.float32))
     r = optim.adam(lr=0.1)
-    runs = _pallas.sorted_runs(jnp.asarray(rows), jnp.asarray(bag), jnp.asarray(scale), 12)
+    runs = (*_pallas.sorted_runs(jnp.asarray(rows), 12), jnp.asarray(bag), jnp.asarray(scale))
     g = jnp.asarray(rng.normal(size=(5, 8)).astype(np.float32)).at[2, 3].set(jnp.nan)
     kept, kept_state = _pallas.sorted_run_update(r, table, r.init_table(table), jnp.int32(1), *runs, g,
                                                  jnp.zeros((), bool), interpret=True)

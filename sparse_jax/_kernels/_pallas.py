@@ -10,10 +10,10 @@ call per kernel.
   forward: it walks the bag's ids from `offsets`, accumulates weighted rows in registers
   (fp32, whatever the table's dtype) and writes its `[dim]` slice of `[B, F * dim]` once.
   The same signature as the C++ kernel (`_ffi.jagged_pooled_sum`).
-* `sorted_runs` (XLA, no float scatter): the id stream sorted by row (ids outside the table
-  sort last), each run's start, and the bag and scale of every sorted id.
-* `sorted_run_update`: one program per run of equal rows: it sums the run's gradient rows
-  (`grad[bag] * scale`, in sorted order), applies the row rule in registers (the rule's own
+* `sorted_runs` (XLA, no scatter): the id stream sorted by row (ids outside the table sort
+  last) with the permutation that sorted it: one key + value sort.
+* `sorted_run_update`: one program per sorted position; the first of each run of equal
+  rows sums the run's gradient rows (`grad[bag] * scale`, in sorted order), applies the row rule in registers (the rule's own
   `update_rows` on a `[1, dim]` row) and writes the row and its per-row state once, in
   place (the buffers are aliased to the outputs). No `[rows, dim]` gradient, no per-id
   temporaries beyond the sort.
@@ -133,30 +133,29 @@ def _positions_kernel(rows_ref, w_ref, t_ref, o_ref, *, cap, dim):
     o_ref[b, :] = jax.lax.fori_loop(0, cap, add, jnp.zeros((dim,), jnp.float32))
 
 
-def sorted_runs(rows, bag, scale, num_rows: int):
-    """The id stream sorted by row: `(rows_s, starts, bag_s, scale_s)`.
+def sorted_runs(rows, num_rows: int):
+    """The id stream sorted by row: `(rows_s, perm)`, both `[N]` int32.
 
-    `rows_s` `[N]`: rows ascending, ids outside `[0, num_rows)` (padding, skipped) as
-    `num_rows`, sorted last; `starts` `[N + 1]`: the first sorted position of each run of
-    equal rows, then `N` (fill); `bag_s`, `scale_s`: each sorted id's bag and scale. The
-    sort is stable (equal rows keep the stream's order: the sums are reproducible). Integer
-    work only: no float scatter."""
+    `rows_s`: rows ascending, ids outside `[0, num_rows)` (padding, skipped) as `num_rows`,
+    sorted last; `perm[i]`: the stream position of the i-th sorted id (its bag and scale are
+    read through it). One key + value sort (a radix sort on a GPU), stable: equal rows keep
+    the stream's order, so the sums are reproducible. Integer work only, no scatter."""
     n = rows.shape[0]
     key = jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows).astype(jnp.int32)
     rows_s, perm = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
-    first = jnp.concatenate([jnp.ones((min(n, 1),), bool), rows_s[1:] != rows_s[:-1]])
-    (starts,) = jnp.nonzero(first, size=n + 1, fill_value=n)
-    return rows_s, starts.astype(jnp.int32), bag[perm], scale[perm]
+    return rows_s, perm
 
 
-def sorted_run_update(rule, table, state: dict, step, rows_s, starts, bag_s, scale_s, bag_grads, good=None, *,
+def sorted_run_update(rule, table, state, step, rows_s, perm, bag, scale, bag_grads, good=None, *,
                       interpret: bool = False):
     """One fused update of one buffer from `sorted_runs`' output: `(new table, new state)`.
 
-    `state`: the rule's per-row leaves (`[rows]` or `[rows, dim]` fp32); `step` the 1-based
-    step (int32 scalar); `bag_grads` `[bags, dim]`; `good` (bool scalar or None): when false
-    no program writes, so the buffers stay exactly as they were (the non-finite guard by
-    predication, no host sync). The table and state are updated in place (aliased)."""
+    `bag`, `scale`: the stream's (unsorted) per-id bag and scale; `state`: the rule's per-row
+    leaves (`[rows]` or `[rows, dim]` fp32); `step` the 1-based step (int32 scalar);
+    `bag_grads` `[bags, dim]`; `good` (bool scalar or None): when false no program writes, so
+    the buffers stay exactly as they were (the non-finite guard by predication, no host
+    sync). The table and state are updated in place (aliased). One program per sorted
+    position; the first position of each run does the run's work, the others exit."""
     num_rows, dim = table.shape
     if not supports_dim(dim):
         raise ValueError(f"the Pallas update needs a power-of-two dim, got {dim}; use kernel='xla'")
@@ -167,7 +166,7 @@ def sorted_run_update(rule, table, state: dict, step, rows_s, starts, bag_s, sca
     n = rows_s.shape[0]
     good = jnp.ones((), bool) if good is None else good
     flags = jnp.stack([jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())])
-    operands = [flags, starts, rows_s, bag_s, scale_s.astype(jnp.float32), bag_grads, table, *leaves]
+    operands = [flags, rows_s, perm, bag.astype(jnp.int32), scale.astype(jnp.float32), bag_grads, table, *leaves]
     first_buffer = 6
     kernel = functools.partial(_update_kernel, rule=rule, treedef=treedef, num_rows=num_rows,
                                num_bags=bag_grads.shape[0], n=n, dim=dim)
@@ -179,28 +178,34 @@ def sorted_run_update(rule, table, state: dict, step, rows_s, starts, bag_s, sca
     return outs[0], jax.tree_util.tree_unflatten(treedef, outs[1:])
 
 
-def _update_kernel(flags_ref, starts_ref, rows_ref, bag_ref, scale_ref, g_ref, t_in, *refs, rule, treedef, num_rows,
+def _update_kernel(flags_ref, rows_ref, perm_ref, bag_ref, scale_ref, g_ref, t_in, *refs, rule, treedef, num_rows,
                    num_bags, n, dim):
     from sparse_jax.optim._rounding import round_rows
 
     k_leaves = treedef.num_leaves
     s_in, t_out, s_out = refs[:k_leaves], refs[k_leaves], refs[k_leaves + 1:]
     k = pl.program_id(0)
-    start = starts_ref[k]
-    end = starts_ref[jnp.minimum(k + 1, n)]
-    row = rows_ref[jnp.minimum(start, n - 1)]
+    row = rows_ref[k]
+    prev = rows_ref[jnp.maximum(k - 1, 0)]
     step, good = flags_ref[0], flags_ref[1]
-    active = (start < n) & (row < num_rows) & (good != 0)
+    active = ((k == 0) | (row != prev)) & (row < num_rows) & (good != 0)
 
     @pl.when(active)
     def _():
-        def add(i, acc):
-            b = bag_ref[i]
-            keep = (b >= 0) & (b < num_bags)
-            s = jnp.where(keep, scale_ref[i], jnp.float32(0))
-            return acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32)
+        def more(carry):
+            i, nxt, _ = carry
+            return (i < n) & (nxt == row)
 
-        grad = jax.lax.fori_loop(start, end, add, jnp.zeros((dim,), jnp.float32))
+        def add(carry):
+            i, _, acc = carry
+            at = perm_ref[i]
+            b = bag_ref[at]
+            keep = (b >= 0) & (b < num_bags)
+            s = jnp.where(keep, scale_ref[at], jnp.float32(0))
+            acc = acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32)
+            return i + 1, rows_ref[jnp.minimum(i + 1, n - 1)], acc
+
+        _, _, grad = jax.lax.while_loop(more, add, (k, row, jnp.zeros((dim,), jnp.float32)))
         w = t_in[row, :].astype(jnp.float32)
         rows_state = jax.tree_util.tree_unflatten(
             treedef, [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in])
