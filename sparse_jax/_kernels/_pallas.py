@@ -155,7 +155,9 @@ def sorted_run_update(rule, table, state, step, rows_s, perm, bag, scale, bag_gr
     `bag_grads` `[bags, dim]`; `good` (bool scalar or None): when false no program writes, so
     the buffers stay exactly as they were (the non-finite guard by predication, no host
     sync). The table and state are updated in place (aliased). One program per sorted
-    position; the first position of each run does the run's work, the others exit."""
+    position; the first position of each run finds the run's end (a binary search with a
+    static trip count) and does the run's work, the others exit. (A `while_loop` over the
+    run crashed Triton's compiler at dim 64 on jax 0.11.2.)"""
     num_rows, dim = table.shape
     if not supports_dim(dim):
         raise ValueError(f"the Pallas update needs a power-of-two dim, got {dim}; use kernel='xla'")
@@ -192,20 +194,22 @@ def _update_kernel(flags_ref, rows_ref, perm_ref, bag_ref, scale_ref, g_ref, t_i
 
     @pl.when(active)
     def _():
-        def more(carry):
-            i, nxt, _ = carry
-            return (i < n) & (nxt == row)
+        def halve(_, bounds):  # the run's end: the first sorted position past `row`
+            lo, hi = bounds
+            mid = (lo + hi) // 2
+            past = rows_ref[jnp.minimum(mid, n - 1)] > row
+            return jnp.where(past, lo, mid + 1), jnp.where(past, mid, hi)
 
-        def add(carry):
-            i, _, acc = carry
+        _, end = jax.lax.fori_loop(0, max(n, 1).bit_length(), halve, (k, jnp.int32(n)))
+
+        def add(i, acc):
             at = perm_ref[i]
             b = bag_ref[at]
             keep = (b >= 0) & (b < num_bags)
             s = jnp.where(keep, scale_ref[at], jnp.float32(0))
-            acc = acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32)
-            return i + 1, rows_ref[jnp.minimum(i + 1, n - 1)], acc
+            return acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32)
 
-        _, _, grad = jax.lax.while_loop(more, add, (k, row, jnp.zeros((dim,), jnp.float32)))
+        grad = jax.lax.fori_loop(k, end, add, jnp.zeros((dim,), jnp.float32))
         w = t_in[row, :].astype(jnp.float32)
         rows_state = jax.tree_util.tree_unflatten(
             treedef, [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in])
