@@ -12,7 +12,7 @@ the CPU program the CPU kernel, and neither holds a `case` on the platform (whic
     out = by_platform((table, ids), out_avals, default=xla_form, cpu=ffi_form, cuda=pallas_form)
 
 Every implementation takes the same operands and returns arrays of `out_avals`' shapes and
-dtypes (a list). Implementations are traced only when that platform is lowered, after the
+dtypes (a list or tuple, or the one array when there is one output). Implementations are traced only when that platform is lowered, after the
 caller's trace has ended: the non-finite guard's flag (`sparse_jax._guard`), if one is set
 at the bind, travels as an extra operand and is set again around the implementation.
 """
@@ -51,11 +51,14 @@ def by_platform(operands: Sequence, out_avals: Sequence[jax.ShapeDtypeStruct], *
 
 
 def _call(fn, operands, guarded: bool):
-    if not guarded:
-        return list(fn(*operands))
-    *operands, good = operands
-    with _guard.predicated(good):
-        return list(fn(*operands))
+    """`fn`'s outputs as a list (an implementation may return one array or a sequence)."""
+    if guarded:
+        *operands, good = operands
+        with _guard.predicated(good):
+            out = fn(*operands)
+    else:
+        out = fn(*operands)
+    return list(out) if isinstance(out, list | tuple) else [out]
 
 
 def _abstract_eval(*operands, out_avals, default, impls, guarded):
