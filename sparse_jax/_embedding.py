@@ -190,9 +190,9 @@ class EmbeddingCollection(TableCollection):
             new_params, new_states = dict(params), dict(opt_state.tables)
             for group, (rows, grad) in streams.items():
                 n = rows.shape[0]
-                new_params[group], new_states[group] = update_rows(
+                new_params[group], new_states[group] = update_rows(  # C++ on CPU, Pallas on CUDA
                     rule, params[group], opt_state.tables[group], count, rows,
-                    jnp.arange(n, dtype=jnp.int32), jnp.ones(n, jnp.float32), grad, kernel="xla",
+                    jnp.arange(n, dtype=jnp.int32), jnp.ones(n, jnp.float32), grad, kernel="auto",
                 )
             return new_params, SparseOptState(count=_guard.next_count(opt_state.count), tables=new_states)
 

@@ -140,3 +140,22 @@ def test_the_audit_sees_what_it_forbids():
     module, batch, params, state, r, _ = _w1(T=2, E=1000, B=64, L=4)
     old = jax.jit(lambda p, b: module.apply(p, b).values()).trace(params, batch)
     assert audit(old.lower(lowering_platforms=("cpu",)).as_text())["triton_kernels"] == 0
+
+
+def test_a_sequence_collection_step_lowered_for_cuda_is_gpu_right():
+    from sparse_jax import EmbeddingCollection, EmbeddingConfig
+
+    tables = [EmbeddingConfig(name="t", num_embeddings=5000, embedding_dim=32, feature_names=["f", "g"])]
+    module = EmbeddingCollection(tables)
+    kjt = KeyedJaggedTensor(["f", "g"], np.arange(96) % 5000, lengths=np.full(32, 3))
+    batch = module.prepare(kjt)
+    params = module.init(jax.random.key(0))
+    r = optim.adam(lr=0.01)
+    update = make_update(module, r, skip_nonfinite=True)
+    grads = {k: jnp.zeros((48, 32), jnp.float32) for k in ("f", "g")}
+    operands = module.update_operands(batch, grads)
+    text = update.jitted.trace(params, r.init(params), operands, jnp.ones((1,), bool), (jnp.int32(0), jnp.int32(-1)),
+                               jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+    got = audit(text)
+    assert got == {"case_or_if": 0, "float_scatter_add_non_unique": 0, "cpu_custom_calls": 0,
+                   "triton_kernels": 1}, got
