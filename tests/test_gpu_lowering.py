@@ -42,9 +42,22 @@ def _scatters(text: str) -> list[dict]:
     return out
 
 
+def _dynamic_loops(text: str) -> int:
+    """`stablehlo.while` loops whose condition is not a counter against a constant (a GPU
+    copies such a predicate to the host every iteration; a static trip count it does not)."""
+    count = 0
+    for m in re.finditer(r"stablehlo\.while\(", text):
+        cond = text[text.find("cond {", m.end()):text.find("} do {", m.end())]
+        ops = re.findall(r"= (stablehlo\.\w+)", cond)
+        if sorted(set(ops)) != ["stablehlo.compare", "stablehlo.constant"] or ops.count("stablehlo.compare") != 1:
+            count += 1
+    return count
+
+
 def audit(text: str) -> dict:
     scatters = _scatters(text)
     return {
+        "dynamic_loops": _dynamic_loops(text),
         "case_or_if": text.count("stablehlo.case") + text.count("stablehlo.if"),
         "float_scatter_add_non_unique": sum(s["adds"] and s["float"] and not s["unique"] for s in scatters),
         "cpu_custom_calls": len(re.findall(r"custom_call @Hybridrec", text)),
@@ -88,7 +101,7 @@ def test_the_w1_training_step_lowered_for_cuda_is_gpu_right(rule):
     module, batch, params, state, r, n_ids = _w1(rule=rule)
     text = _lowered_step(module, batch, params, state, r, "cuda")
     got = audit(text)
-    assert got["case_or_if"] == 0, got
+    assert got["case_or_if"] == 0 and got["dynamic_loops"] == 0, got
     assert got["float_scatter_add_non_unique"] == 0, got
     assert got["cpu_custom_calls"] == 0, got
     assert got["triton_kernels"] >= 1, got
@@ -137,6 +150,12 @@ def test_the_audit_sees_what_it_forbids():
     unique = jax.jit(lambda a, i: a.at[i].set(1.0, unique_indices=True)).trace(x, jnp.zeros(3, jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert audit(unique)["float_scatter_add_non_unique"] == 0
+    loop = jax.jit(lambda a: jax.lax.while_loop(lambda c: c[1] < jnp.max(c[0]), lambda c: (c[0] - 1, c[1] + 1),
+                                                (a, 0.0))).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert audit(loop)["dynamic_loops"] == 1
+    fixed = jax.jit(lambda a: jax.lax.fori_loop(0, 5, lambda i, c: c + 1, a)).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert audit(fixed)["dynamic_loops"] == 0
     module, batch, params, state, r, _ = _w1(T=2, E=1000, B=64, L=4)
     old = jax.jit(lambda p, b: module.apply(p, b).values()).trace(params, batch)
     assert audit(old.lower(lowering_platforms=("cpu",)).as_text())["triton_kernels"] == 0
@@ -157,5 +176,62 @@ def test_a_sequence_collection_step_lowered_for_cuda_is_gpu_right():
     text = update.jitted.trace(params, r.init(params), operands, jnp.ones((1,), bool), (jnp.int32(0), jnp.int32(-1)),
                                jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
     got = audit(text)
-    assert got == {"case_or_if": 0, "float_scatter_add_non_unique": 0, "cpu_custom_calls": 0,
+    assert got == {"dynamic_loops": 0, "case_or_if": 0, "float_scatter_add_non_unique": 0, "cpu_custom_calls": 0,
                    "triton_kernels": 1}, got
+
+
+@pytest.mark.parametrize("policy,interval,threshold", [("lru", 1, 1), ("lfu", 3, 2)])
+def test_the_managed_remaps_gpu_form_gives_the_same_maps(policy, interval, threshold):
+    """`profile` on a GPU (fixed trip counts, the eviction computed every call and kept when
+    due) equals the CPU form (loops that stop early, a `cond`) bit for bit, step by step."""
+    from sparse_jax import MCHManagedCollisionModule, RawIds
+    from sparse_jax.managed._id_map import _static_loops
+
+    mch = MCHManagedCollisionModule(24, history_capacity=64 * interval, eviction_policy=policy,
+                                    eviction_interval=interval, threshold=threshold)
+
+    def form(static):
+        def run(state, ids, valid):
+            with _static_loops(static):
+                return mch._profile(state, ids, valid)
+
+        return jax.jit(run)
+
+    cpu, gpu = form(False), form(True)
+    rng = np.random.default_rng(4)
+    pool = rng.integers(-(2**62), 2**62, 60)
+    state = mch.init()
+    for _ in range(3 * interval + 2):
+        ids = RawIds.from_int64(pool[(rng.zipf(1.3, 64) - 1) % 60])
+        valid = jnp.asarray(rng.random(64) < 0.9)
+        a, b = cpu(state, ids, valid), gpu(state, ids, valid)
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        state = a[0]
+    assert int(jnp.sum(state.sorted_hi != jnp.iinfo(jnp.int32).max)) > 0  # ids were admitted
+    text = jax.jit(mch.profile).trace(state, ids, valid).lower(lowering_platforms=("cuda",)).as_text()
+    assert audit(text)["case_or_if"] == 0 and audit(text)["dynamic_loops"] == 0, audit(text)
+    assert "stablehlo.case" in jax.jit(mch.profile).trace(state, ids, valid).lower(
+        lowering_platforms=("cpu",)).as_text() or interval == 1  # the CPU form keeps its cond
+
+
+def test_a_managed_training_remap_lowered_for_cuda_has_no_conditional():
+    from sparse_jax import MCHManagedCollisionModule, RawIds
+    from sparse_jax.managed import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionSparseModule,
+    )
+
+    tables = [EmbeddingBagConfig(name="u", num_embeddings=32, embedding_dim=8, feature_names=["u"])]
+    module = ManagedCollisionSparseModule(ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(tables), {"u": MCHManagedCollisionModule(32, history_capacity=256)}))
+    ids = np.random.default_rng(0).integers(-(2**62), 2**62, 40)
+    batch = module.prepare(KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5)))
+    r = optim.rowwise_adagrad(lr=0.1)
+    params = module.init(jax.random.key(0))
+    args = (params, r.init(params), module.mc_state, module.mc_counters, module._key, module._targets(batch.inner),
+            batch.words, batch.positions)
+    text = module._remap_train.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    got = audit(text)
+    assert got["case_or_if"] == 0 and got["cpu_custom_calls"] == 0 and got["float_scatter_add_non_unique"] == 0, got
+    assert got["dynamic_loops"] == 0, got

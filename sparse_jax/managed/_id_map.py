@@ -18,6 +18,11 @@ state so that it runs inside a jitted step:
   winning new ids; `profile` returns which slots changed owner (their rows and optimizer
   state must be reset: an id evicted and seen again gets a fresh row).
 - `remap` maps ids to slots (binary search over the sorted ids); eval does only this.
+- On a GPU, `profile` has no data-dependent control flow (`by_platform`, `_static_loops`):
+  the eviction is computed every call and kept only when due (a select, not a `lax.cond`,
+  whose predicate a GPU copies to the host), the radix passes and the k-th score's
+  bisection run a fixed number of times with the extra iterations masked. Elsewhere the
+  loops stop early and the eviction runs only when due. Both give the same maps.
 
 Differences from TorchRec 1.8 (docs/torchrec_compat.md): the window holds
 `history_capacity` ids (a static size) and a window that would overflow it is refused at
@@ -28,6 +33,8 @@ batch and drops what does not fit); `threshold` is a fixed count, not a filter f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import NamedTuple
 
@@ -35,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_jax._kernels._platform import by_platform
 from sparse_jax.optim._rounding import _mix  # murmur3's finalizer, as the rounding draw
 
 __all__ = ["MCH_STATE_FIELDS", "MCHManagedCollisionModule", "MCHState", "RawIds", "hashed_slots", "host_hashed_slots"]
@@ -164,6 +172,19 @@ def _radix_pass(perm, word, shift):
     return perm[(jax.lax.sort(keys) & np.uint32((1 << b) - 1)).astype(jnp.int32)]
 
 
+_STATIC_LOOPS: contextvars.ContextVar = contextvars.ContextVar("hybridrec_static_loops", default=False)
+
+
+@contextlib.contextmanager
+def _static_loops(on: bool):
+    """Trace with fixed trip counts and no `cond` (the GPU form) while `on`."""
+    token = _STATIC_LOOPS.set(on)
+    try:
+        yield
+    finally:
+        _STATIC_LOOPS.reset(token)
+
+
 def _radix_order(words, widths, n):
     """Indices sorting `n` entries by uint32 `words` (the most significant first; `widths[i]`
     low bits of `words[i]` are used, a static int or a traced int32) ascending, stable: an LSD
@@ -174,6 +195,9 @@ def _radix_order(words, widths, n):
         if isinstance(width, int):
             for shift in range(0, width, step):
                 perm = _radix_pass(perm, word, np.uint32(shift))
+        elif _STATIC_LOOPS.get():  # every pass a 32-bit word may need, those past the width masked
+            for shift in range(0, 32, step):
+                perm = jnp.where(shift < width, _radix_pass(perm, word, np.uint32(shift)), perm)
         else:  # as many passes as the traced width needs
             perm, _ = jax.lax.while_loop(lambda c, w=width: c[1] < w,
                                          lambda c, w=word: (_radix_pass(c[0], w, c[1].astype(jnp.uint32)), c[1] + step),
@@ -260,6 +284,23 @@ class MCHManagedCollisionModule:
                              "give history_capacity >= positions per batch * eviction_interval (nothing a window "
                              "holds is ever dropped)")
         valid = jnp.ones(n, bool) if valid is None else valid
+        leaves, tree = jax.tree_util.tree_flatten((state, ids, valid))
+        out = jax.eval_shape(self._profile, state, ids, valid)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+
+        def form(static: bool):
+            def run(*ops):
+                with _static_loops(static):
+                    return jax.tree_util.tree_leaves(self._profile(*jax.tree_util.tree_unflatten(tree, ops)))
+
+            return run
+
+        got = by_platform(leaves, out_leaves, default=form(False), cuda=form(True), rocm=form(True))
+        return jax.tree_util.tree_unflatten(out_tree, got)
+
+    def _profile(self, state: MCHState, ids: RawIds, valid: jax.Array) -> tuple[MCHState, jax.Array]:
+        """`profile`'s program (checked arguments)."""
+        n = ids.hi.shape[0]
         step = state.step + 1
         # pack this batch's valid ids, in order, behind the window's used entries
         rank = _prefix_sum(valid.astype(jnp.int32))
@@ -274,6 +315,9 @@ class MCHManagedCollisionModule:
                                window_used=state.window_used + taken, step=step)
         due = step - state.last_eviction == self.eviction_interval
         evicted = jnp.zeros(self.zch_size, bool)
+        if _STATIC_LOOPS.get():  # computed every call, kept when due: no conditional
+            done = self._evict(state)
+            return jax.tree_util.tree_map(lambda new, old: jnp.where(due, new, old), done, (state, evicted))
         return jax.lax.cond(due, self._evict, lambda s: (s, evicted), state)
 
     def _evict(self, state: MCHState) -> tuple[MCHState, jax.Array]:
@@ -401,7 +445,13 @@ def _kth_smallest(score, k):
         return jnp.where(fits, lo, mid), jnp.where(fits, mid, hi)
 
     # count_at_most(lo) < k <= count_at_most(hi)
-    _, hi = jax.lax.while_loop(lambda b: b[0] < b[1] - 1, halve, (jnp.min(score) - 1, jnp.max(score)))
+    bounds = (jnp.min(score) - 1, jnp.max(score))
+    if _STATIC_LOOPS.get():  # an int32 range halves to one value in at most 32 steps
+        def halve_open(_, b):
+            return tuple(jnp.where(b[0] < b[1] - 1, new, old) for new, old in zip(halve(b), b, strict=True))
+
+        return jax.lax.fori_loop(0, 33, halve_open, bounds)[1]
+    _, hi = jax.lax.while_loop(lambda b: b[0] < b[1] - 1, halve, bounds)
     return hi
 
 
