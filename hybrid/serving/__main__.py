@@ -1,4 +1,5 @@
-"""`python -m hybrid.serving --artifact DIR --requests FILE.jsonl [--out SCORES.jsonl]` (see `_cli`)."""
+"""`python -m hybrid.serving --artifact DIR --requests FILE.jsonl [--out SCORES.jsonl]`, or
+`python -m hybrid.serving serve --artifact DIR --port N` (see `_cli`, `_server`)."""
 
 from hybrid.serving._cli import main
 

@@ -1,6 +1,7 @@
 """`python -m hybrid.serving`: score a JSON-lines file of requests with an exported model.
 
     python -m hybrid.serving --artifact artifacts/dlrm --requests requests.jsonl --out scores.jsonl
+    python -m hybrid.serving serve --artifact artifacts/dlrm --port 8000   # over HTTP: `_server`
 
 Each request line is one sample: `{"dense": [n_dense floats], "sparse": {feature: [ids]}}`
 (a weighted model: `{feature: {"ids": [...], "weights": [...]}}`). Lines are scored in
@@ -115,6 +116,11 @@ def _score(predictor: Predictor, lines, source: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # the HTTP server: fastapi, uvicorn, prometheus-client (lazily)
+        from hybrid.serving._server import main as serve
+
+        return serve(argv[1:])
     args = _parser().parse_args(argv)
     try:
         predictor = load(args.artifact)

@@ -25,7 +25,7 @@ from hybrid.serving._artifact import (
     read_manifest,
     verify_files,
 )
-from hybrid.serving._request import RequestSpec, read_sparse
+from hybrid.serving._request import RequestSpec, SparseArrays, read_dense, read_sparse
 
 __all__ = ["Predictor", "load"]
 
@@ -174,28 +174,39 @@ class Predictor:
     def n_dense(self) -> int:
         return int(self.manifest["dense"]["in_features"])
 
-    def pooled(self, sparse) -> torch.Tensor:
-        """The pooled embeddings `[B, sum of dims]` (fp32, the model's feature order) of a
-        sparse request (any form `hybrid.serving` reads; ids checked)."""
-        arrays = read_sparse(sparse, self._spec)
+    @property
+    def max_ids(self) -> int:
+        """The most ids (all features of all samples) one call takes: the largest id capacity."""
+        return self._spec.id_capacities[-1]
+
+    def _pool(self, arrays: SparseArrays) -> torch.Tensor:
         args = [*self._tables, arrays.values, arrays.offsets]
         if arrays.weights is not None:
             args.append(arrays.weights)
         pooled = self._lookup(*args)
         return torch.from_dlpack(pooled)[: arrays.batch_size].cpu()
 
+    def pooled(self, sparse) -> torch.Tensor:
+        """The pooled embeddings `[B, sum of dims]` (fp32, the model's feature order) of a
+        sparse request (any form `hybrid.serving` reads; ids checked)."""
+        return self._pool(read_sparse(sparse, self._spec))
+
+    def check(self, dense_features, sparse) -> tuple[int, int]:
+        """(samples, ids) of a request, after every check `__call__` makes, without scoring it;
+        a request it cannot score raises `RequestError` (a ValueError) naming the problem."""
+        arrays = read_sparse(sparse, self._spec)
+        read_dense(dense_features, self.n_dense, arrays.batch_size, self._dense_dtype)
+        return arrays.batch_size, int(arrays.offsets[-1])
+
     def __call__(self, dense_features, sparse) -> torch.Tensor:
         """Logits `[B, outputs]` of the dense tower for `dense_features` `[B, n_dense]`
-        (tensor or array-like) and `sparse` (module docstring of `hybrid.serving`)."""
-        pooled = self.pooled(sparse)
-        dense = torch.as_tensor(dense_features, dtype=self._dense_dtype)
-        if dense.ndim != 2 or dense.shape[1] != self.n_dense or dense.shape[0] != pooled.shape[0]:
-            raise ValueError(
-                f"dense_features has shape {tuple(dense.shape)}; this artifact needs [{pooled.shape[0]}, "
-                f"{self.n_dense}] (one row of {self.n_dense} dense features per sample of the sparse request)"
-            )
+        (tensor or array-like) and `sparse` (module docstring of `hybrid.serving`). A request
+        it cannot score raises `RequestError` (a ValueError) naming the problem."""
+        arrays = read_sparse(sparse, self._spec)
+        dense = read_dense(dense_features, self.n_dense, arrays.batch_size, self._dense_dtype)
+        pooled = self._pool(arrays)
         with torch.no_grad():
-            return self._dense(dense.cpu().contiguous(), pooled)
+            return self._dense(dense, pooled)
 
     def __repr__(self) -> str:
         return (

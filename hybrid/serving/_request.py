@@ -33,9 +33,21 @@ import torch
 
 from hybrid.serving._id_map import frozen_rows
 
-__all__ = ["RequestSpec", "SparseArrays", "read_sparse"]
+__all__ = ["RequestError", "RequestSpec", "SparseArrays", "read_dense", "read_sparse"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+
+
+class RequestError(ValueError):
+    """A request the artifact cannot score. A ValueError whose message names the feature,
+    sample or value and what to fix; `kind` names the check that refused it (the server's
+    error metrics and HTTP status use it): "malformed", "missing_feature",
+    "unknown_feature", "ids_not_integer", "id_out_of_range", "weights", "batch_size",
+    "oversize_batch", "too_many_ids", "dense_shape"."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 class RequestSpec(NamedTuple):
@@ -72,12 +84,19 @@ def _is_array(x) -> bool:
     return isinstance(x, np.ndarray | torch.Tensor | jax.Array)
 
 
+def _is_list_of_lists(x) -> bool:
+    def is_list(v):
+        return isinstance(v, Sequence | np.ndarray) and not isinstance(v, str | bytes)
+
+    return is_list(x) and all(is_list(v) for v in x)
+
+
 def _array(x, what: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
     a = np.asarray(x)
     if a.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {a.shape}")
+        raise RequestError("malformed", f"{what} must be 1-D, got shape {a.shape}")
     return a
 
 
@@ -85,33 +104,53 @@ def _per_sample(feature: str, entry) -> _Column:
     weights = None
     if isinstance(entry, Mapping):
         if "ids" not in entry:
-            raise ValueError(
+            raise RequestError(
+                "malformed",
                 f"feature {feature!r}: a dict entry is {{'ids': [[...], ...], 'weights': [[...], ...]}}"
             )
         bags_w = entry.get("weights")
         entry = entry["ids"]
         if bags_w is not None:
+            if not _is_list_of_lists(bags_w):
+                raise RequestError(
+                    "weights", f"feature {feature!r}: 'weights' is one list of weights per sample"
+                )
             weights = [list(w) for w in bags_w]
     if isinstance(entry, str | bytes) or not isinstance(entry, Sequence):
-        raise ValueError(
+        raise RequestError(
+            "malformed",
             f"feature {feature!r}: expected one list of ids per sample (e.g. [[1, 2], [3]]), got {type(entry).__name__}"
         )
     bags = []
     for b, bag in enumerate(entry):
         if isinstance(bag, str | bytes) or not isinstance(bag, Sequence | np.ndarray):
-            raise ValueError(
+            raise RequestError(
+                "malformed",
                 f"feature {feature!r}: sample {b} is {bag!r}; give a list of ids per sample (e.g. [[1, 2], [3]])"
             )
         bags.append(bag)
     lengths = np.array([len(bag) for bag in bags], np.int64)
     flat = list(itertools.chain.from_iterable(bags))
-    values = np.asarray(flat) if flat else np.zeros(0, np.int64)
+    try:
+        values = np.asarray(flat) if flat else np.zeros(0, np.int64)
+    except ValueError:  # bags holding lists of several lengths
+        values = None
+    if values is None or values.ndim != 1:  # a bag holding lists
+        raise RequestError(
+            "malformed", f"feature {feature!r}: a sample's ids are not a flat list of integers"
+        )
     if weights is not None:
         if [len(w) for w in weights] != lengths.tolist():
-            raise ValueError(
+            raise RequestError(
+                "weights",
                 f"feature {feature!r}: 'weights' must hold one weight per id, sample by sample"
             )
-        weights = np.asarray(list(itertools.chain.from_iterable(weights)), np.float32)
+        try:
+            weights = np.asarray(list(itertools.chain.from_iterable(weights)), np.float32)
+        except (TypeError, ValueError):
+            raise RequestError(
+                "weights", f"feature {feature!r}: 'weights' must be numbers, one per id"
+            ) from None
     return _Column(values, lengths, weights)
 
 
@@ -142,14 +181,16 @@ def _from_keyed(keys, values, lengths, weights) -> dict[str, _Column]:
     lengths = _array(lengths, "the KJT's lengths").astype(np.int64)
     weights = None if weights is None else _array(weights, "the KJT's weights")
     if not keys or lengths.shape[0] % len(keys):
-        raise ValueError(
+        raise RequestError(
+            "malformed",
             f"the KJT has {len(keys)} keys and {lengths.shape[0]} lengths; give one length per key and sample "
             "(key-major, the same batch size for every key)"
         )
     stride = lengths.shape[0] // len(keys)
     ends = np.concatenate([[0], np.cumsum(lengths)])
     if ends[-1] > values.shape[0]:
-        raise ValueError(
+        raise RequestError(
+            "malformed",
             f"the KJT's lengths add up to {ends[-1]} but it has {values.shape[0]} values"
         )
     out = {}
@@ -191,7 +232,8 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
             values = values.astype(np.int64)  # JSON may write 3.0
         else:
             bad = values.reshape(-1)[0]
-            raise ValueError(
+            raise RequestError(
+                "ids_not_integer",
                 f"feature {feature!r}: ids must be integers, got {values.dtype} values (e.g. {bad!r})"
             )
     values = values.astype(np.int64)
@@ -211,7 +253,8 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
         if bad.size:
             i = int(bad[0])
             sample = int(np.searchsorted(ends, i, side="right")) - 1
-            raise ValueError(
+            raise RequestError(
+                "id_out_of_range",
                 f"feature {feature!r} ({what}): id {int(values[i])} at sample {sample}, position "
                 f"{i - int(ends[sample])} in its bag, is outside [{low}, {high}) ({bad.size} such ids); fix the ids"
             )
@@ -222,7 +265,8 @@ def _capacity(n: int, spec: RequestSpec) -> int:
     for rung in spec.id_capacities:
         if rung >= n:
             return rung
-    raise ValueError(
+    raise RequestError(
+        "too_many_ids",
         f"the request holds {n} ids, more than this artifact's largest id capacity {spec.id_capacities[-1]}; "
         f"split the request, or re-export with hybrid.export(..., id_capacities=[..., {n}])"
     )
@@ -233,20 +277,23 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
     columns = _columns(sparse)
     missing = [f for f in spec.features if f not in columns]
     if missing:
-        raise ValueError(
+        raise RequestError(
+            "missing_feature",
             f"the request lacks features {missing}; the artifact reads {list(spec.features)} "
             "(give an empty list for a sample without ids)"
         )
     sizes = {f: int(columns[f].lengths.shape[0]) for f in spec.features}
     batch = sizes[spec.features[0]]
     if len(set(sizes.values())) > 1:
-        raise ValueError(
+        raise RequestError(
+            "batch_size",
             f"features have different batch sizes {sizes}; every feature needs one bag per sample"
         )
     if batch < 1:
-        raise ValueError("the request has no samples")
+        raise RequestError("batch_size", "the request has no samples")
     if batch > spec.max_batch_size:
-        raise ValueError(
+        raise RequestError(
+            "oversize_batch",
             f"the request has {batch} samples, more than this artifact's max_batch_size {spec.max_batch_size}; "
             f"split the request, or re-export with hybrid.export(..., max_batch_size={batch})"
         )
@@ -255,11 +302,13 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
         col = columns[f]
         if (col.lengths < 0).any():
             b = int(np.flatnonzero(col.lengths < 0)[0])
-            raise ValueError(
+            raise RequestError(
+                "malformed",
                 f"feature {f!r}: sample {b} has length {int(col.lengths[b])}; lengths must be >= 0"
             )
         if int(col.lengths.sum()) != col.values.shape[0]:
-            raise ValueError(
+            raise RequestError(
+                "malformed",
                 f"feature {f!r}: lengths add up to {int(col.lengths.sum())} but there are "
                 f"{col.values.shape[0]} ids"
             )
@@ -267,7 +316,8 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
         lengths.append(np.pad(col.lengths, (0, spec.max_batch_size - batch)))
         if spec.is_weighted:
             if col.weights is None:
-                raise ValueError(
+                raise RequestError(
+                    "weights",
                     f"feature {f!r} has no weights, but the model is weighted: give one weight per id"
                 )
             weights.append(np.asarray(col.weights, np.float32))
@@ -281,3 +331,23 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
         w = np.zeros(capacity, np.float32)
         w[: ids.shape[0]] = np.concatenate(weights)
     return SparseArrays(padded, offsets, w, batch)
+
+
+def read_dense(dense_features, n_dense: int, batch_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """`dense_features` (tensor or array-like) as a CPU tensor `[batch_size, n_dense]` of
+    `dtype`; anything else raises `RequestError` ("dense_shape") saying the shape needed."""
+    need = (
+        f"this artifact needs [{batch_size}, {n_dense}] (one row of {n_dense} dense features per "
+        "sample of the sparse request)"
+    )
+    try:
+        dense = torch.as_tensor(dense_features, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise RequestError(
+            "dense_shape", f"dense_features is not a numeric array ({e}); {need}"
+        ) from None
+    if dense.ndim != 2 or dense.shape[1] != n_dense or dense.shape[0] != batch_size:
+        raise RequestError(
+            "dense_shape", f"dense_features has shape {tuple(dense.shape)}; {need}"
+        )
+    return dense.cpu().contiguous()

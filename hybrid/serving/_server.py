@@ -1,0 +1,478 @@
+"""`python -m hybrid.serving serve`: an exported model over HTTP (FastAPI + uvicorn).
+
+    python -m hybrid.serving serve --artifact artifacts/dlrm --port 8000 \\
+        [--host 127.0.0.1] [--max-batch-size 64] [--max-wait-us 2000]
+
+Endpoints:
+  POST /predict       `{"dense": [[n_dense floats], ...], "sparse": {feature: [[ids], ...]}}`
+                      (several samples) or `{"dense": [floats], "sparse": {feature: [ids]}}`
+                      (one); weighted models give `{"ids": ..., "weights": ...}` per feature.
+                      -> `{"scores": [sigmoid(logit), ...], "logits": [...], "model": {...}}`
+                      (a list per sample for a tower with several outputs). A request the model
+                      cannot take gets `{"error": kind, "detail": what to fix}`: 400 malformed
+                      (json, structure), 413 too large (samples, ids, body), 422 otherwise
+                      (unknown or missing feature, id out of range, dense width, weights).
+  GET  /healthz       200 while the process is up.
+  GET  /readyz        200 once a model is loaded and until shutdown begins, else 503.
+  GET  /metrics       Prometheus text: requests, errors by kind, batch sizes (samples and
+                      requests per predictor call), request and batch latency, reloads.
+  POST /admin/reload  `{"artifact": DIR}` (or no body: the current directory again). The new
+                      model is loaded, verified (every file against the manifest's sha256) and
+                      warmed up beside the old one, then swapped in; requests already received
+                      finish on the model they arrived under. A refused artifact (422) leaves
+                      the old model serving. SIGHUP reloads the current directory.
+
+Requests are checked on arrival by the predictor's own checks (`Predictor.check`, one set
+with the Python API and the CLI), then batched (`_batcher`): concurrent requests share one
+predictor call of at most --max-batch-size samples, waiting at most --max-wait-us for
+company. SIGTERM / SIGINT: readiness drops, the listening socket closes, queued requests
+are scored without further waiting, the process exits 0. The admin endpoint has no
+authentication: bind to 127.0.0.1 (the default) or put it behind a proxy that guards it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import prometheus_client
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from hybrid.serving._artifact import ArtifactError
+from hybrid.serving._batcher import BatchDone, Batcher, BatcherClosed
+from hybrid.serving._predictor import Predictor, load
+from hybrid.serving._request import RequestError
+
+__all__ = ["create_app", "main"]
+
+log = logging.getLogger("hybrid.serving")
+
+_STATUS = {
+    "malformed_json": 400,
+    "malformed": 400,
+    "payload_too_large": 413,
+    "oversize_batch": 413,
+    "too_many_ids": 413,
+    "not_ready": 503,
+    "shutting_down": 503,
+    "internal": 500,
+}  # every other kind (a value the model cannot take): 422
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
+class _Payload(NamedTuple):
+    """One request, checked: per-sample dense rows and {feature: (id lists, weight lists)}."""
+
+    dense: list
+    sparse: dict[str, tuple[list, list | None]]
+    samples: int
+
+
+class _Metrics:
+    def __init__(self):
+        r = self.registry = prometheus_client.CollectorRegistry()
+        p = "hybridrec_serving_"
+        self.requests = prometheus_client.Counter(
+            p + "requests", "Scoring requests received (POST /predict)", registry=r
+        )
+        self.errors = prometheus_client.Counter(
+            p + "errors", "Scoring requests refused or failed, by kind", ["kind"], registry=r
+        )
+        self.batch_size = prometheus_client.Histogram(
+            p + "batch_size", "Samples per predictor call", buckets=_SIZES, registry=r
+        )
+        self.batch_requests = prometheus_client.Histogram(
+            p + "batch_requests", "Requests per predictor call", buckets=_SIZES, registry=r
+        )
+        self.latency = prometheus_client.Histogram(
+            p + "request_latency_seconds",
+            "POST /predict, from arrival to response (queueing included)",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.batch_latency = prometheus_client.Histogram(
+            p + "batch_latency_seconds", "One predictor call", buckets=_SECONDS, registry=r
+        )
+        self.reloads = prometheus_client.Counter(
+            p + "reloads", "Model loads, by outcome (ok, refused)", ["outcome"], registry=r
+        )
+        self.generation = prometheus_client.Gauge(
+            p + "model_generation", "How many models were loaded (1: the first)", registry=r
+        )
+        self.queued = prometheus_client.Gauge(
+            p + "queued_samples", "Samples waiting for a predictor call", registry=r
+        )
+
+    def batch_done(self, done: BatchDone) -> None:
+        self.batch_size.observe(done.samples)
+        self.batch_requests.observe(done.requests)
+        self.batch_latency.observe(done.seconds)
+
+
+def _load_warm(path: str) -> Predictor:
+    """`load(path)` (every file checked) and one call, so the first request after a swap
+    finds the programs compiled and a model that cannot run is refused before it serves."""
+    predictor = load(path)
+    weighted = predictor.manifest["is_weighted"]
+    empty = {"ids": [[]], "weights": [[]]} if weighted else [[]]
+    try:
+        predictor([[0.0] * predictor.n_dense], dict.fromkeys(predictor.features, empty))
+    except Exception as e:  # any failure means the model cannot serve
+        raise ArtifactError(
+            f"serving artifact {path!r} loads but fails a one-sample warm-up call "
+            f"({type(e).__name__}: {e}); re-export the model"
+        ) from None
+    return predictor
+
+
+def _error(kind: str, detail: str) -> JSONResponse:
+    return JSONResponse({"error": kind, "detail": detail}, status_code=_STATUS.get(kind, 422))
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a json number")
+
+
+def _finite(values: list) -> list:
+    """Non-finite outputs (a model can overflow) as null: json has no NaN or Infinity."""
+    return [
+        _finite(v) if isinstance(v, list) else (v if math.isfinite(v) else None) for v in values
+    ]
+
+
+def _one_sample(entry):
+    """A single-sample request's feature entry as the per-sample form (a list of one bag)."""
+    if isinstance(entry, dict):
+        return {k: [v] for k, v in entry.items() if k in ("ids", "weights")}
+    return [entry]
+
+
+def _parse(body: bytes, predictor: Predictor) -> tuple[Any, dict]:
+    """(dense, sparse) in the per-sample form the predictor reads, from a request body."""
+    try:
+        request = json.loads(body, parse_constant=_no_constant)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
+        raise RequestError("malformed_json", f"the body is not valid json ({e})") from None
+    if (
+        not isinstance(request, dict)
+        or not isinstance(request.get("dense"), list)
+        or not isinstance(request.get("sparse"), dict)
+    ):
+        raise RequestError(
+            "malformed",
+            'a request is {"dense": [[floats], ...], "sparse": {feature: [[ids], ...]}} '
+            '(several samples) or {"dense": [floats], "sparse": {feature: [ids]}} (one)',
+        )
+    dense, sparse = request["dense"], request["sparse"]
+    unknown = sorted(f for f in sparse if f not in predictor.features)
+    if unknown:
+        raise RequestError(
+            "unknown_feature",
+            f"unknown feature(s) {unknown}; this model reads {predictor.features}",
+        )
+    if not dense or not isinstance(dense[0], list):  # one sample
+        dense, sparse = [dense], {f: _one_sample(v) for f, v in sparse.items()}
+    return dense, sparse
+
+
+def _columns(sparse: dict, features: Sequence[str]) -> dict[str, tuple[list, list | None]]:
+    out = {}
+    for f in features:
+        entry = sparse[f]
+        if isinstance(entry, dict):
+            out[f] = (list(entry["ids"]), entry.get("weights"))
+        else:
+            out[f] = (list(entry), None)
+    return out
+
+
+def _score(predictor: Predictor, payloads: Sequence[_Payload]) -> list[dict]:
+    """One predictor call for a batch of payloads; per payload its scores and logits."""
+    weighted = predictor.manifest["is_weighted"]
+    dense = [row for p in payloads for row in p.dense]
+    sparse = {}
+    for f in predictor.features:
+        ids = [bag for p in payloads for bag in p.sparse[f][0]]
+        if weighted:
+            sparse[f] = {"ids": ids, "weights": [w for p in payloads for w in p.sparse[f][1]]}
+        else:
+            sparse[f] = ids
+    logits = predictor(dense, sparse)
+    scores = torch.sigmoid(logits)
+    if logits.shape[1] == 1:
+        logits, scores = logits[:, 0], scores[:, 0]
+    logits, scores = logits.tolist(), scores.tolist()
+    out, start = [], 0
+    for p in payloads:
+        end = start + p.samples
+        out.append({"scores": _finite(scores[start:end]), "logits": _finite(logits[start:end])})
+        start = end
+    return out
+
+
+class _State:
+    """The served model and what changes it; touched only from the event loop."""
+
+    def __init__(self, artifact: str, *, max_batch_size: int, max_wait_s: float, max_body: int):
+        self.path = os.path.abspath(artifact)
+        self.predictor: Predictor | None = None
+        self.generation = 0
+        self.draining = False
+        self.fatal: str | None = None
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.max_body = max_body
+        self.metrics = _Metrics()
+        self.batcher: Batcher | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._reload_lock: asyncio.Lock | None = None
+        self.on_fatal = lambda message: None
+
+    def model_info(self) -> dict:
+        return {"artifact": self.path, "generation": self.generation}
+
+    async def reload(self, path: str | None = None) -> dict:
+        """Load `path` (default: the current directory) beside the served model and swap it
+        in; raises ArtifactError (the served model unchanged) if it is refused."""
+        async with self._reload_lock:
+            path = os.path.abspath(path or self.path)
+            try:
+                predictor = await asyncio.to_thread(_load_warm, path)
+            except ArtifactError as e:
+                self.metrics.reloads.labels("refused").inc()
+                log.error("model reload refused, the served model is unchanged: %s", e)
+                raise
+            # the swap: requests already queued keep the predictor they captured
+            self.predictor, self.path = predictor, path
+            self.generation += 1
+            self.metrics.reloads.labels("ok").inc()
+            self.metrics.generation.set(self.generation)
+            log.info("serving %s (generation %d)", path, self.generation)
+            return self.model_info()
+
+    async def first_load(self) -> None:
+        try:
+            await self.reload()
+        except ArtifactError as e:
+            self.fatal = str(e)
+            self.on_fatal(self.fatal)
+
+    def begin_drain(self) -> None:
+        """From a signal handler: readiness drops and queued requests run without waiting."""
+        self.draining = True
+        if self.loop is not None and self.batcher is not None:
+            self.loop.call_soon_threadsafe(self.batcher.flush)
+
+
+def create_app(
+    artifact: str,
+    *,
+    max_batch_size: int = 64,
+    max_wait_s: float = 0.002,
+    max_body: int = 16 << 20,
+) -> tuple[FastAPI, _State]:
+    """The FastAPI app serving `artifact` and its state (module docstring). The model loads
+    when the app starts (readiness waits for it)."""
+    state = _State(
+        artifact, max_batch_size=max_batch_size, max_wait_s=max_wait_s, max_body=max_body
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.loop = asyncio.get_running_loop()
+        state._reload_lock = asyncio.Lock()
+        state.batcher = Batcher(
+            _score,
+            max_batch_size=max_batch_size,
+            max_wait_s=max_wait_s,
+            on_batch=state.metrics.batch_done,
+        )
+        state.metrics.queued.set_function(lambda: state.batcher.queued_samples)
+        state.batcher.start()
+        first = asyncio.create_task(state.first_load())
+        if hasattr(signal, "SIGHUP"):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                state.loop.add_signal_handler(
+                    signal.SIGHUP, lambda: asyncio.ensure_future(_reload_quietly(state))
+                )
+        try:
+            yield
+        finally:
+            state.draining = True
+            await asyncio.gather(first, return_exceptions=True)
+            await state.batcher.close()
+
+    app = FastAPI(title="hybridrec serving", lifespan=lifespan)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        if state.predictor is None or state.draining:
+            reason = "shutting down" if state.draining else "loading the model"
+            return JSONResponse({"status": reason}, status_code=503)
+        return {"status": "ready", "model": state.model_info()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(
+            prometheus_client.generate_latest(state.metrics.registry),
+            media_type=prometheus_client.CONTENT_TYPE_LATEST,
+        )
+
+    @app.post("/predict")
+    async def predict(request: Request):
+        start = time.perf_counter()
+        state.metrics.requests.inc()
+        try:
+            return await _predict(state, request)
+        except RequestError as e:
+            state.metrics.errors.labels(e.kind).inc()
+            return _error(e.kind, str(e))
+        except BatcherClosed as e:
+            state.metrics.errors.labels("shutting_down").inc()
+            return _error("shutting_down", str(e))
+        except Exception as e:  # the server answers 500 and goes on
+            log.exception("a scoring request failed")
+            state.metrics.errors.labels("internal").inc()
+            return _error("internal", f"{type(e).__name__}: {e}")
+        finally:
+            state.metrics.latency.observe(time.perf_counter() - start)
+
+    @app.post("/admin/reload")
+    async def reload(request: Request):
+        body = await request.body()
+        path = None
+        if body.strip():
+            try:
+                path = json.loads(body).get("artifact")
+            except (ValueError, AttributeError):
+                path = 0  # not a string: refused below
+            if not isinstance(path, str):
+                return _error("malformed", 'the body is {"artifact": "DIR"} (or empty: reload DIR)')
+        if state.predictor is None:
+            return _error("not_ready", "the first model is still loading")
+        try:
+            return {"status": "reloaded", "model": await state.reload(path)}
+        except ArtifactError as e:
+            return JSONResponse(
+                {"error": "artifact_refused", "detail": str(e), "model": state.model_info()},
+                status_code=422,
+            )
+
+    return app, state
+
+
+async def _reload_quietly(state: _State) -> None:
+    with contextlib.suppress(ArtifactError):  # logged; the old model keeps serving
+        await state.reload()
+
+
+async def _predict(state: _State, request: Request):
+    if state.draining:
+        raise BatcherClosed("the server is shutting down")
+    # the model this request is scored by, whatever reloads later (read together: no await)
+    predictor, info = state.predictor, state.model_info()
+    if predictor is None:
+        raise RequestError("not_ready", "the model is still loading; retry when /readyz is 200")
+    if int(request.headers.get("content-length") or 0) > state.max_body:
+        raise RequestError("payload_too_large", f"the body is larger than {state.max_body} bytes")
+    body = await request.body()
+    if len(body) > state.max_body:
+        raise RequestError("payload_too_large", f"the body is larger than {state.max_body} bytes")
+    dense, sparse = _parse(body, predictor)
+    samples, ids = predictor.check(dense, sparse)
+    payload = _Payload(dense, _columns(sparse, predictor.features), samples)
+    result = await state.batcher.submit(predictor, payload, samples=samples, ids=ids)
+    return JSONResponse({**result, "model": info})  # rendered here: a failure is caught
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when shutdown begins, and exiting 0 after a
+    graceful shutdown (uvicorn re-raises the signal once it is done)."""
+
+    def __init__(self, config: uvicorn.Config, state: _State):
+        super().__init__(config)
+        self._state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self._state.begin_drain()
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hybrid.serving serve", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--artifact", required=True, help="the directory hybrid.export wrote")
+    p.add_argument("--port", type=int, required=True, help="the TCP port to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1)")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=64,
+        help="most samples per predictor call (also capped by the artifact's max_batch_size)",
+    )
+    p.add_argument(
+        "--max-wait-us",
+        type=int,
+        default=2000,
+        help="longest a request waits for others to share its call, in microseconds",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds shutdown waits for queued requests before cancelling them",
+    )
+    p.add_argument("--log-level", default="info", help="uvicorn's log level")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.max_batch_size < 1 or args.max_wait_us < 0:
+        print(
+            "python -m hybrid.serving serve: --max-batch-size must be >= 1 and --max-wait-us >= 0",
+            flush=True,
+        )
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:%(name)s: %(message)s")
+    app, state = create_app(
+        args.artifact, max_batch_size=args.max_batch_size, max_wait_s=args.max_wait_us / 1e6
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=args.drain_timeout,
+    )
+    server = _Server(config, state)
+
+    def fatal(message: str) -> None:
+        log.error("cannot serve: %s", message)
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    server.run()
+    return 2 if state.fatal else 0
