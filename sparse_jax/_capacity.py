@@ -4,13 +4,21 @@ Jagged batches have a different number of ids every step. XLA compiles one progr
 shape, so values are padded up to the next rung of a ladder (a new rung compiles once, and
 rarely), and the longest bag of each feature is padded up to a power of two (the length
 cap used by the per-position pooling).
+
+The padding rule, written once (`pad_ids`, `length_caps`) and used by every path that pads
+(`KeyedJaggedTensor.pad`, `prepare`'s `pad_host`, the sharded `split_batch` / `pad_parts`,
+hybrid's torch collate): padding ids are 0 with weight 0, after the last bag (they belong to
+no bag); a feature's cap is the power of two >= its longest bag, raised to a floor. A sharded
+batch's position matrices are one per buffer, so it takes the largest of its features' caps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_LADDER", "capacity_for", "length_cap", "make_ladder"]
+import numpy as np
+
+__all__ = ["DEFAULT_LADDER", "capacity_for", "length_cap", "length_caps", "make_ladder", "pad_ids"]
 
 
 def make_ladder(smallest: int = 128, largest: int = 1 << 27, steps_per_octave: int = 2) -> tuple[int, ...]:
@@ -56,3 +64,28 @@ def length_cap(max_length: int) -> int:
     while cap < max_length:
         cap *= 2
     return cap
+
+
+def pad_ids(values: np.ndarray, capacity: int, *, fill=0) -> np.ndarray:
+    """`values` (ids or weights; the last axis holds the ids) in an array of `capacity` along
+    the last axis, `fill` after them: the one padding rule (padding ids 0, weights 0)."""
+    values = np.asarray(values)
+    n = values.shape[-1]
+    if capacity < n:
+        raise ValueError(f"capacity {capacity} is below the batch's {n} ids")
+    out = np.full((*values.shape[:-1], capacity), fill, values.dtype)
+    out[..., :n] = values
+    return out
+
+
+def length_caps(lengths_by_key: np.ndarray, floors: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Per key (rows of `lengths_by_key`, `[keys, stride]`) the power of two >= its longest
+    bag, at least `length_cap(floor)`."""
+    lengths_by_key = np.asarray(lengths_by_key)
+    longest = lengths_by_key.max(axis=1) if lengths_by_key.shape[1] else np.zeros(lengths_by_key.shape[0], np.int64)
+    caps = [length_cap(int(m)) for m in longest]
+    if floors is not None:
+        if len(floors) != len(caps):
+            raise ValueError(f"{len(floors)} length caps for {len(caps)} keys")
+        caps = [max(c, length_cap(int(f))) for c, f in zip(caps, floors, strict=True)]
+    return tuple(caps)

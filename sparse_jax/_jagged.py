@@ -648,17 +648,11 @@ class KeyedJaggedTensor(_JaggedArrays):
         if cap < n:
             raise ValueError(f"KeyedJaggedTensor.pad: capacity {cap} is below the {n} ids of this batch")
         values = np.asarray(self._values)[:n]
-        padded = np.zeros((cap, *values.shape[1:]), dtype=values.dtype)
-        padded[:n] = values
-        weights = None
-        if self._weights is not None:
-            weights = np.zeros(cap, dtype=np.asarray(self._weights).dtype)
-            weights[:n] = np.asarray(self._weights)[:n]
-        caps = tuple(_capacity.length_cap(int(row.max()) if row.size else 0) for row in self._key_lengths())
-        if length_caps is not None:
-            if len(length_caps) != len(self._keys):
-                raise ValueError(f"KeyedJaggedTensor.pad: {len(length_caps)} length caps for {len(self._keys)} keys")
-            caps = tuple(max(c, _capacity.length_cap(int(f))) for c, f in zip(caps, length_caps, strict=True))
+        padded = np.moveaxis(_capacity.pad_ids(np.moveaxis(values, 0, -1), cap), -1, 0)  # ids lead here
+        weights = None if self._weights is None else _capacity.pad_ids(np.asarray(self._weights)[:n], cap)
+        if length_caps is not None and len(length_caps) != len(self._keys):
+            raise ValueError(f"KeyedJaggedTensor.pad: {len(length_caps)} length caps for {len(self._keys)} keys")
+        caps = _capacity.length_caps(np.asarray(self.lengths()).reshape(len(self._keys), self.stride()), length_caps)
         return self._replace(values=_to_device(padded), weights=_to_device(weights), length_caps=caps)
 
     # -- eager reshaping ------------------------------------------------------------------------

@@ -38,13 +38,10 @@ def pad_host(kjt: KeyedJaggedTensor, ladder: Sequence[int] | None, caps: Sequenc
         np.asarray(kjt.values())[:n], what="sparse batch",
         where=lambda i: _validate.locate(i, lengths, kjt.keys(), kjt.stride()),
     )  # int32 (x64 off): an id that does not fit raises, never truncated
-    padded = np.zeros(cap, ids.dtype)
-    padded[:n] = ids
+    padded = _capacity.pad_ids(ids, cap)
     weights = kjt.weights_or_none()
     if weights is not None:
-        w = np.zeros(cap, np.float32)
-        w[:n] = np.asarray(weights)[:n]
-        weights = w
+        weights = _capacity.pad_ids(np.asarray(weights, np.float32)[:n], cap)
     return KeyedJaggedTensor.tree_unflatten(
         (tuple(kjt.keys()), kjt.stride(), tuple(int(c) for c in caps)), (padded, weights, lengths, offsets)
     )
@@ -65,10 +62,7 @@ class LengthCaps:
     def observe(self, kjt: KeyedJaggedTensor) -> tuple[int, ...]:
         keys, stride = kjt.keys(), kjt.stride()
         lengths = np.asarray(kjt.lengths()).reshape(len(keys), stride)
-        longest = lengths.max(axis=1) if stride else np.zeros(len(keys), np.int64)
         with self._lock:
-            caps = tuple(
-                max(self._caps.get(k, 1), _capacity.length_cap(int(m))) for k, m in zip(keys, longest, strict=True)
-            )
+            caps = _capacity.length_caps(lengths, [self._caps.get(k, 1) for k in keys])
             self._caps.update(zip(keys, caps, strict=True))
         return caps

@@ -76,19 +76,17 @@ def split_batch(
             out_w[d, pos : pos + b - a] = 1.0 if weights is None else weights[a:b]
             out_l[d, k * b_local : (k + 1) * b_local] = lengths[k, d * b_local : (d + 1) * b_local]
             pos += b - a
-    max_len = int(lengths.max(initial=0))
+    # one position matrix per buffer: the largest of the features' caps (the one cap rule)
+    cap_all = max(_capacity.length_caps(lengths, [min_length_cap] * len(keys)), default=min_length_cap)
     return dict(values=out_v, lengths=out_l, weights=out_w, keys=tuple(keys), local_batch=b_local,
-                length_cap=max(min_length_cap, _capacity.length_cap(max_len)))
+                length_cap=cap_all)
 
 
 
 def pad_parts(parts: dict, capacity: int, length_cap: int) -> dict:
     """`split_batch`'s arrays with the id axis padded to `capacity` (padding: id 0, weight
     0, after the last bag) and the length cap raised to `length_cap`."""
-    extra = capacity - parts["values"].shape[1]
-    if extra < 0:
-        raise ValueError(f"capacity {capacity} is below the batch's {parts['values'].shape[1]}")
     out = dict(parts, length_cap=max(parts["length_cap"], length_cap))
     for key in ("values", "weights"):
-        out[key] = np.pad(parts[key], ((0, 0), (0, extra)))
+        out[key] = _capacity.pad_ids(parts[key], capacity)
     return out
