@@ -117,8 +117,11 @@ def _forward_cases(c: _Case, interpret: bool):
         return pooled.reshape(w.T, w.B, w.D).transpose(1, 0, 2).reshape(w.B, w.T * w.D)
 
     xla_pp, xla_seg = jax.jit(per_position), jax.jit(seg_sum)
+    pallas1 = jax.jit(lambda t, v, o: _pallas.jagged_pooled_sum(t, v, o, None, interpret=interpret, unroll=1,
+                                                               **c.static))
     cases = {
         "pallas": (pallas, (c.table, c.values, c.offsets)),
+        "pallas_unroll1": (pallas1, (c.table, c.values, c.offsets)),
         "xla_per_position": (xla_pp, (c.table, c.pos_rows, c.pos_w)),
         "xla_segment_sum": (xla_seg, (c.table, c.rows, c.bag)),
     }
@@ -186,7 +189,13 @@ def _update_fns(c: _Case, rule, interpret: bool):
         return apply_row_rule(rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads,
                               scatter_add=not on_gpu())
 
-    return {"pallas": jax.jit(pallas, donate_argnums=(0, 1)), "xla": jax.jit(xla, donate_argnums=(0, 1))}
+    def pallas1(table, state, rows, bag, scale, bag_grads):
+        rows_s, perm = _pallas.sorted_runs(rows, num_rows)
+        return _pallas.sorted_run_update(rule, table, state, jnp.int32(1), rows_s, perm, bag, scale, bag_grads,
+                                         interpret=interpret, unroll=1)
+
+    return {"pallas": jax.jit(pallas, donate_argnums=(0, 1)), "xla": jax.jit(xla, donate_argnums=(0, 1)),
+            "pallas_unroll1": jax.jit(pallas1, donate_argnums=(0, 1))}
 
 
 def _check(c: _Case, interpret: bool) -> dict:

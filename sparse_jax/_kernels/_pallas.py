@@ -30,7 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-__all__ = ["jagged_pooled_sum", "per_row_state", "pooled_positions", "sorted_run_update", "sorted_runs",
+UNROLL = 4  # ids read per loop step in the jagged kernels
+
+__all__ = ["UNROLL", "jagged_pooled_sum", "per_row_state", "pooled_positions", "sorted_run_update", "sorted_runs",
            "supports_dim"]
 
 
@@ -57,11 +59,12 @@ def _warps(dim: int) -> int:
 
 
 def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row_offsets, num_rows, mean, clamp: bool,
-                      interpret: bool = False):
+                      interpret: bool = False, unroll: int = UNROLL):
     """Pooled sums `[stride, len(keys) * dim]` fp32 of the KJT features `keys` (indices into
     the KJT's keys), each reading the table buffer at its `row_offsets` with `num_rows`
     rows; `mean` divides a feature's bags by their length; ids outside `[0, num_rows)` are
-    clamped (`clamp`) or skipped. `weights`: per-id weights or None."""
+    clamped (`clamp`) or skipped. `weights`: per-id weights or None. `unroll` ids are read
+    per loop step (their loads in flight together; the sum's order is the bag's order)."""
     n_feat = len(keys)
     dim = table.shape[1]
     if not supports_dim(dim):
@@ -72,14 +75,27 @@ def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row
     if weighted:
         operands.append(weights.astype(jnp.float32))
     operands.append(table)
-    kernel = functools.partial(_pooled_kernel, stride=stride, dim=dim, clamp=clamp, weighted=weighted)
+    kernel = functools.partial(_pooled_kernel, stride=stride, dim=dim, clamp=clamp, weighted=weighted,
+                               unroll=max(1, int(unroll)))
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((stride, n_feat * dim), jnp.float32), grid=(n_feat, stride),
         interpret=interpret, compiler_params=_compiler_params(_warps(dim)), name="hybridrec_jagged_pooled_sum",
     )(*operands)
 
 
-def _pooled_kernel(static_ref, off_ref, val_ref, *refs, stride, dim, clamp, weighted):
+def _in_steps(start, end, unroll: int, body, init):
+    """`body(i, in_range, acc)` for i in [start, end), `unroll` positions per loop step (the
+    positions past `end` of the last step are masked); the calls run in order."""
+    def step(g, acc):
+        for u in range(unroll):
+            i = start + g * unroll + u
+            acc = body(jnp.minimum(i, jnp.maximum(end - 1, start)), i < end, acc)
+        return acc
+
+    return jax.lax.fori_loop(0, (end - start + unroll - 1) // unroll, step, init)
+
+
+def _pooled_kernel(static_ref, off_ref, val_ref, *refs, stride, dim, clamp, weighted, unroll):
     if weighted:
         w_ref, t_ref, o_ref = refs
     else:
@@ -89,19 +105,19 @@ def _pooled_kernel(static_ref, off_ref, val_ref, *refs, stride, dim, clamp, weig
     row_offset, n_rows, is_mean = static_ref[1, j], static_ref[2, j], static_ref[3, j]
     start, end = off_ref[bag], off_ref[bag + 1]
 
-    def add(i, acc):
+    def add(i, in_bag, acc):
         idx = val_ref[i]
         if clamp:
-            keep = True
+            keep = in_bag
             idx = jnp.minimum(jnp.maximum(idx, 0), n_rows - 1)
         else:
-            keep = (idx >= 0) & (idx < n_rows)
+            keep = in_bag & (idx >= 0) & (idx < n_rows)
             idx = jnp.where(keep, idx, 0)
         w = w_ref[i] if weighted else jnp.float32(1)
         w = jnp.where(keep, w, jnp.float32(0))
-        return acc + w * t_ref[idx + row_offset, :].astype(jnp.float32)
+        return jnp.where(keep, acc + w * t_ref[idx + row_offset, :].astype(jnp.float32), acc)
 
-    acc = jax.lax.fori_loop(start, end, add, jnp.zeros((dim,), jnp.float32))
+    acc = _in_steps(start, end, unroll, add, jnp.zeros((dim,), jnp.float32))
     length = jnp.maximum(end - start, 1).astype(jnp.float32)
     acc = jnp.where(is_mean != 0, acc / length, acc)
     o_ref[b, pl.ds(j * dim, dim)] = acc
@@ -147,7 +163,7 @@ def sorted_runs(rows, num_rows: int):
 
 
 def sorted_run_update(rule, table, state, step, rows_s, perm, bag, scale, bag_grads, good=None, *,
-                      interpret: bool = False):
+                      interpret: bool = False, unroll: int = UNROLL):
     """One fused update of one buffer from `sorted_runs`' output: `(new table, new state)`.
 
     `bag`, `scale`: the stream's (unsorted) per-id bag and scale; `state`: the rule's per-row
@@ -171,7 +187,7 @@ def sorted_run_update(rule, table, state, step, rows_s, perm, bag, scale, bag_gr
     operands = [flags, rows_s, perm, bag.astype(jnp.int32), scale.astype(jnp.float32), bag_grads, table, *leaves]
     first_buffer = 6
     kernel = functools.partial(_update_kernel, rule=rule, treedef=treedef, num_rows=num_rows,
-                               num_bags=bag_grads.shape[0], n=n, dim=dim)
+                               num_bags=bag_grads.shape[0], n=n, dim=dim, unroll=max(1, int(unroll)))
     outs = pl.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)],
         grid=(max(n, 1),), input_output_aliases={first_buffer + i: i for i in range(1 + len(leaves))},
@@ -181,7 +197,7 @@ def sorted_run_update(rule, table, state, step, rows_s, perm, bag, scale, bag_gr
 
 
 def _update_kernel(flags_ref, rows_ref, perm_ref, bag_ref, scale_ref, g_ref, t_in, *refs, rule, treedef, num_rows,
-                   num_bags, n, dim):
+                   num_bags, n, dim, unroll):
     from sparse_jax.optim._rounding import round_rows
 
     k_leaves = treedef.num_leaves
@@ -202,14 +218,14 @@ def _update_kernel(flags_ref, rows_ref, perm_ref, bag_ref, scale_ref, g_ref, t_i
 
         _, end = jax.lax.fori_loop(0, max(n, 1).bit_length(), halve, (k, jnp.int32(n)))
 
-        def add(i, acc):
+        def add(i, in_run, acc):
             at = perm_ref[i]
             b = bag_ref[at]
-            keep = (b >= 0) & (b < num_bags)
+            keep = in_run & (b >= 0) & (b < num_bags)
             s = jnp.where(keep, scale_ref[at], jnp.float32(0))
-            return acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32)
+            return jnp.where(keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc)
 
-        grad = jax.lax.fori_loop(k, end, add, jnp.zeros((dim,), jnp.float32))
+        grad = _in_steps(k, end, unroll, add, jnp.zeros((dim,), jnp.float32))
         w = t_in[row, :].astype(jnp.float32)
         rows_state = jax.tree_util.tree_unflatten(
             treedef, [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in])
