@@ -24,18 +24,25 @@ importing both).
   row-wise quantized tables (FBGEMM's layout).
 """
 
-from hybrid._batch import as_kjt, torch_kjt
-from hybrid._bridge import BridgeStats, bridge_stats, jax_to_torch, torch_ids_to_jax, torch_to_jax
-from hybrid._device import torch_device
 from hybrid._distributed import DistributedEnv, init_distributed, read_torchrun_env
 from hybrid._export import export
 from hybrid._gpu_env import configure_gpu_env
 from hybrid._mesh import make_mesh, parse_mesh
-from hybrid._model import Model
 from hybrid._nonfinite import NonFiniteError
 from hybrid._pipeline import BatchPreparationError, PipelineStats, TrainPipeline
 from hybrid._quantize import QuantizedModel, quantize
-from hybrid._state_dict import from_torchrec_state_dict
+from hybrid.model import (
+    BridgeStats,
+    Model,
+    as_kjt,
+    bridge_stats,
+    from_torchrec_state_dict,
+    jax_to_torch,
+    torch_device,
+    torch_ids_to_jax,
+    torch_kjt,
+    torch_to_jax,
+)
 
 __all__ = [
     "BatchPreparationError",

@@ -44,8 +44,8 @@ from torch import nn
 from hybrid._export_dense import dense_program
 from hybrid._export_files import npy_bytes, stored_array, versions, write_artifact
 from hybrid._export_lookup import OutputSlot, export_lookup, lookup_program
-from hybrid._model import Model
 from hybrid._quantize import QuantizedModel
+from hybrid.model import Model
 from hybrid.serving._artifact import (
     DENSE_FILE,
     FORMAT,

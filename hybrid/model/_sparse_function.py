@@ -24,8 +24,8 @@ from __future__ import annotations
 import jax
 import torch
 
-from hybrid._bridge import jax_to_torch, torch_to_jax
-from hybrid._sparse_state import SparseTables
+from hybrid.model._bridge import jax_to_torch, torch_to_jax
+from hybrid.model._sparse_state import SparseTables
 from sparse_jax import PreparedBatch
 
 __all__ = ["SparseStep", "sparse_lookup"]

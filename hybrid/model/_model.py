@@ -38,11 +38,11 @@ import torch
 from torch import nn
 
 import dense_torch
-from hybrid._batch import as_host_kjt
-from hybrid._build_sparse import _build_sparse, mesh_device
-from hybrid._sparse_function import sparse_lookup
-from hybrid._sparse_state import SparseTables
-from hybrid._state_dict import EmbeddingBagsState
+from hybrid.model._batch import as_host_kjt
+from hybrid.model._build_sparse import _build_sparse, mesh_device
+from hybrid.model._sparse_function import sparse_lookup
+from hybrid.model._sparse_state import SparseTables
+from hybrid.model._state_dict import EmbeddingBagsState
 from sparse_jax import (
     DEFAULT_LADDER,
     EmbeddingBagConfig,
