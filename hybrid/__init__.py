@@ -24,12 +24,7 @@ importing both).
   row-wise quantized tables (FBGEMM's layout).
 """
 
-from hybrid._distributed import DistributedEnv, init_distributed, read_torchrun_env
 from hybrid._export import export
-from hybrid._gpu_env import configure_gpu_env
-from hybrid._mesh import make_mesh, parse_mesh
-from hybrid._nonfinite import NonFiniteError
-from hybrid._pipeline import BatchPreparationError, PipelineStats, TrainPipeline
 from hybrid._quantize import QuantizedModel, quantize
 from hybrid.model import (
     BridgeStats,
@@ -42,6 +37,18 @@ from hybrid.model import (
     torch_ids_to_jax,
     torch_kjt,
     torch_to_jax,
+)
+from hybrid.training import (
+    BatchPreparationError,
+    DistributedEnv,
+    NonFiniteError,
+    PipelineStats,
+    TrainPipeline,
+    configure_gpu_env,
+    init_distributed,
+    make_mesh,
+    parse_mesh,
+    read_torchrun_env,
 )
 
 __all__ = [
@@ -71,7 +78,7 @@ __all__ = [
 ]
 
 from hybrid._checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from hybrid._metrics import LossTracker, eval_metrics  # noqa: E402
+from hybrid.training import LossTracker, eval_metrics  # noqa: E402
 
 __all__ += [
     "CheckpointError",

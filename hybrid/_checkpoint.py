@@ -601,7 +601,7 @@ def saved_table_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
 def _refuse_other_tables(latest: pathlib.Path, model) -> None:
     """A resume whose tables (names, [rows, dim]) are not the checkpoint's stops here, naming
     every difference, before anything is loaded."""
-    from hybrid._train_config import ConfigError
+    from hybrid._errors import ConfigError
 
     try:
         saved = saved_table_shapes(latest)
@@ -654,7 +654,7 @@ def prepare_run(
     - a resume finds checkpoints but none intact, or its config changes a key that exact
       resumption needs (seed, train.batch_size, [data]) without `allow_config_change`.
     """
-    from hybrid._train_config import ConfigError
+    from hybrid._errors import ConfigError
 
     root = pathlib.Path(directory)
     where = f"checkpoint.dir {str(directory)!r}"

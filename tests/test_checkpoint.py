@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hybrid import _checkpoint, train
-from hybrid._train_config import load_config
+from hybrid.training import load_config
 
 SMALL = [
     "data.source=synthetic",

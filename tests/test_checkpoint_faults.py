@@ -14,7 +14,7 @@ import torch
 import hybrid
 from hybrid import _checkpoint, train
 from hybrid._checkpoint import CheckpointError
-from hybrid._train_config import ConfigError, load_config
+from hybrid.training import ConfigError, load_config
 
 SMALL = [
     "data.source=synthetic",
