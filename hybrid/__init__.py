@@ -77,7 +77,7 @@ __all__ = [
     "torch_to_jax",
 ]
 
-from hybrid._checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from hybrid.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from hybrid.training import LossTracker, eval_metrics  # noqa: E402
 
 __all__ += [

@@ -514,7 +514,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
     from tqdm import tqdm
 
     import hybrid
-    from hybrid import _checkpoint
+    from hybrid.checkpoint import load_checkpoint, prepare_run, save_checkpoint
     from hybrid.data import BatchLoader
     from hybrid.training._metrics import LossTracker
 
@@ -528,7 +528,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
         _refuse_to_replace_metrics(config, resume)  # before any data is read
         model, dense_opt, train, evaluation, num_devices = build(config)
         ckpt_run = (  # preflight before any step: writable, room, checkpointable, run identity
-            _checkpoint.prepare_run(
+            prepare_run(
                 config.checkpoint.dir,
                 config=config.to_dict(),
                 model=model,
@@ -557,7 +557,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                 echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
             else:
                 try:
-                    meta = _checkpoint.load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+                    meta = load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
                 except ConfigError:
                     raise
                 except ValueError as e:  # the checkpoint does not fit this config's model
@@ -579,7 +579,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
 
         def checkpoint(step: int):
             if ckpt_dir:
-                return _checkpoint.save_checkpoint(
+                return save_checkpoint(
                     ckpt_dir,
                     step=step,
                     model=model,

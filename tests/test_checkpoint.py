@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from hybrid import _checkpoint, train
+from hybrid import train
+from hybrid.checkpoint import _store as _checkpoint
 from hybrid.training import load_config
 
 SMALL = [

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import hybrid
-from hybrid import _checkpoint, train
-from hybrid._checkpoint import CheckpointError
+from hybrid import train
+from hybrid.checkpoint import _store as _checkpoint
+from hybrid.checkpoint._store import CheckpointError
 from hybrid.training import ConfigError, load_config
 
 SMALL = [
@@ -329,7 +330,7 @@ def test_killed_save_leftover_is_ignored_and_cleaned_on_resume(ckpt):
 def test_a_checkpoint_written_before_the_precision_keys_resumes_as_fp32():
     """Configs stored before `model.data_type` / `sparse_optimizer.stochastic_rounding`
     existed held their defaults: no change to refuse."""
-    from hybrid._checkpoint import config_changes
+    from hybrid.checkpoint._store import config_changes
 
     old = {"seed": 0, "model": {"arch": "DLRM"}, "sparse_optimizer": {"name": "sgd"}}
     new = {"seed": 0, "model": {"arch": "DLRM", "data_type": "FP32"},
@@ -339,7 +340,7 @@ def test_a_checkpoint_written_before_the_precision_keys_resumes_as_fp32():
 
 
 def test_a_resume_key_on_one_side_only_is_a_change_to_or_from_unset():
-    from hybrid._checkpoint import config_changes
+    from hybrid.checkpoint._store import config_changes
 
     base = {"seed": 0, "data": {"path": "a.tsv"}}
     assert config_changes(base, {"seed": 0}) == [("data.path", "a.tsv", "<unset>")]

@@ -246,7 +246,7 @@ def test_a_quantized_copy_maps_raw_ids_through_the_frozen_maps_and_exports_them(
 
 
 def test_reserved_ids_a_quantized_copy_and_a_map_loaded_onto_another_device_are_handled(tmp_path):
-    from hybrid import _checkpoint
+    from hybrid.checkpoint import _store as _checkpoint
 
     module = MCHManagedCollisionModule(Z, history_capacity=128)
     model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})

@@ -10,7 +10,7 @@ import torch
 
 import dense_torch
 import hybrid
-from hybrid import _checkpoint
+from hybrid.checkpoint import _store as _checkpoint
 from sparse_jax import (
     EmbeddingBagConfig,
     MCHManagedCollisionModule,

@@ -12,7 +12,7 @@ import torch
 
 import dense_torch
 import hybrid
-from hybrid import _checkpoint
+from hybrid.checkpoint import _store as _checkpoint
 from hybrid.serving._id_map import frozen_rows
 from hybrid.serving._id_map import hashed_slots as serving_hash
 from sparse_jax import (

@@ -16,11 +16,11 @@ declare -A TESTS=(
   [sparse_jax/sharding/_local_batch.py]="tests/test_local_batch.py tests/test_route_need.py tests/test_sharding.py"
   [hybrid/model/_bridge.py]="tests/test_bridge_contract.py tests/test_hybrid_bridge.py"
   [sparse_jax/_jagged.py]="tests/test_jagged_api.py tests/test_jagged.py tests/test_torchrec_differential.py tests/test_input_checks.py"
-  [hybrid/_checkpoint.py]="tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_managed_checkpoint.py"
+  [hybrid/checkpoint/*]="tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_managed_checkpoint.py"
 )
 ORDER=(sparse_jax/_validate.py sparse_jax/planner/_constraints.py sparse_jax/_update.py "sparse_jax/optim/*"
        sparse_jax/_lookup.py sparse_jax/sharding/_row_stat.py sparse_jax/sharding/_local_batch.py
-       hybrid/model/_bridge.py sparse_jax/_jagged.py hybrid/_checkpoint.py)
+       hybrid/model/_bridge.py sparse_jax/_jagged.py "hybrid/checkpoint/*")
 read -r -a pick <<< "${MODULES:-${ORDER[*]}}"
 for m in "${pick[@]}"; do
   [[ -n ${TESTS[$m]:-} ]] || { echo "no test selection for $m (see tools/mutation_core.sh)"; exit 2; }

@@ -8,7 +8,7 @@ into place (atomic: a run killed mid-write leaves only a `.tmp-*` directory, ign
   rules) or `state/<table>/<leaf>/cols_<c0>_<cn>` (`[rows]`, one value per row of each
   column block: row-wise Adagrad); `count`, the sparse optimizer's step count; for
   managed-collision tables their id maps, counters and draw key (`mc/<table>/<field>`,
-  `mc_key`; see `_mc_checkpoint`).
+  `mc_key`; see `_managed`).
 - `dense.pt`: the dense tower's and the torch optimizer's state dicts, torch's RNG state.
 - `meta.json`: step, the sparse rule's name, the mesh and plan written on, the run id, and
   whatever the caller adds (the training script: loss tracker, config).
@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from hybrid._files import fsync_dir, publish_dir, sha256_file, write_atomic, write_fsynced
-from hybrid._mc_checkpoint import (
+from hybrid.checkpoint._managed import (
     check_mc_tables,
     mc_state_arrays,
     reshard_mc_arrays,
