@@ -24,8 +24,7 @@ importing both).
   row-wise quantized tables (FBGEMM's layout).
 """
 
-from hybrid._export import export
-from hybrid._quantize import QuantizedModel, quantize
+from hybrid.inference import QuantizedModel, export, quantize
 from hybrid.model import (
     BridgeStats,
     Model,

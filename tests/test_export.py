@@ -29,7 +29,7 @@ import torch
 import dense_torch
 import hybrid
 import hybrid.serving as serving
-from hybrid._export import export
+from hybrid.inference import export
 from sparse_jax import EmbeddingBagConfig
 from sparse_jax.optim import rowwise_adagrad
 
