@@ -16,7 +16,7 @@ import torch
 
 import dense_torch
 import hybrid
-from hybrid._synthetic import planted_signal_data
+from hybrid.data._planted import planted_signal_data
 from hybrid.training._metrics import binary_auc
 from sparse_jax import EmbeddingBagConfig
 from sparse_jax.optim import rowwise_adagrad
