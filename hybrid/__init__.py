@@ -22,6 +22,12 @@ importing both).
   `python -m hybrid.serving` score requests from it.
 - `quantize`: a trained `Model` as an inference `QuantizedModel` with int8/int4/int2/fp16
   row-wise quantized tables (FBGEMM's layout).
+
+One folder per concept, each with its contract in its `__init__`: `hybrid.model`,
+`hybrid.training`, `hybrid.checkpoint`, `hybrid.inference`, `hybrid.data`, `hybrid.serving`
+(importable without `sparse_jax`); `_files` (crash-safe writes, shared by checkpoints, data
+and serving) and `_errors` (`ConfigError`) sit at the top; `train.py` and `demo.py` are the
+scripts.
 """
 
 from hybrid.inference import QuantizedModel, export, quantize
