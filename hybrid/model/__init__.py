@@ -3,7 +3,7 @@
 - `Model` (`_model`): JAX embedding tables + a PyTorch dense tower, trained as one
   `torch.nn.Module`; the sparse update runs inside `loss.backward()`.
 - The sparse half: `_build_sparse` (the one place hybrid constructs its sparse module,
-  through `sparse_jax.SparseModule` only), `_sparse_state` (`SparseTables`: the module,
+  through `sparse_jax.SparseModule` only), `_sparse` (`SparseTables`: the module,
   its params and optimizer state, the fused update, donated), `_sparse_function`
   (`SparseStep`: lookup forward, fused update backward, as a `torch.autograd.Function`),
   `_state_dict` (the tables as TorchRec's `embedding_bags.<table>.weight` keys;

@@ -40,8 +40,8 @@ from torch import nn
 import dense_torch
 from hybrid.model._batch import as_host_kjt
 from hybrid.model._build_sparse import _build_sparse, mesh_device
+from hybrid.model._sparse import SparseTables
 from hybrid.model._sparse_function import sparse_lookup
-from hybrid.model._sparse_state import SparseTables
 from hybrid.model._state_dict import EmbeddingBagsState
 from sparse_jax import (
     DEFAULT_LADDER,

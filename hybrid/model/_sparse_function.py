@@ -25,7 +25,7 @@ import jax
 import torch
 
 from hybrid.model._bridge import jax_to_torch, torch_to_jax
-from hybrid.model._sparse_state import SparseTables
+from hybrid.model._sparse import SparseTables
 from sparse_jax import PreparedBatch
 
 __all__ = ["SparseStep", "sparse_lookup"]
