@@ -2,12 +2,12 @@
 
 - `Model` (`_model`): JAX embedding tables + a PyTorch dense tower, trained as one
   `torch.nn.Module`; the sparse update runs inside `loss.backward()`.
-- The sparse half: `_build_sparse` (the one place hybrid constructs its sparse module,
-  through `sparse_jax.SparseModule` only), `_sparse` (`SparseTables`: the module,
-  its params and optimizer state, the fused update, donated), `_sparse_function`
-  (`SparseStep`: lookup forward, fused update backward, as a `torch.autograd.Function`),
-  `_state_dict` (the tables as TorchRec's `embedding_bags.<table>.weight` keys;
-  `from_torchrec_state_dict`).
+- The sparse half (`_sparse`): `build_sparse` (the one place hybrid constructs its sparse
+  module, used through `sparse_jax.SparseModule` only), `SparseTables` (the module, its
+  params and optimizer state, the fused update, donated), `sparse_lookup` / `SparseStep`
+  (lookup forward, fused update backward, as a `torch.autograd.Function`); `_state_dict`
+  mirrors the tables as TorchRec's `embedding_bags.<table>.weight` keys
+  (`from_torchrec_state_dict`).
 - Sparse batches: `as_kjt` / `torch_kjt` (`_batch`: every form `Model` accepts, read into
   padded KJTs) over `_collate` (checked and padded in torch, static shapes before JAX).
 - The DLPack bridge (`_bridge`): `jax_to_torch`, `torch_to_jax`, `torch_ids_to_jax`
