@@ -22,20 +22,39 @@ importing both).
   `python -m hybrid.serving` score requests from it.
 - `quantize`: a trained `Model` as an inference `QuantizedModel` with int8/int4/int2/fp16
   row-wise quantized tables (FBGEMM's layout).
+
+One folder per concept, each with its contract in its `__init__`: `hybrid.model`,
+`hybrid.training`, `hybrid.checkpoint`, `hybrid.inference`, `hybrid.data`, `hybrid.serving`
+(importable without `sparse_jax`); `_files` (crash-safe writes, shared by checkpoints, data
+and serving) and `_errors` (`ConfigError`) sit at the top; `train.py` and `demo.py` are the
+scripts.
 """
 
-from hybrid._batch import as_kjt, torch_kjt
-from hybrid._bridge import BridgeStats, bridge_stats, jax_to_torch, torch_ids_to_jax, torch_to_jax
-from hybrid._device import torch_device
-from hybrid._distributed import DistributedEnv, init_distributed, read_torchrun_env
-from hybrid._export import export
-from hybrid._gpu_env import configure_gpu_env
-from hybrid._mesh import make_mesh, parse_mesh
-from hybrid._model import Model
-from hybrid._nonfinite import NonFiniteError
-from hybrid._pipeline import BatchPreparationError, PipelineStats, TrainPipeline
-from hybrid._quantize import QuantizedModel, quantize
-from hybrid._state_dict import from_torchrec_state_dict
+from hybrid.inference import QuantizedModel, export, quantize
+from hybrid.model import (
+    BridgeStats,
+    Model,
+    as_kjt,
+    bridge_stats,
+    from_torchrec_state_dict,
+    jax_to_torch,
+    torch_device,
+    torch_ids_to_jax,
+    torch_kjt,
+    torch_to_jax,
+)
+from hybrid.training import (
+    BatchPreparationError,
+    DistributedEnv,
+    NonFiniteError,
+    PipelineStats,
+    TrainPipeline,
+    configure_gpu_env,
+    init_distributed,
+    make_mesh,
+    parse_mesh,
+    read_torchrun_env,
+)
 
 __all__ = [
     "BatchPreparationError",
@@ -63,8 +82,8 @@ __all__ = [
     "torch_to_jax",
 ]
 
-from hybrid._checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from hybrid._metrics import LossTracker, eval_metrics  # noqa: E402
+from hybrid.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from hybrid.training import LossTracker, eval_metrics  # noqa: E402
 
 __all__ += [
     "CheckpointError",

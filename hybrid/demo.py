@@ -3,7 +3,7 @@
 Four Zipf-distributed sparse features (JAX tables, row-wise Adagrad applied inside
 backward) and four dense features feed `dense_torch.DLRM` through `hybrid.Model`; torch's
 Adam steps the dense tower. Prints the training loss, then the held-out AUC
-(`hybrid._metrics.binary_auc`) beside the Bayes AUC of the data (the AUC of the true logits).
+(`hybrid.training._metrics.binary_auc`) beside the Bayes AUC of the data (the AUC of the true logits).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 import dense_torch
 import hybrid
-from hybrid._metrics import binary_auc
-from hybrid._synthetic import planted_signal_data
+from hybrid.data._planted import planted_signal_data
+from hybrid.training._metrics import binary_auc
 from sparse_jax import EmbeddingBagConfig
 from sparse_jax.optim import rowwise_adagrad
 

@@ -14,7 +14,7 @@ accuracy) every `train.eval_every` steps and at the end, writes metrics as JSON 
 (log.metrics_path) and checkpoints (checkpoint.dir), and ends by printing where they went.
 A fresh run never replaces an earlier run's metrics or checkpoints: it refuses, unless
 `--overwrite` (earlier checkpoints are moved aside, not deleted); `--resume` appends.
-Config keys: see `hybrid/_train_config.py`. On CPU, a `--mesh` needing more devices than
+Config keys: see `hybrid/training/_train_config.py`. On CPU, a `--mesh` needing more devices than
 the host has sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` itself (when JAX
 has not started yet).
 """
@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
-from hybrid._train_config import ConfigError, load_config
 from hybrid.data._criteo import CriteoFormatError
+from hybrid.training import ConfigError, load_config
 
 __all__ = ["build", "evaluate", "main", "run"]
 
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m hybrid.train",
         description=__doc__,
-        epilog="Config keys and defaults: hybrid/_train_config.py. Example configs: configs/*.toml.",
+        epilog="Config keys and defaults: hybrid/training/_train_config.py. Example configs: configs/*.toml.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -98,7 +98,7 @@ def _ensure_cpu_devices(mesh_spec: str, processes: int) -> None:
     has not started its backends. Only the host (CPU) platform reads this flag."""
     from jax._src import xla_bridge
 
-    from hybrid._mesh import parse_mesh
+    from hybrid.training._mesh import parse_mesh
 
     if not mesh_spec or xla_bridge.backends_are_initialized():
         return
@@ -128,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         overrides += ["log.overwrite=true", "checkpoint.overwrite=true"]
     try:
         config = load_config(args.config, overrides)
-        from hybrid._distributed import read_torchrun_env
+        from hybrid.training._distributed import read_torchrun_env
 
         env = read_torchrun_env()
         from jax._src import xla_bridge
 
-        from hybrid._gpu_env import configure_gpu_env
+        from hybrid.training._gpu_env import configure_gpu_env
 
         if not xla_bridge.backends_are_initialized():  # (in-process callers started it already)
             configure_gpu_env()  # before JAX starts: torch and JAX share each GPU
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             import hybrid
 
             hybrid.init_distributed()
-            from hybrid._watchdog import start_watchdog
+            from hybrid.training._watchdog import start_watchdog
 
             watchdog = start_watchdog(env)  # a dead peer makes this process exit in seconds
         run(config, resume=args.resume)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from hybrid._nonfinite import NonFiniteError
+        from hybrid.training._nonfinite import NonFiniteError
 
         if not isinstance(e, NonFiniteError):
             raise
@@ -422,8 +422,8 @@ def evaluate(model, data, batch_size: int) -> dict[str, float]:
     """Exact metrics over `data` (eval mode, no grad: the tables are not touched)."""
     import torch
 
-    from hybrid._metrics import eval_metrics
     from hybrid.data import eval_batches
+    from hybrid.training._metrics import eval_metrics
 
     procs = _Processes()
     device = next(model.dense_parameters()).device
@@ -514,9 +514,9 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
     from tqdm import tqdm
 
     import hybrid
-    from hybrid import _checkpoint
-    from hybrid._metrics import LossTracker
+    from hybrid.checkpoint import load_checkpoint, prepare_run, save_checkpoint
     from hybrid.data import BatchLoader
+    from hybrid.training._metrics import LossTracker
 
     procs = _Processes()
     if procs.rank != 0:  # one voice: rank 0 prints and writes metrics
@@ -528,7 +528,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
         _refuse_to_replace_metrics(config, resume)  # before any data is read
         model, dense_opt, train, evaluation, num_devices = build(config)
         ckpt_run = (  # preflight before any step: writable, room, checkpointable, run identity
-            _checkpoint.prepare_run(
+            prepare_run(
                 config.checkpoint.dir,
                 config=config.to_dict(),
                 model=model,
@@ -557,7 +557,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                 echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
             else:
                 try:
-                    meta = _checkpoint.load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+                    meta = load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
                 except ConfigError:
                     raise
                 except ValueError as e:  # the checkpoint does not fit this config's model
@@ -579,7 +579,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
 
         def checkpoint(step: int):
             if ckpt_dir:
-                return _checkpoint.save_checkpoint(
+                return save_checkpoint(
                     ckpt_dir,
                     step=step,
                     model=model,

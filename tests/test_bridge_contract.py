@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import hybrid
-from hybrid import _bridge
+from hybrid.model import _bridge
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from hybrid import _checkpoint, train
-from hybrid._train_config import load_config
+from hybrid import checkpoint, train
+from hybrid.training import load_config
 
 SMALL = [
     "data.source=synthetic",
@@ -55,7 +55,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        latest = _checkpoint.latest_checkpoint(ckpt)
+        latest = checkpoint.latest_checkpoint(ckpt)
         if latest is not None and int(latest.name[5:]) >= 2 * every:
             break
         time.sleep(0.02)
@@ -111,9 +111,9 @@ def test_reshard_on_load_keeps_metrics_and_optimizer_state(tmp_path, mesh, shard
         "{t_cat_0='row_wise', t_cat_1='table_wise', t_cat_2='data_parallel', t_cat_3='row_wise'}"
     )
     config, result = _trained(tmp_path, "data=2,model=4", written)
-    path = _checkpoint.latest_checkpoint(tmp_path / "ckpt")
+    path = checkpoint.latest_checkpoint(tmp_path / "ckpt")
     assert path.name == "step_00000024"
-    meta = _checkpoint.verify_checkpoint(path)  # where it was written, for the record
+    meta = checkpoint.verify_checkpoint(path)  # where it was written, for the record
     assert meta["mesh"] == {"data": 2, "model": 4} and meta["step"] == 24
     assert meta["plan"] is not None and {"t_cat_0", "t_cat_3"} <= set(json.dumps(meta["plan"]).replace('"', " ").split())
     with np.load(path / "tables.npz") as f:
@@ -121,12 +121,12 @@ def test_reshard_on_load_keeps_metrics_and_optimizer_state(tmp_path, mesh, shard
 
     other = load_config(None, [*SMALL, f"train.mesh='{mesh}'", f"train.sharding={sharding}"])
     model, dense_opt, _, evaluation, _ = train.build(other)
-    _checkpoint.load_checkpoint(path, model=model, dense_optimizer=dense_opt)
+    checkpoint.load_checkpoint(path, model=model, dense_optimizer=dense_opt)
     metrics = train.evaluate(model, evaluation, other.train.eval_batch_size)
     for key in ("auc", "log_loss", "ne", "accuracy"):
         assert metrics[key] == pytest.approx(result["eval"][key], rel=1e-5, abs=1e-6), key
 
-    loaded = _checkpoint.sparse_state_arrays(model)
+    loaded = checkpoint.sparse_state_arrays(model)
     # every table's weights come back as the file holds them, on the new mesh and plan
     weights = {k for k in saved if k.startswith("weight/")}
     assert weights == {f"weight/t_cat_{i}" for i in range(4)} and weights <= set(loaded)
@@ -153,6 +153,6 @@ def test_checkpoint_load_rejects_another_optimizer(tmp_path):
     other = load_config(None, [*SMALL, "train.mesh='data=8'", "sparse_optimizer.name=adagrad"])
     model, dense_opt, *_ = train.build(other)
     with pytest.raises(ValueError, match="written with sparse optimizer 'rowwise_adagrad'"):
-        _checkpoint.load_checkpoint(
-            _checkpoint.latest_checkpoint(tmp_path / "ckpt"), model=model, dense_optimizer=dense_opt
+        checkpoint.load_checkpoint(
+            checkpoint.latest_checkpoint(tmp_path / "ckpt"), model=model, dense_optimizer=dense_opt
         )

@@ -1,4 +1,4 @@
-"""A dead process takes the job down within seconds (hybrid._watchdog), with or without torchrun."""
+"""A dead process takes the job down within seconds (hybrid.training._watchdog), with or without torchrun."""
 
 import os
 import pathlib
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hybrid._watchdog import EXIT_ERROR, EXIT_PEER_LOST, Watchdog
+from hybrid.training._watchdog import EXIT_ERROR, EXIT_PEER_LOST, Watchdog
 from tests.test_hybrid_distributed import _free_port_pair
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ WORKER = textwrap.dedent(
     import numpy as np, torch, torch.distributed as dist, jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import hybrid
-    from hybrid._watchdog import start_watchdog
+    from hybrid.training._watchdog import start_watchdog
 
     steps, out = int(sys.argv[1]), pathlib.Path(sys.argv[2])
     env = hybrid.init_distributed()

@@ -29,7 +29,7 @@ import torch
 import dense_torch
 import hybrid
 import hybrid.serving as serving
-from hybrid._export import export
+from hybrid.inference import export
 from sparse_jax import EmbeddingBagConfig
 from sparse_jax.optim import rowwise_adagrad
 
@@ -179,7 +179,7 @@ def test_a_fresh_process_serves_both_artifacts_without_the_training_library(expo
     assert ours <= {"hybrid", "hybrid._files"} | {
         m for m in ours if m.startswith("hybrid.serving")
     }, ours
-    assert not {"hybrid.train", "hybrid._model", "sparse_jax.planner", "sparse_jax.optim"} & modules
+    assert not {"hybrid.train", "hybrid.model", "sparse_jax.planner", "sparse_jax.optim"} & modules
 
 
 def test_every_sparse_form_gives_the_same_predictions(exported):

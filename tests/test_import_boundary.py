@@ -91,3 +91,18 @@ def test_plans_flow_from_planner_to_runtime_only(package, forbidden):
 def test_importing_the_planner_loads_no_sharded_runtime():
     code = "import sys, sparse_jax.planner; assert not [m for m in sys.modules if m.startswith('sparse_jax.sharding')]"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_checkpoints_import_neither_the_training_script_nor_the_training_package():
+    """The checkpoint preflight raises `hybrid._errors.ConfigError`; it does not reach into
+    `hybrid.train` (the script) or `hybrid.training` (its config) for it."""
+    paths = sorted((ROOT / "hybrid" / "checkpoint").rglob("*.py"))
+    assert paths, "no modules under hybrid/checkpoint"
+    forbidden = ("hybrid.train", "hybrid.training")
+    bad = {
+        str(path.relative_to(ROOT)): sorted(
+            n for n in _module_imports(path) if any(n == f or n.startswith(f + ".") for f in forbidden)
+        )
+        for path in paths
+    }
+    assert not {k: v for k, v in bad.items() if v}

@@ -9,7 +9,8 @@ import torch
 
 import dense_torch
 import hybrid
-from hybrid import _checkpoint
+from hybrid import checkpoint
+from hybrid.checkpoint import _arrays
 from sparse_jax import EmbeddingBagConfig, MCHManagedCollisionModule, MCHState
 
 Z = 6
@@ -50,7 +51,7 @@ def _train(model, opt, batches):
 
 
 def _snapshot(model):
-    arrays = _checkpoint.sparse_state_arrays(model)
+    arrays = checkpoint.sparse_state_arrays(model)
     return {k: v for k, v in arrays.items() if k != "mc_key"}, arrays["mc_key"]
 
 
@@ -58,8 +59,8 @@ def test_a_resumed_run_remaps_evicts_and_resets_as_the_uninterrupted_one(tmp_pat
     batches = _batches(24)
     model, opt = _model()
     _train(model, opt, batches[:9])  # mid-window: interval 2
-    path = _checkpoint.save_checkpoint(tmp_path, step=9, model=model, dense_optimizer=opt)
-    saved = _checkpoint.sparse_state_arrays(model)
+    path = checkpoint.save_checkpoint(tmp_path, step=9, model=model, dense_optimizer=opt)
+    saved = checkpoint.sparse_state_arrays(model)
     assert saved["mc/users/window_used"] > 0  # saved mid-window: the next eviction needs those ids
     assert {k for k in saved if k.startswith("mc/")} == {f"mc/users/{f}" for f in (*MCHState._fields, "counters")}
     _train(model, opt, batches[9:])
@@ -67,9 +68,9 @@ def test_a_resumed_run_remaps_evicts_and_resets_as_the_uninterrupted_one(tmp_pat
     assert want["mc/users/counters"][2] > saved["mc/users/counters"][2]  # evictions after the checkpoint
 
     resumed, ropt = _model(seed=7)  # other tables, other draw key, empty id maps: all replaced by the load
-    _checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
     for key, value in saved.items():
-        np.testing.assert_array_equal(_checkpoint.sparse_state_arrays(resumed)[key], value, err_msg=key)
+        np.testing.assert_array_equal(checkpoint.sparse_state_arrays(resumed)[key], value, err_msg=key)
     _train(resumed, ropt, batches[9:])
     got, got_key = _snapshot(resumed)
     assert sorted(got) == sorted(want)
@@ -81,36 +82,36 @@ def test_a_resumed_run_remaps_evicts_and_resets_as_the_uninterrupted_one(tmp_pat
 def test_a_checkpoint_loads_only_into_a_model_managing_the_same_tables(tmp_path):
     model, opt = _model()
     _train(model, opt, _batches(3))
-    path = _checkpoint.save_checkpoint(tmp_path, step=3, model=model, dense_optimizer=opt)
+    path = checkpoint.save_checkpoint(tmp_path, step=3, model=model, dense_optimizer=opt)
     plain, popt = _model(modules={})
     with pytest.raises(ValueError, match="^" + re.escape(
             f"checkpoint {path}: the checkpoint holds id maps of managed-collision tables ['users'], this model "
             "manages []; load it with the same [managed_collision] tables") + "$"):
-        _checkpoint.load_checkpoint(path, model=plain, dense_optimizer=popt)
+        checkpoint.load_checkpoint(path, model=plain, dense_optimizer=popt)
     other, oopt = _model(modules={"items": MCHManagedCollisionModule(8, history_capacity=64)})
     with pytest.raises(ValueError, match=r"holds id maps of managed-collision tables \['users'\], this model manages "
                                          r"\['items'\]"):
-        _checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)
+        checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)
     wider, wopt = _model(modules={"users": MCHManagedCollisionModule(Z, history_capacity=128)})
     with pytest.raises(ValueError, match=r"table 'users': managed-collision window_hi has int32\[64\], expected "
                                          r"int32\[128\] \(zch_size, history_capacity or the "
                                          r"table's sharding changed\?\)"):
-        _checkpoint.load_checkpoint(path, model=wider, dense_optimizer=wopt)
-    plain_path = _checkpoint.save_checkpoint(tmp_path / "plain", step=1, model=plain, dense_optimizer=popt)
+        checkpoint.load_checkpoint(path, model=wider, dense_optimizer=wopt)
+    plain_path = checkpoint.save_checkpoint(tmp_path / "plain", step=1, model=plain, dense_optimizer=popt)
     with pytest.raises(ValueError, match=r"holds id maps of managed-collision tables \[\], this model manages "
                                          r"\['users'\]"):
-        _checkpoint.load_checkpoint(plain_path, model=model, dense_optimizer=opt)
+        checkpoint.load_checkpoint(plain_path, model=model, dense_optimizer=opt)
 
 
 def test_changing_the_managed_collision_config_is_a_resume_change():
     old = {"data": {"source": "movielens"}, "managed_collision": {"tables": {"t_user": 512}}}
-    assert _checkpoint.config_changes(old, {**old, "managed_collision": {"tables": {"t_user": 256}}}) == [
+    assert checkpoint.config_changes(old, {**old, "managed_collision": {"tables": {"t_user": 256}}}) == [
         ("managed_collision.tables.t_user", 512, 256)]
-    assert _checkpoint.config_changes({"data": {"source": "movielens"}}, {
+    assert checkpoint.config_changes({"data": {"source": "movielens"}}, {
         "data": {"source": "movielens", "raw_ids": []},
         "managed_collision": {"tables": {}, "eviction_policy": "lru", "eviction_interval": 1, "threshold": 1,
                               "history_capacity": 0}}) == []  # a checkpoint from before these keys resumes
-    assert _checkpoint.config_changes(old, {**old, "managed_collision": {"tables": {"t_user": 512},
+    assert checkpoint.config_changes(old, {**old, "managed_collision": {"tables": {"t_user": 512},
                                                                           "eviction_policy": "lfu"}}) == [
         ("managed_collision.eviction_policy", "lru", "lfu")]
 
@@ -118,12 +119,12 @@ def test_changing_the_managed_collision_config_is_a_resume_change():
 def test_id_maps_missing_a_field_or_the_draw_key_are_refused_naming_the_checkpoint(tmp_path):
     model, opt = _model()
     _train(model, opt, _batches(3))
-    arrays = _checkpoint.sparse_state_arrays(model)
+    arrays = checkpoint.sparse_state_arrays(model)
     where = f"checkpoint {tmp_path}"
     with pytest.raises(ValueError, match="^" + re.escape(
             f"{where}: the checkpoint has id maps but no mc_key (the draw key of evicted rows)") + "$"):
-        _checkpoint._restore_sparse(model, {k: v for k, v in arrays.items() if k != "mc_key"}, where)
+        _arrays._restore_sparse(model, {k: v for k, v in arrays.items() if k != "mc_key"}, where)
     with pytest.raises(ValueError, match="^" + re.escape(
             f"{where}: the id map of table 'users' lacks ['slots', 'counters']") + "$"):
-        _checkpoint._restore_sparse(model, {k: v for k, v in arrays.items()
+        _arrays._restore_sparse(model, {k: v for k, v in arrays.items()
                                             if k not in ("mc/users/slots", "mc/users/counters")}, where)

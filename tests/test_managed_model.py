@@ -246,7 +246,7 @@ def test_a_quantized_copy_maps_raw_ids_through_the_frozen_maps_and_exports_them(
 
 
 def test_reserved_ids_a_quantized_copy_and_a_map_loaded_onto_another_device_are_handled(tmp_path):
-    from hybrid import _checkpoint
+    from hybrid import checkpoint
 
     module = MCHManagedCollisionModule(Z, history_capacity=128)
     model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
@@ -257,11 +257,11 @@ def test_reserved_ids_a_quantized_copy_and_a_map_loaded_onto_another_device_are_
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
     for users, items, dense, labels in _batches(4):
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
-    path = _checkpoint.save_checkpoint(tmp_path, step=4, model=model, dense_optimizer=opt)
+    path = checkpoint.save_checkpoint(tmp_path, step=4, model=model, dense_optimizer=opt)
     elsewhere = jax.sharding.Mesh(np.array(jax.devices()[1:2]), ("data",))  # the tables on device 1
     other = hybrid.Model(_tables(), _dense(0), mesh=elsewhere, managed_collision_modules={"users": module})
     oopt = torch.optim.SGD(other.dense_parameters(), lr=0.1)
-    _checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)  # before any step
+    checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)  # before any step
     users, items, dense, labels = next(_batches(1, seed=3))
     _step(other, oopt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
     assert {d.id for leaf in jax.tree.leaves(other.sparse_module.mc_state) for d in leaf.devices()} == {1}

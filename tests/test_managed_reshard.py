@@ -10,7 +10,7 @@ import torch
 
 import dense_torch
 import hybrid
-from hybrid import _checkpoint
+from hybrid import checkpoint
 from sparse_jax import (
     EmbeddingBagConfig,
     MCHManagedCollisionModule,
@@ -210,9 +210,9 @@ def test_a_checkpoint_loads_onto_another_split_and_reads_every_id_as_before(tmp_
     batches = list(_batches(10))
     for users, items, dense, labels in batches:
         _step(model, opt, _kjt(users, items), dense, labels)
-    path = _checkpoint.save_checkpoint(tmp_path, step=10, model=model, dense_optimizer=opt)
+    path = checkpoint.save_checkpoint(tmp_path, step=10, model=model, dense_optimizer=opt)
     resumed, ropt = _model(loaded, seed=5)
-    _checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
     frozen, moved = model.sparse_module.frozen_maps()["users"], resumed.sparse_module.frozen_maps()["users"]
     np.testing.assert_array_equal(moved.ids, frozen.ids)  # 24 ids, 8 slots or more per shard: none dropped
     users = [[int(i)] for i in frozen.ids]
@@ -224,8 +224,8 @@ def test_a_checkpoint_loads_onto_another_split_and_reads_every_id_as_before(tmp_
         torch.testing.assert_close(resumed(dense, _kjt(users, items)), model(dense, _kjt(users, items)))
     stats = np.asarray(resumed.managed_collision_stats()["users"])
     assert stats.tolist() == np.asarray(model.managed_collision_stats()["users"]).tolist()
-    state = _checkpoint.sparse_state_arrays(resumed)  # the optimizer state moved with the rows
-    want = _checkpoint.sparse_state_arrays(model)
+    state = checkpoint.sparse_state_arrays(resumed)  # the optimizer state moved with the rows
+    want = checkpoint.sparse_state_arrays(model)
     for key in [k for k in want if k.startswith("state/users/")]:
         np.testing.assert_array_equal(state[key][moved.rows], want[key][frozen.rows], err_msg=key)
     resumed.train()
@@ -241,9 +241,9 @@ def test_a_run_resumed_mid_window_on_another_split_admits_every_id_of_the_window
     for users, items, dense, labels in batches[:2]:
         _step(model, opt, _kjt(users, items), dense, labels)
     assert np.asarray(model.managed_collision_stats()["users"])[0] == 0  # nothing admitted yet
-    path = _checkpoint.save_checkpoint(tmp_path, step=2, model=model, dense_optimizer=opt)
+    path = checkpoint.save_checkpoint(tmp_path, step=2, model=model, dense_optimizer=opt)
     resumed, ropt = _model(None, interval=3)
-    _checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
     single, sopt = _model(None, interval=3)
     for users, items, dense, labels in batches:
         _step(single, sopt, _kjt(users, items), dense, labels)
@@ -258,12 +258,12 @@ def test_a_checkpoint_of_another_table_size_or_window_is_refused_naming_both(tmp
     model, opt = _model(ROW_WISE)
     for users, items, dense, labels in _batches(2):
         _step(model, opt, _kjt(users, items), dense, labels)
-    path = _checkpoint.save_checkpoint(tmp_path, step=2, model=model, dense_optimizer=opt)
+    path = checkpoint.save_checkpoint(tmp_path, step=2, model=model, dense_optimizer=opt)
     smaller, sopt = _model(None, rows=Z // 2)
     with pytest.raises(ValueError, match=rf"table 'users' is saved as \[{Z}, {DIM}\] but configured as "
                                          rf"\[{Z // 2}, {DIM}\]"):
-        _checkpoint.load_checkpoint(path, model=smaller, dense_optimizer=sopt)
+        checkpoint.load_checkpoint(path, model=smaller, dense_optimizer=sopt)
     narrower, nopt = _model(None, history=256)
     with pytest.raises(ValueError, match=rf"table 'users': the saved id maps hold {Z} rows and windows of 512 ids, "
                                          rf"this table {Z} rows and history_capacity=256"):
-        _checkpoint.load_checkpoint(path, model=narrower, dense_optimizer=nopt)
+        checkpoint.load_checkpoint(path, model=narrower, dense_optimizer=nopt)

@@ -12,7 +12,7 @@ import torch
 
 import dense_torch
 import hybrid
-from hybrid import _checkpoint
+from hybrid import checkpoint
 from hybrid.serving._id_map import frozen_rows
 from hybrid.serving._id_map import hashed_slots as serving_hash
 from sparse_jax import (
@@ -131,24 +131,24 @@ def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
     batches = list(_batches(16, seed=2))
     for users, items, dense, labels in batches[:7]:
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
-    path = _checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=opt)
-    saved = _checkpoint.sparse_state_arrays(model)
+    path = checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=opt)
+    saved = checkpoint.sparse_state_arrays(model)
     assert saved["mc/users/sorted_hi"].shape == (4, Z // 4) and saved["mc/users/counters"].shape == (4, 3)
     model.eval()
     users, items, dense, _ = batches[0]
     with torch.no_grad():
         model(dense, _kjt(users, items, [int(i) for b in users for i in b]))
-    for key, value in _checkpoint.sparse_state_arrays(model).items():  # eval changed nothing
+    for key, value in checkpoint.sparse_state_arrays(model).items():  # eval changed nothing
         np.testing.assert_array_equal(value, saved[key], err_msg=key)
     model.train()
     for users, items, dense, labels in batches[7:]:
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
     resumed, ropt = _model(plan, seed=3)
-    _checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
     for users, items, dense, labels in batches[7:]:
         _step(resumed, ropt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
-    want = _checkpoint.sparse_state_arrays(model)
-    for key, value in _checkpoint.sparse_state_arrays(resumed).items():
+    want = checkpoint.sparse_state_arrays(model)
+    for key, value in checkpoint.sparse_state_arrays(resumed).items():
         np.testing.assert_allclose(value, want[key], rtol=1e-6, atol=1e-7, err_msg=key)
 
 

@@ -1,4 +1,4 @@
-"""hybrid._metrics against hand computations (pairwise AUC, log loss by the formula)."""
+"""hybrid.training._metrics against hand computations (pairwise AUC, log loss by the formula)."""
 
 import itertools
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hybrid._metrics import LossTracker, binary_auc, eval_metrics, normalized_entropy
+from hybrid.training._metrics import LossTracker, binary_auc, eval_metrics, normalized_entropy
 
 
 def _pairwise_auc(scores, labels):

@@ -146,7 +146,7 @@ def test_a_nonfinite_pooled_gradient_with_a_finite_loss_never_reaches_the_tables
 
 
 def _train_config(tmp_path, **overrides):
-    from hybrid._train_config import load_config
+    from hybrid.training import load_config
 
     sets = [
         'data.source="synthetic"', "data.num_samples=512", "data.num_eval_samples=256", "data.num_sparse=3",

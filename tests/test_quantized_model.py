@@ -27,8 +27,8 @@ import torch
 import dense_torch
 import hybrid
 from hybrid import train
-from hybrid._train_config import load_config
 from hybrid.data import BatchLoader, eval_batches
+from hybrid.training import load_config
 from sparse_jax import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,

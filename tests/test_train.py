@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from hybrid import train
-from hybrid._metrics import eval_metrics
-from hybrid._train_config import ConfigError, load_config
 from hybrid.data import BatchLoader, eval_batches, load_movielens
+from hybrid.training import ConfigError, eval_metrics, load_config
 
 SMALL = [
     "data.source=synthetic",

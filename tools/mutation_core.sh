@@ -14,13 +14,13 @@ declare -A TESTS=(
   [sparse_jax/_lookup.py]="tests/test_kernel_update.py tests/test_lookup_paths.py tests/test_padding_segments.py tests/test_embedding_bag.py tests/test_input_checks.py"
   [sparse_jax/sharding/_row_stat.py]="tests/test_sharding.py::test_every_local_row_finds_its_tables_row_statistic tests/test_sharding.py::test_sharded_rowwise_adagrad_matches_loops_not_only_the_unsharded_code[mixed-FP32] tests/test_sharding.py::test_sharded_rowwise_adagrad_matches_loops_not_only_the_unsharded_code[mixed_2-FP16] tests/test_collective_bytes.py"
   [sparse_jax/sharding/_local_batch.py]="tests/test_local_batch.py tests/test_route_need.py tests/test_sharding.py"
-  [hybrid/_bridge.py]="tests/test_bridge_contract.py tests/test_hybrid_bridge.py"
+  [hybrid/model/_bridge.py]="tests/test_bridge_contract.py tests/test_hybrid_bridge.py"
   [sparse_jax/_jagged.py]="tests/test_jagged_api.py tests/test_jagged.py tests/test_torchrec_differential.py tests/test_input_checks.py"
-  [hybrid/_checkpoint.py]="tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_managed_checkpoint.py"
+  [hybrid/checkpoint/*]="tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_managed_checkpoint.py"
 )
 ORDER=(sparse_jax/_validate.py sparse_jax/planner/_constraints.py sparse_jax/_update.py "sparse_jax/optim/*"
        sparse_jax/_lookup.py sparse_jax/sharding/_row_stat.py sparse_jax/sharding/_local_batch.py
-       hybrid/_bridge.py sparse_jax/_jagged.py hybrid/_checkpoint.py)
+       hybrid/model/_bridge.py sparse_jax/_jagged.py "hybrid/checkpoint/*")
 read -r -a pick <<< "${MODULES:-${ORDER[*]}}"
 for m in "${pick[@]}"; do
   [[ -n ${TESTS[$m]:-} ]] || { echo "no test selection for $m (see tools/mutation_core.sh)"; exit 2; }

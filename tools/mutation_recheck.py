@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/mutation_recheck.py build/mutation/<module> MUTATED NAMES OUT "stage 1 tests" ["stage 2 tests" ...]
 
-MUTATED: the mutated module's path (e.g. hybrid/_checkpoint.py; a glob like
+MUTATED: the mutated module's path (e.g. hybrid/model/_bridge.py; a glob like
 sparse_jax/optim/* for a package); every other tracked source and test file is copied
 into the run's mutants/ first, so only the mutated module differs from the tree. NAMES: a
 file with one mutant name per line. Each stage must pass on the clean tree; a mutant

@@ -6,7 +6,8 @@
   `eval_batches` (in order, last batch padded to full size).
 - `load_movielens()`: real MovieLens-100K as a click task, time split (cached).
 - `read_criteo_tsv(paths, ...)` / `iter_criteo_tsv`: Criteo TSV files, plain or gzipped.
-- `synthetic_clicks(n, ...)`: Criteo-shaped data with a planted signal and Zipf ids.
+- `synthetic_clicks(n, ...)`: Criteo-shaped data with a planted signal and Zipf ids
+  (the draw itself, `planted_signal_data`, is in `_planted`; `python -m hybrid.demo` uses it).
 """
 
 from hybrid.data._arrays import ClickData, concat_rows

@@ -1,4 +1,4 @@
-"""Synthetic Criteo-shaped click data with a planted signal (see `hybrid._synthetic`).
+"""Synthetic Criteo-shaped click data with a planted signal (see `hybrid.data._planted`).
 
 `synthetic_clicks(n, ...)` draws `n` samples as a `ClickData`: `num_sparse` Zipf-distributed
 multi-id features (`cat_0`, ...), `num_dense` Gaussian dense features, labels from the
@@ -8,8 +8,8 @@ planted logits. `world_seed` fixes the signal (shared by a train and an eval set
 
 from __future__ import annotations
 
-from hybrid._synthetic import planted_signal_data
 from hybrid.data._arrays import ClickData
+from hybrid.data._planted import planted_signal_data
 
 __all__ = ["synthetic_clicks"]
 

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 import dense_torch
-from hybrid._batch import as_host_kjt
-from hybrid._bridge import jax_to_torch
-from hybrid._model import Model
+from hybrid.model import Model
+from hybrid.model._batch import as_host_kjt
+from hybrid.model._bridge import jax_to_torch
 from hybrid.serving._id_map import frozen_rows
 from sparse_jax import (
     FrozenIdMap,

@@ -8,7 +8,7 @@ gathered to the host) and for `hybrid.quantize(model, ...)`'s `QuantizedModel` (
 uint8 rows). The directory (layout in `hybrid.serving._artifact`):
 
 - `sparse_lookup.jaxexport`: the pooled lookup as a serialized `jax.export` program taking
-  the tables and the batch's id arrays (`hybrid._export_lookup`), lowered for `platforms`;
+  the tables and the batch's id arrays (`hybrid.inference._export_lookup`), lowered for `platforms`;
 - `tables/<i>_<name>.npy`: the tables, one file each;
 - `dense_tower.pt2`: `torch.export` of the dense tower behind a thin wrapper taking the pooled
   `[B, sum of dims]` tensor (it builds the `dense_torch.KeyedTensor` inside), so loading
@@ -41,11 +41,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybrid._export_dense import dense_program
-from hybrid._export_files import npy_bytes, stored_array, versions, write_artifact
-from hybrid._export_lookup import OutputSlot, export_lookup, lookup_program
-from hybrid._model import Model
-from hybrid._quantize import QuantizedModel
+from hybrid.inference._export_dense import dense_program
+from hybrid.inference._export_files import npy_bytes, stored_array, versions, write_artifact
+from hybrid.inference._export_lookup import OutputSlot, export_lookup, lookup_program
+from hybrid.inference._quantize import QuantizedModel
+from hybrid.model import Model
 from hybrid.serving._artifact import (
     DENSE_FILE,
     FORMAT,
@@ -222,7 +222,7 @@ def _table_entry(i: int, table: _Table, outputs: list[_Output], id_map=None) -> 
 def _sparse_program(
     source: _Source, features: list[str], max_batch: int, platforms: Sequence[str]
 ) -> bytes:
-    """The serialized lookup program (`hybrid._export_lookup`) for this model's tables."""
+    """The serialized lookup program (`hybrid.inference._export_lookup`) for this model's tables."""
     index = {t.config.name: i for i, t in enumerate(source.tables)}
     slots = []
     for o in source.outputs:

@@ -45,8 +45,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from hybrid._device import torch_device
-from hybrid._nonfinite import DenseGuard
+from hybrid.model import torch_device
+from hybrid.training._nonfinite import DenseGuard
 from sparse_jax import PreparedBatch
 
 __all__ = ["BatchPreparationError", "PipelineStats", "TrainPipeline"]

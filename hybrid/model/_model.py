@@ -13,7 +13,7 @@ a rung, bag lengths to power-of-two caps that only grow, so steady training reus
 compiled program), split and placed; then looked up in JAX, handed to torch zero-copy, wrapped in a
 `dense_torch.KeyedTensor` and passed to `dense(dense_features, embeddings)`.
 Backward: the pooled gradient goes back to JAX and the fused sparse update runs once, on
-the forward's prepared batch (see `_sparse_function`); a second backward through the same forward raises. In `eval()` mode or under `torch.no_grad()` the tables are never
+the forward's prepared batch (see `_sparse`); a second backward through the same forward raises. In `eval()` mode or under `torch.no_grad()` the tables are never
 updated (the pooled embeddings are then a plain tensor).
 
 State dict (TorchRec naming): `embedding_bags.<table>.weight` holds each table's full
@@ -38,11 +38,9 @@ import torch
 from torch import nn
 
 import dense_torch
-from hybrid._batch import as_host_kjt
-from hybrid._build_sparse import _build_sparse, mesh_device
-from hybrid._sparse_function import sparse_lookup
-from hybrid._sparse_state import SparseTables
-from hybrid._state_dict import EmbeddingBagsState
+from hybrid.model._batch import as_host_kjt
+from hybrid.model._sparse import SparseTables, build_sparse, mesh_device, sparse_lookup
+from hybrid.model._state_dict import EmbeddingBagsState
 from sparse_jax import (
     DEFAULT_LADDER,
     EmbeddingBagConfig,
@@ -104,7 +102,7 @@ class Model(nn.Module):
                 f"dense must be a torch.nn.Module (e.g. dense_torch.DLRM), got {type(dense).__name__}"
             )
         self.capacity_ladder = tuple(DEFAULT_LADDER if capacity_ladder is None else capacity_ladder)
-        module = _build_sparse(
+        module = build_sparse(
             tables, is_weighted=is_weighted, mesh=mesh, plan=plan, ladder=self.capacity_ladder,
             input_dist=input_dist, managed_collision_modules=managed_collision_modules,
         )

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import torch
 
-from hybrid._collate import host_torch_batch, pad_kjt, pad_torch_batch
+from hybrid.model._collate import host_torch_batch, pad_kjt, pad_torch_batch
 from sparse_jax import KeyedJaggedTensor
 
 __all__ = ["as_host_kjt", "as_kjt", "torch_kjt"]

@@ -52,11 +52,9 @@ import tomllib
 import typing
 from collections.abc import Mapping, Sequence
 
+from hybrid._errors import ConfigError
+
 __all__ = ["ConfigError", "TrainConfig", "load_config"]
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used (the message names the key)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ starts N processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_POR
 Call it before the first JAX operation. With WORLD_SIZE unset or 1 it does nothing.
 
 Timeouts are short enough that a dead peer is not waited for for minutes (JAX's heartbeat
-and shutdown barrier, torch's collectives); the fast path is `hybrid._watchdog`, which
+and shutdown barrier, torch's collectives); the fast path is `hybrid.training._watchdog`, which
 `python -m hybrid.train` starts right after `init_distributed()`: when one process dies,
 the others exit non-zero within seconds, naming the lost rank.
 """
@@ -34,7 +34,7 @@ __all__ = ["DistributedEnv", "init_distributed", "read_torchrun_env"]
 
 _VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-# backstops behind hybrid._watchdog (seconds): JAX's coordination service declares a process
+# backstops behind hybrid.training._watchdog (seconds): JAX's coordination service declares a process
 # dead after this long without heartbeats (default 100), its shutdown barrier gives up after
 # this long (default 300), torch's collectives after this long (default 30 min for gloo)
 JAX_HEARTBEAT_TIMEOUT_S = 20

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from hybrid._sparse_state import SparseTables
+from hybrid.model._sparse import SparseTables
 
 __all__ = ["EmbeddingBagsState", "from_torchrec_state_dict"]
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid._bridge import torch_ids_to_jax, torch_to_jax
+from hybrid.model._bridge import torch_ids_to_jax, torch_to_jax
 from sparse_jax import KeyedJaggedTensor, capacity_for, length_cap
 
 __all__ = ["host_torch_batch", "pad_kjt", "pad_torch_batch"]

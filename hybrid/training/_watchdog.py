@@ -308,7 +308,7 @@ def start_watchdog(env=None, *, interval: float = 1.0, timeout: float | None = N
     read from the environment). None for a single process or with HYBRIDREC_WATCHDOG=0."""
     import torch.distributed as dist
 
-    from hybrid._distributed import read_torchrun_env
+    from hybrid.training._distributed import read_torchrun_env
 
     env = read_torchrun_env() if env is None else env
     if env is None or os.environ.get("HYBRIDREC_WATCHDOG", "1") == "0":
