@@ -34,7 +34,7 @@ import torch
 import dense_torch
 import hybrid
 import hybrid.serving as serving
-from hybrid._export import export
+from hybrid.inference import export
 from hybrid.serving._batcher import Batcher
 from sparse_jax.optim import rowwise_adagrad
 from tests.test_export import BATCH, N_DENSE, TABLES, _request, _train
