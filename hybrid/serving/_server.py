@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -303,11 +304,10 @@ def create_app(
         state.metrics.queued.set_function(lambda: state.batcher.queued_samples)
         state.batcher.start()
         first = asyncio.create_task(state.first_load())
-        if hasattr(signal, "SIGHUP"):
+        sighup = getattr(signal, "SIGHUP", None)  # absent on Windows
+        if sighup is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                state.loop.add_signal_handler(
-                    signal.SIGHUP, lambda: asyncio.ensure_future(_reload_quietly(state))
-                )
+                state.loop.add_signal_handler(sighup, lambda: asyncio.ensure_future(_reload_quietly(state)))
         try:
             yield
         finally:
@@ -413,9 +413,20 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self._state.begin_drain()
         super().handle_exit(sig, frame)
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's SIGINT/SIGTERM handlers (`handle_exit`: drain, then stop) without its
+        re-raise of the signal once stopped: a drained shutdown exits 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _parser() -> argparse.ArgumentParser:
