@@ -3,7 +3,7 @@
 Never imports torch. Names follow TorchRec where the concept is the same.
 """
 
-from sparse_jax._capacity import DEFAULT_LADDER, capacity_for, length_cap, make_ladder
+from sparse_jax._capacity import DEFAULT_LADDER, capacity_for, length_cap, length_caps, make_ladder
 from sparse_jax._configs import (
     BaseEmbeddingConfig,
     DataType,
@@ -87,6 +87,7 @@ __all__ = [
     "jt_is_equal",
     "kjt_is_equal",
     "length_cap",
+    "length_caps",
     "make_ladder",
     "make_update",
     "managed_id_capacity",

@@ -22,6 +22,7 @@ import torch
 
 from hybrid.model._bridge import torch_ids_to_jax, torch_to_jax
 from sparse_jax import KeyedJaggedTensor, capacity_for, length_cap
+from sparse_jax import length_caps as cap_rule
 
 __all__ = ["host_torch_batch", "pad_kjt", "pad_torch_batch"]
 
@@ -41,13 +42,8 @@ def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
 
 
 def _caps(lengths_kb: torch.Tensor, floors: Sequence[int] | None) -> tuple[int, ...]:
-    longest = (
-        lengths_kb.max(dim=1).values.tolist() if lengths_kb.shape[1] else [0] * lengths_kb.shape[0]
-    )
-    caps = [length_cap(int(n)) for n in longest]
-    if floors is not None:
-        caps = [max(c, length_cap(int(f))) for c, f in zip(caps, floors, strict=True)]
-    return tuple(caps)
+    """The one length-cap rule (`sparse_jax.length_caps`), on the batch's lengths."""
+    return cap_rule(lengths_kb.detach().cpu().numpy(), floors)
 
 
 def _checked(keys, values, lengths, weights):
