@@ -21,6 +21,11 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define HYBRIDREC_QUANT_VECTOR 1  // the quantized lookup's 8-lane path
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -175,6 +180,209 @@ ffi::Error JaggedPooledSumImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32
     default: HYBRIDREC_JAGGED(0); break;
   }
 #undef HYBRIDREC_JAGGED
+  return ffi::Error::Success();
+}
+
+// ---- the quantized pooled lookup ----------------------------------------------------------
+// Bags of packed rows in FBGEMM's IntN TBE layout (sparse_jax/_quant.py): int8 / int4 / int2
+// rows are [fp16 scale | fp16 bias | values, low bits first | padding], fp16 rows
+// [fp16 values | padding]; every row is `width` bytes. Bag b is ids[off[b] : off[b + 1]],
+// read straight from the packed bytes and dequantized in registers, in bag order:
+//   int rows:  acc = (acc + w * bias) + (w * scale) * q     fp16 rows:  acc = acc + w * x
+// then MEAN multiplies by fp32(1 / len) (len counts every id, skipped ones too); an empty bag
+// is zeros. The `* q` and `* x` products are fused into the add (fma), as FBGEMM's kernel and
+// XLA:CPU's compiled XLA form (`_quant._pooled`) both do; `w * bias` and `w * scale` are
+// rounded on their own (XLA's form too). Unweighted, every product is exact and the result is
+// bit for bit both; weighted, bit for bit the XLA form wherever XLA fused the same product. Ids outside
+// [0, num_rows) (-1: FBGEMM's pruned row) are clamped (clamp = 1) or add nothing; a bag reads
+// at most max_length ids (< 0: no bound), as the XLA form's static loop does.
+// KIND: 8 / 4 / 2 (bits per value), 16 (fp16 rows). DIM: a compile-time dim (a multiple of
+// 8, accumulator in vector registers), or 0 (any dim, the accumulator in the output row).
+
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24, exact in fp32
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t LoadU16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+// Value k of a packed row's values (bytes `v`), as fp32.
+template <int KIND>
+inline float ValueAt(const uint8_t* v, int64_t k) {
+  if (KIND == 16) return HalfToFloat(LoadU16(v + 2 * k));
+  constexpr int per_byte = 8 / KIND;
+  constexpr unsigned mask = (1u << KIND) - 1u;
+  return static_cast<float>((v[k / per_byte] >> ((k % per_byte) * KIND)) & mask);
+}
+
+#ifdef HYBRIDREC_QUANT_VECTOR
+
+// Values k .. k + 7 of a packed row (k a multiple of 8), as 8 fp32 lanes.
+template <int KIND>
+inline __m256 Values8(const uint8_t* v, int64_t k) {
+  if (KIND == 16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 2 * k)));
+  if (KIND == 8) {
+    int64_t bytes;
+    std::memcpy(&bytes, v + k, 8);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes)));
+  }
+  // int4: 4 bytes hold the 8 values, int2: 2 bytes; value j is bits j*KIND .. of them
+  uint32_t word = 0;
+  std::memcpy(&word, v + k * KIND / 8, KIND);
+  const __m256i shifts = KIND == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                   : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                                     _mm256_set1_epi32((1 << KIND) - 1));
+  return _mm256_cvtepi32_ps(q);
+}
+#endif
+
+template <int KIND, int64_t DIM>
+void PoolQuant(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
+               const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool weighted,
+               bool clamp, bool mean, int64_t max_length) {
+  const int64_t d = DIM > 0 ? DIM : dim;
+  constexpr int64_t head = KIND == 16 ? 0 : 4;  // fp16 scale and bias in front
+  const int64_t ids_end = std::min<int64_t>(std::max<int64_t>(off[bags], 0), n_ids);
+  const int threads = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(std::max(1, omp_get_max_threads()), ids_end / 4096 + 1)));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < bags; ++b) {
+    const int64_t start = std::min<int64_t>(std::max<int64_t>(off[b], 0), n_ids);
+    const int64_t end = std::min<int64_t>(std::max<int64_t>(off[b + 1], start), n_ids);
+    const int64_t stop = max_length >= 0 ? std::min(end, start + max_length) : end;
+    float* out = o + b * d;
+#ifdef HYBRIDREC_QUANT_VECTOR
+    constexpr int64_t lanes = DIM > 0 ? DIM / 8 : 1;
+    __m256 acc[lanes];
+    for (int64_t j = 0; j < lanes; ++j) acc[j] = _mm256_setzero_ps();
+#endif
+    if (DIM == 0) std::memset(out, 0, sizeof(float) * d);
+    for (int64_t i = start; i < stop; ++i) {
+      if (i + PREFETCH < ids_end) {
+        const int64_t ahead = ids[i + PREFETCH];
+        if (ahead >= 0 && ahead < num_rows) {
+          const char* p = reinterpret_cast<const char*>(t + ahead * width);
+          for (int64_t line = 0; line < width; line += 64) __builtin_prefetch(p + line);
+          __builtin_prefetch(p + width - 1);
+        }
+      }
+      int64_t id = ids[i];
+      if (id < 0 || id >= num_rows) {
+        if (!clamp) continue;
+        id = id < 0 ? 0 : num_rows - 1;
+      }
+      const uint8_t* row = t + id * width;
+      const float wi = weighted ? w[i] : 1.0f;
+      float wb = 0.0f, ws = wi;  // fp16 rows: acc + w * x
+      if (KIND != 16) {
+        wb = wi * HalfToFloat(LoadU16(row + 2));
+        ws = wi * HalfToFloat(LoadU16(row));
+        asm("" : "+x"(wb), "+x"(ws));  // both rounded here: never contracted into a later add
+      }
+      const uint8_t* v = row + head;
+      int64_t k = 0;
+#ifdef HYBRIDREC_QUANT_VECTOR
+      const __m256 vwb = _mm256_set1_ps(wb), vws = _mm256_set1_ps(ws);
+      if (DIM > 0) {
+        for (int64_t j = 0; j < lanes; ++j) {
+          const __m256 x = Values8<KIND>(v, 8 * j);
+          __m256 a = KIND == 16 ? acc[j] : _mm256_add_ps(acc[j], vwb);
+          acc[j] = _mm256_fmadd_ps(vws, x, a);
+        }
+        k = d;
+      } else {
+        for (; k + 8 <= d; k += 8) {
+          const __m256 x = Values8<KIND>(v, k);
+          __m256 a = _mm256_loadu_ps(out + k);
+          if (KIND != 16) a = _mm256_add_ps(a, vwb);
+          _mm256_storeu_ps(out + k, _mm256_fmadd_ps(vws, x, a));
+        }
+      }
+#endif
+      for (; k < d; ++k) {
+        const float a = KIND == 16 ? out[k] : out[k] + wb;
+        out[k] = std::fma(ws, ValueAt<KIND>(v, k), a);
+      }
+    }
+    const float scale = mean ? 1.0f / static_cast<float>(std::max<int64_t>(end - start, 1)) : 1.0f;
+#ifdef HYBRIDREC_QUANT_VECTOR
+    if (DIM > 0) {
+      const __m256 s = _mm256_set1_ps(scale);
+      for (int64_t j = 0; j < lanes; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], s));
+      continue;
+    }
+#endif
+    if (mean) {
+      for (int64_t k = 0; k < d; ++k) out[k] *= scale;
+    }
+  }
+}
+
+template <int KIND>
+void PoolQuantDim(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
+                  const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool weighted,
+                  bool clamp, bool mean, int64_t max_length) {
+#define HYBRIDREC_QUANT(D) \
+  PoolQuant<KIND, D>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, weighted, clamp, mean, max_length)
+#ifdef HYBRIDREC_QUANT_VECTOR
+  switch (dim) {
+    case 8: HYBRIDREC_QUANT(8); return;
+    case 16: HYBRIDREC_QUANT(16); return;
+    case 32: HYBRIDREC_QUANT(32); return;
+    case 64: HYBRIDREC_QUANT(64); return;
+    case 128: HYBRIDREC_QUANT(128); return;
+    default: break;
+  }
+#endif
+  HYBRIDREC_QUANT(0);
+#undef HYBRIDREC_QUANT
+}
+
+ffi::Error QuantPooledImpl(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> offsets,
+                           ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::F32> out, int32_t kind,
+                           int32_t weighted, int32_t clamp, int32_t mean, int64_t max_length) {
+  const auto pdims = packed.dimensions();
+  const auto odims = out->dimensions();
+  if (pdims.size() != 2 || odims.size() != 2 || offsets.element_count() != odims[0] + 1) {
+    return ffi::Error::InvalidArgument("QuantPooled: packed must be [rows, width], out [bags, dim], offsets [bags + 1]");
+  }
+  const int64_t num_rows = pdims[0], width = pdims[1], bags = odims[0], dim = odims[1];
+  const int64_t need = kind == 16 ? 2 * dim : 4 + dim * kind / 8;
+  if (width < need || (kind != 16 && kind != 8 && kind != 4 && kind != 2) || (kind < 8 && dim % (8 / kind))) {
+    return ffi::Error::InvalidArgument("QuantPooled: rows too narrow for the dim, or an unknown kind");
+  }
+  if (weighted && static_cast<int64_t>(weights.element_count()) != static_cast<int64_t>(ids.element_count())) {
+    return ffi::Error::InvalidArgument("QuantPooled: one weight per id");
+  }
+  float* o = out->typed_data();
+  if (num_rows == 0) {  // only pruned ids can be asked for: every bag is zeros
+    std::memset(o, 0, sizeof(float) * bags * dim);
+    return ffi::Error::Success();
+  }
+#define HYBRIDREC_QUANT_KIND(K)                                                                        \
+  PoolQuantDim<K>(packed.typed_data(), num_rows, width, ids.typed_data(), ids.element_count(),         \
+                  offsets.typed_data(), bags, weights.typed_data(), o, dim, weighted != 0, clamp != 0, \
+                  mean != 0, max_length)
+  switch (kind) {
+    case 8: HYBRIDREC_QUANT_KIND(8); break;
+    case 4: HYBRIDREC_QUANT_KIND(4); break;
+    case 2: HYBRIDREC_QUANT_KIND(2); break;
+    default: HYBRIDREC_QUANT_KIND(16); break;
+  }
+#undef HYBRIDREC_QUANT_KIND
   return ffi::Error::Success();
 }
 
@@ -552,3 +760,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecJaggedPooledSum, JaggedPooledSumImpl,
                                   .Attr<int64_t>("stride")
                                   .Attr<int32_t>("clamp")
                                   .Attr<int32_t>("weighted"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecQuantPooled, QuantPooledImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("kind")
+                                  .Attr<int32_t>("weighted")
+                                  .Attr<int32_t>("clamp")
+                                  .Attr<int32_t>("mean")
+                                  .Attr<int64_t>("max_length"));
