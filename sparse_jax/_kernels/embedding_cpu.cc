@@ -258,7 +258,7 @@ void PoolQuant(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t*
   const int64_t ids_end = std::min<int64_t>(std::max<int64_t>(off[bags], 0), n_ids);
   const int threads = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(std::max(1, omp_get_max_threads()), ids_end / 4096 + 1)));
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 16) num_threads(threads)
   for (int64_t b = 0; b < bags; ++b) {
     const int64_t start = std::min<int64_t>(std::max<int64_t>(off[b], 0), n_ids);
     const int64_t end = std::min<int64_t>(std::max<int64_t>(off[b + 1], start), n_ids);
