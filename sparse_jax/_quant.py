@@ -32,7 +32,9 @@ while FBGEMM's own `quantize_embs` rounds the fp32 scale and bias of
 Dequantized value: `scale * q + bias` in fp32 (the product is exact, so this is FBGEMM's
 fma bit for bit). Pooling (FBGEMM's `GenerateEmbeddingSpMDM[NBit]` kernels) walks each bag
 in order: `acc = (acc + w * bias) + (w * scale) * q` (fp16 rows: `acc + w * x`), then MEAN
-multiplies by `fp32(1 / len)`; an empty bag gives zeros.
+multiplies by `fp32(1 / len)`; an empty bag gives zeros. XLA:CPU fuses the `(w * scale) * q`
+product into that add (an fma, as FBGEMM does); the C++ kernel (`HybridrecQuantPooled`, the
+CPU default) does the same operations in the same order, so both forms agree bit for bit.
 """
 
 from __future__ import annotations
