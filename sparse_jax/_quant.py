@@ -48,7 +48,8 @@ import numpy as np
 from sparse_jax._configs import PoolingType
 from sparse_jax._validate import is_concrete
 
-__all__ = ["BOUNDS_CHECKS", "KERNELS", "WEIGHT_TYPES", "dequantize_rows", "quantize_rows", "quantized_pooled_lookup", "row_bytes"]
+__all__ = ["BOUNDS_CHECKS", "KERNELS", "WEIGHT_TYPES", "dequantize_rows", "quantize_rows", "quantized_pooled_lookup",
+           "row_bytes"]
 
 WEIGHT_TYPES = ("fp16", "int8", "int4", "int2")
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
