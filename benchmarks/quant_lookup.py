@@ -1,5 +1,6 @@
-"""Quantized pooled lookup: XLA (`sparse_jax.quantized_pooled_lookup`) against FBGEMM's IntN TBE
-(`IntNBitTableBatchedEmbeddingBagsCodegen`, HOST, CPU), on the same packed rows.
+"""Quantized pooled lookup (`sparse_jax.quantized_pooled_lookup`: its default, the C++ kernel on
+CPU, and its XLA form) against FBGEMM's IntN TBE (`IntNBitTableBatchedEmbeddingBagsCodegen`,
+HOST, CPU), on the same packed rows.
 
     python -m benchmarks.quant_lookup                       # ~2 min here
     python -m benchmarks.quant_lookup --rows 20000 --repeats 5 --alone-repeats 5   # smoke
@@ -60,14 +61,16 @@ def fbgemm_case(packed: np.ndarray, weight_type: str, dim: int, ids, offsets):
     return run, run().numpy()
 
 
-def xla_case(packed, weight_type: str, dim: int, ids, offsets, pooling: int):
+def xla_case(packed, weight_type: str, dim: int, ids, offsets, pooling: int, kernel: str = "xla"):
+    """(run, output) of `quantized_pooled_lookup` with `kernel` ("auto": the default, C++ on CPU)."""
     import jax
 
     from sparse_jax import quantized_pooled_lookup
 
     p, i, o = jax.device_put(packed), jax.device_put(ids), jax.device_put(offsets)
     # max_length: the bags' bound, as QuantEmbeddingBagCollection passes a padded KJT's length cap
-    f = jax.jit(lambda p, i, o: quantized_pooled_lookup(p, weight_type, dim, i, o, max_length=pooling))
+    f = jax.jit(lambda p, i, o: quantized_pooled_lookup(p, weight_type, dim, i, o, max_length=pooling,
+                                                        kernel=kernel))
     out = np.asarray(f(p, i, o))
     return (lambda: f(p, i, o)), out
 
@@ -116,17 +119,20 @@ def main(argv=None) -> int:
 
     from benchmarks.e2e_step import competitor_alone, quietness_line, quietness_probe
     from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
-    from sparse_jax import quantize_rows, row_bytes
+    from sparse_jax import _kernels, quantize_rows, row_bytes
 
     before = quietness_probe()
     table, ids, offsets = workload(args.rows, args.dim, args.batch, args.pooling)
     cases = {}
     for wt in TYPES:
         packed = np.asarray(quantize_rows(table, wt))
-        ours, got = xla_case(packed, wt, args.dim, ids, offsets, args.pooling)
+        ours, got = xla_case(packed, wt, args.dim, ids, offsets, args.pooling, kernel="auto")
+        xla, got_xla = xla_case(packed, wt, args.dim, ids, offsets, args.pooling)
         theirs, want = fbgemm_case(packed, wt, args.dim, ids, offsets)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"{wt}: outputs differ")
-        cases[f"xla {wt}"] = clocked(lambda c, f=ours: f())
+        np.testing.assert_array_equal(got, got_xla, err_msg=f"{wt}: the default and the XLA form differ")
+        cases[f"ours {wt}"] = clocked(lambda c, f=ours: f())
+        cases[f"xla {wt}"] = clocked(lambda c, f=xla: f())
         cases[f"fbgemm {wt}"] = clocked(lambda c, f=theirs: f())
     fp32 = fp32_case(table, ids, offsets, args.pooling)
     cases["xla fp32"] = clocked(lambda c: fp32())
@@ -137,15 +143,18 @@ def main(argv=None) -> int:
     print(quietness_line(before, after))
     print(f"rows {args.rows}, dim {args.dim}, batch {args.batch}, pooling {args.pooling} (SUM, fp32 out), "
           f"{args.repeats} interleaved rounds, medians")
-    print("| weights | bytes/row | table MiB | XLA ms | FBGEMM ms (here) | FBGEMM ms (alone) | XLA / FBGEMM (paired) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"default path: {'C++ kernel (HybridrecQuantPooled)' if _kernels.available() else 'XLA (kernel unavailable)'}")
+    print("| weights | bytes/row | table MiB | default ms | XLA form ms | FBGEMM ms (here) | FBGEMM ms (alone) "
+          "| default / FBGEMM (paired) | XLA / FBGEMM (paired) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for wt in TYPES:
-        r = paired_ratio(samples[f"xla {wt}"]["total"], samples[f"fbgemm {wt}"]["total"])
+        r = paired_ratio(samples[f"ours {wt}"]["total"], samples[f"fbgemm {wt}"]["total"])
+        rx = paired_ratio(samples[f"xla {wt}"]["total"], samples[f"fbgemm {wt}"]["total"])
         b = row_bytes(wt, args.dim)
-        print(f"| {wt} | {b} | {b * args.rows / 2**20:.1f} | {med[f'xla {wt}']:.2f} | {med[f'fbgemm {wt}']:.2f} "
-              f"| {fresh[wt]:.2f} | {r['paired_median']:.2f}x |")
+        print(f"| {wt} | {b} | {b * args.rows / 2**20:.1f} | {med[f'ours {wt}']:.2f} | {med[f'xla {wt}']:.2f} "
+              f"| {med[f'fbgemm {wt}']:.2f} | {fresh[wt]:.2f} | {r['paired_median']:.2f}x | {rx['paired_median']:.2f}x |")
     print(f"| fp32 (XLA pooled sum, unquantized) | {4 * args.dim} | {4 * args.dim * args.rows / 2**20:.1f} "
-          f"| {med['xla fp32']:.2f} | | | |")
+          f"| | {med['xla fp32']:.2f} | | | | |")
     return 0
 
 

@@ -32,7 +32,9 @@ while FBGEMM's own `quantize_embs` rounds the fp32 scale and bias of
 Dequantized value: `scale * q + bias` in fp32 (the product is exact, so this is FBGEMM's
 fma bit for bit). Pooling (FBGEMM's `GenerateEmbeddingSpMDM[NBit]` kernels) walks each bag
 in order: `acc = (acc + w * bias) + (w * scale) * q` (fp16 rows: `acc + w * x`), then MEAN
-multiplies by `fp32(1 / len)`; an empty bag gives zeros.
+multiplies by `fp32(1 / len)`; an empty bag gives zeros. XLA:CPU fuses the `(w * scale) * q`
+product into that add (an fma, as FBGEMM does); the C++ kernel (`HybridrecQuantPooled`, the
+CPU default) does the same operations in the same order, so both forms agree bit for bit.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ import numpy as np
 from sparse_jax._configs import PoolingType
 from sparse_jax._validate import is_concrete
 
-__all__ = ["WEIGHT_TYPES", "dequantize_rows", "quantize_rows", "quantized_pooled_lookup", "row_bytes"]
+__all__ = ["BOUNDS_CHECKS", "KERNELS", "WEIGHT_TYPES", "dequantize_rows", "quantize_rows", "quantized_pooled_lookup",
+           "row_bytes"]
 
 WEIGHT_TYPES = ("fp16", "int8", "int4", "int2")
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -251,24 +254,85 @@ def _pooled(packed, ids, offsets, weights, weight_type: str, dim: int, mean, max
     return acc * jnp.where(mean, inv_len, 1.0)[:, None]
 
 
+KERNELS = ("auto", "ffi", "xla")
+BOUNDS_CHECKS = ("skip", "clamp")
+
+
+def _xla_form(weight_type: str, dim: int, mean: bool, clamp: bool, max_length: int | None):
+    """The pure-XLA lookup over operands (packed, ids, offsets[, weights]), as a list."""
+
+    def run(packed, ids, offsets, weights=None):
+        if clamp:
+            ids = jnp.clip(ids, 0, packed.shape[0] - 1)
+        if weights is None:  # weights of 1: exact products, so one loop serves weighted or not
+            weights = jnp.ones(ids.shape, jnp.float32)
+        return [_pooled(packed, ids, offsets.astype(ids.dtype), weights, weight_type, dim, jnp.bool_(mean),
+                        max_length)]
+
+    return run
+
+
+def _kernel_form(weight_type: str, dim: int, mean: bool, clamp: bool, max_length: int | None):
+    """The fused C++ lookup (`HybridrecQuantPooled`) over the same operands."""
+
+    def run(packed, ids, offsets, weights=None):
+        from sparse_jax import _kernels
+
+        if ids.dtype.itemsize > 4:  # int32 for the kernel without wrapping ids into the table
+            ids = jnp.clip(ids, -1, packed.shape[0])
+        return [_kernels.quant_pooled(packed, ids, offsets, weights, weight_type=weight_type, dim=dim, mean=mean,
+                                      clamp=clamp, max_length=max_length)]
+
+    return run
+
+
+@functools.partial(jax.jit, static_argnames=("weight_type", "dim", "mean", "clamp", "max_length", "kernel"))
+def _lookup(packed, ids, offsets, weights, weight_type: str, dim: int, mean: bool, clamp: bool,
+            max_length: int | None, kernel: str):
+    """The lookup, its implementation chosen when the program is lowered (`by_platform`):
+    kernel "auto"/"ffi" takes the fused C++ kernel on CPU when it is built, the XLA form
+    elsewhere (other platforms, an unbuilt kernel); "xla" always the XLA form."""
+    from sparse_jax._kernels._platform import by_platform
+    from sparse_jax._lookup import _when_built
+
+    operands = (packed, ids, offsets) if weights is None else (packed, ids, offsets, weights)
+    form = (weight_type, dim, mean, clamp, max_length)
+    xla = _xla_form(*form)
+    if kernel == "xla":
+        return xla(*operands)[0]
+    aval = jax.ShapeDtypeStruct((offsets.shape[0] - 1, dim), jnp.float32)
+    return by_platform(operands, [aval], default=xla, cpu=_when_built(_kernel_form(*form), xla))[0]
+
+
 def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, pooling="SUM",
-                            per_sample_weights=None, *, max_length: int | None = None) -> jax.Array:
+                            per_sample_weights=None, *, max_length: int | None = None, bounds_check: str = "skip",
+                            kernel: str = "auto") -> jax.Array:
     """Pooled fp32 `[B, dim]` over bags of packed rows, FBGEMM's IntN TBE CPU forward.
 
     packed: uint8 `[rows, row_bytes]` from `quantize_rows` (any row alignment).
     ids `[N]`, offsets `[B + 1]` (int): bag b is `ids[offsets[b]:offsets[b + 1]]`; ids past
     `offsets[B]` are padding. Id -1 (FBGEMM's pruned row) contributes nothing; MEAN still
     counts it in the bag's length. Any other id outside `[0, rows)` raises here (under `jit`
-    it contributes nothing, like -1).
+    it contributes nothing, like -1). bounds_check="clamp" instead clamps every id (-1
+    included) into `[0, rows)`, and nothing raises.
     pooling: "SUM" or "MEAN" (or a `PoolingType`); per_sample_weights: fp32 `[N]` or None.
     max_length: a bound on every bag's length, if the caller knows one (a padded KJT's length
     cap): the position loop then has that static trip count; checked when the offsets are
     concrete, trusted under `jit` (a longer bag would lose its ids past the bound).
 
-    Jittable with `weight_type`, `dim` and `pooling` static. The loop runs over positions
-    up to the longest bag, gathering one row per bag each step, so that every bag adds its
-    rows in FBGEMM's order: unweighted results are bit for bit FBGEMM's; weighted ones
-    differ by the rounding of one product per id where XLA does not fuse it into an fma.
+    kernel: "auto" (default) runs the fused C++ kernel (`HybridrecQuantPooled`: rows read
+    from the packed bytes and dequantized in registers, bags split over threads) when the
+    program is lowered for CPU and the kernel is built, the XLA form otherwise (other
+    platforms, no compiler); "ffi" the same, but an error when the kernel is unavailable;
+    "xla" always the XLA form (what `hybrid.export` serializes: no custom call).
+
+    Jittable with `weight_type`, `dim`, `pooling`, `bounds_check` and `kernel` static. Both
+    forms add every bag's rows in FBGEMM's order (the XLA form loops over positions up to
+    the longest bag, gathering one row per bag each step) with FBGEMM's operations
+    (`acc = fma(w * scale, q, acc + w * bias)`): unweighted results are bit for bit
+    FBGEMM's and each other's; weighted ones are bit for bit each other's where XLA fuses
+    the same product into an fma as the kernel does, and within the rounding of one product
+    per id of FBGEMM's.
     """
     weight_type = _check_type(weight_type)
     dim = _check_dim(weight_type, dim)
@@ -279,17 +343,26 @@ def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, po
         raise ValueError(f"ids must be 1-D [N] and offsets 1-D [B + 1]; got shapes {ids.shape} and {offsets.shape}")
     if not (jnp.issubdtype(ids.dtype, jnp.integer) and jnp.issubdtype(offsets.dtype, jnp.integer)):
         raise ValueError(f"ids and offsets must be integers, got {ids.dtype} and {offsets.dtype}")
-    if per_sample_weights is None:
-        per_sample_weights = jnp.ones(ids.shape, jnp.float32)
-    per_sample_weights = jnp.asarray(per_sample_weights, jnp.float32)
-    if per_sample_weights.shape != ids.shape:
+    if per_sample_weights is not None:
+        per_sample_weights = jnp.asarray(per_sample_weights, jnp.float32)
+    if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
         raise ValueError(f"per_sample_weights has shape {per_sample_weights.shape}, ids {ids.shape}: "
                          "pass one weight per id")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int | np.integer)
                                    or max_length < 0):
         raise ValueError(f"max_length={max_length!r} must be an int >= 0 (a bound on every bag's length) or None")
+    if bounds_check not in BOUNDS_CHECKS:
+        raise ValueError(f"bounds_check={bounds_check!r} is not one of {BOUNDS_CHECKS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+    if kernel == "ffi":
+        from sparse_jax import _kernels
+
+        if not _kernels.available():
+            raise ValueError("kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); "
+                             "use kernel='auto' or 'xla'")
     if is_concrete(ids, offsets):
-        _check_bags(np.asarray(ids), np.asarray(offsets), packed.shape[0])
+        _check_bags(np.asarray(ids), np.asarray(offsets), packed.shape[0], ids_too=bounds_check == "skip")
         longest = int(np.diff(np.asarray(offsets)).max(initial=0))
         if max_length is not None and longest > max_length:
             raise ValueError(f"max_length={max_length} but a bag holds {longest} ids: pass a bound >= {longest}, "
@@ -297,9 +370,8 @@ def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, po
     batch = offsets.shape[0] - 1
     if batch == 0 or ids.shape[0] == 0 or packed.shape[0] == 0:  # nothing to add
         return jnp.zeros((batch, dim), jnp.float32)
-    offsets = offsets.astype(ids.dtype)
-    return _pooled(packed, ids, offsets, per_sample_weights, weight_type, dim, jnp.bool_(mean),
-                   None if max_length is None else int(max_length))
+    return _lookup(packed, ids, offsets, per_sample_weights, weight_type, dim, mean, bounds_check == "clamp",
+                   None if max_length is None else int(max_length), kernel)
 
 
 def _is_mean(pooling) -> bool:
@@ -311,13 +383,15 @@ def _is_mean(pooling) -> bool:
     return mode is PoolingType.MEAN
 
 
-def _check_bags(ids: np.ndarray, offsets: np.ndarray, num_rows: int) -> None:
+def _check_bags(ids: np.ndarray, offsets: np.ndarray, num_rows: int, ids_too: bool = True) -> None:
     steps = np.diff(offsets)
     if offsets[0] < 0 or (steps < 0).any() or offsets[-1] > ids.shape[0]:
         raise ValueError(
             f"offsets must rise from >= 0 to at most len(ids)={ids.shape[0]}; got {offsets.tolist()[:16]}"
             f"{' ...' if offsets.shape[0] > 16 else ''}: build them as [0, cumsum(bag lengths)]"
         )
+    if not ids_too:
+        return
     used = ids[offsets[0] : offsets[-1]]
     bad = np.flatnonzero((used < -1) | (used >= num_rows))
     if bad.size:

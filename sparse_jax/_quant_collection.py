@@ -237,11 +237,11 @@ class QuantEmbeddingBagCollection(LayoutFacts):
         caps = kjt.length_caps()  # a padded KJT's bound on each key's bags: a static position loop
         blocks = []
         for slot, ki in zip(self.layout.features, self.layout.key_indices(kjt.keys()), strict=True):
-            ids = jnp.clip(values, 0, slot.num_rows - 1) if self.bounds_check == "clamp" else values
             bags = offsets[ki * stride : (ki + 1) * stride + 1]
             blocks.append(quantized_pooled_lookup(
-                tables[slot.table], self.weight_types[slot.table], slot.dim, ids, bags, slot.pooling, weights,
+                tables[slot.table], self.weight_types[slot.table], slot.dim, values, bags, slot.pooling, weights,
                 max_length=None if caps is None else caps[ki],
+                bounds_check="clamp" if self.bounds_check == "clamp" else "skip",
             ))
         return KeyedTensor(self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1))
 

@@ -32,6 +32,14 @@ CASES = [(t, d) for t in TYPES for d in DIMS if t != "int2" or d in (4, 12, 100)
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 ROWS = 24
 CAPACITY = 48  # ids per batch, the tail past offsets[-1] is padding
+KERNELS = ("ffi", "xla")  # the C++ kernel asked for by name, and the XLA form
+
+
+def _need_kernel():
+    from sparse_jax import _kernels
+
+    if not _kernels.available():
+        pytest.skip("the CPU kernels are not built here (no compiler, or not a CPU backend)")
 
 
 @functools.cache
@@ -196,8 +204,11 @@ def test_dequantize_is_fbgemm_ops_bit_for_bit(fbgemm, weight_type, dim):
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("weight_type, dim", CASES)
-def test_pooled_lookup_is_fbgemm_tbe_forward(fbgemm, weight_type, dim):
+def test_pooled_lookup_is_fbgemm_tbe_forward(fbgemm, weight_type, dim, kernel):
+    if kernel == "ffi":
+        _need_kernel()
     rng = np.random.default_rng([dim, TYPES.index(weight_type), 1])
     table = _lookup_table(rng, dim)
     packed = quantize_rows(table, weight_type)
@@ -205,25 +216,29 @@ def test_pooled_lookup_is_fbgemm_tbe_forward(fbgemm, weight_type, dim):
     for pooling in ("SUM", "MEAN"):
         module = fbgemm.tbe(np.asarray(packed), weight_type, dim, pooling)
         want = fbgemm.forward(module, ids, offsets)
-        got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling))
+        got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, kernel=kernel))
         np.testing.assert_array_equal(got, want, err_msg=f"{pooling}, unweighted")
         assert not got[[1, 4]].any()  # the empty bags
         want = fbgemm.forward(module, ids, offsets, weights)
-        got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, weights))
+        got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, weights,
+                                                 kernel=kernel))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=_tolerance(packed, weight_type, dim, offsets, weights),
                                    err_msg=f"{pooling}, weighted")
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("weight_type", TYPES)
-def test_pooled_lookup_reads_rows_padded_for_the_gpu_tbe(fbgemm, weight_type):
+def test_pooled_lookup_reads_rows_padded_for_the_gpu_tbe(fbgemm, weight_type, kernel):
+    if kernel == "ffi":
+        _need_kernel()
     rng = np.random.default_rng([TYPES.index(weight_type), 2])
     table = _lookup_table(rng, 12)
     packed = quantize_rows(table, weight_type, row_alignment=16)
     assert packed.shape[1] == (32 if weight_type == "fp16" else 16)
     ids, offsets, weights = _bags(rng)
     module = fbgemm.tbe(np.asarray(packed), weight_type, 12, "MEAN", row_alignment=16)
-    got = np.asarray(quantized_pooled_lookup(packed, weight_type, 12, ids, offsets, "MEAN"))
+    got = np.asarray(quantized_pooled_lookup(packed, weight_type, 12, ids, offsets, "MEAN", kernel=kernel))
     np.testing.assert_array_equal(got, fbgemm.forward(module, ids, offsets))
 
 
@@ -310,6 +325,139 @@ def test_row_bytes_is_fbgemms_formula():
     assert row_bytes("int4", 100) == 54 and row_bytes("int4", 100, 16) == 64
     assert row_bytes("int2", 12) == 7 and row_bytes("fp16", 12, 16) == 32
     assert row_bytes("INT4", 8) == 8
+
+
+# ---------------------------------------------------------------- the C++ kernel
+
+
+# every type at dims of the kernel's compiled widths (16, 64) and at dims it loops over (12,
+# 100, not multiples of 8); with row_alignment 16 the rows are padded after their values
+# (e.g. int4 x 12: 10 bytes -> 16, int8 x 100: 104 -> 112)
+KERNEL_CASES = [(t, d, a) for t in TYPES for d, a in ((12, 16), (16, 1), (64, 1), (100, 16))]
+
+
+@pytest.mark.parametrize("weight_type, dim, row_alignment", KERNEL_CASES)
+def test_kernel_equals_the_xla_form_bit_for_bit_and_the_loops(weight_type, dim, row_alignment):
+    """SUM and MEAN, weighted or not, empty bags, a repeated and a pruned id; out-of-range
+    ids (under jit: nothing raises) added nothing (skip) or clamped (clamp); a length bound.
+    The C++ kernel rounds as XLA:CPU's compiled XLA form (fma of `(w * scale) * q` into the
+    sum): bit for bit, weighted too."""
+    _need_kernel()
+    rng = np.random.default_rng([dim, TYPES.index(weight_type), 5])
+    packed = quantize_rows(_lookup_table(rng, dim), weight_type, row_alignment=row_alignment)
+    ids, offsets, weights = _bags(rng)
+    bad = ids.copy()
+    bad[offsets[0]] = ROWS  # just past the table
+    bad[offsets[7] + 2] = -5
+    bad[offsets[7] + 4] = 1 << 30
+    lookup = jax.jit(quantized_pooled_lookup,
+                     static_argnames=("weight_type", "dim", "pooling", "max_length", "bounds_check", "kernel"))
+    for pooling in ("SUM", "MEAN"):
+        for w in (None, weights):
+            for bounds_check in ("skip", "clamp"):
+                for max_length in (None, 8):
+                    args = (packed, weight_type, dim, bad, offsets, pooling, w)
+                    opts = dict(max_length=max_length, bounds_check=bounds_check)
+                    got = np.asarray(lookup(*args, **opts, kernel="ffi"))
+                    what = f"{pooling}, weighted {w is not None}, {bounds_check}, max_length {max_length}"
+                    np.testing.assert_array_equal(got, lookup(*args, **opts, kernel="xla"), err_msg=what)
+                if bounds_check == "clamp":
+                    oracle_ids = np.clip(bad, 0, ROWS - 1)
+                else:
+                    oracle_ids = np.where((bad >= 0) & (bad < ROWS), bad, -1)
+                want = reference.quantized_pooled_loop(np.asarray(packed), weight_type, dim, oracle_ids, offsets,
+                                                       pooling, w)
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=_tolerance(packed, weight_type, dim, offsets, w),
+                                           err_msg=what)
+                assert not got[[1, 4]].any()  # the empty bags
+            # eager: the ids are checked (skip) or clamped, the result is the jitted one
+            np.testing.assert_array_equal(
+                quantized_pooled_lookup(packed, weight_type, dim, bad, offsets, pooling, w, bounds_check="clamp",
+                                        kernel="ffi"),
+                lookup(packed, weight_type, dim, bad, offsets, pooling, w, bounds_check="clamp", kernel="xla"))
+            np.testing.assert_array_equal(
+                quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w),
+                quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w, kernel="xla"))
+
+
+def test_kernel_on_batches_of_every_size_and_on_a_table_of_no_rows():
+    """Bag counts around the thread split (one bag, a few, thousands), all bags empty, and a
+    table of 0 rows (under jit: every id is outside, so every bag is zeros or clamped to none)."""
+    _need_kernel()
+    rng = np.random.default_rng(11)
+    packed = quantize_rows(_lookup_table(rng, 16), "int4")
+    for bags in (1, 3, 5000):
+        lengths = rng.integers(0, 6, bags)
+        offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+        ids = rng.integers(0, ROWS, offsets[-1] + 3).astype(np.int32)
+        np.testing.assert_array_equal(quantized_pooled_lookup(packed, "int4", 16, ids, offsets, "MEAN", kernel="ffi"),
+                                      quantized_pooled_lookup(packed, "int4", 16, ids, offsets, "MEAN", kernel="xla"))
+    zeros = quantized_pooled_lookup(packed, "int4", 16, np.zeros(3, np.int32), np.zeros(5, np.int32), kernel="ffi")
+    np.testing.assert_array_equal(zeros, np.zeros((4, 16)))
+    lookup = jax.jit(quantized_pooled_lookup, static_argnames=("weight_type", "dim", "kernel"))
+    no_rows = np.zeros((0, 12), np.uint8)
+    np.testing.assert_array_equal(lookup(no_rows, "int8", 8, np.array([-1, 4], np.int32), np.array([0, 2, 2], np.int32),
+                                         kernel="ffi"), np.zeros((2, 8)))
+
+
+def _lowered(kernel: str, platform: str = "cpu", weighted: bool = False) -> str:
+    packed = jnp.zeros((ROWS, row_bytes("int8", 16)), jnp.uint8)
+    ids, offsets = jnp.zeros(40, jnp.int32), jnp.arange(0, 41, 4, dtype=jnp.int32)
+    w = jnp.ones(40, jnp.float32) if weighted else None
+
+    def f(p, i, o, w):
+        return quantized_pooled_lookup(p, "int8", 16, i, o, "MEAN", w, kernel=kernel)
+
+    return jax.jit(f).trace(packed, ids, offsets, w).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_the_kernel_is_chosen_on_cpu_and_only_there():
+    """The default CPU program calls the C++ kernel (decided when the program is lowered);
+    kernel="xla" and programs lowered for CUDA or TPU hold the XLA form (no custom call)."""
+    _need_kernel()
+    for weighted in (False, True):
+        assert "custom_call @HybridrecQuantPooled" in _lowered("auto", weighted=weighted)
+        assert "custom_call @HybridrecQuantPooled" in _lowered("ffi", weighted=weighted)
+    assert "HybridrecQuantPooled" not in _lowered("xla")
+    for platform in ("cuda", "tpu"):
+        text = _lowered("auto", platform)
+        assert "custom_call" not in text and "while" in text, platform
+
+
+def test_the_quantized_collection_takes_the_kernel_on_cpu():
+    _need_kernel()
+    from sparse_jax import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        KeyedJaggedTensor,
+        QuantEmbeddingBagCollection,
+    )
+
+    kjt = KeyedJaggedTensor(["f"], np.array([1, 2, 3, ROWS + 2], np.int32), lengths=np.array([3, 1]))
+    for bounds_check in ("skip", "clamp"):
+        ebc = EmbeddingBagCollection([EmbeddingBagConfig(ROWS, 16, "t", feature_names=["f"])],
+                                     bounds_check=bounds_check)
+        params = ebc.init(jax.random.key(0))
+        qebc = QuantEmbeddingBagCollection.from_float(ebc, params, weight_type="int4")
+        batch = qebc.prepare(kjt)
+        text = jax.jit(qebc._apply).lower(qebc.packed_tables, batch.kjt).as_text()
+        assert "custom_call @HybridrecQuantPooled" in text
+    rows = np.asarray(qebc.dequantized_weights()["t"])
+    np.testing.assert_array_equal(np.asarray(qebc.apply(kjt).values())[1], rows[ROWS - 1])  # clamped
+
+
+def test_ffi_refuses_to_fall_back(monkeypatch):
+    from sparse_jax import _kernels
+
+    monkeypatch.setattr(_kernels, "available", lambda: False)
+    packed = quantize_rows(np.ones((ROWS, 8), np.float32), "int8")
+    with pytest.raises(ValueError, match="^" + re.escape("kernel='ffi' was asked for but the CPU kernels are "
+                                                         "unavailable here (see the log); use kernel='auto' or 'xla'")):
+        quantized_pooled_lookup(packed, "int8", 8, [0], [0, 1], kernel="ffi")
+    for bad, message in (({"kernel": "pallas"}, "kernel='pallas' is not one of ('auto', 'ffi', 'xla')"),
+                         ({"bounds_check": "error"}, "bounds_check='error' is not one of ('skip', 'clamp')")):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            quantized_pooled_lookup(packed, "int8", 8, [0], [0, 1], **bad)
 
 
 # ---------------------------------------------------------------- errors

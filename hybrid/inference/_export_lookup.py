@@ -14,8 +14,9 @@
 
 Per output feature (a feature read by two tables gives two blocks) the bags are pooled
 with one loop over bag positions up to the longest bag, each step gathering one row per
-bag: quantized tables through `quantized_pooled_lookup` (the very function the in-memory
-`QuantEmbeddingBagCollection` runs, so results are bit for bit its own); float tables with
+bag: quantized tables through `quantized_pooled_lookup` in its XLA form (kernel="xla": no
+custom call in the artifact; the in-memory `QuantEmbeddingBagCollection` runs the C++ form
+on CPU, whose results are bit for bit the XLA form's, see `sparse_jax._quant`); float tables with
 `acc += w * row` in bag order, then MEAN scales by `1 / length` (the order of the CPU
 kernel; the XLA kernel divides each weight first, a difference of an ulp or so).
 Out-of-range ids: with bounds_check "clamp" they are clamped, otherwise they add nothing
@@ -101,9 +102,12 @@ def lookup_program(
                 continue
             # as QuantEmbeddingBagCollection._apply: clamp, or let the lookup skip them
             rows = jnp.clip(ids, 0, table.shape[0] - 1) if clamp else ids
+            # the XLA form: a CPU program with the C++ kernel would hold a custom call that
+            # only a process with sparse_jax's kernels registered can run (not the server)
             blocks.append(
                 quantized_pooled_lookup(
-                    table, s.packed_type, s.dim, rows, bags, "MEAN" if s.mean else "SUM", weights
+                    table, s.packed_type, s.dim, rows, bags, "MEAN" if s.mean else "SUM", weights,
+                    kernel="xla",
                 )
             )
         return jnp.concatenate(blocks, axis=1)

@@ -12,7 +12,7 @@ import numpy as np
 
 __all__ = [
     "RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "last_update_phases",
-    "pooled_sum",
+    "pooled_sum", "quant_pooled",
 ]
 
 log = logging.getLogger("hybridrec.kernels")
@@ -35,7 +35,7 @@ def _register() -> str | None:
         return f"hybridrec CPU kernels unavailable, using the XLA path: {err}"
     _LIB.append(lib)
     for name in ("HybridrecPooledSum", "HybridrecJaggedPooledSum", "HybridrecFusedUpdate",
-                 "HybridrecJaggedFusedUpdate"):
+                 "HybridrecJaggedFusedUpdate", "HybridrecQuantPooled"):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None
 
@@ -85,6 +85,26 @@ def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row
     return jax.ffi.ffi_call("HybridrecJaggedPooledSum", out)(
         table, values.astype(jnp.int32), offsets.astype(jnp.int32), weights, *meta,
         stride=np.int64(stride), clamp=np.int32(clamp), weighted=np.int32(weighted),
+    )
+
+
+QUANT_KINDS = {"int8": 8, "int4": 4, "int2": 2, "fp16": 16}
+
+
+def quant_pooled(packed, ids, offsets, weights, *, weight_type: str, dim: int, mean: bool, clamp: bool,
+                 max_length: int | None) -> jax.Array:
+    """`[B, dim]` fp32 pooled bags of packed rows (`sparse_jax._quant`'s layout), dequantized
+    in registers: bag b is `ids[offsets[b]:offsets[b + 1]]`, the rows `scale * q + bias` (or
+    fp16), weighted by `weights` (per id, or None), MEAN (static) by `1 / len`. Ids outside
+    the table are clamped (`clamp`) or add nothing; a bag reads at most `max_length` ids."""
+    _register()
+    out = jax.ShapeDtypeStruct((offsets.shape[0] - 1, dim), jnp.float32)
+    weighted = weights is not None
+    weights = weights.astype(jnp.float32) if weighted else jnp.zeros((1,), jnp.float32)
+    return jax.ffi.ffi_call("HybridrecQuantPooled", out)(
+        packed, ids.astype(jnp.int32), offsets.astype(jnp.int32), weights, kind=np.int32(QUANT_KINDS[weight_type]),
+        weighted=np.int32(weighted), clamp=np.int32(clamp), mean=np.int32(mean),
+        max_length=np.int64(-1 if max_length is None else max_length),
     )
 
 

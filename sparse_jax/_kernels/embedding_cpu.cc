@@ -17,9 +17,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define HYBRIDREC_QUANT_VECTOR 1  // the quantized lookup's 8-lane path
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -175,6 +181,375 @@ ffi::Error JaggedPooledSumImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32
     default: HYBRIDREC_JAGGED(0); break;
   }
 #undef HYBRIDREC_JAGGED
+  return ffi::Error::Success();
+}
+
+// ---- the quantized pooled lookup ----------------------------------------------------------
+// Bags of packed rows in FBGEMM's IntN TBE layout (sparse_jax/_quant.py): int8 / int4 / int2
+// rows are [fp16 scale | fp16 bias | values, low bits first | padding], fp16 rows
+// [fp16 values | padding]; every row is `width` bytes. Bag b is ids[off[b] : off[b + 1]],
+// read straight from the packed bytes and dequantized in registers, in bag order:
+//   int rows:  acc = (acc + w * bias) + (w * scale) * q     fp16 rows:  acc = acc + w * x
+// then MEAN multiplies by fp32(1 / len) (len counts every id, skipped ones too); an empty bag
+// is zeros. The `* q` and `* x` products are fused into the add (fma), as FBGEMM's kernel and
+// XLA:CPU's compiled XLA form (`_quant._pooled`) both do; `w * bias` and `w * scale` are
+// rounded on their own (XLA's form too). Unweighted, every product is exact and the result is
+// bit for bit both; weighted, bit for bit the XLA form wherever XLA fused the same product. Ids outside
+// [0, num_rows) (-1: FBGEMM's pruned row) are clamped (clamp = 1) or add nothing; a bag reads
+// at most max_length ids (< 0: no bound), as the XLA form's static loop does.
+// KIND: 8 / 4 / 2 (bits per value), 16 (fp16 rows). Dims 8 .. 128 (powers of two) keep the
+// bag's sums in vector registers (PoolFixed: 16 columns a register with AVX-512, 8 with
+// AVX2; int4 rows widen 8 or 16 bytes at once and keep even and odd columns apart); any other
+// dim, or a build without AVX2 / F16C / FMA, sums in the output row (PoolAny). Prefetches
+// are written in the loop itself: a helper function holding only prefetches is judged free
+// of effects by GCC and its calls deleted.
+
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24, exact in fp32
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// `x` rounded to its own value here: a later add cannot contract the product into an fma.
+#if defined(__x86_64__) || defined(__i386__)
+#define HYBRIDREC_ROUNDED(x) asm("" : "+x"(x))
+#elif defined(__aarch64__)
+#define HYBRIDREC_ROUNDED(x) asm("" : "+w"(x))
+#else
+#define HYBRIDREC_ROUNDED(x) asm("" : "+m"(x))
+#endif
+
+inline uint16_t LoadU16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+// Value k of a packed row's values (bytes `v`), as fp32.
+template <int KIND>
+inline float ValueAt(const uint8_t* v, int64_t k) {
+  if (KIND == 16) return HalfToFloat(LoadU16(v + 2 * k));
+  constexpr int per_byte = 8 / KIND;
+  constexpr unsigned mask = (1u << KIND) - 1u;
+  return static_cast<float>((v[k / per_byte] >> ((k % per_byte) * KIND)) & mask);
+}
+
+#ifdef HYBRIDREC_QUANT_VECTOR
+// Values k .. k + 7 of a packed row (k a multiple of 8), as 8 fp32 lanes.
+template <int KIND>
+inline __m256 Values8(const uint8_t* v, int64_t k) {
+  if (KIND == 16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 2 * k)));
+  if (KIND == 8) return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + k))));
+  // int4: 4 bytes hold the 8 values, int2: 2 bytes; value j is bits j*KIND .. of them
+  uint32_t word = 0;
+  std::memcpy(&word, v + k * KIND / 8, KIND);
+  const __m256i shifts = KIND == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                   : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                                     _mm256_set1_epi32((1 << KIND) - 1));
+  return _mm256_cvtepi32_ps(q);
+}
+
+// (w * scale, w * bias, 0, 0) of an int row, (w, 0, 0, 0) of an fp16 row: each product
+// rounded on its own, as the XLA form does.
+template <int KIND, bool WEIGHTED>
+inline __m128 RowFactors(const uint8_t* row, const float* w, int64_t i) {
+  if (KIND == 16) return _mm_set_ss(WEIGHTED ? w[i] : 1.0f);
+  uint32_t head_bits;
+  std::memcpy(&head_bits, row, 4);
+  __m128 sb = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(head_bits)));  // scale, bias, 0, 0
+  if (WEIGHTED) sb = _mm_mul_ps(sb, _mm_set1_ps(w[i]));
+  HYBRIDREC_ROUNDED(sb);
+  return sb;
+}
+
+// A bag's accumulator for a compile-time DIM, in vector registers: add(values, factors)
+// applies one row (`acc = fma(w * scale, q, acc + w * bias)`, fp16 rows `fma(w, x, acc)`),
+// store writes `acc * scale`.
+template <int KIND, int64_t DIM>
+struct Acc8 {  // 8 columns a register
+  __m256 a[DIM / 8];
+  void zero() {
+    for (int64_t j = 0; j < DIM / 8; ++j) a[j] = _mm256_setzero_ps();
+  }
+  void add(const uint8_t* v, __m128 f) {
+    const __m256 ws = _mm256_broadcastss_ps(f), wb = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+    for (int64_t j = 0; j < DIM / 8; ++j) {
+      a[j] = _mm256_fmadd_ps(ws, Values8<KIND>(v, 8 * j), KIND == 16 ? a[j] : _mm256_add_ps(a[j], wb));
+    }
+  }
+  void store(float* out, float scale) const {
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t j = 0; j < DIM / 8; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(a[j], s));
+  }
+};
+
+// int4, DIM a multiple of 16: 8 bytes widen to 8 lanes whose low nibbles are values 0, 2, ..,
+// 14 and high nibbles 1, 3, .., 15; a[2j] / a[2j + 1] hold the even / odd columns of 16j ..
+// 16j + 15, interleaved back when stored (each column: the same operations, same order).
+template <int64_t DIM>
+struct AccInt4Pairs {
+  __m256 a[DIM / 8];
+  void zero() {
+    for (int64_t j = 0; j < DIM / 8; ++j) a[j] = _mm256_setzero_ps();
+  }
+  void add(const uint8_t* v, __m128 f) {
+    const __m256 ws = _mm256_broadcastss_ps(f), wb = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t j = 0; j < DIM / 16; ++j) {
+      const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + 8 * j)));
+      a[2 * j] = _mm256_fmadd_ps(ws, _mm256_cvtepi32_ps(_mm256_and_si256(x, low4)), _mm256_add_ps(a[2 * j], wb));
+      a[2 * j + 1] = _mm256_fmadd_ps(ws, _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4)), _mm256_add_ps(a[2 * j + 1], wb));
+    }
+  }
+  void store(float* out, float scale) const {
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t j = 0; j < DIM / 16; ++j) {
+      const __m256 lo = _mm256_unpacklo_ps(a[2 * j], a[2 * j + 1]);  // columns 0-3 | 8-11
+      const __m256 hi = _mm256_unpackhi_ps(a[2 * j], a[2 * j + 1]);  // columns 4-7 | 12-15
+      _mm256_storeu_ps(out + 16 * j, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), s));
+      _mm256_storeu_ps(out + 16 * j + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), s));
+    }
+  }
+};
+
+#ifdef __AVX512F__
+// int8 and fp16 rows, DIM a multiple of 16, on AVX-512: 16 columns a register.
+template <int KIND, int64_t DIM>
+struct Acc16 {
+  __m512 a[DIM / 16];
+  void zero() {
+    for (int64_t j = 0; j < DIM / 16; ++j) a[j] = _mm512_setzero_ps();
+  }
+  void add(const uint8_t* v, __m128 f) {
+    const __m512 ws = _mm512_broadcastss_ps(f), wb = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+    for (int64_t j = 0; j < DIM / 16; ++j) {
+      const __m512 x =
+          KIND == 16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * j)))
+                     : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * j))));
+      a[j] = _mm512_fmadd_ps(ws, x, KIND == 16 ? a[j] : _mm512_add_ps(a[j], wb));
+    }
+  }
+  void store(float* out, float scale) const {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < DIM / 16; ++j) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(a[j], s));
+  }
+};
+
+// int4, DIM a multiple of 32, on AVX-512: AccInt4Pairs with 16 bytes (32 columns) a step.
+template <int64_t DIM>
+struct AccInt4Pairs16 {
+  __m512 a[DIM / 16];
+  void zero() {
+    for (int64_t j = 0; j < DIM / 16; ++j) a[j] = _mm512_setzero_ps();
+  }
+  void add(const uint8_t* v, __m128 f) {
+    const __m512 ws = _mm512_broadcastss_ps(f), wb = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t j = 0; j < DIM / 32; ++j) {
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * j)));
+      a[2 * j] = _mm512_fmadd_ps(ws, _mm512_cvtepi32_ps(_mm512_and_si512(x, low4)), _mm512_add_ps(a[2 * j], wb));
+      a[2 * j + 1] = _mm512_fmadd_ps(ws, _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), _mm512_add_ps(a[2 * j + 1], wb));
+    }
+  }
+  void store(float* out, float scale) const {
+    const __m512 s = _mm512_set1_ps(scale);
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t j = 0; j < DIM / 32; ++j) {
+      _mm512_storeu_ps(out + 32 * j, _mm512_mul_ps(_mm512_permutex2var_ps(a[2 * j], first, a[2 * j + 1]), s));
+      _mm512_storeu_ps(out + 32 * j + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a[2 * j], second, a[2 * j + 1]), s));
+    }
+  }
+};
+#endif
+#endif
+
+#ifndef QUANT_PREFETCH
+#define QUANT_PREFETCH 32  // ids ahead (measured: 32 a little faster than 16 or 8 at 1M x 64, L20)
+#endif
+
+// The share of threads for `ids` ids, and the bounds of bag b.
+inline int QuantThreads(int64_t ids) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(1, omp_get_max_threads()), ids / 4096 + 1)));
+}
+
+struct BagRange {
+  int64_t start, end, stop;  // stop: end, or start + max_length
+};
+
+inline BagRange BagAt(const int32_t* off, int64_t b, int64_t n_ids, int64_t max_length) {
+  const int64_t start = std::min<int64_t>(std::max<int64_t>(off[b], 0), n_ids);
+  const int64_t end = std::min<int64_t>(std::max<int64_t>(off[b + 1], start), n_ids);
+  return {start, end, max_length >= 0 ? std::min(end, start + max_length) : end};
+}
+
+// Every cache line of row ids[i + QUANT_PREFETCH], when there is one inside the table.
+#define HYBRIDREC_PREFETCH_ROW(i)                                                  \
+  if ((i) + QUANT_PREFETCH < ids_end) {                                           \
+    const int64_t ahead = ids[(i) + QUANT_PREFETCH];                              \
+    if (ahead >= 0 && ahead < num_rows) {                                         \
+      const char* p = reinterpret_cast<const char*>(t + ahead * width);           \
+      __builtin_prefetch(p);                                                      \
+      for (int64_t line = 64; line < width; line += 64) __builtin_prefetch(p + line); \
+      __builtin_prefetch(p + width - 1);                                          \
+    }                                                                             \
+  }
+
+// The id at i bounded to the table: clamped, or -1 (skip it).
+inline int64_t BoundedId(const int32_t* ids, int64_t i, int64_t num_rows, bool clamp) {
+  const int64_t id = ids[i];
+  if (id >= 0 && id < num_rows) return id;
+  if (!clamp) return -1;
+  return id < 0 ? 0 : num_rows - 1;
+}
+
+inline float MeanScale(bool mean, const BagRange& r) {
+  return mean ? 1.0f / static_cast<float>(std::max<int64_t>(r.end - r.start, 1)) : 1.0f;
+}
+
+#ifdef HYBRIDREC_QUANT_VECTOR
+// A compile-time DIM: the bag's sums stay in the registers of ACC.
+template <typename ACC, int KIND, bool WEIGHTED>
+void PoolFixed(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
+               const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
+               int64_t max_length) {
+  constexpr int64_t head = KIND == 16 ? 0 : 4;  // fp16 scale and bias in front
+  const int64_t ids_end = std::min<int64_t>(std::max<int64_t>(off[bags], 0), n_ids);
+  // chunks of 16 bags handed out as threads ask: a descheduled thread holds up less
+#pragma omp parallel for schedule(dynamic, 16) num_threads(QuantThreads(ids_end))
+  for (int64_t b = 0; b < bags; ++b) {
+    const BagRange r = BagAt(off, b, n_ids, max_length);
+    ACC acc;
+    acc.zero();
+    for (int64_t i = r.start; i < r.stop; ++i) {
+      HYBRIDREC_PREFETCH_ROW(i)
+      const int64_t id = BoundedId(ids, i, num_rows, clamp);
+      if (id < 0) continue;
+      const uint8_t* row = t + id * width;
+      acc.add(row + head, RowFactors<KIND, WEIGHTED>(row, w, i));
+    }
+    acc.store(o + b * dim, MeanScale(mean, r));
+  }
+}
+#endif
+
+// Any dim: the sums in the output row, 8 columns at a time where it can, then one by one.
+template <int KIND, bool WEIGHTED>
+void PoolAny(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
+             const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
+             int64_t max_length) {
+  constexpr int64_t head = KIND == 16 ? 0 : 4;
+  const int64_t ids_end = std::min<int64_t>(std::max<int64_t>(off[bags], 0), n_ids);
+#pragma omp parallel for schedule(dynamic, 16) num_threads(QuantThreads(ids_end))
+  for (int64_t b = 0; b < bags; ++b) {
+    const BagRange r = BagAt(off, b, n_ids, max_length);
+    float* out = o + b * dim;
+    std::memset(out, 0, sizeof(float) * dim);
+    for (int64_t i = r.start; i < r.stop; ++i) {
+      HYBRIDREC_PREFETCH_ROW(i)
+      const int64_t id = BoundedId(ids, i, num_rows, clamp);
+      if (id < 0) continue;
+      const uint8_t* row = t + id * width;
+      const uint8_t* v = row + head;
+      const float wi = WEIGHTED ? w[i] : 1.0f;
+      float wb = 0.0f, ws = wi;  // fp16 rows: acc + w * x
+      if (KIND != 16) {
+        wb = wi * HalfToFloat(LoadU16(row + 2));
+        ws = wi * HalfToFloat(LoadU16(row));
+        HYBRIDREC_ROUNDED(wb);
+        HYBRIDREC_ROUNDED(ws);
+      }
+      int64_t k = 0;
+#ifdef HYBRIDREC_QUANT_VECTOR
+      const __m256 vwb = _mm256_set1_ps(wb), vws = _mm256_set1_ps(ws);
+      for (; k + 8 <= dim; k += 8) {
+        const __m256 a = _mm256_loadu_ps(out + k);
+        _mm256_storeu_ps(out + k, _mm256_fmadd_ps(vws, Values8<KIND>(v, k), KIND == 16 ? a : _mm256_add_ps(a, vwb)));
+      }
+#endif
+      for (; k < dim; ++k) out[k] = std::fma(ws, ValueAt<KIND>(v, k), KIND == 16 ? out[k] : out[k] + wb);
+    }
+    if (mean) {
+      const float scale = MeanScale(mean, r);
+      for (int64_t k = 0; k < dim; ++k) out[k] *= scale;
+    }
+  }
+}
+
+template <int KIND, bool WEIGHTED>
+void PoolQuantDim(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
+                  const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
+                  int64_t max_length) {
+#ifdef HYBRIDREC_QUANT_VECTOR
+#ifdef __AVX512F__
+#define HYBRIDREC_WIDE(D) (D % 16 == 0 && (KIND == 8 || KIND == 16))
+#define HYBRIDREC_ACC(D)                                                                               \
+  std::conditional_t<KIND == 4 && D % 32 == 0, AccInt4Pairs16<D>,                                       \
+                     std::conditional_t<KIND == 4 && D % 16 == 0, AccInt4Pairs<D>,                        \
+                                        std::conditional_t<HYBRIDREC_WIDE(D), Acc16<KIND, D>, Acc8<KIND, D>>>>
+#else
+#define HYBRIDREC_ACC(D) std::conditional_t<KIND == 4 && D % 16 == 0, AccInt4Pairs<D>, Acc8<KIND, D>>
+#endif
+#define HYBRIDREC_QUANT(D) \
+  PoolFixed<HYBRIDREC_ACC(D), KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, clamp, mean, max_length)
+  switch (dim) {
+    case 8: HYBRIDREC_QUANT(8); return;
+    case 16: HYBRIDREC_QUANT(16); return;
+    case 32: HYBRIDREC_QUANT(32); return;
+    case 64: HYBRIDREC_QUANT(64); return;
+    case 128: HYBRIDREC_QUANT(128); return;
+    default: break;
+  }
+#undef HYBRIDREC_QUANT
+#undef HYBRIDREC_ACC
+#undef HYBRIDREC_WIDE
+#endif
+  PoolAny<KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, clamp, mean, max_length);
+}
+
+ffi::Error QuantPooledImpl(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> offsets,
+                           ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::F32> out, int32_t kind,
+                           int32_t weighted, int32_t clamp, int32_t mean, int64_t max_length) {
+  const auto pdims = packed.dimensions();
+  const auto odims = out->dimensions();
+  if (pdims.size() != 2 || odims.size() != 2 || offsets.element_count() != odims[0] + 1) {
+    return ffi::Error::InvalidArgument("QuantPooled: packed must be [rows, width], out [bags, dim], offsets [bags + 1]");
+  }
+  const int64_t num_rows = pdims[0], width = pdims[1], bags = odims[0], dim = odims[1];
+  const int64_t need = kind == 16 ? 2 * dim : 4 + dim * kind / 8;
+  if (width < need || (kind != 16 && kind != 8 && kind != 4 && kind != 2) || (kind < 8 && dim % (8 / kind))) {
+    return ffi::Error::InvalidArgument("QuantPooled: rows too narrow for the dim, or an unknown kind");
+  }
+  if (weighted && static_cast<int64_t>(weights.element_count()) != static_cast<int64_t>(ids.element_count())) {
+    return ffi::Error::InvalidArgument("QuantPooled: one weight per id");
+  }
+  float* o = out->typed_data();
+  if (num_rows == 0) {  // only pruned ids can be asked for: every bag is zeros
+    std::memset(o, 0, sizeof(float) * bags * dim);
+    return ffi::Error::Success();
+  }
+#define HYBRIDREC_QUANT_KIND(K)                                                                             \
+  (weighted ? PoolQuantDim<K, true>(packed.typed_data(), num_rows, width, ids.typed_data(), ids.element_count(),  \
+                                    offsets.typed_data(), bags, weights.typed_data(), o, dim, clamp != 0,         \
+                                    mean != 0, max_length)                                                        \
+            : PoolQuantDim<K, false>(packed.typed_data(), num_rows, width, ids.typed_data(), ids.element_count(), \
+                                     offsets.typed_data(), bags, weights.typed_data(), o, dim, clamp != 0,        \
+                                     mean != 0, max_length))
+  switch (kind) {
+    case 8: HYBRIDREC_QUANT_KIND(8); break;
+    case 4: HYBRIDREC_QUANT_KIND(4); break;
+    case 2: HYBRIDREC_QUANT_KIND(2); break;
+    default: HYBRIDREC_QUANT_KIND(16); break;
+  }
+#undef HYBRIDREC_QUANT_KIND
   return ffi::Error::Success();
 }
 
@@ -552,3 +927,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecJaggedPooledSum, JaggedPooledSumImpl,
                                   .Attr<int64_t>("stride")
                                   .Attr<int32_t>("clamp")
                                   .Attr<int32_t>("weighted"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecQuantPooled, QuantPooledImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("kind")
+                                  .Attr<int32_t>("weighted")
+                                  .Attr<int32_t>("clamp")
+                                  .Attr<int32_t>("mean")
+                                  .Attr<int64_t>("max_length"));
