@@ -36,7 +36,7 @@ def _grad(value=1.0):
 
 
 def test_a_kernel_name_outside_the_list_is_refused_not_taken_for_xla():
-    msg = "kernel='XLA' is not one of ('auto', 'ffi', 'xla', 'reference')"
+    msg = "kernel='XLA' is not one of ('auto', 'ffi', 'xla', 'reference', 'pallas')"
     with pytest.raises(ValueError, match=re.escape(msg)):
         _lookup.use_ffi("XLA", np.zeros((2, 2), np.float32))
     with pytest.raises(ValueError, match=re.escape(msg)):
@@ -55,6 +55,26 @@ def test_the_update_program_takes_the_path_its_kernel_names(rule):
         custom = re.search(r"custom_call @Hybridrec\w*Update", text) is not None
         want = kernel == "auto" and _kernels.available() and rule in _kernels.RULES
         assert custom == want, (kernel, rule)
+
+
+def test_a_rule_takes_a_native_kernel_by_declaration_never_by_its_name():
+    """`from_optax(optax.sgd(...), name="sgd")` is named like SGD but declares no native
+    optimizer: its update is the generic XLA form on CPU (no C++ call, which would read a
+    learning rate it does not have) and on CUDA (no Pallas kernel), and it trains as SGD."""
+    import optax
+
+    custom = optim.from_optax(optax.sgd(0.1), name="sgd")
+    assert custom.native is None and optim.sgd(lr=0.1).native == "sgd"
+    ebc, r, params, state, batch, update = _setup("auto", custom)
+    operands = ebc.update_operands(batch, _grad())
+    traced = update.jitted.trace(params, state, operands)
+    assert "custom_call @Hybridrec" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "xla.gpu.triton" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+    new, _ = update(params, state, batch, _grad())
+    ebc2, r2, params2, state2, batch2, update2 = _setup("xla", optim.sgd(lr=0.1))
+    want, _ = update2(params2, state2, batch2, _grad())
+    for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
