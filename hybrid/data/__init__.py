@@ -6,6 +6,10 @@
   `eval_batches` (in order, last batch padded to full size).
 - `load_movielens()`: real MovieLens-100K as a click task, time split (cached).
 - `read_criteo_tsv(paths, ...)` / `iter_criteo_tsv`: Criteo TSV files, plain or gzipped.
+- `CriteoStream(paths, batch_size, process_index=, process_count=, ...)`: the same files as
+  a stream of batches, this process's share only, shuffled in a window, read ahead on a
+  thread, its position a JSON-able `state()` / `restore(state)` (needs `grain`: the
+  `stream` extra; imported on first use).
 - `synthetic_clicks(n, ...)`: Criteo-shaped data with a planted signal and Zipf ids
   (the draw itself, `planted_signal_data`, is in `_planted`; `python -m hybrid.demo` uses it).
 """
@@ -20,6 +24,7 @@ __all__ = [
     "MOVIELENS_FEATURES",
     "BatchLoader",
     "ClickData",
+    "CriteoStream",
     "CriteoFormatError",
     "concat_rows",
     "data_cache_dir",
@@ -29,3 +34,11 @@ __all__ = [
     "read_criteo_tsv",
     "synthetic_clicks",
 ]
+
+
+def __getattr__(name: str):
+    if name == "CriteoStream":  # grain is imported only by a streamed run
+        from hybrid.data._stream import CriteoStream
+
+        return CriteoStream
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

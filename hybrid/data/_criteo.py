@@ -77,10 +77,11 @@ def _open(path: str | os.PathLike):
         raise CriteoFormatError(f"{name}, line 1: cannot be opened ({e.strerror or e})") from None
 
 
-def _lines(path: str | os.PathLike, f) -> Iterator[tuple[int, bytes]]:
+def _lines(path: str | os.PathLike, f, start: int = 0) -> Iterator[tuple[int, bytes]]:
     """(line number, raw line), turning a read failure (truncated / corrupt gzip, I/O error)
-    into `CriteoFormatError` at the line that could not be read."""
-    name, lines, number = os.fspath(path), iter(f), 0
+    into `CriteoFormatError` at the line that could not be read. `start`: lines before the
+    file's position (a reader that seeked into the file numbers on from there)."""
+    name, lines, number = os.fspath(path), iter(f), start
     while True:
         try:
             raw = next(lines)
