@@ -4,6 +4,7 @@
     python -m hybrid.train --config configs/synthetic.toml --set train.batch_size=256 --steps 200
     python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --set checkpoint.every=100
     python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --resume
+    python -m hybrid.train --config configs/criteo.toml --stream --steps 20000 --set 'data.paths=["day_0.gz", "day_1.gz", "day_23.gz"]'
 
 `--config` is required (configs/*.toml; `--set` changes single keys). The last two lines
 write checkpoints and then continue from the newest one (`--resume` reads checkpoint.dir,
@@ -14,6 +15,14 @@ accuracy) every `train.eval_every` steps and at the end, writes metrics as JSON 
 (log.metrics_path) and checkpoints (checkpoint.dir), and ends by printing where they went.
 A fresh run never replaces an earlier run's metrics or checkpoints: it refuses, unless
 `--overwrite` (earlier checkpoints are moved aside, not deleted); `--resume` appends.
+`--stream` (Criteo): the training files are streamed, each process reading only its
+share, shuffled within a window of 65,536 samples, read ahead on a thread, in memory that
+stays flat however large the files (`hybrid.data.CriteoStream`); the last of data.paths
+is the held-out eval file, read whole (data.max_rows rows at most; data.eval_fraction is
+not used); train.steps must be given (the stream repeats its files as often as the steps
+need); checkpoints carry the stream's exact position (their meta's "data_stream") and
+`--resume --stream` continues from it. Without `--stream` the files are read into memory
+(data.max_rows rows) and the last data.eval_fraction of them is held out.
 Config keys: see `hybrid/training/_train_config.py`. On CPU, a `--mesh` needing more devices than
 the host has sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` itself (when JAX
 has not started yet).
@@ -85,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the newest checkpoint in checkpoint.dir (its metrics file is appended to)",
     )
     p.add_argument(
+        "--stream",
+        action="store_true",
+        help="criteo: stream the training files per process (flat memory, exact resume) instead of "
+        "reading them whole; the last of data.paths is the eval file; needs train.steps",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="start over where an earlier run wrote: replace log.metrics_path and move "
@@ -150,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             from hybrid.training._watchdog import start_watchdog
 
             watchdog = start_watchdog(env)  # a dead peer makes this process exit in seconds
-        run(config, resume=args.resume)
+        run(config, resume=args.resume, stream=args.stream)
         if env is not None and watchdog is not None:
             watchdog.finish()  # every rank finished: exiting peers are not failures
     except (ConfigError, CriteoFormatError) as e:
@@ -166,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _load_data(config):
+def _load_data(config, stream: bool = False):
     from hybrid import data
 
     d = config.data
+    if stream and d.source != "criteo":
+        raise ConfigError(f"--stream reads Criteo files (data.source = \"criteo\"), not {d.source!r}")
     if d.source == "movielens":
         unknown = sorted(set(d.raw_ids) - set(data.MOVIELENS_FEATURES))
         if unknown:
@@ -197,6 +214,8 @@ def _load_data(config):
     if unknown:
         raise ConfigError(f"data.raw_ids names {unknown}, not Criteo features (cat_0..cat_25, or \"*\" for all)")
     sizes = [0 if key in raw else d.num_embeddings for key in keys]
+    if stream:
+        return _criteo_stream(config, sizes)
     whole = data.read_criteo_tsv(d.paths, num_embeddings=sizes, max_rows=d.max_rows or None)
     n_eval = int(round(d.eval_fraction * len(whole)))
     if not 0 < n_eval < len(whole):
@@ -205,6 +224,55 @@ def _load_data(config):
         )
     cut = len(whole) - n_eval
     return whole.take(range(cut)), whole.take(range(cut, len(whole)))
+
+
+# -- --stream: Criteo streamed per process (hybrid.data.CriteoStream) ----------------------
+STREAM_WINDOW = 65_536  # samples shuffled together
+
+
+def _criteo_stream(config, sizes):
+    """(this process's training stream, the eval file's samples) for `--stream`."""
+    from hybrid import data
+
+    d, t = config.data, config.train
+    if len(d.paths) < 2:
+        raise ConfigError(
+            "--stream: data.paths needs at least two files: the training files and, last, the held-out "
+            f"eval file (got {list(d.paths)})"
+        )
+    if not t.steps:
+        raise ConfigError(
+            "--stream: the stream's length is not known before it is read, so give train.steps (--steps N); "
+            "the stream repeats its files for as many epochs as the steps need"
+        )
+    procs = _Processes()
+    train = data.CriteoStream(
+        d.paths[:-1], t.batch_size // procs.world, process_index=procs.rank, process_count=procs.world,
+        num_embeddings=sizes, shuffle_window=STREAM_WINDOW, seed=config.seed,
+    )
+    evaluation = data.read_criteo_tsv(d.paths[-1], num_embeddings=sizes, max_rows=d.max_rows or None)
+    return train, evaluation
+
+
+def _is_stream(train) -> bool:
+    from hybrid.data import ClickData
+
+    return not isinstance(train, ClickData)
+
+
+def _restore_stream(train, meta: dict, where) -> None:
+    """Put the stream where checkpoint `where` left it (its meta's "data_stream")."""
+    state = meta.get("data_stream")
+    if _is_stream(train) != (state is not None):
+        raise ConfigError(
+            f"--resume: {where} was written by a run {'with' if state is not None else 'without'} --stream; "
+            f"resume it {'with' if state is not None else 'without'} --stream"
+        )
+    if state is not None:
+        try:
+            train.restore(state)
+        except ValueError as e:
+            raise ConfigError(f"--resume: {where}: {e}") from None
 
 
 def _dense_tower(config, keys, num_dense: int):
@@ -314,8 +382,9 @@ def _managed_collision(config, train, evaluation, num_devices: int = 1) -> dict:
         raise ConfigError(f"[managed_collision]: {e}") from None
 
 
-def build(config):
-    """(model, dense optimizer, train data, eval data, devices) for `config` (no training)."""
+def build(config, *, stream: bool = False):
+    """(model, dense optimizer, train data, eval data, devices) for `config` (no training).
+    `stream`: the train data is a `CriteoStream` (see `--stream`)."""
     import torch
 
     import hybrid
@@ -332,8 +401,8 @@ def build(config):
                 f"{key} = {size} must divide by the {num_devices} devices of the mesh (the batch is "
                 f"split over every device); e.g. {key} = {max(1, size // num_devices) * num_devices}"
             )
-    train, evaluation = _load_data(config)
-    if t.batch_size > len(train):
+    train, evaluation = _load_data(config, stream)
+    if not stream and t.batch_size > len(train):
         raise ConfigError(
             f"train.batch_size = {t.batch_size} exceeds the {len(train)} training samples"
         )
@@ -507,9 +576,9 @@ def _describe_plan(model, num_devices: int) -> str:
     return f"one device, no sharding; tables: {tables}"
 
 
-def run(config, *, resume: bool = False, echo=print) -> dict:
+def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> dict:
     """Train with a `TrainConfig` in this process. Returns the final eval metrics, the
-    per-step training losses of this run, and the step reached."""
+    per-step training losses of this run, and the step reached. `stream`: see `--stream`."""
     import torch
     from tqdm import tqdm
 
@@ -526,7 +595,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
     torch.set_num_threads(config.train.torch_threads)
     try:
         _refuse_to_replace_metrics(config, resume)  # before any data is read
-        model, dense_opt, train, evaluation, num_devices = build(config)
+        model, dense_opt, train, evaluation, num_devices = build(config, stream=stream)
         ckpt_run = (  # preflight before any step: writable, room, checkpointable, run identity
             prepare_run(
                 config.checkpoint.dir,
@@ -542,7 +611,7 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
         )
         device = hybrid.torch_device()  # the torch device of this process's JAX device
         model.dense.to(device)
-        loader = BatchLoader(train, config.train.batch_size, seed=config.seed)
+        loader = None if stream else BatchLoader(train, config.train.batch_size, seed=config.seed)
         total = config.train.steps or config.train.epochs * loader.steps_per_epoch
         tracker = LossTracker(config.log.loss_window)
         start = 0
@@ -567,13 +636,21 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                     ) from None
                 start = int(meta["step"])
                 tracker.load_state_dict(meta["loss_tracker"])
+                _restore_stream(train, meta, latest)
                 echo(f"resumed from {latest} at step {start}")
         log = _JsonLines(config.log.metrics_path, start if resume else None)
         echo(_describe_plan(model, num_devices))
-        echo(
-            f"{len(train)} train / {len(evaluation)} eval samples, batch {config.train.batch_size} "
-            f"over {num_devices} device(s), {total} steps ({loader.steps_per_epoch} per epoch)"
-        )
+        if stream:
+            echo(
+                f"streaming {len(config.data.paths) - 1} train file(s) / {len(evaluation)} eval samples, batch "
+                f"{config.train.batch_size} over {num_devices} device(s), {total} steps (process {procs.rank} "
+                f"of {procs.world} reads its share, shuffled in windows of {STREAM_WINDOW})"
+            )
+        else:
+            echo(
+                f"{len(train)} train / {len(evaluation)} eval samples, batch {config.train.batch_size} "
+                f"over {num_devices} device(s), {total} steps ({loader.steps_per_epoch} per epoch)"
+            )
         losses: dict[int, float] = {}
         metrics: dict = {}
 
@@ -585,7 +662,8 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                     model=model,
                     dense_optimizer=dense_opt,
                     keep=config.checkpoint.keep,
-                    meta={"loss_tracker": tracker.state_dict(), "config": config.to_dict()},
+                    meta={"loss_tracker": tracker.state_dict(), "config": config.to_dict(),
+                          **({"data_stream": stream_position(step)} if stream else {})},
                     run_id=ckpt_run.run_id,
                 )
             return None
@@ -609,11 +687,22 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
             disable=True if procs.rank else None,
         )
         t_last, n_last = time.perf_counter(), 0
+        t_start = t_last
         batch_size = config.train.batch_size
+
+        positions: dict[int, dict] = {}  # --stream: the stream's position before batch `step`
+
+        def stream_position(step: int) -> dict:  # after `step` batches (the pipeline reads ahead)
+            return positions[step] if step in positions else train.state()
 
         def batches():  # this process's share of each global batch, read alone, in step order
             for step in range(start, total):
-                yield loader.batch(step, part=(procs.rank, procs.world))
+                if stream:
+                    positions[step] = train.state()
+                    positions.pop(step - 4, None)
+                    yield next(train)
+                else:
+                    yield loader.batch(step, part=(procs.rank, procs.world))
 
         def loss_fn(logits, labels):  # this process's share of the global batch's mean loss
             return torch.nn.functional.binary_cross_entropy_with_logits(
@@ -666,7 +755,10 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                     "loss_window": tracker.windowed,
                     "loss_lifetime": tracker.lifetime,
                     "samples_per_s": rate,
+                    "eta_s": (time.perf_counter() - t_start) / (done - start) * (total - done),
                 }
+                if stream:
+                    record["data"] = train.progress()  # epoch, samples of it read, file
                 managed = model.managed_collision_stats()  # device counters, read at log time only
                 if managed:
                     record["managed_collision"] = {
@@ -677,7 +769,8 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                 bar.set_postfix(loss=f"{tracker.windowed:.4f}", samples_per_s=f"{rate:.0f}")
                 if bar.disable:
                     echo(
-                        f"step {done}/{total}  loss {tracker.windowed:.4f} (window)  {rate:.0f} samples/s"
+                        f"step {done}/{total}  loss {tracker.windowed:.4f} (window)  {rate:.0f} samples/s  "
+                        f"ETA {_duration(record['eta_s'])}"
                     )
             evaluating = config.train.eval_every and done % config.train.eval_every == 0
             saving = config.checkpoint.every and done % config.checkpoint.every == 0
@@ -690,6 +783,8 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
                 if saving:
                     checkpoint(done)
         pipeline.close()
+        if stream:
+            train.close()
         bar.close()
         metrics = run_eval(total)
         for line in _where_outputs_went(config, checkpoint(total)):
@@ -697,6 +792,11 @@ def run(config, *, resume: bool = False, echo=print) -> dict:
         return {"eval": metrics, "losses": losses, "step": total}
     finally:
         torch.set_num_threads(threads)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def _silent(*_args) -> None:

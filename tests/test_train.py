@@ -373,3 +373,71 @@ def test_a_row_wise_managed_table_trains_on_a_mesh_from_the_training_script(tmp_
     counters = [r["managed_collision"]["t_cat_0"] for r in records if r["kind"] == "train"]
     assert [c["occupancy"] for c in counters] == [44, 44]  # 4 shards of 12 rows, one default row each
     assert counters[-1]["evictions"] > 0 and records[-1]["auc"] > 0.6
+
+
+def _criteo_tsv(path, rows=320, seed=0):
+    """Criteo lines with 8-digit hex categories; the label follows C1 (90% of the time)."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(rows):
+        cats = [f"{v:08x}" for v in rng.integers(0, 50, 26)]
+        label = int(int(cats[0], 16) % 2 == 0) if rng.random() < 0.9 else int(rng.integers(0, 2))
+        ints = [str(rng.integers(0, 100)) if rng.random() < 0.8 else "" for _ in range(13)]
+        lines.append("\t".join([str(label), *ints, *cats]) + "\n")
+    path.write_text("".join(lines))
+    return str(path)
+
+
+def _criteo_stream_argv(paths, steps, metrics, ckpt="", every=0):
+    return ["--config", "configs/criteo.toml", "--stream", "--steps", str(steps), f"--set=data.paths={paths}",
+            "--set=data.num_embeddings=64", "--set=train.batch_size=64", "--set=train.eval_batch_size=64",
+            "--set=train.eval_every=0", "--set=train.mesh=''", f"--set=checkpoint.dir='{ckpt}'",
+            f"--set=checkpoint.every={every}", f"--set=log.metrics_path='{metrics}'", "--set=log.every=1",
+            "--set=sparse_optimizer.lr=0.2", "--set=dense_optimizer.lr=0.01"]
+
+
+def test_criteo_stream_trains_and_resumes_where_the_stream_stood(tmp_path, capsys):
+    """--stream: two day files streamed (10 batches an epoch, so 12 steps cross an epoch),
+    the third held out; a run stopped at step 8 and resumed gives the uninterrupted losses."""
+    from hybrid.data import CriteoStream
+
+    paths = [_criteo_tsv(tmp_path / f"day_{i}.tsv", seed=i) for i in range(3)]
+    assert train.main(_criteo_stream_argv(paths, 12, tmp_path / "ref.jsonl")) == 0
+    out = capsys.readouterr().out
+    assert "streaming 2 train file(s) / 320 eval samples" in out and "ETA" in out
+    reference = [json.loads(line) for line in (tmp_path / "ref.jsonl").read_text().splitlines()]
+    assert reference[-1]["kind"] == "eval" and reference[-1]["auc"] > 0.7
+    progress = [r["data"] for r in reference if r["kind"] == "train"][-1]  # the reader's place
+    assert progress["epoch"] >= 1 and progress["files"] == 2 and progress["file"] in ("day_0.tsv", "day_1.tsv")
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    assert train.main(_criteo_stream_argv(paths, 8, metrics, ckpt, every=3)) == 0
+    # the step-6 checkpoint (written while batch 7 was already read ahead) holds the
+    # position after 6 batches
+    stream = CriteoStream(paths[:-1], 64, num_embeddings=64, shuffle_window=train.STREAM_WINDOW)
+    for _ in range(6):
+        next(stream)
+    meta = json.loads((ckpt / "step_00000006" / "meta.json").read_text())
+    assert meta["data_stream"] == stream.state()
+    stream.close()
+    with pytest.raises(ConfigError, match=r"written by a run with --stream; resume it with --stream"):
+        argv = [a for a in _criteo_stream_argv(paths, 12, metrics, ckpt) if a != "--stream"]
+        train.run(load_config("configs/criteo.toml", [a[6:] for a in argv if a.startswith("--set=")] +
+                              ["train.steps=12"]), resume=True, echo=lambda *_: None)
+    assert train.main([*_criteo_stream_argv(paths, 12, metrics, ckpt), "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    resumed = {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"}
+    expect = {r["step"]: r["loss"] for r in reference if r["kind"] == "train"}
+    assert sorted(resumed) == list(range(1, 13))
+    np.testing.assert_array_equal([resumed[s] for s in range(1, 13)], [expect[s] for s in range(1, 13)])
+
+
+@pytest.mark.parametrize(("paths", "steps", "message"), [
+    (1, 8, r"--stream: data.paths needs at least two files"),
+    (2, 0, r"--stream: the stream's length is not known before it is read, so give train.steps"),
+])
+def test_criteo_stream_config_errors(tmp_path, paths, steps, message):
+    files = [_criteo_tsv(tmp_path / f"day_{i}.tsv", rows=8) for i in range(paths)]
+    config = load_config("configs/criteo.toml", [f"data.paths={files}", f"train.steps={steps}", "checkpoint.dir=''"])
+    with pytest.raises(ConfigError, match=message):
+        train.build(config, stream=True)

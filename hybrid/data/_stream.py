@@ -186,9 +186,11 @@ class _Lines(grain.IterDataset):
     def __init__(self, share: _Share):
         super().__init__()
         self._share = share
+        self.reader: _LinesIterator | None = None  # the newest iterator (for `progress`)
 
     def __iter__(self) -> _LinesIterator:
-        return _LinesIterator(self._share)
+        self.reader = _LinesIterator(self._share)
+        return self.reader
 
 
 class CriteoStream:
@@ -238,7 +240,7 @@ class CriteoStream:
             "seed": seed,
             "block_rows": block_rows,
         }
-        ds = _Lines(self._share)
+        ds = self._lines = _Lines(self._share)
         if shuffle_window > 1:
             ds = WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
         ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=self._collate)
@@ -293,10 +295,10 @@ class CriteoStream:
         self._it.set_state(copy.deepcopy(state["position"]))
 
     def progress(self) -> dict:
-        """Where the reader stands (at the start of the current shuffle window): epoch,
-        samples of this process read in it, and the file."""
-        position = self._it.get_state()
-        source = position.get("parent_window_start_state", position)
+        """Where the reader stands, for a log line: epoch, samples of this process read in it,
+        the file (the reader runs ahead of the batches handed out by up to a shuffle window
+        and the read-ahead queue; `state()` is the exact position)."""
+        source = dict(self._lines.reader.get_state())  # read from another thread: a snapshot
         path = self._share.files[min(source["file"], len(self._share.files) - 1)][1]
         return {
             "epoch": source["epoch"],
