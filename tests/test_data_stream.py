@@ -145,8 +145,9 @@ def test_a_process_without_rows_is_told_so(tmp_path):
 # Peak RSS growth (KiB) while streaming a file once. The peak is reset after the imports
 # and the stream's construction (Linux: clear_refs 5 resets the address space's high-water
 # mark, VmHWM), so what remains is the shuffle window, the read-ahead queue and whatever
-# grows with the rows. (ru_maxrss is that same mark, but it also keeps the peak recorded
-# when a thread exits, e.g. one of the import-time thread pools, so it cannot be reset.)
+# grows with the rows. (ru_maxrss is not used: Linux carries it over fork + exec from the
+# parent, here pytest, so a child's figure is at least the parent's RSS; see
+# benchmarks/memory.py.)
 _PEAK = textwrap.dedent(
     """
     import sys
