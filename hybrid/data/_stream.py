@@ -9,7 +9,9 @@ samples (~270 bytes each), a few read-ahead batches and one open file.
   only its row blocks: block b (lines `b * block_rows + 1` ..) of file i belongs to
   process `(i + b) % process_count` ("by row blocks"). Either way all processes together
   see every row exactly once per epoch. An epoch is a pass over this process's share;
-  `num_epochs=None` repeats forever (the training script stops at `train.steps`).
+  `num_epochs=None` repeats forever (the training script stops at `train.steps`). The
+  shuffle window runs across epoch boundaries (a share smaller than the window mixes
+  several epochs in one window); every sample still comes once per epoch of the reader.
 - Pipeline (grain 0.2.18 datasets): our line source (an `IterDataset` whose iterator state
   is `{epoch, file, offset, line, rows, samples}`: the byte offset of the next line in the
   file's (decompressed) stream, so a plain file is reopened with one seek; a `.gz` file
