@@ -229,9 +229,14 @@ def test_a_managed_training_remap_lowered_for_cuda_has_no_conditional():
     batch = module.prepare(KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5)))
     r = optim.rowwise_adagrad(lr=0.1)
     params = module.init(jax.random.key(0))
-    args = (params, r.init(params), module.mc_state, module.mc_counters, module._key, module._targets(batch.inner),
-            batch.words, batch.positions)
-    text = module._remap_train.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    got = audit(text)
-    assert got["case_or_if"] == 0 and got["cpu_custom_calls"] == 0 and got["float_scatter_add_non_unique"] == 0, got
-    assert got["dynamic_loops"] == 0, got
+    arrays = module._targets(batch.inner)
+    limits = {"u": np.int32(arrays[""].shape[0])}
+    args = (params, r.init(params), module.mc_state, module.mc_counters, module._key, batch.words, batch.positions,
+            limits)
+    program = module._program  # the training remap, then the scatter of its rows into the batch
+    slots = jax.eval_shape(program.train, *args)[-1]
+    for text in (program.train.trace(*args).lower(lowering_platforms=("cuda",)).as_text(),
+                 program.scatter.trace(arrays, batch.positions, slots).lower(lowering_platforms=("cuda",)).as_text()):
+        got = audit(text)
+        assert got["case_or_if"] == 0 and got["cpu_custom_calls"] == 0 and got["float_scatter_add_non_unique"] == 0, got
+        assert got["dynamic_loops"] == 0, got

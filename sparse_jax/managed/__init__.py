@@ -15,6 +15,8 @@ TorchRec's managed-collision modules, functional. The concept in its files:
 - `_sharded`: the same on a mesh (`ShardedManagedCollisionModule`, exported from
   `sparse_jax.sharding`, which imports it: it is built on the mesh runtime, so import it
   from there).
+- `_programs`: the remap programs, shared by every module of one static configuration
+  (keyed by a hashable spec, never by a module) and freed once no module holds them.
 - `_reset`: fresh rows and zero optimizer state for the slots given to new ids (one
   routine for the unsharded buffers and each device's blocks of a sharded table).
 - `_frozen`: an id map frozen for serving (`FrozenIdMap`).

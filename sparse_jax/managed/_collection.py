@@ -15,6 +15,7 @@ sequence form differ only in the collection they wrap.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,14 +92,37 @@ class ManagedCollisionCollection:
         """(params, opt_state) with every evicted slot's row drawn afresh and its per-row
         optimizer state zeroed. At most `min(zch_size, history_capacity)` slots change per
         call, so only that many rows are drawn."""
+        return reset_by_plan(self.reset_plan(evicted), params, opt_state, evicted, key)
+
+    def reset_plan(self, tables) -> tuple[ResetTable, ...]:
+        """The static facts `reset_by_plan` reads for `tables` (names of managed tables): a
+        hashable value, equal for equal collections."""
         layout = self.collection.layout
         configs = {t.name: t for t in layout.tables}
-        blocks = {name: [RowBlock(*layout.table_group[name], 0, configs[name].num_embeddings, 0,
-                                  configs[name].embedding_dim)] for name in evicted}
-        limits = {name: min(m.zch_size, m.history_capacity) for name, m in self.modules.items()}
-        params, tables = reset_rows(params, opt_state.tables, evicted, key, configs=configs, limits=limits,
-                                    blocks=blocks)
-        return params, opt_state._replace(tables=tables)
+        return tuple(ResetTable(name, configs[name], *layout.table_group[name],
+                                min(self.modules[name].zch_size, self.modules[name].history_capacity))
+                     for name in sorted(tables))
+
+
+class ResetTable(NamedTuple):
+    """One managed table's reset: its config, the buffer and row its rows start at, and at
+    most how many rows one call resets."""
+
+    name: str
+    config: object
+    buffer: str
+    buffer_row: int
+    limit: int
+
+
+def reset_by_plan(plan: tuple[ResetTable, ...], params, opt_state: SparseOptState, evicted, key):
+    """`ManagedCollisionCollection.reset_evicted` from its static plan (no collection needed)."""
+    configs = {t.name: t.config for t in plan}
+    blocks = {t.name: [RowBlock(t.buffer, t.buffer_row, 0, t.config.num_embeddings, 0, t.config.embedding_dim)]
+              for t in plan}
+    params, tables = reset_rows(params, opt_state.tables, evicted, key, configs=configs,
+                                limits={t.name: t.limit for t in plan}, blocks=blocks)
+    return params, opt_state._replace(tables=tables)
 
 
 class ManagedCollisionEmbeddingBagCollection(ManagedCollisionCollection):

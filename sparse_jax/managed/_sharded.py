@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax._embedding import SequenceBatch
@@ -51,6 +51,7 @@ from sparse_jax.managed._id_map import (
     hashed_slots,
     host_hashed_slots,
 )
+from sparse_jax.managed._programs import Program, ProgramCache
 from sparse_jax.managed._reset import RowBlock, reset_rows
 from sparse_jax.sharding import _placement
 from sparse_jax.sharding._agree import ProcessAgreement
@@ -244,97 +245,27 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
 
     def remap_compile_count(self) -> int:
         """Programs the remap has compiled (constant in a steady loop)."""
-        return sum(program._cache_size() for program in self._programs.values())
+        return sum(program.compile_count() for program in set(self._programs.values()))
 
     # -- in the step ----------------------------------------------------------------------------
-    def _map_local(self, training: bool):
-        """The per-device body: (state, counters, values, words, positions) -> (state,
-        counters, values, evicted); see the module docstring."""
-        all_axes = tuple(self.mesh.axis_names)
-        tables = self.managed_tables
-
-        def body(state, counters, values, words, positions):
-            me = jax.lax.axis_index(all_axes)
-            values = values[0]
-            state, counters, evicted = dict(state), dict(counters), {}
-            for name in tables:
-                split, module = self.split[name], self.shard_modules[name]
-                cap = positions[name].shape[1]
-                ids = RawIds.from_words(jax.lax.all_gather(words[name][0], all_axes, tiled=True))
-                pos = jax.lax.all_gather(positions[name][0], all_axes, tiled=True)
-                s = jax.lax.axis_index(split.axes) if split.axes else 0
-                owned = (pos < values.shape[0]) & (hashed_slots(ids, split.shards) == s if split.shards > 1 else True)
-                st = MCHState(*(x[0] for x in state[name]))
-                if training:
-                    st, counted, ev = profile_counted(module, st, counters[name][0], ids, owned)
-                    counters[name] = counted[None]
-                    state[name] = MCHState(*(x[None] for x in st))
-                    evicted[name] = ev[None]
-                rows = jnp.where(owned, s * module.zch_size + module.remap(st, ids), 0)
-                if split.axes:
-                    rows = jax.lax.psum(rows, split.axes)  # one owner per position
-                mine = jax.lax.dynamic_slice(rows, (me * cap,), (cap,))
-                values = values.at[positions[name][0]].set(mine, mode="drop")
-            return state, counters, values[None], evicted
-
-        return body
-
-    def _program(self, training: bool, opt_state=None):
+    def _program(self, training: bool, opt_state=None) -> Program:
+        """The remap program for this module's configuration (shared by every module of an
+        equal one), looked up once per optimizer state structure."""
         key = (training, None if opt_state is None else jax.tree.structure(opt_state))
-        if key in self._programs:
-            return self._programs[key]
-        all_axes = tuple(self.mesh.axis_names)
-        tables = self.managed_tables
-        state_specs = {name: MCHState(*([self._spec(name).spec] * len(MCHState._fields))) for name in tables}
-        counter_specs = {name: self._spec(name).spec for name in tables}
-        batch = P(all_axes)
-        words_specs = {n: batch for n in tables}
-        body = self._map_local(training)
-        if not training:
-            def evaluate(state, values, words, positions):
-                counters = {n: jnp.zeros((1, 3), jnp.int32) for n in tables}
-                return body(state, counters, values, words, positions)[2]
-
-            program = jax.jit(jax.shard_map(evaluate, mesh=self.mesh,
-                                            in_specs=(state_specs, batch, words_specs, words_specs),
-                                            out_specs=batch, check_vma=False))
-        else:
-            buffers = self.sharded.buffers
-            param_specs = _placement.param_specs(buffers)
-            opt_specs = _placement.state_specs(buffers, opt_state).tables
-
-            def train(params, opt_tables, state, counters, key, values, words, positions):
-                state, counters, values, evicted = body(state, counters, values, words, positions)
-                key, draw = jax.random.split(key)
-                params, opt_tables = self._reset_local(params, opt_tables, evicted, draw)
-                return params, opt_tables, state, counters, key, values
-
-            program = jax.jit(jax.shard_map(
-                train, mesh=self.mesh,
-                in_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch, words_specs, words_specs),
-                out_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch), check_vma=False),
-                donate_argnums=(0, 1, 2, 3, 4))
-        self._programs[key] = program
+        program = self._programs.get(key)
+        if program is None:
+            opt_specs = None
+            if training:
+                specs = _placement.state_specs(self.sharded.buffers, opt_state).tables
+                leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+                opt_specs = (tree, tuple(leaves))
+            configs = {t.name: t for t in self.tables}
+            spec = ShardedRemapSpec(
+                training, self.mesh,
+                tuple((name, self.split[name], self.shard_modules[name], configs[name]) for name in self.managed_tables),
+                tuple(self.sharded.buffers), opt_specs)
+            program = self._programs[key] = _PROGRAMS.get(spec)
         return program
-
-    def _reset_local(self, params, opt_tables, evicted, key):
-        """On each device: fresh rows (the table's init, the same draw everywhere) and zero
-        per-row state for every slot given to a new id, in the blocks this device stores."""
-        configs = {t.name: t for t in self.tables}
-        masks, limits, blocks = {}, {}, {name: [] for name in evicted}
-        for name in evicted:
-            split, module = self.split[name], self.shard_modules[name]
-            mask = evicted[name]  # [1, rows]: this shard's map
-            if split.axes:
-                mask = jax.lax.all_gather(mask[0], split.axes, tiled=True)  # every shard's, in order
-            masks[name] = mask.reshape(-1)  # over the table's rows
-            limits[name] = split.shards * min(module.zch_size, module.history_capacity)
-        for buf in self.sharded.buffers:
-            c = jax.lax.axis_index(buf.axes) if buf.axes else 0
-            for table, coord, local, r0, rn, c0, cn in buf.blocks:
-                if table in blocks:
-                    blocks[table].append(RowBlock(buf.name, local, r0, rn, c0, cn, here=c == coord))
-        return reset_rows(params, opt_tables, masks, key, configs=configs, limits=limits, blocks=blocks)
 
     def remap(self, params, opt_state, batch):
         """A training batch's remap: `(params, opt_state, LocalBatches of table rows)` (a
@@ -345,7 +276,7 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         return self._remap_bags(params, opt_state, batch)
 
     def _remap_bags(self, params, opt_state, batch: ManagedBatch):
-        program = self._program(True, opt_state)
+        program = self._program(True, opt_state).remap
         (params, tables, self.mc_state, self.mc_counters, self._key, values) = program(
             params, opt_state.tables, self.mc_state, self.mc_counters, self._key, batch.inner.values, batch.words,
             batch.positions)
@@ -357,10 +288,115 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         return self._remap_eval_bags(batch)
 
     def _remap_eval_bags(self, batch: ManagedBatch) -> LocalBatches:
-        values = self._program(False)(self.mc_state, batch.inner.values, batch.words, batch.positions)
+        values = self._program(False).remap(self.mc_state, batch.inner.values, batch.words, batch.positions)
         return dataclasses.replace(batch.inner, values=values)
 
     def _bags_batch(self, batch) -> ManagedBatch:
         if not self.needs_remap(batch):
             raise TypeError(f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}")
         return batch.rows
+
+
+class ShardedRemapSpec(NamedTuple):
+    """What a sharded remap program reads, static and hashable: whether it trains, the mesh,
+    per managed table (sorted by name) its split, per-shard id map module and config, the
+    collection's buffers, and the optimizer state's specs (`(treedef, leaves)`; None for eval)."""
+
+    training: bool
+    mesh: Mesh
+    tables: tuple[tuple[str, TableSplit, MCHManagedCollisionModule, object], ...]
+    buffers: tuple
+    opt_specs: tuple | None
+
+
+def _spec_of(mesh, split: TableSplit) -> P:
+    return NamedSharding(mesh, P(split.axes) if split.axes else P()).spec
+
+
+def _map_local(spec: ShardedRemapSpec):
+    """The per-device body: (state, counters, values, words, positions) -> (state,
+    counters, values, evicted); see the module docstring."""
+    all_axes = tuple(spec.mesh.axis_names)
+    training = spec.training
+
+    def body(state, counters, values, words, positions):
+        me = jax.lax.axis_index(all_axes)
+        values = values[0]
+        state, counters, evicted = dict(state), dict(counters), {}
+        for name, split, module, _ in spec.tables:
+            cap = positions[name].shape[1]
+            ids = RawIds.from_words(jax.lax.all_gather(words[name][0], all_axes, tiled=True))
+            pos = jax.lax.all_gather(positions[name][0], all_axes, tiled=True)
+            s = jax.lax.axis_index(split.axes) if split.axes else 0
+            owned = (pos < values.shape[0]) & (hashed_slots(ids, split.shards) == s if split.shards > 1 else True)
+            st = MCHState(*(x[0] for x in state[name]))
+            if training:
+                st, counted, ev = profile_counted(module, st, counters[name][0], ids, owned)
+                counters[name] = counted[None]
+                state[name] = MCHState(*(x[None] for x in st))
+                evicted[name] = ev[None]
+            rows = jnp.where(owned, s * module.zch_size + module.remap(st, ids), 0)
+            if split.axes:
+                rows = jax.lax.psum(rows, split.axes)  # one owner per position
+            mine = jax.lax.dynamic_slice(rows, (me * cap,), (cap,))
+            values = values.at[positions[name][0]].set(mine, mode="drop")
+        return state, counters, values[None], evicted
+
+    return body
+
+
+def _reset_local(spec: ShardedRemapSpec, params, opt_tables, evicted, key):
+    """On each device: fresh rows (the table's init, the same draw everywhere) and zero
+    per-row state for every slot given to a new id, in the blocks this device stores."""
+    configs = {name: config for name, _, _, config in spec.tables}
+    masks, limits, blocks = {}, {}, {name: [] for name in evicted}
+    for name, split, module, _ in spec.tables:
+        mask = evicted[name]  # [1, rows]: this shard's map
+        if split.axes:
+            mask = jax.lax.all_gather(mask[0], split.axes, tiled=True)  # every shard's, in order
+        masks[name] = mask.reshape(-1)  # over the table's rows
+        limits[name] = split.shards * min(module.zch_size, module.history_capacity)
+    for buf in spec.buffers:
+        c = jax.lax.axis_index(buf.axes) if buf.axes else 0
+        for table, coord, local, r0, rn, c0, cn in buf.blocks:
+            if table in blocks:
+                blocks[table].append(RowBlock(buf.name, local, r0, rn, c0, cn, here=c == coord))
+    return reset_rows(params, opt_tables, masks, key, configs=configs, limits=limits, blocks=blocks)
+
+
+def _build(spec: ShardedRemapSpec) -> Program:
+    """The remap program of `spec`: one jitted `shard_map` (training: profile, map, reset;
+    eval: map only)."""
+    mesh = spec.mesh
+    all_axes = tuple(mesh.axis_names)
+    state_specs = {name: MCHState(*([_spec_of(mesh, split)] * len(MCHState._fields)))
+                   for name, split, _, _ in spec.tables}
+    counter_specs = {name: _spec_of(mesh, split) for name, split, _, _ in spec.tables}
+    batch = P(all_axes)
+    words_specs = {name: batch for name, _, _, _ in spec.tables}
+    body = _map_local(spec)
+    if not spec.training:
+        def remap_eval(state, values, words, positions):
+            counters = {name: jnp.zeros((1, 3), jnp.int32) for name, _, _, _ in spec.tables}
+            return body(state, counters, values, words, positions)[2]
+
+        return Program(remap=jax.jit(jax.shard_map(remap_eval, mesh=mesh,
+                                                   in_specs=(state_specs, batch, words_specs, words_specs),
+                                                   out_specs=batch, check_vma=False)))
+    param_specs = _placement.param_specs(spec.buffers)
+    opt_specs = jax.tree.unflatten(*spec.opt_specs)
+
+    def remap_train(params, opt_tables, state, counters, key, values, words, positions):
+        state, counters, values, evicted = body(state, counters, values, words, positions)
+        key, draw = jax.random.split(key)
+        params, opt_tables = _reset_local(spec, params, opt_tables, evicted, draw)
+        return params, opt_tables, state, counters, key, values
+
+    return Program(remap=jax.jit(jax.shard_map(
+        remap_train, mesh=mesh,
+        in_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch, words_specs, words_specs),
+        out_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch), check_vma=False),
+        donate_argnums=(0, 1, 2, 3, 4)))
+
+
+_PROGRAMS = ProgramCache(_build)

@@ -24,6 +24,7 @@ the mesh form is `sparse_jax.sharding.ShardedManagedCollisionModule`.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +37,11 @@ from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
 from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingCollection,
+    ResetTable,
+    reset_by_plan,
 )
-from sparse_jax.managed._id_map import RawIds
+from sparse_jax.managed._id_map import MCHManagedCollisionModule, RawIds
+from sparse_jax.managed._programs import Program, ProgramCache, committed
 
 __all__ = ["ManagedCollisionSparseModule"]
 
@@ -65,15 +69,18 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         # where each managed table's rows are written: (array of the prepared batch, row offset)
         self._target = {name: mc.collection.layout.table_group[name] if self.sequence else ("", 0)
                         for name in mc.modules}
-        self._remap_train = jax.jit(self._remap_program(training=True), donate_argnums=(0, 1, 2, 3, 4))
-        self._remap_eval = jax.jit(self._remap_program(training=False))
+        # the programs, shared by every module of this configuration (`_programs`)
+        spec = RemapSpec(tuple((name, self.mc.modules[name], *self._target[name]) for name in self.managed_tables),
+                         self.mc.reset_plan(self.managed_tables))
+        self._program = _PROGRAMS.get(spec)
 
     def _fresh_maps(self):
         return self.mc.init_state(), {name: jnp.zeros(3, jnp.int32) for name in self.mc.modules}
 
     def remap_compile_count(self) -> int:
-        """Programs the remap has compiled (constant in a steady loop)."""
-        return self._remap_train._cache_size() + self._remap_eval._cache_size()
+        """Programs the remap has compiled (constant in a steady loop), shared by every
+        module of this configuration."""
+        return self._program.compile_count()
 
     def host_state(self):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays."""
@@ -129,50 +136,82 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         the batch and advance; the rows given to new ids are reset in the donated params
         and optimizer state; the slot batch is what the lookup and the fused update take."""
         self._check_batch(batch)
-        (params, opt_state, self.mc_state, self.mc_counters, self._key, arrays) = self._remap_train(
-            params, opt_state, self.mc_state, self.mc_counters, self._key, self._targets(batch.inner), batch.words,
-            batch.positions)
-        return params, opt_state, self._with_targets(batch.inner, arrays)
+        arrays = self._targets(batch.inner)
+        limits = {name: np.int32(arrays[at].shape[0]) for name, (at, _) in self._target.items()}
+        params, opt_state = self._committed_beside(params, opt_state)
+        (params, opt_state, self.mc_state, self.mc_counters, self._key, slots) = self._program.train(
+            params, opt_state, self.mc_state, self.mc_counters, self._key, batch.words, batch.positions, limits)
+        return params, opt_state, self._with_targets(batch.inner, self._program.scatter(arrays, batch.positions, slots))
 
     def remap_eval(self, batch: ManagedBatch):
         """An eval batch's slot ids (ids not resident read the default row); nothing changes."""
         self._check_batch(batch)
-        arrays = self._remap_eval(self.mc_state, self._targets(batch.inner), batch.words, batch.positions)
+        slots = self._program.eval(self.mc_state, batch.words)
+        arrays = self._program.scatter(self._targets(batch.inner), batch.positions, slots)
         return self._with_targets(batch.inner, arrays)
+
+    def _committed_beside(self, params, opt_state):
+        """`params` and `opt_state` committed where they are, and the id maps, counters and
+        key committed beside them: the training program's outputs are committed, and jit
+        keys its cache on commitment, so fresh (uncommitted) inputs on the first step would
+        compile the same program again on the second."""
+        params, opt_state = committed((params, opt_state))
+        maps = (self.mc_state, self.mc_counters, self._key)
+        if not all(leaf.committed for leaf in jax.tree.leaves(maps)):
+            where = jax.tree.leaves(params)[0].sharding
+            self.mc_state, self.mc_counters, self._key = jax.tree.map(
+                lambda x: x if x.committed else jax.device_put(x, where), maps)
+        return params, opt_state
 
     @staticmethod
     def _check_batch(batch) -> None:
         if not isinstance(batch, ManagedBatch):
             raise TypeError(f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}")
 
-    def _remap_program(self, *, training: bool):
-        tables = self.managed_tables
-        modules = [self.mc.modules[name] for name in tables]
-
-        def remap_eval(state, arrays, words, positions):
-            arrays = dict(arrays)
-            for name, module in zip(tables, modules, strict=True):
-                at, offset = self._target[name]
-                slots = module.remap(state[name], RawIds.from_words(words[name]))
-                arrays[at] = arrays[at].at[positions[name]].set(slots + offset, mode="drop")
-            return arrays
-
-        def remap_train(params, opt_state, state, counters, key, arrays, words, positions):
-            state, counters, evicted, arrays = dict(state), dict(counters), {}, dict(arrays)
-            for name, module in zip(tables, modules, strict=True):
-                at, offset = self._target[name]
-                ids, valid = RawIds.from_words(words[name]), positions[name] < arrays[at].shape[0]
-                state[name], counters[name], evicted[name] = profile_counted(module, state[name], counters[name],
-                                                                             ids, valid)
-                slots = module.remap(state[name], ids)
-                arrays[at] = arrays[at].at[positions[name]].set(slots + offset, mode="drop")
-            key, draw = jax.random.split(key)
-            params, opt_state = self.mc.reset_evicted(params, opt_state, evicted, draw)
-            return params, opt_state, state, counters, key, arrays
-
-        return remap_train if training else remap_eval
-
     def stats(self) -> dict[str, jax.Array]:
         """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
         ids evicted so far)}: read them when you log."""
         return dict(self.mc_counters)
+
+
+class RemapSpec(NamedTuple):
+    """What the remap programs read, static and hashable: per managed table (sorted by
+    name) its name, id map module, and the prepared-batch array and row offset its rows are
+    written at; and the reset plan of its rows (`ManagedCollisionCollection.reset_plan`)."""
+
+    tables: tuple[tuple[str, MCHManagedCollisionModule, str, int], ...]
+    reset: tuple[ResetTable, ...]
+
+
+def _build(spec: RemapSpec) -> Program:
+    """The remap's three programs for `spec`: `train` (profile, map and reset: the heavy
+    one, whose shapes depend on the tables and each table's id capacity only), `eval` (map
+    only), and `scatter` (the rows into the prepared batch's arrays, whose length follows the
+    collection's capacity ladder: a new length compiles only this small program)."""
+
+    def remap_eval(state, words):
+        return {name: module.remap(state[name], RawIds.from_words(words[name])) + offset
+                for name, module, _, offset in spec.tables}
+
+    def remap_train(params, opt_state, state, counters, key, words, positions, limits):
+        state, counters, evicted, slots = dict(state), dict(counters), {}, {}
+        for name, module, _, offset in spec.tables:
+            ids, valid = RawIds.from_words(words[name]), positions[name] < limits[name]
+            state[name], counters[name], evicted[name] = profile_counted(module, state[name], counters[name], ids,
+                                                                         valid)
+            slots[name] = module.remap(state[name], ids) + offset
+        key, draw = jax.random.split(key)
+        params, opt_state = reset_by_plan(spec.reset, params, opt_state, evicted, draw)
+        return params, opt_state, state, counters, key, slots
+
+    def scatter(arrays, positions, slots):
+        arrays = dict(arrays)
+        for name, _, at, _ in spec.tables:
+            arrays[at] = arrays[at].at[positions[name]].set(slots[name], mode="drop")
+        return arrays
+
+    return Program(train=jax.jit(remap_train, donate_argnums=(0, 1, 2, 3, 4)), eval=jax.jit(remap_eval),
+                   scatter=jax.jit(scatter))
+
+
+_PROGRAMS = ProgramCache(_build)
