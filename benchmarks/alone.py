@@ -37,8 +37,14 @@ def _build(spec: dict):
         if spec["side"] == "fbgemm":
             from benchmarks.fbgemm_side import FbgemmSide
 
-            sides[phase] = FbgemmSide(w, batch, opt or "sgd", lr=spec["lr"], eps=spec["eps"],
-                                      dtype=spec.get("fbgemm_dtype"))
+            sides[phase] = FbgemmSide(
+                w,
+                batch,
+                opt or "sgd",
+                lr=spec["lr"],
+                eps=spec["eps"],
+                dtype=spec.get("fbgemm_dtype"),
+            )
         else:
             from benchmarks.xla_side import XlaSide
 
@@ -55,9 +61,14 @@ def _child(spec: dict) -> dict:
     out = {}
     for phase, side in _build(spec).items():  # one phase at a time, as the harness's blocks
         case = clocked(side.time_forward if phase == "forward" else side.time_step)
-        samples = interleaved({"alone": case}, warmup=spec["warmup"], repeats=spec["repeats"],
-                              budget_s=spec["budget_s"], pause_s=spec.get("pause_s", 0.0),
-                              lead_in_s=spec.get("lead_in_s", 0.0))
+        samples = interleaved(
+            {"alone": case},
+            warmup=spec["warmup"],
+            repeats=spec["repeats"],
+            budget_s=spec["budget_s"],
+            pause_s=spec.get("pause_s", 0.0),
+            lead_in_s=spec.get("lead_in_s", 0.0),
+        )
         out[phase] = samples["alone"]["total"]
         del side
     return out
@@ -67,18 +78,30 @@ def time_alone(spec: dict, timeout_s: float = 1800) -> dict[str, list[float]]:
     """Per phase, the seconds of each round of `spec["side"]` in a fresh process."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-m", "benchmarks.alone", json.dumps(spec)], cwd=_ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.alone", json.dumps(spec)],
+        cwd=_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"timing {spec['side']} alone failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"timing {spec['side']} alone failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def compare(harness: list[float], alone: list[float], tolerance: float = TOLERANCE) -> dict:
     """The harness's median beside the median alone; `agrees` when within `tolerance`."""
     h, a = float(np.median(harness)), float(np.median(alone))
-    return {"harness_ms": h * 1e3, "alone_ms": a * 1e3, "harness_over_alone": h / a,
-            "agrees": abs(h / a - 1.0) <= tolerance}
+    return {
+        "harness_ms": h * 1e3,
+        "alone_ms": a * 1e3,
+        "harness_over_alone": h / a,
+        "agrees": abs(h / a - 1.0) <= tolerance,
+    }
 
 
 if __name__ == "__main__":

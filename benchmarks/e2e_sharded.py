@@ -55,12 +55,19 @@ def _torchrec_rank(rank: int, world: int, port: int, tiny: bool, out: str) -> No
     for i, (keys, values, lengths, dense, labels) in enumerate(e2e._batches(w, w["steps"])):
         lengths2 = lengths.reshape(len(keys), w["B"])[:, rank * half : (rank + 1) * half]
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
-        pieces = [values[offsets[k * w["B"] + rank * half] : offsets[k * w["B"] + (rank + 1) * half]] for k in range(len(keys))]
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(pieces), lengths=lengths2.reshape(-1))
+        pieces = [
+            values[offsets[k * w["B"] + rank * half] : offsets[k * w["B"] + (rank + 1) * half]]
+            for k in range(len(keys))
+        ]
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.cat(pieces), lengths=lengths2.reshape(-1)
+        )
         dist.barrier()
         t0 = time.perf_counter()
         logits = dmp(dense[rank * half : (rank + 1) * half], kjt).squeeze(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels[rank * half : (rank + 1) * half])
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, labels[rank * half : (rank + 1) * half]
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -130,14 +137,28 @@ def _ours(tiny: bool, out: str) -> None:
     torch.set_num_threads(2)
     w = e2e._workload(tiny)
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"]
+        )
         for i in range(w["T"])
     ]
-    dense = dense_torch.DLRM(embedding_dim=w["D"], num_sparse_features=w["T"], dense_in_features=w["n_dense"],
-                             dense_arch_layer_sizes=[128, w["D"]], over_arch_layer_sizes=[128, 1])
-    model = hybrid.Model(tables, dense, mesh=hybrid.make_mesh("data=2,model=4"),
-                         plan={t.name: "table_wise" for t in tables}, sparse_optimizer=rowwise_adagrad(lr=0.01, eps=1e-8))
-    _, _, start = e2e._torchrec_side(w, 0.01)  # TorchRec's starting weights (same seed as the ranks)
+    dense = dense_torch.DLRM(
+        embedding_dim=w["D"],
+        num_sparse_features=w["T"],
+        dense_in_features=w["n_dense"],
+        dense_arch_layer_sizes=[128, w["D"]],
+        over_arch_layer_sizes=[128, 1],
+    )
+    model = hybrid.Model(
+        tables,
+        dense,
+        mesh=hybrid.make_mesh("data=2,model=4"),
+        plan={t.name: "table_wise" for t in tables},
+        sparse_optimizer=rowwise_adagrad(lr=0.01, eps=1e-8),
+    )
+    _, _, start = e2e._torchrec_side(
+        w, 0.01
+    )  # TorchRec's starting weights (same seed as the ranks)
     model.load_state_dict(hybrid.from_torchrec_state_dict(start))
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.01)
     batches = list(e2e._batches(w, w["steps"]))
@@ -153,19 +174,31 @@ def _ours(tiny: bool, out: str) -> None:
 def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
     """Both sides, then `e2e_sharded[_tiny].json` in `out_dir` (None: a fresh runs/bench/ directory)."""
     # each side sets up its own process group: no inherited MASTER_* (this process may hold one)
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "XLA_FLAGS")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "XLA_FLAGS")
+    }
     env.update(PYTHONPATH=str(HERE.parent), JAX_PLATFORMS="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         ours_out, theirs_out = pathlib.Path(tmp, "ours.json"), pathlib.Path(tmp, "theirs.json")
         code = f"from benchmarks.e2e_sharded import _ours; _ours({tiny}, {str(ours_out)!r})"
-        subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE.parent,
-                       env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+        subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            cwd=HERE.parent,
+            env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        )
         port = _free_port()
         ranks = [
-            subprocess.Popen([sys.executable, "-c",
-                              f"from benchmarks.e2e_sharded import _torchrec_rank; "
-                              f"_torchrec_rank({r}, 2, {port}, {tiny}, {str(theirs_out)!r})"],
-                             cwd=HERE.parent, env=env)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    f"from benchmarks.e2e_sharded import _torchrec_rank; "
+                    f"_torchrec_rank({r}, 2, {port}, {tiny}, {str(theirs_out)!r})",
+                ],
+                cwd=HERE.parent,
+                env=env,
+            )
             for r in range(2)
         ]
         codes = [p.wait(timeout=900) for p in ranks]  # every rank waited for: none left running
@@ -179,15 +212,25 @@ def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
                 f"TorchRec rank 0's results are incomplete: {len(theirs['losses'])} losses and "
                 f"{len(theirs['times'])} times for {w['steps']} steps ({w['warmup']} warm-up)"
             )
-    med = {"hybridrec (8-device mesh)": float(np.median(ours["times"])), "torchrec (2 ranks)": float(np.median(theirs["times"]))}
+    med = {
+        "hybridrec (8-device mesh)": float(np.median(ours["times"])),
+        "torchrec (2 ranks)": float(np.median(theirs["times"])),
+    }
     loss_err = abs(ours["losses"][0] - theirs["losses"][0]) / max(abs(theirs["losses"][0]), 1e-12)
     if loss_err > 1e-4:
-        raise RuntimeError(f"correctness gate failed: first-step losses differ by {loss_err:.2e} (relative)")
+        raise RuntimeError(
+            f"correctness gate failed: first-step losses differ by {loss_err:.2e} (relative)"
+        )
     result = {
         "workload": w,
-        "first_step_loss": {"hybridrec": ours["losses"][0], "torchrec": theirs["losses"][0], "rel_err": loss_err},
+        "first_step_loss": {
+            "hybridrec": ours["losses"][0],
+            "torchrec": theirs["losses"][0],
+            "rel_err": loss_err,
+        },
         "median_step_s": med,
-        "ratio_time_ours_over_torchrec": med["hybridrec (8-device mesh)"] / med["torchrec (2 ranks)"],
+        "ratio_time_ours_over_torchrec": med["hybridrec (8-device mesh)"]
+        / med["torchrec (2 ranks)"],
         "note": "sides run one after the other (separate processes), not interleaved",
         "torchrec_teardown": teardown,
     }

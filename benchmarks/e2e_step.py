@@ -158,16 +158,23 @@ def competitor_alone(module: str, side: str, argv) -> dict:
     competitor timed by itself, with nothing of ours in the process (its last stdout line
     is JSON)."""
     passed = sys.argv[1:] if argv is None else list(argv)
-    proc = subprocess.run([sys.executable, "-m", module, "--side", side, *passed], capture_output=True, text=True,
-                          check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--side", side, *passed],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def quietness_line(before: dict, after: dict) -> str:
     """The line a benchmark prints about the probes taken before and after its timings."""
     quiet = before["quiet"] and after["quiet"]
-    return (f"quietness probe (2 threads / 1 thread, < {QUIET_RATIO} is quiet): before {before['ratio_2_over_1']:.2f}, "
-            f"after {after['ratio_2_over_1']:.2f}" + ("" if quiet else ": NOT QUIET, the figures below are void"))
+    return (
+        f"quietness probe (2 threads / 1 thread, < {QUIET_RATIO} is quiet): before {before['ratio_2_over_1']:.2f}, "
+        f"after {after['ratio_2_over_1']:.2f}"
+        + ("" if quiet else ": NOT QUIET, the figures below are void")
+    )
 
 
 def quietness_probe(
@@ -570,7 +577,12 @@ def _gate(w: dict, pool: list) -> dict:
     for dense, sparse, labels in pool[:2]:
         keys, values, lengths = sparse
         batch = (keys, values, lengths, dense, labels)
-        losses.append((float(e2e._step_ours(model, opt_o, batch)), float(e2e._step_torchrec(dmp, opt_t, batch))))
+        losses.append(
+            (
+                float(e2e._step_ours(model, opt_o, batch)),
+                float(e2e._step_torchrec(dmp, opt_t, batch)),
+            )
+        )
     theirs = e2e._tables_of_dmp(dmp)
     ours = {k: v.numpy() for k, v in model.table_weights().items()}
     table_err = max(
@@ -619,7 +631,9 @@ def _torchrec_alone_child(
     del cases
     import torch.distributed as dist
 
-    if dist.is_initialized():  # a gloo group left to interpreter exit can abort it ("terminate called ...")
+    if (
+        dist.is_initialized()
+    ):  # a gloo group left to interpreter exit can abort it ("terminate called ...")
         dist.destroy_process_group()
 
 
@@ -852,7 +866,9 @@ def run(
         "samples_s": h["samples"],
         "elapsed_s": now() - t_start,
     }
-    _write(result, out_dir or report.fresh_run_dir("e2e_step"), tiny)  # None: a fresh runs/bench/ directory
+    _write(
+        result, out_dir or report.fresh_run_dir("e2e_step"), tiny
+    )  # None: a fresh runs/bench/ directory
     return result
 
 

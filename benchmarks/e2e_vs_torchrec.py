@@ -36,7 +36,9 @@ __all__ = ["main", "run"]
 def _workload(tiny: bool) -> dict:
     if tiny:
         return dict(T=3, E=500, D=16, B=64, L=4, n_dense=13, steps=6, warmup=2, steps_per_round=2)
-    return dict(T=8, E=100_000, D=64, B=2048, L=20, n_dense=13, steps=15, warmup=3, steps_per_round=5)
+    return dict(
+        T=8, E=100_000, D=64, B=2048, L=20, n_dense=13, steps=15, warmup=3, steps_per_round=5
+    )
 
 
 def _batches(w: dict, count: int, seed: int = 0):
@@ -47,7 +49,13 @@ def _batches(w: dict, count: int, seed: int = 0):
         values = rng.integers(0, w["E"], size=int(lengths.sum()))
         dense = rng.normal(size=(w["B"], w["n_dense"])).astype(np.float32)
         labels = (rng.random(w["B"]) < 0.3).astype(np.float32)
-        yield keys, torch.from_numpy(values), torch.from_numpy(lengths), torch.from_numpy(dense), torch.from_numpy(labels)
+        yield (
+            keys,
+            torch.from_numpy(values),
+            torch.from_numpy(lengths),
+            torch.from_numpy(dense),
+            torch.from_numpy(labels),
+        )
 
 
 def torchrec_dmp(w: dict, lr: float, world_size: int):
@@ -62,7 +70,9 @@ def torchrec_dmp(w: dict, lr: float, world_size: int):
     from torchrec.models.dlrm import DLRM
 
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"]
+        )
         for i in range(w["T"])
     ]
     torch.manual_seed(0)
@@ -74,12 +84,18 @@ def torchrec_dmp(w: dict, lr: float, world_size: int):
     )
     start = {k: v.detach().clone() for k, v in dlrm.state_dict().items()}
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": 1e-8}
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": lr,
+            "eps": 1e-8,
+        }
     )
     topology = Topology(world_size=world_size, compute_device="cpu")
     plan = EmbeddingShardingPlanner(topology=topology).plan(dlrm, [sharder])
     dmp = DistributedModelParallel(dlrm, device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    dmp.load_state_dict(dict(start), strict=False)  # a copy: DMP rewrites the keys of the dict it is given
+    dmp.load_state_dict(
+        dict(start), strict=False
+    )  # a copy: DMP rewrites the keys of the dict it is given
     dense_params = [p for n, p in dmp.named_parameters() if "embedding_bags" not in n]
     return dmp, torch.optim.SGD(dense_params, lr=lr), start
 
@@ -101,12 +117,17 @@ def _our_side(w: dict, lr: float, start: dict):
     from sparse_jax.optim import rowwise_adagrad
 
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"])
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=w["D"], num_embeddings=w["E"], feature_names=[f"f{i}"]
+        )
         for i in range(w["T"])
     ]
     dense = dense_torch.DLRM(
-        embedding_dim=w["D"], num_sparse_features=w["T"], dense_in_features=w["n_dense"],
-        dense_arch_layer_sizes=[128, w["D"]], over_arch_layer_sizes=[128, 1],
+        embedding_dim=w["D"],
+        num_sparse_features=w["T"],
+        dense_in_features=w["n_dense"],
+        dense_arch_layer_sizes=[128, w["D"]],
+        over_arch_layer_sizes=[128, 1],
     )
     model = hybrid.Model(tables, dense, sparse_optimizer=rowwise_adagrad(lr=lr, eps=1e-8))
     model.load_state_dict(hybrid.from_torchrec_state_dict(start))
@@ -170,13 +191,19 @@ def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
     # the gate: two identical steps give the same losses and tables
     gate = []
     for batch in batches[:2]:
-        gate.append((float(_step_ours(model, opt_o, batch)), float(_step_torchrec(dmp, opt_t, batch))))
+        gate.append(
+            (float(_step_ours(model, opt_o, batch)), float(_step_torchrec(dmp, opt_t, batch)))
+        )
     theirs = _tables_of_dmp(dmp)
     ours = {k: v.numpy() for k, v in model.table_weights().items()}
-    table_err = max(float(np.abs(ours[k] - theirs[k]).max() / (np.abs(theirs[k]).max() + 1e-12)) for k in theirs)
+    table_err = max(
+        float(np.abs(ours[k] - theirs[k]).max() / (np.abs(theirs[k]).max() + 1e-12)) for k in theirs
+    )
     loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in gate)
     if table_err > 1e-4 or loss_err > 1e-4:
-        raise RuntimeError(f"correctness gate failed: loss rel err {loss_err:.2e}, table rel err {table_err:.2e}")
+        raise RuntimeError(
+            f"correctness gate failed: loss rel err {loss_err:.2e}, table rel err {table_err:.2e}"
+        )
     sides = {
         "hybridrec": (lambda b: _step_ours(model, opt_o, b), model.wait_for_sparse_update),
         "torchrec": (lambda b: _step_torchrec(dmp, opt_t, b), lambda: None),
@@ -208,7 +235,8 @@ def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
     (out / f"{name}.md").write_text(
         "| side | median step (ms) | samples/s | time ratio vs TorchRec |\n|---|---|---|---|\n"
         + "\n".join(
-            f"| {k} | {med[k] * 1e3:.1f} | {w['B'] / med[k]:.0f} | {med[k] / med['torchrec']:.2f} |" for k in med
+            f"| {k} | {med[k] * 1e3:.1f} | {w['B'] / med[k]:.0f} | {med[k] / med['torchrec']:.2f} |"
+            for k in med
         )
         + "\n"
     )
@@ -222,7 +250,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     out = report.output_dir(parser, args, "e2e_vs_torchrec")
     result = run(args.tiny, out)
-    print(json.dumps({k: result[k] for k in ("gate", "median_step_s", "ratio_time_ours_over_torchrec")}, indent=2))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("gate", "median_step_s", "ratio_time_ours_over_torchrec")},
+            indent=2,
+        )
+    )
     print(f"results: {out}")
 
 

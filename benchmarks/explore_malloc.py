@@ -65,8 +65,11 @@ def _worker(spec: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.explore_malloc", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.explore_malloc",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--optimizer", default="rowwise_adagrad", choices=("rowwise_adagrad", "sgd"))
@@ -80,16 +83,29 @@ def main(argv=None) -> int:
 
     base = dict(T=2, E=1000, D=16, B=64, L=4) if args.tiny else {}
     w = Workload(**base, alpha=args.alpha)
-    spec = {"workload": {k: v for k, v in w.as_dict().items() if k != "name"}, "optimizer": args.optimizer}
+    spec = {
+        "workload": {k: v for k, v in w.as_dict().items() if k != "name"},
+        "optimizer": args.optimizer,
+    }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = {}
     for name, extra in ENVS.items():
         env = {**os.environ, **extra, "PYTHONPATH": root}
         env.setdefault("JAX_PLATFORMS", "cpu")
         procs[name] = subprocess.Popen(
-            [sys.executable, "-c", "import json,sys; from benchmarks.explore_malloc import _worker; "
-             "_worker(json.loads(sys.argv[1]))", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+            [
+                sys.executable,
+                "-c",
+                "import json,sys; from benchmarks.explore_malloc import _worker; "
+                "_worker(json.loads(sys.argv[1]))",
+                json.dumps(spec),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=root,
+        )
     for name, pr in procs.items():
         line = pr.stdout.readline()
         if line.strip() != "ready":
@@ -104,7 +120,7 @@ def main(argv=None) -> int:
     names = list(procs)
     try:
         for r in range(args.warmup + args.repeats):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for cmd in ("fwd", "update"):
                 for n in order:
                     out = ask(n, cmd)
@@ -120,18 +136,27 @@ def main(argv=None) -> int:
                 pass
             pr.wait(timeout=60)
     res = {"workload": w.name, "optimizer": args.optimizer, "envs": ENVS, "results": {}}
-    lines = [f"# explore_malloc: {w.name}, {args.optimizer} (interleaved worker processes)", "",
-             "| phase | env | median ms [IQR] | vs default (ratio of medians; paired) | minor faults / call |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"# explore_malloc: {w.name}, {args.optimizer} (interleaved worker processes)",
+        "",
+        "| phase | env | median ms [IQR] | vs default (ratio of medians; paired) | minor faults / call |",
+        "|---|---|---|---|---|",
+    ]
     for cmd in ("fwd", "update"):
         for n in names:
             s = samples[(n, cmd)]
             summ = summarize(s["t"])
             ratio = paired_ratio(s["t"], samples[("default", cmd)]["t"])
             faults = float(np.median(s["faults"]))
-            res["results"][f"{cmd}/{n}"] = {**summ, "vs_default": ratio, "minor_faults_median": faults}
-            lines.append(f"| {cmd} | {n} | {summ['median_ms']:.2f} [{summ['p25_ms']:.2f}-{summ['p75_ms']:.2f}] | "
-                         f"{ratio['ratio_of_medians']:.2f} ({ratio['paired_median']:.2f}) | {faults:.0f} |")
+            res["results"][f"{cmd}/{n}"] = {
+                **summ,
+                "vs_default": ratio,
+                "minor_faults_median": faults,
+            }
+            lines.append(
+                f"| {cmd} | {n} | {summ['median_ms']:.2f} [{summ['p25_ms']:.2f}-{summ['p75_ms']:.2f}] | "
+                f"{ratio['ratio_of_medians']:.2f} ({ratio['paired_median']:.2f}) | {faults:.0f} |"
+            )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "explore_malloc.json"), "w") as f:
         json.dump(res, f, indent=1)

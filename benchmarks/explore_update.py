@@ -75,12 +75,40 @@ from sparse_jax.optim._base import SparseOptState, is_row_leaf
 
 __all__ = ["update_variant", "forward_variant", "main"]
 
-UPDATE_VARIANTS = ("lib", "argsort", "sort_iota", "no_unique", "sorted_scatter", "chunked", "sort_search",
-                   "delta_add", "sort_search_delta", "sort_search_ucap", "sgd_scatter_add", "bf16_lib",
-                   "bf16_sort_search", "bf16_bits", "bf16_sort_search_bits", "ffi")
-FORWARD_VARIANTS = ("lib", "cap_exact", "fori", "fori_cap_exact", "fori_unroll4_cap_exact", "bmajor",
-                    "bmajor_cap_exact", "bmajor_fori_cap_exact", "carry_unroll4_cap_exact", "bf16",
-                    "bf16_fori_unroll4_cap_exact", "bf16_carry_unroll4_cap_exact", "ffi", "ffi_cap_exact")
+UPDATE_VARIANTS = (
+    "lib",
+    "argsort",
+    "sort_iota",
+    "no_unique",
+    "sorted_scatter",
+    "chunked",
+    "sort_search",
+    "delta_add",
+    "sort_search_delta",
+    "sort_search_ucap",
+    "sgd_scatter_add",
+    "bf16_lib",
+    "bf16_sort_search",
+    "bf16_bits",
+    "bf16_sort_search_bits",
+    "ffi",
+)
+FORWARD_VARIANTS = (
+    "lib",
+    "cap_exact",
+    "fori",
+    "fori_cap_exact",
+    "fori_unroll4_cap_exact",
+    "bmajor",
+    "bmajor_cap_exact",
+    "bmajor_fori_cap_exact",
+    "carry_unroll4_cap_exact",
+    "bf16",
+    "bf16_fori_unroll4_cap_exact",
+    "bf16_carry_unroll4_cap_exact",
+    "ffi",
+    "ffi_cap_exact",
+)
 CHUNK = 8192
 
 
@@ -125,44 +153,64 @@ def _apply_variant(variant: str, rule, table, state, step, rows, bag, scale, bag
     variant = variant.removesuffix("_bits") if variant != "bits" else "lib"
     if variant == "sort_search_ucap":
         rows_s = jnp.sort(rows)
-        first = jnp.concatenate([jnp.ones(1, bool), rows_s[1:] != rows_s[:-1]]) & (rows_s < num_rows)
+        first = jnp.concatenate([jnp.ones(1, bool), rows_s[1:] != rows_s[:-1]]) & (
+            rows_s < num_rows
+        )
         uidx_s = jnp.cumsum(first.astype(jnp.int32)) - 1  # compact index of each sorted slot's row
         seg = uidx_s[jnp.searchsorted(rows_s, rows, side="left")]
         seg = jnp.where(rows < num_rows, seg, ucap)  # padding ids: out of range, dropped
-        grads = jax.ops.segment_sum(bag_grads.astype(jnp.float32)[bag] * scale[:, None], seg, num_segments=ucap)
-        unique = jnp.full(ucap, num_rows, jnp.int32).at[jnp.where(first, uidx_s, ucap)].set(rows_s, mode="drop")
+        grads = jax.ops.segment_sum(
+            bag_grads.astype(jnp.float32)[bag] * scale[:, None], seg, num_segments=ucap
+        )
+        unique = (
+            jnp.full(ucap, num_rows, jnp.int32)
+            .at[jnp.where(first, uidx_s, ucap)]
+            .set(rows_s, mode="drop")
+        )
     elif variant.startswith("sort_search"):
         rows_s = jnp.sort(rows)
         seg = jnp.searchsorted(rows_s, rows, side="left").astype(jnp.int32)
         first = jnp.concatenate([jnp.ones(1, bool), rows_s[1:] != rows_s[:-1]])
-        grads = jax.ops.segment_sum(bag_grads.astype(jnp.float32)[bag] * scale[:, None], seg, num_segments=n)
+        grads = jax.ops.segment_sum(
+            bag_grads.astype(jnp.float32)[bag] * scale[:, None], seg, num_segments=n
+        )
         unique = jnp.where(first & (rows_s < num_rows), rows_s, num_rows)
     else:
-        rows_s, bag_s, scale_s = _sorted_stream(variant if variant in ("argsort", "sort_iota") else "sort3",
-                                                rows, bag, scale)
+        rows_s, bag_s, scale_s = _sorted_stream(
+            variant if variant in ("argsort", "sort_iota") else "sort3", rows, bag, scale
+        )
         first = jnp.concatenate([jnp.ones(1, bool), rows_s[1:] != rows_s[:-1]])
         uidx = jnp.cumsum(first.astype(jnp.int32)) - 1
-        grads = _summed_grads("chunked" if variant == "chunked" else "segment", uidx, bag_s, scale_s, bag_grads)
+        grads = _summed_grads(
+            "chunked" if variant == "chunked" else "segment", uidx, bag_s, scale_s, bag_grads
+        )
         unique = jax.ops.segment_max(rows_s, uidx, num_segments=n, indices_are_sorted=True)
         unique = jnp.where((unique < 0) | (unique >= num_rows), num_rows, unique)
-    gather = lambda x: x.at[unique].get(mode="fill", fill_value=0) if is_row_leaf(x, num_rows) else x  # noqa: E731
+
+    def gather(x):
+        return x.at[unique].get(mode="fill", fill_value=0) if is_row_leaf(x, num_rows) else x
+
     kw = {"mode": "drop", "unique_indices": variant != "no_unique"}
     if variant == "sorted_scatter":
         kw["indices_are_sorted"] = True
     if variant.endswith("delta") or variant == "delta_add":
-        delta, new_state_rows = rule.update_rows(jnp.zeros_like(grads), jax.tree_util.tree_map(gather, state),
-                                                 grads, step)
+        delta, new_state_rows = rule.update_rows(
+            jnp.zeros_like(grads), jax.tree_util.tree_map(gather, state), grads, step
+        )
         table = table.at[unique].add(delta.astype(table.dtype), **kw)
     elif bits and table.dtype.itemsize == 2:  # 16-bit tables moved as uint16 bit patterns
         raw = jax.lax.bitcast_convert_type(table, jnp.uint16)
         w = jax.lax.bitcast_convert_type(raw.at[unique].get(mode="fill", fill_value=0), table.dtype)
-        new_w, new_state_rows = rule.update_rows(w.astype(jnp.float32), jax.tree_util.tree_map(gather, state),
-                                                 grads, step)
+        new_w, new_state_rows = rule.update_rows(
+            w.astype(jnp.float32), jax.tree_util.tree_map(gather, state), grads, step
+        )
         new_raw = jax.lax.bitcast_convert_type(new_w.astype(table.dtype), jnp.uint16)
         table = jax.lax.bitcast_convert_type(raw.at[unique].set(new_raw, **kw), table.dtype)
     else:
         w = table.at[unique].get(mode="fill", fill_value=0).astype(jnp.float32)
-        new_w, new_state_rows = rule.update_rows(w, jax.tree_util.tree_map(gather, state), grads, step)
+        new_w, new_state_rows = rule.update_rows(
+            w, jax.tree_util.tree_map(gather, state), grads, step
+        )
         table = table.at[unique].set(new_w.astype(table.dtype), **kw)
 
     def scatter(old, new):
@@ -183,11 +231,21 @@ def update_variant(ebc, rule, variant: str, ucap: int | None = None):
         count = opt_state.count + 1
         new_p, new_s = {}, {}
         for group in layout.groups:
-            rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=ebc.is_weighted(),
-                                                 bounds_check=ebc.bounds_check)
+            rows, bag, scale = _lookup.id_stream(
+                kjt, layout, group, weighted=ebc.is_weighted(), bounds_check=ebc.bounds_check
+            )
             new_p[group], new_s[group] = _apply_variant(
-                variant, rule, params[group], opt_state.tables[group], count, rows, bag, scale,
-                _bag_grads(layout, group, pooled_grad, kjt.stride()), ucap)
+                variant,
+                rule,
+                params[group],
+                opt_state.tables[group],
+                count,
+                rows,
+                bag,
+                scale,
+                _bag_grads(layout, group, pooled_grad, kjt.stride()),
+                ucap,
+            )
         return new_p, SparseOptState(count=count, tables=new_s)
 
     return jax.jit(step, donate_argnums=(0, 1))
@@ -197,6 +255,7 @@ def update_variant(ebc, rule, variant: str, ucap: int | None = None):
 def _positions_fori(table, rows, w, unroll: int = 1, carry_table: bool = False):
     acc = jnp.zeros((rows.shape[0], table.shape[1]), jnp.float32)
     if carry_table:
+
         def add_c(p, c):
             acc, t = c
             t = jax.lax.optimization_barrier(t)
@@ -235,7 +294,9 @@ def forward_variant(ebc, variant: str, exact_caps: tuple[int, ...]):
         blocks = []
         for i, slot in enumerate(layout.features):
             ki = key_indices[i]
-            rows, w = _lookup._position_matrix(kjt, ki, caps[ki], slot, ebc.is_weighted(), ebc.bounds_check)
+            rows, w = _lookup._position_matrix(
+                kjt, ki, caps[ki], slot, ebc.is_weighted(), ebc.bounds_check
+            )
             blocks.append((rows, w))
         (group,) = layout.groups
         if variant.startswith("bmajor"):
@@ -247,10 +308,17 @@ def forward_variant(ebc, variant: str, exact_caps: tuple[int, ...]):
             return pos(params[group], rows, w).reshape(stride, nf * d)
         rows = jnp.concatenate([b[0] for b in blocks])
         w = jnp.concatenate([b[1] for b in blocks])
-        pooled = _positions_fori(params[group], rows, w, unroll=4 if "unroll4" in variant else 1,
-                                 carry_table=variant.startswith("carry"))
-        out = [pooled[j * stride:(j + 1) * stride] for j in range(len(layout.features))]
-        return KeyedTensor(layout.feature_names, layout.output_dims, jnp.concatenate(out, axis=1)).values()
+        pooled = _positions_fori(
+            params[group],
+            rows,
+            w,
+            unroll=4 if "unroll4" in variant else 1,
+            carry_table=variant.startswith("carry"),
+        )
+        out = [pooled[j * stride : (j + 1) * stride] for j in range(len(layout.features))]
+        return KeyedTensor(
+            layout.feature_names, layout.output_dims, jnp.concatenate(out, axis=1)
+        ).values()
 
     return jax.jit(fwd)
 
@@ -285,7 +353,9 @@ def explore_forward(w: Workload, args, log) -> dict:
         dtype, kernel, _ = _split(v)
         if (dtype, kernel) not in sides:
             wv = dataclasses.replace(w, dtype=dtype)
-            sides[(dtype, kernel)] = XlaSide(wv, make_batch(wv), kernel, None, lr=args.lr, eps=args.eps)
+            sides[(dtype, kernel)] = XlaSide(
+                wv, make_batch(wv), kernel, None, lr=args.lr, eps=args.eps
+            )
     fns, ref = {}, np.asarray(base.forward())
     refs = {"fp32": ref}
     if ("bf16", "xla") in sides:
@@ -312,11 +382,14 @@ def explore_forward(w: Workload, args, log) -> dict:
     log(f"   forward: timing {list(fns)}")
     samples = interleaved(fns, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s)
     return {
-        "length_caps_lib": list(base.kjt.length_caps()), "length_caps_exact": list(exact),
+        "length_caps_lib": list(base.kjt.length_caps()),
+        "length_caps_exact": list(exact),
         "checks": checks,
         "temp_bytes": temp,
         "times": {v: summarize(s["total"]) for v, s in samples.items()},
-        "vs_lib": {v: paired_ratio(s["total"], samples["lib"]["total"]) for v, s in samples.items()},
+        "vs_lib": {
+            v: paired_ratio(s["total"], samples["lib"]["total"]) for v, s in samples.items()
+        },
         "vs_fbgemm": _vs_fbgemm(samples),
     }
 
@@ -330,7 +403,9 @@ def explore_update(w: Workload, opt: str, args, log) -> dict:
     for v in variants:
         dtype, kernel, cand = _split(v)
         wv = dataclasses.replace(w, dtype=dtype)
-        side = XlaSide(wv, make_batch(wv) if dtype != w.dtype else batch, kernel, opt, lr=args.lr, eps=args.eps)
+        side = XlaSide(
+            wv, make_batch(wv) if dtype != w.dtype else batch, kernel, opt, lr=args.lr, eps=args.eps
+        )
         if cand != "lib":
             side.update.jitted = update_variant(side.ebc, side.update.rule, cand, ucap)
         sides[v] = side
@@ -374,7 +449,9 @@ def explore_update(w: Workload, opt: str, args, log) -> dict:
         "in_place": {v: all(s.in_place) for v, s in sides.items()},
         "temp_bytes": temp,
         "times": {v: summarize(s["total"]) for v, s in samples.items()},
-        "vs_lib": {v: paired_ratio(s["total"], samples["lib"]["total"]) for v, s in samples.items()},
+        "vs_lib": {
+            v: paired_ratio(s["total"], samples["lib"]["total"]) for v, s in samples.items()
+        },
         "vs_fbgemm": _vs_fbgemm(samples),
     }
 
@@ -391,8 +468,11 @@ def explore_pieces(w: Workload, args, log) -> dict:
     side = XlaSide(w, batch, "xla", "rowwise_adagrad", lr=args.lr, eps=args.eps)
     ebc, kjt, grad = side.ebc, side.kjt, side.grad
     (group,) = ebc.layout.groups
-    stream = jax.jit(lambda kjt: _lookup.id_stream(kjt, ebc.layout, group, weighted=ebc.is_weighted(),
-                                                   bounds_check=ebc.bounds_check))
+    stream = jax.jit(
+        lambda kjt: _lookup.id_stream(
+            kjt, ebc.layout, group, weighted=ebc.is_weighted(), bounds_check=ebc.bounds_check
+        )
+    )
     rows, bag, scale = stream(kjt)
     bag_grads = jax.jit(lambda g: _bag_grads(ebc.layout, group, g, kjt.stride()))(grad)
     n, d = rows.shape[0], w.D
@@ -407,27 +487,47 @@ def explore_pieces(w: Workload, args, log) -> dict:
     per_id = jax.jit(lambda bg, b, s: bg[b] * s[:, None])
     seg = jax.jit(lambda g, u: jax.ops.segment_sum(g, u, num_segments=n, indices_are_sorted=True))
     gathered = per_id(bag_grads, bag_s, scale_s)
-    fused = jax.jit(lambda bg, b, s, u: jax.ops.segment_sum(bg[b] * s[:, None], u, num_segments=n,
-                                                            indices_are_sorted=True))
-    urows = jnp.where(jnp.arange(n) < int(uidx[-1]) + 1, rows_s, side.params[group].shape[0])  # stand-in ids
+    fused = jax.jit(
+        lambda bg, b, s, u: jax.ops.segment_sum(
+            bg[b] * s[:, None], u, num_segments=n, indices_are_sorted=True
+        )
+    )
+    urows = jnp.where(
+        jnp.arange(n) < int(uidx[-1]) + 1, rows_s, side.params[group].shape[0]
+    )  # stand-in ids
     gather_rows = jax.jit(lambda t, u: t.at[u].get(mode="fill", fill_value=0))
     cases = {
         "id_stream": _timer(lambda: jax.block_until_ready(stream(kjt))),
-        "lax.sort (row, bag, scale)": _timer(lambda: jax.block_until_ready(sort3(rows, bag, scale))),
+        "lax.sort (row, bag, scale)": _timer(
+            lambda: jax.block_until_ready(sort3(rows, bag, scale))
+        ),
         "jnp.sort (rows)": _timer(lambda: sort1(rows).block_until_ready()),
         "jnp.argsort (rows)": _timer(lambda: argsort(rows).block_until_ready()),
-        "jnp.searchsorted (rows in sorted rows)": _timer(lambda: search(rows_sorted, rows).block_until_ready()),
-        "per-id grads [N, D]": _timer(lambda: per_id(bag_grads, bag_s, scale_s).block_until_ready()),
+        "jnp.searchsorted (rows in sorted rows)": _timer(
+            lambda: search(rows_sorted, rows).block_until_ready()
+        ),
+        "per-id grads [N, D]": _timer(
+            lambda: per_id(bag_grads, bag_s, scale_s).block_until_ready()
+        ),
         "segment_sum [N, D]": _timer(lambda: seg(gathered, uidx).block_until_ready()),
         "per-id grads + segment_sum (one jit)": _timer(
-            lambda: fused(bag_grads, bag_s, scale_s, uidx).block_until_ready()),
-        "gather touched rows [N, D]": _timer(lambda: gather_rows(side.params[group], urows).block_until_ready()),
+            lambda: fused(bag_grads, bag_s, scale_s, uidx).block_until_ready()
+        ),
+        "gather touched rows [N, D]": _timer(
+            lambda: gather_rows(side.params[group], urows).block_until_ready()
+        ),
         "full update (lib)": _timer(side._update),
     }
     log("   pieces: timing")
-    samples = interleaved(cases, warmup=args.warmup, repeats=max(5, args.repeats // 2), budget_s=args.budget_s)
-    return {"n": int(n), "unique": int(uidx[-1]) + 1, "d": d,
-            "times": {k: summarize(s["total"]) for k, s in samples.items()}}
+    samples = interleaved(
+        cases, warmup=args.warmup, repeats=max(5, args.repeats // 2), budget_s=args.budget_s
+    )
+    return {
+        "n": int(n),
+        "unique": int(uidx[-1]) + 1,
+        "d": d,
+        "times": {k: summarize(s["total"]) for k, s in samples.items()},
+    }
 
 
 def _fb(block: dict, v: str) -> str:
@@ -441,53 +541,85 @@ def _markdown(res: dict) -> str:
         lines += [f"## {wr['workload']}", ""]
         f = wr.get("forward")
         if f and "times" in f:
-            lines += [f"Forward (length caps lib {f['length_caps_lib'][0]}, exact {f['length_caps_exact'][0]}):", "",
-                      "| candidate | median ms [IQR] | vs lib (ratio of medians; paired) | vs FBGEMM | XLA temp MiB |",
-                      "|---|---|---|---|---|"]
+            lines += [
+                f"Forward (length caps lib {f['length_caps_lib'][0]}, exact {f['length_caps_exact'][0]}):",
+                "",
+                "| candidate | median ms [IQR] | vs lib (ratio of medians; paired) | vs FBGEMM | XLA temp MiB |",
+                "|---|---|---|---|---|",
+            ]
             for v, t in f["times"].items():
                 r = f["vs_lib"][v]
                 tb = f["temp_bytes"].get(v)
-                lines.append(f"| {v} | {t['median_ms']:.2f} [{t['p25_ms']:.2f}-{t['p75_ms']:.2f}] | "
-                             f"{r['ratio_of_medians']:.2f} ({r['paired_median']:.2f}) | {_fb(f, v)} | "
-                             f"{'-' if tb is None else f'{tb / 2**20:.1f}'} |")
+                lines.append(
+                    f"| {v} | {t['median_ms']:.2f} [{t['p25_ms']:.2f}-{t['p75_ms']:.2f}] | "
+                    f"{r['ratio_of_medians']:.2f} ({r['paired_median']:.2f}) | {_fb(f, v)} | "
+                    f"{'-' if tb is None else f'{tb / 2**20:.1f}'} |"
+                )
             lines.append("")
         for opt, u in wr.get("update", {}).items():
             if "times" not in u:
                 lines += [f"{opt}: {u.get('error')}", ""]
                 continue
-            lines += [f"Update only ({opt}; {u.get('distinct_rows')} distinct rows, ucap {u.get('ucap')}; "
-                      "fbgemm = its backward + fused update alone):", "",
-                      "| candidate | median ms [IQR] | vs lib (ratio of medians; paired) | vs FBGEMM | XLA temp MiB | in place |",
-                      "|---|---|---|---|---|---|"]
+            lines += [
+                f"Update only ({opt}; {u.get('distinct_rows')} distinct rows, ucap {u.get('ucap')}; "
+                "fbgemm = its backward + fused update alone):",
+                "",
+                "| candidate | median ms [IQR] | vs lib (ratio of medians; paired) | vs FBGEMM | XLA temp MiB | in place |",
+                "|---|---|---|---|---|---|",
+            ]
             for v, t in u["times"].items():
                 r = u["vs_lib"][v]
                 tb = u["temp_bytes"].get(v)
-                lines.append(f"| {v} | {t['median_ms']:.2f} [{t['p25_ms']:.2f}-{t['p75_ms']:.2f}] | "
-                             f"{r['ratio_of_medians']:.2f} ({r['paired_median']:.2f}) | {_fb(u, v)} | "
-                             f"{'-' if tb is None else f'{tb / 2**20:.0f}'} | {u['in_place'].get(v, '-')} |")
+                lines.append(
+                    f"| {v} | {t['median_ms']:.2f} [{t['p25_ms']:.2f}-{t['p75_ms']:.2f}] | "
+                    f"{r['ratio_of_medians']:.2f} ({r['paired_median']:.2f}) | {_fb(u, v)} | "
+                    f"{'-' if tb is None else f'{tb / 2**20:.0f}'} | {u['in_place'].get(v, '-')} |"
+                )
             lines.append("")
         p = wr.get("pieces")
         if p:
-            lines += [f"Pieces of the library's update (N = {p['n']} id slots, {p['unique']} unique rows):", "",
-                      "| piece | median ms [IQR] |", "|---|---|"]
+            lines += [
+                f"Pieces of the library's update (N = {p['n']} id slots, {p['unique']} unique rows):",
+                "",
+                "| piece | median ms [IQR] |",
+                "|---|---|",
+            ]
             for k, t in p["times"].items():
-                lines.append(f"| {k} | {t['median_ms']:.2f} [{t['p25_ms']:.2f}-{t['p75_ms']:.2f}] |")
+                lines.append(
+                    f"| {k} | {t['median_ms']:.2f} [{t['p25_ms']:.2f}-{t['p75_ms']:.2f}] |"
+                )
             lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.explore_update", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.explore_update",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--alpha", type=float, nargs="+", default=[1.0, 1.15])
-    p.add_argument("--part", nargs="+", choices=("forward", "update", "pieces"),
-                   default=["forward", "update", "pieces"])
+    p.add_argument(
+        "--part",
+        nargs="+",
+        choices=("forward", "update", "pieces"),
+        default=["forward", "update", "pieces"],
+    )
     p.add_argument("--forward", nargs="+", choices=FORWARD_VARIANTS, default=list(FORWARD_VARIANTS))
     p.add_argument("--update", nargs="+", choices=UPDATE_VARIANTS, default=list(UPDATE_VARIANTS))
-    p.add_argument("--optimizers", nargs="+", choices=("rowwise_adagrad", "sgd"), default=["rowwise_adagrad", "sgd"])
-    p.add_argument("--fbgemm", action=argparse.BooleanOptionalAction, default=True,
-                   help="time FBGEMM in the same rounds (ratios to it)")
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=("rowwise_adagrad", "sgd"),
+        default=["rowwise_adagrad", "sgd"],
+    )
+    p.add_argument(
+        "--fbgemm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time FBGEMM in the same rounds (ratios to it)",
+    )
     p.add_argument("--torch-threads", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--eps", type=float, default=1e-8)
@@ -512,8 +644,12 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     base = dict(T=2, E=1000, D=16, B=64, L=4) if args.tiny else {}
-    res = {"command": "python -m benchmarks.explore_update " + " ".join(sys.argv[1:] if argv is None else argv),
-           "loadavg_start": list(os.getloadavg()), "workloads": []}
+    res = {
+        "command": "python -m benchmarks.explore_update "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "loadavg_start": list(os.getloadavg()),
+        "workloads": [],
+    }
     for a in args.alpha:
         w = Workload(**base, alpha=a)
         log(f"== {w.name}")

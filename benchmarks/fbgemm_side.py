@@ -62,8 +62,16 @@ class FbgemmSide:
     """Args: workload, batch, optimizer name, lr, eps; `dtype` the weights precision
     (defaults to the workload's), `lr_scale` multiplies FBGEMM's lr (a gate self-test)."""
 
-    def __init__(self, w: Workload, batch: Batch, optimizer: str, *, lr: float, eps: float,
-                 dtype: str | None = None):
+    def __init__(
+        self,
+        w: Workload,
+        batch: Batch,
+        optimizer: str,
+        *,
+        lr: float,
+        eps: float,
+        dtype: str | None = None,
+    ):
         self.w, self.optimizer = w, optimizer
         self.dtype = dtype or w.dtype
         if self.dtype not in _PRECISION:
@@ -116,7 +124,9 @@ class FbgemmSide:
     # -- state ---------------------------------------------------------------------------------
     def tables(self) -> np.ndarray:
         """[T, E, D] float32 copy of the current weights."""
-        return np.stack([v.detach().float().numpy().copy() for v in self.tbe.split_embedding_weights()])
+        return np.stack(
+            [v.detach().float().numpy().copy() for v in self.tbe.split_embedding_weights()]
+        )
 
     def row_state(self) -> np.ndarray | None:
         """The Adagrad state: row-wise [T, E] (per-row sum of mean squared grads) or
@@ -124,4 +134,9 @@ class FbgemmSide:
         if self.optimizer == "sgd":
             return None
         shape = (self.w.E,) if self.optimizer == "rowwise_adagrad" else (self.w.E, self.w.D)
-        return np.stack([s[0].detach().float().numpy().copy().reshape(shape) for s in self.tbe.split_optimizer_states()])
+        return np.stack(
+            [
+                s[0].detach().float().numpy().copy().reshape(shape)
+                for s in self.tbe.split_optimizer_states()
+            ]
+        )

@@ -29,7 +29,9 @@ def update_rtol(dtype: str) -> float:
 
 def close(what: str, ours, theirs, rtol: float = RTOL) -> dict:
     """Compare and describe; `ok` False (never raises) so the caller can report every check."""
-    a = np.asarray(ours, np.float32)  # fp32 arithmetic: exact enough for rtol >= 1e-4, half the memory
+    a = np.asarray(
+        ours, np.float32
+    )  # fp32 arithmetic: exact enough for rtol >= 1e-4, half the memory
     b = np.asarray(theirs, np.float32)
     if a.shape != b.shape:
         return {"what": what, "ok": False, "error": f"shape {a.shape} vs {b.shape}"}

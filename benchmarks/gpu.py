@@ -61,16 +61,23 @@ def _timeit(cases: dict, rounds: int, reps: int) -> dict[str, dict]:
                 out = fn()
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t0) / reps * 1e3)
-    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for k, v in times.items()}
+    return {
+        k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
+        for k, v in times.items()
+    }
 
 
 def _launches(jitted, *args) -> dict[str, int]:
     """Kernels XLA compiled for the program: fusions and custom calls of the entry
     computation (each is a launch), sorts, and whether any float scatter-add is left."""
     text = jitted.lower(*args).compile().as_text()
-    entry = text[text.find("ENTRY"):]
-    return {"fusions": entry.count(" fusion("), "custom_calls": entry.count("custom-call("),
-            "sorts": text.count(" sort("), "scatters": text.count(" scatter(")}
+    entry = text[text.find("ENTRY") :]
+    return {
+        "fusions": entry.count(" fusion("),
+        "custom_calls": entry.count("custom-call("),
+        "sorts": text.count(" sort("),
+        "scatters": text.count(" scatter("),
+    }
 
 
 def _roofline_gbs(interpret: bool) -> float:
@@ -91,7 +98,11 @@ class _Case:
         self.table = jnp.asarray(b.tables.reshape(w.T * w.E, w.D))
         self.values = jnp.asarray(b.ids.astype(np.int32))
         self.offsets = jnp.asarray(b.offsets.astype(np.int32))
-        rows = (b.ids.reshape(w.T, w.B * w.L) + (np.arange(w.T) * w.E)[:, None]).reshape(-1).astype(np.int32)
+        rows = (
+            (b.ids.reshape(w.T, w.B * w.L) + (np.arange(w.T) * w.E)[:, None])
+            .reshape(-1)
+            .astype(np.int32)
+        )
         self.pos_rows = jnp.asarray(rows.reshape(w.T * w.B, w.L))
         self.pos_w = jnp.ones((w.T * w.B, w.L), jnp.float32)
         self.rows = jnp.asarray(rows)
@@ -100,13 +111,21 @@ class _Case:
         self.scale = jnp.ones(rows.shape, jnp.float32)
         grad = b.pooled_grad.reshape(w.B, w.T, w.D).transpose(1, 0, 2).reshape(w.T * w.B, w.D)
         self.bag_grads = jnp.asarray(grad)
-        self.static = dict(stride=w.B, keys=list(range(w.T)), row_offsets=[t * w.E for t in range(w.T)],
-                           num_rows=[w.E] * w.T, mean=[False] * w.T, clamp=False)
+        self.static = dict(
+            stride=w.B,
+            keys=list(range(w.T)),
+            row_offsets=[t * w.E for t in range(w.T)],
+            num_rows=[w.E] * w.T,
+            mean=[False] * w.T,
+            clamp=False,
+        )
 
 
 def _forward_cases(c: _Case, interpret: bool):
     w = c.w
-    pallas = jax.jit(lambda t, v, o: _pallas.jagged_pooled_sum(t, v, o, None, interpret=interpret, **c.static))
+    pallas = jax.jit(
+        lambda t, v, o: _pallas.jagged_pooled_sum(t, v, o, None, interpret=interpret, **c.static)
+    )
 
     def per_position(t, rows, wts):
         pooled = _sum_positions(t, rows, wts)  # [T*B, D] key-major
@@ -117,8 +136,11 @@ def _forward_cases(c: _Case, interpret: bool):
         return pooled.reshape(w.T, w.B, w.D).transpose(1, 0, 2).reshape(w.B, w.T * w.D)
 
     xla_pp, xla_seg = jax.jit(per_position), jax.jit(seg_sum)
-    pallas1 = jax.jit(lambda t, v, o: _pallas.jagged_pooled_sum(t, v, o, None, interpret=interpret, unroll=1,
-                                                               **c.static))
+    pallas1 = jax.jit(
+        lambda t, v, o: _pallas.jagged_pooled_sum(
+            t, v, o, None, interpret=interpret, unroll=1, **c.static
+        )
+    )
     cases = {
         "pallas": (pallas, (c.table, c.values, c.offsets)),
         "pallas_unroll1": (pallas1, (c.table, c.values, c.offsets)),
@@ -151,6 +173,7 @@ def _torch_forward(c: _Case):
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
             SplitTableBatchedEmbeddingBagsCodegen,
         )
+
         out["fbgemm_tbe"] = None  # installed: timed below
     except Exception:  # noqa: BLE001 - absent or a CPU-only build
         pass
@@ -182,26 +205,53 @@ def _update_fns(c: _Case, rule, interpret: bool):
 
     def pallas(table, state, rows, bag, scale, bag_grads):
         rows_s, perm = _pallas.sorted_runs(rows, num_rows)
-        return _pallas.sorted_run_update(rule, table, state, jnp.int32(1), rows_s, perm, bag, scale, bag_grads,
-                                         interpret=interpret)
+        return _pallas.sorted_run_update(
+            rule,
+            table,
+            state,
+            jnp.int32(1),
+            rows_s,
+            perm,
+            bag,
+            scale,
+            bag_grads,
+            interpret=interpret,
+        )
 
     def xla(table, state, rows, bag, scale, bag_grads):
-        return apply_row_rule(rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads,
-                              scatter_add=not on_gpu())
+        return apply_row_rule(
+            rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads, scatter_add=not on_gpu()
+        )
 
     def pallas1(table, state, rows, bag, scale, bag_grads):
         rows_s, perm = _pallas.sorted_runs(rows, num_rows)
-        return _pallas.sorted_run_update(rule, table, state, jnp.int32(1), rows_s, perm, bag, scale, bag_grads,
-                                         interpret=interpret, unroll=1)
+        return _pallas.sorted_run_update(
+            rule,
+            table,
+            state,
+            jnp.int32(1),
+            rows_s,
+            perm,
+            bag,
+            scale,
+            bag_grads,
+            interpret=interpret,
+            unroll=1,
+        )
 
-    return {"pallas": jax.jit(pallas, donate_argnums=(0, 1)), "xla": jax.jit(xla, donate_argnums=(0, 1)),
-            "pallas_unroll1": jax.jit(pallas1, donate_argnums=(0, 1))}
+    return {
+        "pallas": jax.jit(pallas, donate_argnums=(0, 1)),
+        "xla": jax.jit(xla, donate_argnums=(0, 1)),
+        "pallas_unroll1": jax.jit(pallas1, donate_argnums=(0, 1)),
+    }
 
 
 def _check(c: _Case, interpret: bool) -> dict:
     fwd = _forward_cases(c, interpret)
     outs = {k: np.asarray(fn(*args)) for k, (fn, args) in fwd.items()}
-    checks = {"forward_max_abs_diff": float(max(np.abs(outs["pallas"] - o).max() for o in outs.values()))}
+    checks = {
+        "forward_max_abs_diff": float(max(np.abs(outs["pallas"] - o).max() for o in outs.values()))
+    }
     for rule in (rowwise_adagrad(lr=0.05), sgd(lr=0.05)):
         fns = _update_fns(c, rule, interpret)
         res = {}
@@ -213,8 +263,9 @@ def _check(c: _Case, interpret: bool) -> dict:
         t2 = jnp.array(c.table, copy=True)
         again = fns["pallas"](t2, rule.init_table(t2), c.rows, c.bag, c.scale, c.bag_grads)
         checks[f"{rule.name}_max_abs_diff"] = diff
-        checks[f"{rule.name}_bitwise_reproducible"] = bool(np.array_equal(np.asarray(again[0]),
-                                                                          np.asarray(res["pallas"][0])))
+        checks[f"{rule.name}_bitwise_reproducible"] = bool(
+            np.array_equal(np.asarray(again[0]), np.asarray(res["pallas"][0]))
+        )
     return checks
 
 
@@ -230,8 +281,12 @@ def _library_steps(w: Workload, interpret: bool, rounds: int, reps: int) -> dict
     )
 
     b = make_batch(w)
-    tables = [EmbeddingBagConfig(name=f"t{t}", num_embeddings=w.E, embedding_dim=w.D, feature_names=[f"f{t}"])
-              for t in range(w.T)]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", num_embeddings=w.E, embedding_dim=w.D, feature_names=[f"f{t}"]
+        )
+        for t in range(w.T)
+    ]
     kjt = KeyedJaggedTensor([f"f{t}" for t in range(w.T)], b.ids, lengths=b.lengths)
     grad = jnp.asarray(b.pooled_grad)
     rule = rowwise_adagrad(lr=0.05)
@@ -255,14 +310,21 @@ def _library_steps(w: Workload, interpret: bool, rounds: int, reps: int) -> dict
 
 
 def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -> dict:
-    results = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-               "jax": jax.__version__, "interpret": interpret, "workloads": []}
+    results = {
+        "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "interpret": interpret,
+        "workloads": [],
+    }
     results["copy_roofline_gbs"] = _roofline_gbs(interpret)
     for w in workloads:
         c = _Case(w)
         entry = {"workload": w.as_dict(), "checks": _check(c, interpret)}
         fwd = _forward_cases(c, interpret)
-        entry["forward"] = _timeit({k: (lambda fn=fn, a=a: fn(*a)) for k, (fn, a) in fwd.items()}, rounds, reps)
+        entry["forward"] = _timeit(
+            {k: (lambda fn=fn, a=a: fn(*a)) for k, (fn, a) in fwd.items()}, rounds, reps
+        )
         entry["forward_launches"] = {k: _launches(fn, *a) for k, (fn, a) in fwd.items()}
         torch_fns = _torch_forward(c)
         if torch_fns:
@@ -276,8 +338,11 @@ def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -
 
             def step(k, fn, state=state, opt=opt, c=c):
                 def go():
-                    state[k][0], opt[k][0] = fn(state[k][0], opt[k][0], c.rows, c.bag, c.scale, c.bag_grads)
+                    state[k][0], opt[k][0] = fn(
+                        state[k][0], opt[k][0], c.rows, c.bag, c.scale, c.bag_grads
+                    )
                     return state[k][0]
+
                 return go
 
             timed = _timeit({k: step(k, fn) for k, fn in fns.items()}, rounds, reps)
@@ -285,7 +350,8 @@ def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -
             probe = jnp.array(c.table, copy=True)
             entry["update_launches"][rule.name] = {
                 k: _launches(fn, probe, rule.init_table(probe), c.rows, c.bag, c.scale, c.bag_grads)
-                for k, fn in fns.items()}
+                for k, fn in fns.items()
+            }
         entry["library_step"] = _library_steps(w, interpret, rounds, reps)
         results["workloads"].append(entry)
     return results
@@ -293,49 +359,68 @@ def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -
 
 def markdown(results: dict) -> str:
     roof = results["copy_roofline_gbs"]
-    lines = [f"# GPU comparison on {results['device']} ({results['backend']}, jax {results['jax']}"
-             f"{', INTERPRET MODE: times mean nothing' if results['interpret'] else ''})", "",
-             f"Copy roofline: {roof:.0f} GB/s (bytes read + written).", ""]
+    lines = [
+        f"# GPU comparison on {results['device']} ({results['backend']}, jax {results['jax']}"
+        f"{', INTERPRET MODE: times mean nothing' if results['interpret'] else ''})",
+        "",
+        f"Copy roofline: {roof:.0f} GB/s (bytes read + written).",
+        "",
+    ]
     for e in results["workloads"]:
         w = e["workload"]
         fwd_bytes = w["B"] * w["T"] * w["L"] * w["D"] * 4 + w["B"] * w["T"] * w["D"] * 4
-        lines += [f"## {w['name']}", "", f"Checks: {json.dumps(e['checks'])}", "",
-                  "| program | median ms | vs Pallas | GB/s (FBGEMM bytes) | % roofline | launches |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"## {w['name']}",
+            "",
+            f"Checks: {json.dumps(e['checks'])}",
+            "",
+            "| program | median ms | vs Pallas | GB/s (FBGEMM bytes) | % roofline | launches |",
+            "|---|---|---|---|---|---|",
+        ]
         base = e["forward"]["pallas"]["median_ms"]
         for k, v in e["forward"].items():
             gbs = fwd_bytes / (v["median_ms"] * 1e-3) / 1e9
             launch = e["forward_launches"].get(k, {})
-            lines.append(f"| forward {k} | {v['median_ms']:.3f} | {v['median_ms'] / base:.2f}x | {gbs:.0f} | "
-                         f"{100 * gbs / roof:.0f}% | {launch.get('fusions', '-')}f+{launch.get('custom_calls', '-')}c |")
+            lines.append(
+                f"| forward {k} | {v['median_ms']:.3f} | {v['median_ms'] / base:.2f}x | {gbs:.0f} | "
+                f"{100 * gbs / roof:.0f}% | {launch.get('fusions', '-')}f+{launch.get('custom_calls', '-')}c |"
+            )
         for rule, timed in e["update"].items():
             base = timed["pallas"]["median_ms"]
             for k, v in timed.items():
                 gbs = 2 * fwd_bytes / (v["median_ms"] * 1e-3) / 1e9
                 launch = e["update_launches"][rule][k]
-                lines.append(f"| update {rule} {k} | {v['median_ms']:.3f} | {v['median_ms'] / base:.2f}x | {gbs:.0f} | "
-                             f"{100 * gbs / roof:.0f}% | {launch['fusions']}f+{launch['custom_calls']}c, "
-                             f"{launch['sorts']} sort, {launch['scatters']} scatter |")
+                lines.append(
+                    f"| update {rule} {k} | {v['median_ms']:.3f} | {v['median_ms'] / base:.2f}x | {gbs:.0f} | "
+                    f"{100 * gbs / roof:.0f}% | {launch['fusions']}f+{launch['custom_calls']}c, "
+                    f"{launch['sorts']} sort, {launch['scatters']} scatter |"
+                )
         steps = e.get("library_step", {})
         if steps:
             base = next(iter(steps.values()))["median_ms"]
             for k, v in steps.items():
-                lines.append(f"| library forward + guarded update, {k} | {v['median_ms']:.3f} | "
-                             f"{v['median_ms'] / base:.2f}x | | | |")
+                lines.append(
+                    f"| library forward + guarded update, {k} | {v['median_ms']:.3f} | "
+                    f"{v['median_ms'] / base:.2f}x | | | |"
+                )
         lines.append("")
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny shapes, Pallas in interpret mode off a GPU")
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny shapes, Pallas in interpret mode off a GPU"
+    )
     report.add_output_args(p, "gpu")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
     args = p.parse_args(argv)
     if not on_gpu() and not args.tiny:
-        p.error(f"no GPU here (jax.default_backend() is {jax.default_backend()!r}): run with --tiny for the "
-                "interpret-mode smoke run")
+        p.error(
+            f"no GPU here (jax.default_backend() is {jax.default_backend()!r}): run with --tiny for the "
+            "interpret-mode smoke run"
+        )
     interpret = not on_gpu()
     workloads = tiny_set() if args.tiny else [Workload(), Workload(alpha=1.15)]
     rounds = args.rounds or (2 if args.tiny else 15)

@@ -42,8 +42,12 @@ def ours(args):
 
     from sparse_jax import MCHManagedCollisionModule, RawIds
 
-    mc = MCHManagedCollisionModule(args.zch, history_capacity=args.ids * args.interval,
-                                   eviction_policy=args.policy, eviction_interval=args.interval)
+    mc = MCHManagedCollisionModule(
+        args.zch,
+        history_capacity=args.ids * args.interval,
+        eviction_policy=args.policy,
+        eviction_interval=args.interval,
+    )
 
     @jax.jit
     def train(state, ids):
@@ -68,15 +72,27 @@ def theirs(args):
     from torchrec.modules import mc_modules
     from torchrec.sparse.jagged_tensor import JaggedTensor
 
-    policy = mc_modules.LRU_EvictionPolicy() if args.policy == "lru" else mc_modules.LFU_EvictionPolicy()
-    m = mc_modules.MCHManagedCollisionModule(zch_size=args.zch, device=torch.device("cpu"), eviction_policy=policy,
-                                             eviction_interval=args.interval)
+    policy = (
+        mc_modules.LRU_EvictionPolicy() if args.policy == "lru" else mc_modules.LFU_EvictionPolicy()
+    )
+    m = mc_modules.MCHManagedCollisionModule(
+        zch_size=args.zch,
+        device=torch.device("cpu"),
+        eviction_policy=policy,
+        eviction_interval=args.interval,
+    )
 
     def call(batch, training):
         m.train(training)
         values = torch.from_numpy(batch)
         with torch.no_grad():
-            out = m({"t": JaggedTensor(values=values, lengths=torch.ones_like(values, dtype=torch.int32))})
+            out = m(
+                {
+                    "t": JaggedTensor(
+                        values=values, lengths=torch.ones_like(values, dtype=torch.int32)
+                    )
+                }
+            )
         m.evict()
         return out["t"].values()
 
@@ -94,11 +110,22 @@ def step_share(args) -> dict[str, float]:
 
     def build(managed: bool):
         torch.manual_seed(0)
-        tables = [EmbeddingBagConfig(name="t", num_embeddings=args.zch, embedding_dim=16, feature_names=["f"])]
-        module = MCHManagedCollisionModule(args.zch, history_capacity=args.ids * args.interval,
-                                           eviction_policy=args.policy, eviction_interval=args.interval)
-        model = hybrid.Model(tables, dense_torch.DLRM(16, 1, 4, [16], [16, 1]),
-                             managed_collision_modules={"t": module} if managed else None)
+        tables = [
+            EmbeddingBagConfig(
+                name="t", num_embeddings=args.zch, embedding_dim=16, feature_names=["f"]
+            )
+        ]
+        module = MCHManagedCollisionModule(
+            args.zch,
+            history_capacity=args.ids * args.interval,
+            eviction_policy=args.policy,
+            eviction_interval=args.interval,
+        )
+        model = hybrid.Model(
+            tables,
+            dense_torch.DLRM(16, 1, 4, [16], [16, 1]),
+            managed_collision_modules={"t": module} if managed else None,
+        )
         return model, torch.optim.SGD(model.dense_parameters(), lr=0.01)
 
     sides = {"managed": build(True), "plain": build(False)}
@@ -108,7 +135,8 @@ def step_share(args) -> dict[str, float]:
 
     def step(model, opt, raw):
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            model(dense, (["f"], torch.from_numpy(raw), lengths)).squeeze(-1), labels)
+            model(dense, (["f"], torch.from_numpy(raw), lengths)).squeeze(-1), labels
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -133,21 +161,31 @@ def _timed(args, sides):
     for name, (train, evaluate) in sides.items():
         cases[f"{name} train"] = clocked(lambda c, f=train: f(next(batches)))
         cases[f"{name} eval"] = clocked(lambda c, f=evaluate: f(next(batches)))
-    return interleaved(cases, repeats=args.repeats if len(sides) > 1 else args.alone_repeats, lead_in_s=LEAD_IN_S)
+    return interleaved(
+        cases, repeats=args.repeats if len(sides) > 1 else args.alone_repeats, lead_in_s=LEAD_IN_S
+    )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--zch", type=int, default=1 << 18, help="slots per table")
     ap.add_argument("--ids", type=int, default=65536, help="ids per batch")
-    ap.add_argument("--pool", type=int, default=1 << 20, help="distinct raw ids the stream draws from")
+    ap.add_argument(
+        "--pool", type=int, default=1 << 20, help="distinct raw ids the stream draws from"
+    )
     ap.add_argument("--policy", choices=["lru", "lfu"], default="lru")
     ap.add_argument("--interval", type=int, default=1)
     ap.add_argument("--check", type=int, default=5, help="batches compared slot for slot first")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--alone-repeats", type=int, default=15,
-                    help="rounds of the TorchRec-alone run (as many as paired: with eviction every few calls a "
-                         "short run's median can land on the calls around an eviction)")
+    ap.add_argument(
+        "--alone-repeats",
+        type=int,
+        default=15,
+        help="rounds of the TorchRec-alone run (as many as paired: with eviction every few calls a "
+        "short run's median can land on the calls around an eviction)",
+    )
     ap.add_argument("--side", choices=["both", "torchrec"], default="both", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from benchmarks.timing import paired_ratio, summarize
@@ -164,7 +202,9 @@ def main(argv=None) -> int:
     a, b = ours(args), theirs(args)
     for step in range(args.check):
         batch = next(check)
-        np.testing.assert_array_equal(np.asarray(a[0](batch)), b[0](batch).numpy(), err_msg=f"train batch {step}")
+        np.testing.assert_array_equal(
+            np.asarray(a[0](batch)), b[0](batch).numpy(), err_msg=f"train batch {step}"
+        )
     np.testing.assert_array_equal(np.asarray(a[1](batch)), b[1](batch).numpy(), err_msg="eval")
     samples = _timed(args, {"xla": a, "torchrec": b})
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
@@ -172,19 +212,27 @@ def main(argv=None) -> int:
     share = step_share(args)
     after = quietness_probe()
     print(quietness_line(before, after))
-    print(f"zch_size {args.zch}, {args.ids} ids per batch from {args.pool} raw int64 ids, {args.policy.upper()}, "
-          f"eviction every {args.interval} call(s); first {args.check} batches equal slot for slot; "
-          f"{args.repeats} interleaved rounds, medians")
-    print("| call | XLA ms | XLA Mids/s | TorchRec ms (here) | TorchRec ms (alone) | XLA / TorchRec (paired) |")
+    print(
+        f"zch_size {args.zch}, {args.ids} ids per batch from {args.pool} raw int64 ids, {args.policy.upper()}, "
+        f"eviction every {args.interval} call(s); first {args.check} batches equal slot for slot; "
+        f"{args.repeats} interleaved rounds, medians"
+    )
+    print(
+        "| call | XLA ms | XLA Mids/s | TorchRec ms (here) | TorchRec ms (alone) | XLA / TorchRec (paired) |"
+    )
     print("|---|---|---|---|---|---|")
     for call in ("train", "eval"):
         r = paired_ratio(samples[f"xla {call}"]["total"], samples[f"torchrec {call}"]["total"])
         x = med[f"xla {call}"]
-        print(f"| {call} | {x:.2f} | {args.ids / x / 1e3:.2f} | {med[f'torchrec {call}']:.2f} "
-              f"| {fresh[f'torchrec {call}']:.2f} | {r['paired_median']:.2f}x |")
+        print(
+            f"| {call} | {x:.2f} | {args.ids / x / 1e3:.2f} | {med[f'torchrec {call}']:.2f} "
+            f"| {fresh[f'torchrec {call}']:.2f} | {r['paired_median']:.2f}x |"
+        )
     managed, plain = share["managed"], share["plain"]
-    print(f"hybrid.Model training step, {args.ids} ids: {managed:.2f} ms managed, {plain:.2f} ms on a plain table; "
-          f"the remap is {max(0.0, 1 - plain / managed):.0%} of the managed step")
+    print(
+        f"hybrid.Model training step, {args.ids} ids: {managed:.2f} ms managed, {plain:.2f} ms on a plain table; "
+        f"the remap is {max(0.0, 1 - plain / managed):.0%} of the managed step"
+    )
     return 0
 
 

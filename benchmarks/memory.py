@@ -66,11 +66,15 @@ def _worker(spec: dict) -> dict:
     table_bytes_np = batch.tables.nbytes
     rss_base = _status()["VmRSS"]
     if side_name == "fbgemm":
-        side = FbgemmSide(w, batch, optimizer, lr=spec["lr"], eps=spec["eps"], dtype=spec.get("fbgemm_dtype"))
+        side = FbgemmSide(
+            w, batch, optimizer, lr=spec["lr"], eps=spec["eps"], dtype=spec.get("fbgemm_dtype")
+        )
     else:
         side = XlaSide(w, batch, side_name, optimizer, lr=spec["lr"], eps=spec["eps"])
     side.step()  # compiles (ours); first touch of everything
-    time.sleep(0.5)  # XLA releases a call's temp buffers asynchronously, after the outputs are ready
+    time.sleep(
+        0.5
+    )  # XLA releases a call's temp buffers asynchronously, after the outputs are ready
     st = _status()
     rss_ready, peak_setup = st["VmRSS"], st["VmHWM"]
     reset = _reset_peak()
@@ -110,19 +114,39 @@ def measure_side(spec: dict, timeout_s: float = 600) -> dict:
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.memory", json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout_s, env=env, cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=root,
     )
     if proc.returncode != 0:
-        return {"side": spec["side"], "error": proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
+        return {
+            "side": spec["side"],
+            "error": proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"],
+        }
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure_all(workload: dict, sides: list[str], optimizer: str, *, lr: float, eps: float,
-                fbgemm_dtype: str | None) -> dict[str, dict]:
+def measure_all(
+    workload: dict,
+    sides: list[str],
+    optimizer: str,
+    *,
+    lr: float,
+    eps: float,
+    fbgemm_dtype: str | None,
+) -> dict[str, dict]:
     out = {}
     for side in sides:
-        spec = {"side": side, "optimizer": optimizer, "workload": workload, "lr": lr, "eps": eps,
-                "fbgemm_dtype": fbgemm_dtype}
+        spec = {
+            "side": side,
+            "optimizer": optimizer,
+            "workload": workload,
+            "lr": lr,
+            "eps": eps,
+            "fbgemm_dtype": fbgemm_dtype,
+        }
         out[side] = measure_side(spec)
     return out
 

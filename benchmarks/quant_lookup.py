@@ -47,12 +47,23 @@ def fbgemm_case(packed: np.ndarray, weight_type: str, dim: int, ids, offsets):
     )
 
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[("t", packed.shape[0], dim, SparseType(weight_type), EmbeddingLocation.HOST)],
-        pooling_mode=PoolingMode.SUM, device="cpu", output_dtype=SparseType.FP32, row_alignment=1,
-        bounds_check_mode=BoundsCheckMode.NONE)
+        embedding_specs=[
+            ("t", packed.shape[0], dim, SparseType(weight_type), EmbeddingLocation.HOST)
+        ],
+        pooling_mode=PoolingMode.SUM,
+        device="cpu",
+        output_dtype=SparseType.FP32,
+        row_alignment=1,
+        bounds_check_mode=BoundsCheckMode.NONE,
+    )
     tbe.initialize_weights()
-    tbe.split_embedding_weights(split_scale_shifts=False)[0][0].copy_(torch.from_numpy(np.array(packed)))
-    t_ids, t_off = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(offsets.astype(np.int64))
+    tbe.split_embedding_weights(split_scale_shifts=False)[0][0].copy_(
+        torch.from_numpy(np.array(packed))
+    )
+    t_ids, t_off = (
+        torch.from_numpy(ids.astype(np.int64)),
+        torch.from_numpy(offsets.astype(np.int64)),
+    )
 
     def run():
         with torch.no_grad():
@@ -69,8 +80,11 @@ def xla_case(packed, weight_type: str, dim: int, ids, offsets, pooling: int, ker
 
     p, i, o = jax.device_put(packed), jax.device_put(ids), jax.device_put(offsets)
     # max_length: the bags' bound, as QuantEmbeddingBagCollection passes a padded KJT's length cap
-    f = jax.jit(lambda p, i, o: quantized_pooled_lookup(p, weight_type, dim, i, o, max_length=pooling,
-                                                        kernel=kernel))
+    f = jax.jit(
+        lambda p, i, o: quantized_pooled_lookup(
+            p, weight_type, dim, i, o, max_length=pooling, kernel=kernel
+        )
+    )
     out = np.asarray(f(p, i, o))
     return (lambda: f(p, i, o)), out
 
@@ -98,13 +112,17 @@ def alone(args) -> dict:
     out = {}
     for wt in TYPES:
         run, _ = fbgemm_case(np.asarray(quantize_rows(table, wt)), wt, args.dim, ids, offsets)
-        samples = interleaved({wt: clocked(lambda c, run=run: run())}, repeats=args.alone_repeats, lead_in_s=LEAD_IN_S)
+        samples = interleaved(
+            {wt: clocked(lambda c, run=run: run())}, repeats=args.alone_repeats, lead_in_s=LEAD_IN_S
+        )
         out[wt] = summarize(samples[wt]["total"])["median_ms"]
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2048)
@@ -130,7 +148,9 @@ def main(argv=None) -> int:
         xla, got_xla = xla_case(packed, wt, args.dim, ids, offsets, args.pooling)
         theirs, want = fbgemm_case(packed, wt, args.dim, ids, offsets)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"{wt}: outputs differ")
-        np.testing.assert_array_equal(got, got_xla, err_msg=f"{wt}: the default and the XLA form differ")
+        np.testing.assert_array_equal(
+            got, got_xla, err_msg=f"{wt}: the default and the XLA form differ"
+        )
         cases[f"ours {wt}"] = clocked(lambda c, f=ours: f())
         cases[f"xla {wt}"] = clocked(lambda c, f=xla: f())
         cases[f"fbgemm {wt}"] = clocked(lambda c, f=theirs: f())
@@ -141,20 +161,30 @@ def main(argv=None) -> int:
     fresh = competitor_alone("benchmarks.quant_lookup", "fbgemm", argv)
     after = quietness_probe()
     print(quietness_line(before, after))
-    print(f"rows {args.rows}, dim {args.dim}, batch {args.batch}, pooling {args.pooling} (SUM, fp32 out), "
-          f"{args.repeats} interleaved rounds, medians")
-    print(f"default path: {'C++ kernel (HybridrecQuantPooled)' if _kernels.available() else 'XLA (kernel unavailable)'}")
-    print("| weights | bytes/row | table MiB | default ms | XLA form ms | FBGEMM ms (here) | FBGEMM ms (alone) "
-          "| default / FBGEMM (paired) | XLA / FBGEMM (paired) |")
+    print(
+        f"rows {args.rows}, dim {args.dim}, batch {args.batch}, pooling {args.pooling} (SUM, fp32 out), "
+        f"{args.repeats} interleaved rounds, medians"
+    )
+    print(
+        f"default path: {'C++ kernel (HybridrecQuantPooled)' if _kernels.available() else 'XLA (kernel unavailable)'}"
+    )
+    print(
+        "| weights | bytes/row | table MiB | default ms | XLA form ms | FBGEMM ms (here) | FBGEMM ms (alone) "
+        "| default / FBGEMM (paired) | XLA / FBGEMM (paired) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for wt in TYPES:
         r = paired_ratio(samples[f"ours {wt}"]["total"], samples[f"fbgemm {wt}"]["total"])
         rx = paired_ratio(samples[f"xla {wt}"]["total"], samples[f"fbgemm {wt}"]["total"])
         b = row_bytes(wt, args.dim)
-        print(f"| {wt} | {b} | {b * args.rows / 2**20:.1f} | {med[f'ours {wt}']:.2f} | {med[f'xla {wt}']:.2f} "
-              f"| {med[f'fbgemm {wt}']:.2f} | {fresh[wt]:.2f} | {r['paired_median']:.2f}x | {rx['paired_median']:.2f}x |")
-    print(f"| fp32 (XLA pooled sum, unquantized) | {4 * args.dim} | {4 * args.dim * args.rows / 2**20:.1f} "
-          f"| | {med['xla fp32']:.2f} | | | | |")
+        print(
+            f"| {wt} | {b} | {b * args.rows / 2**20:.1f} | {med[f'ours {wt}']:.2f} | {med[f'xla {wt}']:.2f} "
+            f"| {med[f'fbgemm {wt}']:.2f} | {fresh[wt]:.2f} | {r['paired_median']:.2f}x | {rx['paired_median']:.2f}x |"
+        )
+    print(
+        f"| fp32 (XLA pooled sum, unquantized) | {4 * args.dim} | {4 * args.dim * args.rows / 2**20:.1f} "
+        f"| | {med['xla fp32']:.2f} | | | | |"
+    )
     return 0
 
 

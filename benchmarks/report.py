@@ -18,11 +18,21 @@ import json
 import os
 import time
 
-__all__ = ["RESULTS_DIR", "RUNS_DIR", "add_output_args", "fresh_run_dir", "output_dir", "write_all", "markdown",
-           "plot"]
+__all__ = [
+    "RESULTS_DIR",
+    "RUNS_DIR",
+    "add_output_args",
+    "fresh_run_dir",
+    "output_dir",
+    "write_all",
+    "markdown",
+    "plot",
+]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # committed
-RUNS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "bench")  # git-ignored
+RUNS_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "bench"
+)  # git-ignored
 
 
 def fresh_run_dir(name: str) -> str:
@@ -37,10 +47,16 @@ def fresh_run_dir(name: str) -> str:
 
 def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
     """`--out` and `--update-results` for benchmark `name` (resolve them with `output_dir`)."""
-    parser.add_argument("--out", default=None,
-                        help=f"output directory (default: a fresh runs/bench/{name}-<time>/, git-ignored)")
-    parser.add_argument("--update-results", action="store_true",
-                        help="write into the committed benchmarks/results/ (the figures the docs quote) instead")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"output directory (default: a fresh runs/bench/{name}-<time>/, git-ignored)",
+    )
+    parser.add_argument(
+        "--update-results",
+        action="store_true",
+        help="write into the committed benchmarks/results/ (the figures the docs quote) instead",
+    )
 
 
 def output_dir(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> str:
@@ -50,17 +66,28 @@ def output_dir(parser: argparse.ArgumentParser, args: argparse.Namespace, name: 
     if args.update_results and args.out:
         parser.error(f"--out {args.out} and --update-results name two places; give one")
     if args.update_results and getattr(args, "tiny", False):
-        parser.error("--update-results with --tiny would replace the committed benchmarks/results/ with smoke-size "
-                     "figures; drop --tiny (or --update-results: the run then goes to runs/bench/)")
+        parser.error(
+            "--update-results with --tiny would replace the committed benchmarks/results/ with smoke-size "
+            "figures; drop --tiny (or --update-results: the run then goes to runs/bench/)"
+        )
     if args.update_results:
         return RESULTS_DIR
     return args.out or fresh_run_dir(name)
 
-PATH_LABEL = {"auto": "hybridrec default (kernel=auto)", "xla": "hybridrec xla", "reference": "hybridrec reference",
-              "fbgemm": "FBGEMM TBE"}
+
+PATH_LABEL = {
+    "auto": "hybridrec default (kernel=auto)",
+    "xla": "hybridrec xla",
+    "reference": "hybridrec reference",
+    "fbgemm": "FBGEMM TBE",
+}
 OURS = ("auto", "xla", "reference")
-PHASE_LABEL = {"forward": "forward", "rowwise_adagrad": "fwd+bwd+rowwise adagrad", "adagrad": "fwd+bwd+adagrad",
-               "sgd": "fwd+bwd+sgd"}
+PHASE_LABEL = {
+    "forward": "forward",
+    "rowwise_adagrad": "fwd+bwd+rowwise adagrad",
+    "adagrad": "fwd+bwd+adagrad",
+    "sgd": "fwd+bwd+sgd",
+}
 
 
 def _mib(x) -> str:
@@ -121,7 +148,9 @@ def markdown(results: dict) -> str:
             cells = []
             for phase in PHASE_LABEL:
                 block = wr["forward"] if phase == "forward" else wr.get("train", {}).get(phase)
-                cells.append(_ratio_cell((block or {}).get("ratios", {}).get(path)) if block else "-")
+                cells.append(
+                    _ratio_cell((block or {}).get("ratios", {}).get(path)) if block else "-"
+                )
             if all(c == "-" for c in cells):
                 continue
             resolved = wr.get("paths", {}).get(path)
@@ -187,7 +216,9 @@ def markdown(results: dict) -> str:
             ]
             for side, s in mem["sides"].items():
                 if "error" in s:
-                    lines.append(f"| {PATH_LABEL.get(side, side)} | error: {s['error']} | | | | | |")
+                    lines.append(
+                        f"| {PATH_LABEL.get(side, side)} | error: {s['error']} | | | | | |"
+                    )
                     continue
                 lines.append(
                     f"| {PATH_LABEL.get(side, side)} | {_mib(s['rss_base'])} | {_mib(s['rss_ready'])} | "
@@ -200,38 +231,70 @@ def markdown(results: dict) -> str:
 
 
 def _alone_lines(wr: dict) -> list[str]:
-    rows = [(phase, side, c) for phase, block in _phases(wr) for side, c in block.get("vs_alone", {}).items()]
+    rows = [
+        (phase, side, c)
+        for phase, block in _phases(wr)
+        for side, c in block.get("vs_alone", {}).items()
+    ]
     if not rows:
         return []
-    verdict = "every side agrees" if wr.get("alone_ok") else "**VOID: a side disagrees; do not quote these ratios**"
-    out = ["", f"Each side timed alone in a fresh process (same batch, warm-up and rounds) beside its time in the "
-           f"harness: {verdict}.", "",
-           "| phase | side | in harness ms | alone ms | harness / alone | agrees |", "|---|---|---|---|---|---|"]
+    verdict = (
+        "every side agrees"
+        if wr.get("alone_ok")
+        else "**VOID: a side disagrees; do not quote these ratios**"
+    )
+    out = [
+        "",
+        f"Each side timed alone in a fresh process (same batch, warm-up and rounds) beside its time in the "
+        f"harness: {verdict}.",
+        "",
+        "| phase | side | in harness ms | alone ms | harness / alone | agrees |",
+        "|---|---|---|---|---|---|",
+    ]
     for phase, side, c in rows:
-        out.append(f"| {PHASE_LABEL[phase]} | {PATH_LABEL[side]} | {c['harness_ms']:.2f} | {c['alone_ms']:.2f} | "
-                   f"{c['harness_over_alone']:.2f} | {'yes' if c['agrees'] else '**NO**'} |")
+        out.append(
+            f"| {PHASE_LABEL[phase]} | {PATH_LABEL[side]} | {c['harness_ms']:.2f} | {c['alone_ms']:.2f} | "
+            f"{c['harness_over_alone']:.2f} | {'yes' if c['agrees'] else '**NO**'} |"
+        )
     ours = [p for p in OURS if any(p in b.get("vs_alone", {}) for _, b in _phases(wr))]
-    out += ["", "Ours / FBGEMM from the times alone (each side in its own fresh process):", "",
-            "| path | " + " | ".join(PHASE_LABEL[p] for p, _ in _phases(wr)) + " |",
-            "|---|" + "---|" * len(_phases(wr))]
+    out += [
+        "",
+        "Ours / FBGEMM from the times alone (each side in its own fresh process):",
+        "",
+        "| path | " + " | ".join(PHASE_LABEL[p] for p, _ in _phases(wr)) + " |",
+        "|---|" + "---|" * len(_phases(wr)),
+    ]
     for path in ours:
         cells = []
         for _, block in _phases(wr):
             a = block.get("vs_alone", {})
-            cells.append(f"{a[path]['alone_ms'] / a['fbgemm']['alone_ms']:.2f}x" if path in a and "fbgemm" in a else "-")
+            cells.append(
+                f"{a[path]['alone_ms'] / a['fbgemm']['alone_ms']:.2f}x"
+                if path in a and "fbgemm" in a
+                else "-"
+            )
         out.append(f"| {PATH_LABEL[path]} | " + " | ".join(cells) + " |")
     return out
 
 
 def _update_phase_lines(wr: dict) -> list[str]:
     roof = wr["roofline"]["roofline_gbps"]
-    rows = [(opt, block["update_phases"]) for opt, block in wr.get("train", {}).items() if block.get("update_phases")]
+    rows = [
+        (opt, block["update_phases"])
+        for opt, block in wr.get("train", {}).items()
+        if block.get("update_phases")
+    ]
     if not rows:
         return []
-    out = ["", "Where the default (C++) update's time goes (medians of waited-for updates; bytes are the least "
-           "each phase must move; % of the pooled-gather roofline):", "",
-           "| optimizer | unique rows | records ms (GB/s, %) | sort ms, radix passes (GB/s, %) | "
-           "apply: sum gradients + rule + write back ms (GB/s, %) |", "|---|---|---|---|---|"]
+    out = [
+        "",
+        "Where the default (C++) update's time goes (medians of waited-for updates; bytes are the least "
+        "each phase must move; % of the pooled-gather roofline):",
+        "",
+        "| optimizer | unique rows | records ms (GB/s, %) | sort ms, radix passes (GB/s, %) | "
+        "apply: sum gradients + rule + write back ms (GB/s, %) |",
+        "|---|---|---|---|---|",
+    ]
     for opt, ph in rows:
         cells = []
         for name in ("records", "sort", "apply"):
@@ -274,14 +337,22 @@ def plot(results: dict, path: str) -> bool:
         bars = ax.bar([x + off for x in xs], vals, width=width, label=PATH_LABEL[p])
         for bar, v in zip(bars, vals, strict=True):
             if v == v:  # not NaN
-                ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom",
-                            fontsize=6)
+                ax.annotate(
+                    f"{v:.2f}",
+                    (bar.get_x() + bar.get_width() / 2, v),
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
     ax.axhline(1.0, color="k", lw=1, ls="--", label="FBGEMM = 1")
     ax.set_yscale("log")
     ax.set_ylabel("time ours / FBGEMM (lower is better)")
     ax.set_xticks(xs)
     ax.set_xticklabels(groups, fontsize=7)
-    ax.set_title("hybridrec vs FBGEMM CPU TBE, median time ratio (" + "; ".join(sorted(shapes)) + ")", fontsize=9)
+    ax.set_title(
+        "hybridrec vs FBGEMM CPU TBE, median time ratio (" + "; ".join(sorted(shapes)) + ")",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -291,7 +362,10 @@ def plot(results: dict, path: str) -> bool:
 
 def write_all(results: dict, out_dir: str, stem: str = "xla_vs_fbgemm") -> dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, f"{stem}.json"), "md": os.path.join(out_dir, f"{stem}.md")}
+    paths = {
+        "json": os.path.join(out_dir, f"{stem}.json"),
+        "md": os.path.join(out_dir, f"{stem}.md"),
+    }
     png = os.path.join(out_dir, f"{stem}.png")
     if plot(results, png):
         paths["png"] = png

@@ -30,8 +30,16 @@ def percent_of(value_gbps: float, roof_gbps: float) -> float:
     return 100.0 * value_gbps / roof_gbps
 
 
-def measure(*, copy_mib: int = 256, table_rows: int = 800_000, bags: int = 16384, L: int = 20,
-            repeats: int = 15, warmup: int = 2, seed: int = 0) -> dict:
+def measure(
+    *,
+    copy_mib: int = 256,
+    table_rows: int = 800_000,
+    bags: int = 16384,
+    L: int = 20,
+    repeats: int = 15,
+    warmup: int = 2,
+    seed: int = 0,
+) -> dict:
     rng = np.random.default_rng(seed)
     src = torch.ones(copy_mib * (1 << 20) // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -53,7 +61,9 @@ def measure(*, copy_mib: int = 256, table_rows: int = 800_000, bags: int = 16384
     samples = interleaved(
         {
             "copy": timed(lambda: dst.copy_(src)),
-            "gather_pooled": timed(lambda: torch.nn.functional.embedding_bag(flat, table, offsets, mode="sum")),
+            "gather_pooled": timed(
+                lambda: torch.nn.functional.embedding_bag(flat, table, offsets, mode="sum")
+            ),
             "gather_rows": timed(lambda: torch.index_select(table, 0, flat)),
         },
         warmup=warmup,

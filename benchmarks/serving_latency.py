@@ -34,14 +34,22 @@ def _config(args):
 
 def weights(args) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    return {t: rng.uniform(-0.1, 0.1, (args.rows, args.dim)).astype(np.float32) for t, _ in _config(args)}
+    return {
+        t: rng.uniform(-0.1, 0.1, (args.rows, args.dim)).astype(np.float32)
+        for t, _ in _config(args)
+    }
 
 
 def requests(args, batch: int, seed: int = 1):
     """(dense [B, 13] fp32, {feature: (values int64, lengths int64)})."""
     rng = np.random.default_rng([seed, batch])
-    sparse = {f: (rng.integers(0, args.rows, batch * args.pooling).astype(np.int64),
-                  np.full(batch, args.pooling, np.int64)) for _, f in _config(args)}
+    sparse = {
+        f: (
+            rng.integers(0, args.rows, batch * args.pooling).astype(np.int64),
+            np.full(batch, args.pooling, np.int64),
+        )
+        for _, f in _config(args)
+    }
     return rng.standard_normal((batch, N_DENSE)).astype(np.float32), sparse
 
 
@@ -53,14 +61,26 @@ def torchrec_model(args, w):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
 
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=t, num_embeddings=args.rows, embedding_dim=args.dim,
-                                                            feature_names=[f]) for t, f in _config(args)])
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=t, num_embeddings=args.rows, embedding_dim=args.dim, feature_names=[f]
+            )
+            for t, f in _config(args)
+        ]
+    )
     ebc.load_state_dict({f"embedding_bags.{t}.weight": torch.from_numpy(x) for t, x in w.items()})
-    ebc.qconfig = quantization.QConfig(activation=quantization.PlaceholderObserver.with_args(dtype=torch.float),
-                                       weight=quantization.PlaceholderObserver.with_args(dtype=torch.qint8))
+    ebc.qconfig = quantization.QConfig(
+        activation=quantization.PlaceholderObserver.with_args(dtype=torch.float),
+        weight=quantization.PlaceholderObserver.with_args(dtype=torch.qint8),
+    )
     torch.manual_seed(0)
-    return DLRM(embedding_bag_collection=QuantEBC.from_float(ebc), dense_in_features=N_DENSE,
-                dense_arch_layer_sizes=[64, args.dim], over_arch_layer_sizes=[64, 1]).eval()
+    return DLRM(
+        embedding_bag_collection=QuantEBC.from_float(ebc),
+        dense_in_features=N_DENSE,
+        dense_arch_layer_sizes=[64, args.dim],
+        over_arch_layer_sizes=[64, 1],
+    ).eval()
 
 
 def torchrec_case(model, args, batch: int):
@@ -69,8 +89,11 @@ def torchrec_case(model, args, batch: int):
 
     dense, sparse = requests(args, batch)
     keys = [f for _, f in _config(args)]
-    kjt = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate([sparse[k][0] for k in keys])),
-                            lengths=torch.from_numpy(np.concatenate([sparse[k][1] for k in keys])))
+    kjt = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.from_numpy(np.concatenate([sparse[k][0] for k in keys])),
+        lengths=torch.from_numpy(np.concatenate([sparse[k][1] for k in keys])),
+    )
     x = torch.from_numpy(dense)
 
     def run():
@@ -88,17 +111,38 @@ def ours_predictor(args, w, path: str):
     import hybrid.serving
     from sparse_jax import EmbeddingBagConfig
 
-    tables = [EmbeddingBagConfig(name=t, num_embeddings=args.rows, embedding_dim=args.dim, feature_names=[f])
-              for t, f in _config(args)]
+    tables = [
+        EmbeddingBagConfig(
+            name=t, num_embeddings=args.rows, embedding_dim=args.dim, feature_names=[f]
+        )
+        for t, f in _config(args)
+    ]
     torch.manual_seed(0)
-    model = hybrid.Model(tables, dense_torch.DLRM(embedding_dim=args.dim, num_sparse_features=args.tables,
-                                                  dense_in_features=N_DENSE, dense_arch_layer_sizes=[64, args.dim],
-                                                  over_arch_layer_sizes=[64, 1]))
-    model.load_state_dict({f"embedding_bags.{t}.weight": torch.from_numpy(x) for t, x in w.items()}, strict=False)
+    model = hybrid.Model(
+        tables,
+        dense_torch.DLRM(
+            embedding_dim=args.dim,
+            num_sparse_features=args.tables,
+            dense_in_features=N_DENSE,
+            dense_arch_layer_sizes=[64, args.dim],
+            over_arch_layer_sizes=[64, 1],
+        ),
+    )
+    model.load_state_dict(
+        {f"embedding_bags.{t}.weight": torch.from_numpy(x) for t, x in w.items()}, strict=False
+    )
     dense, sparse = requests(args, max(BATCHES))
-    example = (torch.from_numpy(dense), hybrid.torch_kjt(list(sparse), torch.from_numpy(np.concatenate(
-        [v for v, _ in sparse.values()])), torch.from_numpy(np.concatenate([n for _, n in sparse.values()]))))
-    return hybrid.serving.load(hybrid.export(hybrid.quantize(model.eval(), "int8"), path, example=example))
+    example = (
+        torch.from_numpy(dense),
+        hybrid.torch_kjt(
+            list(sparse),
+            torch.from_numpy(np.concatenate([v for v, _ in sparse.values()])),
+            torch.from_numpy(np.concatenate([n for _, n in sparse.values()])),
+        ),
+    )
+    return hybrid.serving.load(
+        hybrid.export(hybrid.quantize(model.eval(), "int8"), path, example=example)
+    )
 
 
 def ours_case(predictor, args, batch: int):
@@ -117,13 +161,17 @@ def alone(args) -> dict:
     out = {}
     for b in BATCHES:
         run = torchrec_case(model, args, b)
-        samples = interleaved({b: clocked(lambda c, run=run: run())}, repeats=args.alone_repeats, lead_in_s=LEAD_IN_S)
+        samples = interleaved(
+            {b: clocked(lambda c, run=run: run())}, repeats=args.alone_repeats, lead_in_s=LEAD_IN_S
+        )
         out[b] = summarize(samples[b]["total"])["median_ms"]
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tables", type=int, default=8)
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--dim", type=int, default=64)
@@ -147,7 +195,11 @@ def main(argv=None) -> int:
         cases = {}
         for b in BATCHES:
             ours, theirs = ours_case(predictor, args, b), torchrec_case(theirs_model, args, b)
-            assert tuple(ours().shape) == tuple(theirs().shape) == (b, 1), (b, ours().shape, theirs().shape)
+            assert tuple(ours().shape) == tuple(theirs().shape) == (b, 1), (
+                b,
+                ours().shape,
+                theirs().shape,
+            )
             cases[f"ours {b}"] = clocked(lambda c, f=ours: f())
             cases[f"torchrec {b}"] = clocked(lambda c, f=theirs: f())
         samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
@@ -155,14 +207,20 @@ def main(argv=None) -> int:
     fresh = competitor_alone("benchmarks.serving_latency", "torchrec", argv)
     after = quietness_probe()
     print(quietness_line(before, after))
-    print(f"{args.tables} int8 tables of {args.rows} x {args.dim}, bags of {args.pooling}, DLRM [64, {args.dim}] / "
-          f"[64, 1]; {args.repeats} interleaved rounds, medians")
-    print("| batch | ours ms | TorchRec ms (here) | TorchRec ms (alone) | ours / TorchRec (paired) |")
+    print(
+        f"{args.tables} int8 tables of {args.rows} x {args.dim}, bags of {args.pooling}, DLRM [64, {args.dim}] / "
+        f"[64, 1]; {args.repeats} interleaved rounds, medians"
+    )
+    print(
+        "| batch | ours ms | TorchRec ms (here) | TorchRec ms (alone) | ours / TorchRec (paired) |"
+    )
     print("|---|---|---|---|---|")
     for b in BATCHES:
         r = paired_ratio(samples[f"ours {b}"]["total"], samples[f"torchrec {b}"]["total"])
-        print(f"| {b} | {med[f'ours {b}']:.2f} | {med[f'torchrec {b}']:.2f} | {fresh[str(b)]:.2f} | "
-              f"{r['paired_median']:.2f}x |")
+        print(
+            f"| {b} | {med[f'ours {b}']:.2f} | {med[f'torchrec {b}']:.2f} | {fresh[str(b)]:.2f} | "
+            f"{r['paired_median']:.2f}x |"
+        )
     return 0
 
 

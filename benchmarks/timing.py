@@ -111,7 +111,11 @@ def interleaved(
                         cases[n]()
                 for seg, t in cases[n]().items():
                     samples[n].setdefault(seg, []).append(t)
-            if budget_s is not None and r + 1 >= min_repeats and time.perf_counter() - start > budget_s:
+            if (
+                budget_s is not None
+                and r + 1 >= min_repeats
+                and time.perf_counter() - start > budget_s
+            ):
                 break
     finally:
         if was_enabled:

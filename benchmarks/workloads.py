@@ -60,7 +60,9 @@ class Workload:
 
     def fwd_bytes(self) -> int:
         """FBGEMM's convention: rows read (B*T*L*D*itemsize) + pooled output written (B*T*D*4)."""
-        return self.B * self.T * self.L * self.D * self.itemsize + self.B * self.T * self.D * OUT_BYTES
+        return (
+            self.B * self.T * self.L * self.D * self.itemsize + self.B * self.T * self.D * OUT_BYTES
+        )
 
     def bwd_bytes(self) -> int:
         """FBGEMM's benchmark convention for the backward (+ fused optimizer): 2x forward bytes."""
@@ -103,7 +105,9 @@ def _round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(np_dtype).astype(np.float32)
 
 
-def _zipf_ids(rng: np.random.Generator, bags: int, L: int, E: int, alpha: float, oversample: int = 3) -> np.ndarray:
+def _zipf_ids(
+    rng: np.random.Generator, bags: int, L: int, E: int, alpha: float, oversample: int = 3
+) -> np.ndarray:
     """FBGEMM's `generate_indices_zipf` (CPU path): draw `oversample * L` Zipf samples per bag,
     map `(z - 1) % E`, keep the L smallest distinct ones (`bottom_k_per_row`), then relabel
     ids with a random permutation of [0, E) so hot rows are not contiguous."""
@@ -114,7 +118,9 @@ def _zipf_ids(rng: np.random.Generator, bags: int, L: int, E: int, alpha: float,
     z[dup] = np.iinfo(z.dtype).max
     z.sort(axis=1)
     if np.any(z[:, L - 1] == np.iinfo(z.dtype).max):
-        raise ValueError(f"Zipf(alpha={alpha}) is too skewed to draw {L} distinct ids per bag from E={E}")
+        raise ValueError(
+            f"Zipf(alpha={alpha}) is too skewed to draw {L} distinct ids per bag from E={E}"
+        )
     z = z[:, :L]
     perm = rng.choice(E, size=int(z.max()) + 1, replace=False)
     return perm[z]

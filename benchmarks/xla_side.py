@@ -48,11 +48,23 @@ def make_rule(name: str, *, lr: float, eps: float):
 class XlaSide:
     """Args: workload, batch, kernel ("xla" / "reference"), optimizer name or None (forward only)."""
 
-    def __init__(self, w: Workload, batch: Batch, kernel: str, optimizer: str | None, *, lr: float, eps: float):
+    def __init__(
+        self,
+        w: Workload,
+        batch: Batch,
+        kernel: str,
+        optimizer: str | None,
+        *,
+        lr: float,
+        eps: float,
+    ):
         self.w, self.kernel, self.optimizer = w, kernel, optimizer
         tables = [
             EmbeddingBagConfig(
-                name=f"t{t}", num_embeddings=w.E, embedding_dim=w.D, feature_names=[f"f{t}"],
+                name=f"t{t}",
+                num_embeddings=w.E,
+                embedding_dim=w.D,
+                feature_names=[f"f{t}"],
                 data_type=_DATA_TYPE[w.dtype],
             )
             for t in range(w.T)
@@ -65,15 +77,19 @@ class XlaSide:
         for t in range(w.T):
             assert layout.table_group[f"t{t}"] == (self.group, t * w.E)
         np_dtype = tables[0].data_type.numpy_dtype
-        self.params = {self.group: jnp.array(batch.tables.reshape(w.T * w.E, w.D).astype(np_dtype), copy=True)}
+        self.params = {
+            self.group: jnp.array(batch.tables.reshape(w.T * w.E, w.D).astype(np_dtype), copy=True)
+        }
         psw = batch.per_sample_weights
         # checked, padded and placed once, as a training step's `prepare` does (timed calls skip it)
-        self.batch = self.ebc.prepare(KeyedJaggedTensor(
-            [f"f{t}" for t in range(w.T)],
-            batch.ids.astype(np.int32),
-            lengths=batch.lengths,
-            weights=None if psw is None else psw,
-        ))
+        self.batch = self.ebc.prepare(
+            KeyedJaggedTensor(
+                [f"f{t}" for t in range(w.T)],
+                batch.ids.astype(np.int32),
+                lengths=batch.lengths,
+                weights=None if psw is None else psw,
+            )
+        )
         self.grad = jnp.array(batch.pooled_grad, copy=True)
         table_of_id = np.repeat(np.arange(w.T), w.B * w.L)  # bags are key-major, L ids each
         self.unique_rows = int(np.unique(table_of_id * w.E + batch.ids).size)
@@ -82,7 +98,9 @@ class XlaSide:
         if optimizer is not None:
             self.update = make_update(self.ebc, make_rule(optimizer, lr=lr, eps=eps))
             self.state = self.update.rule.init(self.params)
-            self._operands = self.ebc.update_operands(self.batch, self.grad)  # what update(...) feeds its jitted step
+            self._operands = self.ebc.update_operands(
+                self.batch, self.grad
+            )  # what update(...) feeds its jitted step
         ffi = kernel in ("auto", "ffi") and _lookup.use_ffi(kernel, self.params[self.group])
         self.resolved = "ffi (C++)" if ffi else ("reference" if kernel == "reference" else "xla")
         self.in_place: list[bool] = []  # per step: did the donated table keep its buffer?
@@ -152,8 +170,10 @@ class XlaSide:
             "sort": n * 16 * passes,
             "apply": n * (12 + 4 * w.D) + self.unique_rows * 2 * (4 * w.D + state_row),
         }
-        return {name: {"median_ms": float(np.median(v) * 1e3), "bytes": moved[name]} for name, v in seen.items()} | {
-            "unique_rows": self.unique_rows, "radix_passes": passes}
+        return {
+            name: {"median_ms": float(np.median(v) * 1e3), "bytes": moved[name]}
+            for name, v in seen.items()
+        } | {"unique_rows": self.unique_rows, "radix_passes": passes}
 
     # -- compiled-program facts -------------------------------------------------------------------
     def update_memory(self) -> dict[str, int] | None:
@@ -175,7 +195,10 @@ class XlaSide:
         ma = self.ebc._apply_jit.lower(self.params, self.batch.kjt).compile().memory_analysis()
         if ma is None:
             return None
-        return {"temp_bytes": int(ma.temp_size_in_bytes), "output_bytes": int(ma.output_size_in_bytes)}
+        return {
+            "temp_bytes": int(ma.temp_size_in_bytes),
+            "output_bytes": int(ma.output_size_in_bytes),
+        }
 
     # -- state --------------------------------------------------------------------------------------
     def tables(self) -> np.ndarray:
@@ -187,5 +210,9 @@ class XlaSide:
         if self.optimizer not in ("rowwise_adagrad", "adagrad"):
             return None
         m = self.state.tables[self.group]["momentum1"]
-        shape = (self.w.T, self.w.E) if self.optimizer == "rowwise_adagrad" else (self.w.T, self.w.E, self.w.D)
+        shape = (
+            (self.w.T, self.w.E)
+            if self.optimizer == "rowwise_adagrad"
+            else (self.w.T, self.w.E, self.w.D)
+        )
         return np.array(m, dtype=np.float32, copy=True).reshape(shape)

@@ -40,7 +40,11 @@ from benchmarks.workloads import DTYPES, Workload, default_set, make_batch, tiny
 __all__ = ["main", "run_workload", "parse_args"]
 
 OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
-PATHS = ("auto", "xla", "reference")  # ours: the library default (kernel="auto"), pure XLA, reference
+PATHS = (
+    "auto",
+    "xla",
+    "reference",
+)  # ours: the library default (kernel="auto"), pure XLA, reference
 TINY = dict(T=2, E=1000, D=16, B=64, L=4)
 FAULTS = ("weights", "update", "harness-delay")
 HARNESS_DELAY_S = 0.2  # --inject-fault harness-delay: added to FBGEMM's cases in the harness only
@@ -116,10 +120,16 @@ def versions() -> dict:
     }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:  # read-only git queries
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         out["hybridrec_commit"] = (commit or "?") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         out["hybridrec_commit"] = "?"
@@ -131,16 +141,29 @@ def _gate_sides(ours: dict, fb, what: str, dtype: str) -> list[dict]:
     checks = []
     ref_pooled = fb.pooled()
     for name, side in ours.items():
-        checks.append(gate.close(f"{what}: pooled output {name} vs FBGEMM", side.pooled(), ref_pooled))
+        checks.append(
+            gate.close(f"{what}: pooled output {name} vs FBGEMM", side.pooled(), ref_pooled)
+        )
     fb.step()
     ref_tables, ref_state = fb.tables(), fb.row_state()
     for name, side in ours.items():
         side.step()
-        checks.append(gate.close(f"{what}: weights after one update, {name} vs FBGEMM", side.tables(),
-                                 ref_tables, gate.update_rtol(dtype)))
+        checks.append(
+            gate.close(
+                f"{what}: weights after one update, {name} vs FBGEMM",
+                side.tables(),
+                ref_tables,
+                gate.update_rtol(dtype),
+            )
+        )
         if ref_state is not None:
-            checks.append(gate.close(f"{what}: row-wise Adagrad state after one update, {name} vs FBGEMM",
-                                     side.row_state(), ref_state))
+            checks.append(
+                gate.close(
+                    f"{what}: row-wise Adagrad state after one update, {name} vs FBGEMM",
+                    side.row_state(),
+                    ref_state,
+                )
+            )
     return checks
 
 
@@ -164,7 +187,11 @@ def _block(w: Workload, samples: dict, roof: float) -> dict:
         ratios[p] = paired_ratio(samples[p]["total"], samples["fbgemm"]["total"])
         if "bwd" in samples[p]:
             ratios_bwd[p] = paired_ratio(samples[p]["bwd"], samples["fbgemm"]["bwd"])
-    out = {"cases": cases, "ratios": ratios, "gbps": {p: _gbps(w, c, roof) for p, c in cases.items()}}
+    out = {
+        "cases": cases,
+        "ratios": ratios,
+        "gbps": {p: _gbps(w, c, roof) for p, c in cases.items()},
+    }
     if ratios_bwd:
         out["ratios_bwd_only"] = ratios_bwd
     return out
@@ -174,6 +201,7 @@ def _harness_case(fn, args, side: str):
     """`fn(clock)` as a timing case; under --inject-fault harness-delay, FBGEMM's cases are
     slowed inside the harness only (the alone comparison must catch it)."""
     if args.inject_fault == "harness-delay" and side == "fbgemm":
+
         def slowed(clock):
             time.sleep(HARNESS_DELAY_S)
             return fn(clock)
@@ -183,8 +211,14 @@ def _harness_case(fn, args, side: str):
 
 
 def _time_block(cases: dict, args) -> dict:
-    return interleaved(cases, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s,
-                       pause_s=args.pause_ms / 1e3, lead_in_s=args.lead_in_ms / 1e3)
+    return interleaved(
+        cases,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        budget_s=args.budget_s,
+        pause_s=args.pause_ms / 1e3,
+        lead_in_s=args.lead_in_ms / 1e3,
+    )
 
 
 def _alone_checks(w: Workload, res: dict, harness: dict, args, log) -> None:
@@ -194,15 +228,30 @@ def _alone_checks(w: Workload, res: dict, harness: dict, args, log) -> None:
     phases = ["forward", *args.optimizers]
     for side in sorted({s for segs in harness.values() for s in segs}):
         log(f"== {w.name}: {side} alone in a fresh process")
-        spec = {"side": side, "workload": {k: v for k, v in w.as_dict().items() if k != "name"},
-                "phases": [p for p in phases if side in harness.get(p, {})], "lr": args.lr, "eps": args.eps,
-                "fbgemm_dtype": res["fbgemm_timing_dtype"], "torch_threads": args.torch_threads,
-                "warmup": args.warmup, "repeats": args.repeats, "budget_s": args.budget_s,
-                "pause_s": args.pause_ms / 1e3, "lead_in_s": args.lead_in_ms / 1e3}
+        spec = {
+            "side": side,
+            "workload": {k: v for k, v in w.as_dict().items() if k != "name"},
+            "phases": [p for p in phases if side in harness.get(p, {})],
+            "lr": args.lr,
+            "eps": args.eps,
+            "fbgemm_dtype": res["fbgemm_timing_dtype"],
+            "torch_threads": args.torch_threads,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "budget_s": args.budget_s,
+            "pause_s": args.pause_ms / 1e3,
+            "lead_in_s": args.lead_in_ms / 1e3,
+        }
         for phase, rounds in alone.time_alone(spec).items():
             block = res["forward"] if phase == "forward" else res["train"][phase]
-            block.setdefault("vs_alone", {})[side] = alone.compare(harness[phase][side], rounds, args.alone_tolerance)
-    checks = [c for block in [res["forward"], *res["train"].values()] for c in block.get("vs_alone", {}).values()]
+            block.setdefault("vs_alone", {})[side] = alone.compare(
+                harness[phase][side], rounds, args.alone_tolerance
+            )
+    checks = [
+        c
+        for block in [res["forward"], *res["train"].values()]
+        for c in block.get("vs_alone", {}).values()
+    ]
     res["alone_ok"] = all(c["agrees"] for c in checks)
 
 
@@ -210,14 +259,24 @@ def run_workload(w: Workload, args, log) -> dict:
     from benchmarks.fbgemm_side import FbgemmSide, backward_path, supports
     from benchmarks.xla_side import XlaSide
 
-    res: dict = {"workload": w.as_dict(), "itemsize": w.itemsize, "fwd_bytes": w.fwd_bytes(),
-                 "bwd_bytes": w.bwd_bytes(), "gate": [], "gate_ok": False}
+    res: dict = {
+        "workload": w.as_dict(),
+        "itemsize": w.itemsize,
+        "fwd_bytes": w.fwd_bytes(),
+        "bwd_bytes": w.bwd_bytes(),
+        "gate": [],
+        "gate_ok": False,
+    }
     log(f"== {w.name}: roofline")
     res["roofline"] = roofline.measure(**args.roofline_kwargs)
     roof = res["roofline"]["roofline_gbps"]
     batch = make_batch(w)
-    gate_dtype = w.dtype if supports(w.dtype) else "fp32"  # bf16: FBGEMM fp32 on bf16-rounded tables
-    time_dtype = w.dtype if supports(w.dtype) else "fp16"  # bf16: time FBGEMM fp16 (same bytes per row)
+    gate_dtype = (
+        w.dtype if supports(w.dtype) else "fp32"
+    )  # bf16: FBGEMM fp32 on bf16-rounded tables
+    time_dtype = (
+        w.dtype if supports(w.dtype) else "fp16"
+    )  # bf16: time FBGEMM fp16 (same bytes per row)
     res["fbgemm_gate_dtype"], res["fbgemm_timing_dtype"] = gate_dtype, time_dtype
     fb_tables = batch.tables
     if args.inject_fault == "weights":  # gate self-test: FBGEMM starts from different weights
@@ -255,18 +314,28 @@ def run_workload(w: Workload, args, log) -> dict:
             res["forward"] = _block(w, samples, roof)
             res["xla_forward_program_memory"] = ours["xla"].forward_memory()
         log(f"== {w.name}: {opt}: forward + backward + update timing")
-        cases = {p: _harness_case(side.time_step, args, p) for p, side in timed.items()
-                 if p != "reference" or args.reference_backward}
+        cases = {
+            p: _harness_case(side.time_step, args, p)
+            for p, side in timed.items()
+            if p != "reference" or args.reference_backward
+        }
         cases["fbgemm"] = _harness_case(fb.time_step, args, "fbgemm")
         samples = _time_block(cases, args)
         harness[opt] = {p: seg["total"] for p, seg in samples.items()}
         block = _block(w, samples, roof)
         block["fbgemm_path"] = backward_path(opt, time_dtype)
         if "auto" in ours and opt in _kernels_rules():
-            block["update_phases"] = ours["auto"].update_phases(args.warmup, max(5, args.repeats // 2))
-        block["update_in_place"] = {p: bool(side.in_place) and all(side.in_place) for p, side in ours.items()
-                                    if side.in_place}
-        block["update_program_memory"] = {p: ours[p].update_memory() for p in ours if p != "reference"}
+            block["update_phases"] = ours["auto"].update_phases(
+                args.warmup, max(5, args.repeats // 2)
+            )
+        block["update_in_place"] = {
+            p: bool(side.in_place) and all(side.in_place)
+            for p, side in ours.items()
+            if side.in_place
+        }
+        block["update_program_memory"] = {
+            p: ours[p].update_memory() for p in ours if p != "reference"
+        }
         block["table_bytes"] = ours["xla"].table_bytes()
         block["state_bytes"] = ours["xla"].state_bytes()
         res["train"][opt] = block
@@ -280,8 +349,13 @@ def run_workload(w: Workload, args, log) -> dict:
         opt = args.optimizers[0]
         log(f"== {w.name}: memory ({opt}, one process per side)")
         wd = {k: v for k, v in w.as_dict().items() if k != "name"}
-        mem_sides = (["auto"] if res["paths"].get("auto", "xla") != "xla" else []) + ["xla", "fbgemm"]
-        sides = memory.measure_all(wd, mem_sides, opt, lr=args.lr, eps=args.eps, fbgemm_dtype=time_dtype)
+        mem_sides = (["auto"] if res["paths"].get("auto", "xla") != "xla" else []) + [
+            "xla",
+            "fbgemm",
+        ]
+        sides = memory.measure_all(
+            wd, mem_sides, opt, lr=args.lr, eps=args.eps, fbgemm_dtype=time_dtype
+        )
         note = _memory_note(w, sides)
         res["memory"] = {"optimizer": opt, "sides": sides, "note": note}
     return res
@@ -308,48 +382,104 @@ def _memory_note(w: Workload, sides: dict) -> str:
         )
     if not notes:
         return ""
-    return ("Second table copy? No, if the update is in place and its temps are not table-sized: " + " ".join(notes)
-            + " xla's temps are [id capacity, D] fp32 buffers (per-id and per-unique-row gradients, "
-            "gathered rows), paged in again on every step (the minor faults column).")
+    return (
+        "Second table copy? No, if the update is in place and its temps are not table-sized: "
+        + " ".join(notes)
+        + " xla's temps are [id capacity, D] fp32 buffers (per-id and per-unique-row gradients, "
+        "gathered rows), paged in again on every step (the minor faults column)."
+    )
 
 
 # -- CLI ----------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.xla_vs_fbgemm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.xla_vs_fbgemm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--tiny", action="store_true", help=f"smoke sizes {TINY}")
     for k in ("T", "E", "D", "B", "L"):
-        p.add_argument(f"--{k}", type=int, default=None, help=f"override {k} (W1 default: {getattr(Workload(), k)})")
-    p.add_argument("--alpha", type=float, nargs="+", default=None,
-                   help="Zipf alphas (<= 1.0: uniform); default 1.0 1.15")
+        p.add_argument(
+            f"--{k}",
+            type=int,
+            default=None,
+            help=f"override {k} (W1 default: {getattr(Workload(), k)})",
+        )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        nargs="+",
+        default=None,
+        help="Zipf alphas (<= 1.0: uniform); default 1.0 1.15",
+    )
     p.add_argument("--weighted", action="store_true", help="per-id weights")
-    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=None, help="table dtypes (default fp32)")
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=sorted(DTYPES),
+        default=None,
+        help="table dtypes (default fp32)",
+    )
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--repeats", type=int, default=30, help="interleaved rounds per block (max)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--budget-s", type=float, default=20.0, help="stop a block's rounds after this many seconds")
+    p.add_argument(
+        "--budget-s", type=float, default=20.0, help="stop a block's rounds after this many seconds"
+    )
     p.add_argument("--torch-threads", type=int, default=2)
-    p.add_argument("--pause-ms", type=float, default=0.0,
-                   help="untimed sleep before each case in a round (idle thread pools stop spinning)")
-    p.add_argument("--lead-in-ms", type=float, default=60.0,
-                   help="untimed runs of each case (at least one) for this long right before its timed run in a "
-                        "round: its thread pools awake, the previous case's asleep, as in a loop of it alone")
-    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=False,
-                   help="also time the reference forward (gather + segment_sum; it is always gated)")
-    p.add_argument("--reference-backward", action=argparse.BooleanOptionalAction, default=False,
-                   help="with --reference, also time reference forward + update (the same program as xla's)")
-    p.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
-                   help="time every side again alone in a fresh process and compare (exit 3 on disagreement)")
-    p.add_argument("--alone-tolerance", type=float, default=None,
-                   help="largest |harness / alone - 1| accepted (default benchmarks.alone.TOLERANCE = 0.15)")
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="peak RSS per side (one subprocess each)")
+    p.add_argument(
+        "--pause-ms",
+        type=float,
+        default=0.0,
+        help="untimed sleep before each case in a round (idle thread pools stop spinning)",
+    )
+    p.add_argument(
+        "--lead-in-ms",
+        type=float,
+        default=60.0,
+        help="untimed runs of each case (at least one) for this long right before its timed run in a "
+        "round: its thread pools awake, the previous case's asleep, as in a loop of it alone",
+    )
+    p.add_argument(
+        "--reference",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also time the reference forward (gather + segment_sum; it is always gated)",
+    )
+    p.add_argument(
+        "--reference-backward",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --reference, also time reference forward + update (the same program as xla's)",
+    )
+    p.add_argument(
+        "--alone",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time every side again alone in a fresh process and compare (exit 3 on disagreement)",
+    )
+    p.add_argument(
+        "--alone-tolerance",
+        type=float,
+        default=None,
+        help="largest |harness / alone - 1| accepted (default benchmarks.alone.TOLERANCE = 0.15)",
+    )
+    p.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="peak RSS per side (one subprocess each)",
+    )
     report.add_output_args(p, "xla_vs_fbgemm")
-    p.add_argument("--inject-fault", choices=FAULTS, default=None,
-                   help="self-tests: feed FBGEMM wrong initial weights / a wrong lr (the gate must refuse), "
-                        "or slow FBGEMM inside the harness only (the alone comparison must refuse)")
+    p.add_argument(
+        "--inject-fault",
+        choices=FAULTS,
+        default=None,
+        help="self-tests: feed FBGEMM wrong initial weights / a wrong lr (the gate must refuse), "
+        "or slow FBGEMM inside the harness only (the alone comparison must refuse)",
+    )
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     args.out = report.output_dir(p, args, "xla_vs_fbgemm")
@@ -361,15 +491,21 @@ def parse_args(argv=None):
     for k in ("T", "E", "D", "B", "L"):
         if getattr(args, k) is not None:
             base[k] = getattr(args, k)
-    custom = args.alpha is not None or args.dtype is not None or args.weighted or any(
-        getattr(args, k) is not None for k in ("T", "E", "D", "B", "L"))
+    custom = (
+        args.alpha is not None
+        or args.dtype is not None
+        or args.weighted
+        or any(getattr(args, k) is not None for k in ("T", "E", "D", "B", "L"))
+    )
     if not custom:
         args.workloads = tiny_set() if args.tiny else default_set()
     else:
         alphas = args.alpha or [1.0, 1.15]
         dtypes = args.dtype or ["fp32"]
-        args.workloads = [Workload(**base, alpha=a, dtype=d, weighted=args.weighted)
-                          for a, d in itertools.product(alphas, dtypes)]
+        args.workloads = [
+            Workload(**base, alpha=a, dtype=d, weighted=args.weighted)
+            for a, d in itertools.product(alphas, dtypes)
+        ]
     if args.tiny:
         small = dict(copy_mib=16, table_rows=20_000, bags=1024, L=20, repeats=5, warmup=1)
         args.roofline_kwargs = small
@@ -392,17 +528,26 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.torch_threads)
     try:
         results = {
-            "command": "python -m benchmarks.xla_vs_fbgemm " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m benchmarks.xla_vs_fbgemm "
+            + shlex.join(sys.argv[1:] if argv is None else argv),
             "machine": machine_info(),
             "versions": versions(),
             "config": {
-                "repeats": args.repeats, "warmup": args.warmup, "budget_s": args.budget_s, "pause_ms": args.pause_ms,
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+                "budget_s": args.budget_s,
+                "pause_ms": args.pause_ms,
                 "lead_in_ms": args.lead_in_ms,
-                "torch_threads": args.torch_threads, "lr": args.lr, "eps": args.eps,
-                "optimizers": list(args.optimizers), "reference": args.reference,
-                "reference_backward": args.reference_backward, "alone": args.alone,
+                "torch_threads": args.torch_threads,
+                "lr": args.lr,
+                "eps": args.eps,
+                "optimizers": list(args.optimizers),
+                "reference": args.reference,
+                "reference_backward": args.reference_backward,
+                "alone": args.alone,
                 "alone_tolerance": args.alone_tolerance,
-                "gate_rtol": gate.RTOL, "inject_fault": args.inject_fault,
+                "gate_rtol": gate.RTOL,
+                "inject_fault": args.inject_fault,
                 "byte_convention": "fwd = B*T*L*D*bytes + B*T*D*4; bwd = 2x fwd (FBGEMM benchmark)",
             },
             "workloads": [],
@@ -420,11 +565,16 @@ def main(argv=None) -> int:
     print(f"results: {args.out}")
     if not all(wr["gate_ok"] for wr in results["workloads"]):
         return 1
-    disagree = [wr["workload"]["name"] for wr in results["workloads"] if not wr.get("alone_ok", True)]
+    disagree = [
+        wr["workload"]["name"] for wr in results["workloads"] if not wr.get("alone_ok", True)
+    ]
     if disagree:
-        print(f"BASELINE VOID: a side timed in the harness is more than {args.alone_tolerance:.0%} away from the "
-              f"same side timed alone in a fresh process ({', '.join(disagree)}); see the 'alone' columns. "
-              "Do not quote these ratios.", file=sys.stderr)
+        print(
+            f"BASELINE VOID: a side timed in the harness is more than {args.alone_tolerance:.0%} away from the "
+            f"same side timed alone in a fresh process ({', '.join(disagree)}); see the 'alone' columns. "
+            "Do not quote these ratios.",
+            file=sys.stderr,
+        )
         return 3
     return 0
 

@@ -51,7 +51,10 @@ def _config_files() -> list[str]:
     """The example configs shipped in the repository's configs/ (as paths from its root)."""
     root = pathlib.Path(__file__).resolve().parent.parent / "configs"
     names = sorted(p.name for p in root.glob("*.toml")) or [
-        "criteo.toml", "movielens.toml", "movielens_raw_ids.toml", "synthetic.toml"
+        "criteo.toml",
+        "movielens.toml",
+        "movielens_raw_ids.toml",
+        "synthetic.toml",
     ]
     return [f"configs/{n}" for n in names]
 
@@ -186,14 +189,18 @@ def _load_data(config, stream: bool = False):
 
     d = config.data
     if stream and d.source != "criteo":
-        raise ConfigError(f"--stream reads Criteo files (data.source = \"criteo\"), not {d.source!r}")
+        raise ConfigError(f'--stream reads Criteo files (data.source = "criteo"), not {d.source!r}')
     if d.source == "movielens":
         unknown = sorted(set(d.raw_ids) - set(data.MOVIELENS_FEATURES))
         if unknown:
-            raise ConfigError(f"data.raw_ids names {unknown}, not MovieLens features {list(data.MOVIELENS_FEATURES)}")
+            raise ConfigError(
+                f"data.raw_ids names {unknown}, not MovieLens features {list(data.MOVIELENS_FEATURES)}"
+            )
         return data.load_movielens(d.cache_dir or None, raw_ids=d.raw_ids)
     if d.raw_ids and d.source == "synthetic":
-        raise ConfigError("data.raw_ids: the synthetic source has no raw ids; use movielens or criteo")
+        raise ConfigError(
+            "data.raw_ids: the synthetic source has no raw ids; use movielens or criteo"
+        )
     if d.source == "synthetic":
         kwargs = dict(
             num_sparse=d.num_sparse, num_dense=d.num_dense, num_embeddings=d.num_embeddings
@@ -212,7 +219,9 @@ def _load_data(config, stream: bool = False):
     raw = set(keys) if "*" in d.raw_ids else set(d.raw_ids)
     unknown = sorted(raw - set(keys))
     if unknown:
-        raise ConfigError(f"data.raw_ids names {unknown}, not Criteo features (cat_0..cat_25, or \"*\" for all)")
+        raise ConfigError(
+            f'data.raw_ids names {unknown}, not Criteo features (cat_0..cat_25, or "*" for all)'
+        )
     sizes = [0 if key in raw else d.num_embeddings for key in keys]
     if stream:
         return _criteo_stream(config, sizes)
@@ -247,10 +256,17 @@ def _criteo_stream(config, sizes):
         )
     procs = _Processes()
     train = data.CriteoStream(
-        d.paths[:-1], t.batch_size // procs.world, process_index=procs.rank, process_count=procs.world,
-        num_embeddings=sizes, shuffle_window=STREAM_WINDOW, seed=config.seed,
+        d.paths[:-1],
+        t.batch_size // procs.world,
+        process_index=procs.rank,
+        process_count=procs.world,
+        num_embeddings=sizes,
+        shuffle_window=STREAM_WINDOW,
+        seed=config.seed,
     )
-    evaluation = data.read_criteo_tsv(d.paths[-1], num_embeddings=sizes, max_rows=d.max_rows or None)
+    evaluation = data.read_criteo_tsv(
+        d.paths[-1], num_embeddings=sizes, max_rows=d.max_rows or None
+    )
     return train, evaluation
 
 
@@ -311,7 +327,9 @@ def _sparse_rule(config):
     o = config.sparse_optimizer
     if o.name == "sgd":
         return optim.sgd(lr=o.lr, stochastic_rounding=o.stochastic_rounding, seed=config.seed)
-    return getattr(optim, o.name)(lr=o.lr, eps=o.eps, stochastic_rounding=o.stochastic_rounding, seed=config.seed)
+    return getattr(optim, o.name)(
+        lr=o.lr, eps=o.eps, stochastic_rounding=o.stochastic_rounding, seed=config.seed
+    )
 
 
 def _mesh(config):
@@ -357,27 +375,44 @@ def _managed_collision(config, train, evaluation, num_devices: int = 1) -> dict:
     names = {f"t_{key}" for key in train.keys}
     unknown = sorted(set(mc.tables) - names)
     if unknown:
-        raise ConfigError(f"managed_collision.tables names {unknown}, not tables of this dataset ({sorted(names)})")
+        raise ConfigError(
+            f"managed_collision.tables names {unknown}, not tables of this dataset ({sorted(names)})"
+        )
     unmanaged = [f"t_{key}" for key in train.raw_keys if f"t_{key}" not in mc.tables]
     if unmanaged:
         raise ConfigError(
             f"data.raw_ids: tables {unmanaged} get raw 64-bit ids but have no managed-collision module; give "
             f"each its rows in [managed_collision] tables (e.g. {unmanaged[0]} = 1024)"
         )
-    longest = dict(zip(train.keys, (max(a, b) for a, b in zip(train.max_lengths(), evaluation.max_lengths(),
-                                                                strict=True)), strict=True))
+    longest = dict(
+        zip(
+            train.keys,
+            (max(a, b) for a, b in zip(train.max_lengths(), evaluation.max_lengths(), strict=True)),
+            strict=True,
+        )
+    )
 
-    def history(name: str) -> int:  # a window holds eviction_interval batches of the table's id capacity
+    def history(
+        name: str,
+    ) -> int:  # a window holds eviction_interval batches of the table's id capacity
         if mc.history_capacity:
             return mc.history_capacity
-        ids = config.train.batch_size // num_devices * longest[name[2:]]  # per device, each padded alike
+        ids = (
+            config.train.batch_size // num_devices * longest[name[2:]]
+        )  # per device, each padded alike
         return managed_id_capacity(ids) * num_devices * mc.eviction_interval
 
     try:
-        return {name: MCHManagedCollisionModule(rows, history_capacity=history(name),
-                                                eviction_policy=mc.eviction_policy,
-                                                eviction_interval=mc.eviction_interval, threshold=mc.threshold)
-                for name, rows in sorted(mc.tables.items())}
+        return {
+            name: MCHManagedCollisionModule(
+                rows,
+                history_capacity=history(name),
+                eviction_policy=mc.eviction_policy,
+                eviction_interval=mc.eviction_interval,
+                threshold=mc.threshold,
+            )
+            for name, rows in sorted(mc.tables.items())
+        }
     except ValueError as e:
         raise ConfigError(f"[managed_collision]: {e}") from None
 
@@ -500,7 +535,9 @@ def evaluate(model, data, batch_size: int) -> dict[str, float]:
     model.eval()
     logits = []
     with torch.no_grad():
-        for (dense, sparse, _), valid in eval_batches(data, batch_size, part=(procs.rank, procs.world)):
+        for (dense, sparse, _), valid in eval_batches(
+            data, batch_size, part=(procs.rank, procs.world)
+        ):
             local = model(dense.to(device), sparse).reshape(-1)
             logits.append(procs.gather_rows(local).cpu()[:valid])
     model.train(was_training)
@@ -510,14 +547,24 @@ def evaluate(model, data, batch_size: int) -> dict[str, float]:
 def _refuse_to_replace_metrics(config, resume: bool) -> None:
     """A fresh run never replaces an earlier run's metrics unless log.overwrite (--overwrite)."""
     path = config.log.metrics_path
-    if resume or config.log.overwrite or not path or not os.path.isfile(path) or not os.path.getsize(path):
+    if (
+        resume
+        or config.log.overwrite
+        or not path
+        or not os.path.isfile(path)
+        or not os.path.getsize(path)
+    ):
         return
     with open(path) as f:
         lines = sum(1 for line in f if line.strip())
     run_dir = os.path.dirname(os.path.normpath(path))
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    fresh = os.path.join(f"{run_dir}-{stamp}" if run_dir else f"run-{stamp}", os.path.basename(path))
-    resume_hint = ", resume that run with --resume (it appends to them)" if config.checkpoint.dir else ""
+    fresh = os.path.join(
+        f"{run_dir}-{stamp}" if run_dir else f"run-{stamp}", os.path.basename(path)
+    )
+    resume_hint = (
+        ", resume that run with --resume (it appends to them)" if config.checkpoint.dir else ""
+    )
     raise ConfigError(
         f"log.metrics_path {path} already holds {lines} metrics line(s) of an earlier run; refusing to "
         f"overwrite them. Pass --overwrite (or --set log.overwrite=true) to replace them{resume_hint}, or "
@@ -570,8 +617,7 @@ def _describe_plan(model, num_devices: int) -> str:
     if plan is not None:
         return plan.stats_table()
     tables = ", ".join(
-        f"{t.name} [{t.num_embeddings} x {t.embedding_dim}]"
-        for t in model.sparse_module.tables
+        f"{t.name} [{t.num_embeddings} x {t.embedding_dim}]" for t in model.sparse_module.tables
     )
     return f"one device, no sharding; tables: {tables}"
 
@@ -662,8 +708,11 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
                     model=model,
                     dense_optimizer=dense_opt,
                     keep=config.checkpoint.keep,
-                    meta={"loss_tracker": tracker.state_dict(), "config": config.to_dict(),
-                          **({"data_stream": stream_position(step)} if stream else {})},
+                    meta={
+                        "loss_tracker": tracker.state_dict(),
+                        "config": config.to_dict(),
+                        **({"data_stream": stream_position(step)} if stream else {}),
+                    },
                     run_id=ckpt_run.run_id,
                 )
             return None
@@ -705,13 +754,21 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
                     yield loader.batch(step, part=(procs.rank, procs.world))
 
         def loss_fn(logits, labels):  # this process's share of the global batch's mean loss
-            return torch.nn.functional.binary_cross_entropy_with_logits(
-                logits.reshape(-1), labels, reduction="sum"
-            ) / batch_size
+            return (
+                torch.nn.functional.binary_cross_entropy_with_logits(
+                    logits.reshape(-1), labels, reduction="sum"
+                )
+                / batch_size
+            )
 
         pipeline = hybrid.TrainPipeline(
-            model, dense_opt, loss_fn, device=device,
-            dense_grad_hook=(lambda m: procs.sum_grads(m.dense_parameters())) if procs.dist else None,
+            model,
+            dense_opt,
+            loss_fn,
+            device=device,
+            dense_grad_hook=(lambda m: procs.sum_grads(m.dense_parameters()))
+            if procs.dist
+            else None,
         )
         items = batches()
         pending: list[torch.Tensor] = []  # losses not read yet: read every log.every steps
@@ -735,7 +792,7 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
                     f"step {start + bad['first_batch'] + 1} had a non-finite loss or gradient "
                     f"({skipped} batch(es) so far: {bad['sparse']} sparse and {bad['dense']} dense "
                     "updates skipped, so no weight or checkpoint holds a NaN); lower the learning "
-                    "rates, check the input features, or set train.nonfinite = \"skip\" "
+                    'rates, check the input features, or set train.nonfinite = "skip" '
                     f"(train.max_nonfinite = {t.max_nonfinite}) to skip such batches"
                 )
 
@@ -762,7 +819,13 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
                 managed = model.managed_collision_stats()  # device counters, read at log time only
                 if managed:
                     record["managed_collision"] = {
-                        table: dict(zip(("occupancy", "admissions", "evictions"), np.asarray(c).tolist(), strict=True))
+                        table: dict(
+                            zip(
+                                ("occupancy", "admissions", "evictions"),
+                                np.asarray(c).tolist(),
+                                strict=True,
+                            )
+                        )
                         for table, c in managed.items()
                     }
                 log.write(record)
@@ -796,7 +859,11 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
 
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def _silent(*_args) -> None:

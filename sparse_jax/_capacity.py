@@ -21,7 +21,9 @@ import numpy as np
 __all__ = ["DEFAULT_LADDER", "capacity_for", "length_cap", "length_caps", "make_ladder", "pad_ids"]
 
 
-def make_ladder(smallest: int = 128, largest: int = 1 << 27, steps_per_octave: int = 2) -> tuple[int, ...]:
+def make_ladder(
+    smallest: int = 128, largest: int = 1 << 27, steps_per_octave: int = 2
+) -> tuple[int, ...]:
     """Rungs `smallest * 2**(k / steps_per_octave)` rounded up to multiples of 8, up to `largest`."""
     if smallest < 1 or largest < smallest or steps_per_octave < 1:
         raise ValueError(
@@ -48,7 +50,9 @@ def capacity_for(n: int, ladder: Sequence[int] | None = None, *, what: str = "ba
     """The smallest rung that holds `n` ids. Raises when `n` is above the top rung."""
     rungs = tuple(DEFAULT_LADDER if ladder is None else ladder)
     if not rungs or rungs[0] < 1 or any(b <= a for a, b in zip(rungs, rungs[1:], strict=False)):
-        raise ValueError(f"a capacity ladder must be a non-empty increasing list of sizes >= 1, got {rungs}")
+        raise ValueError(
+            f"a capacity ladder must be a non-empty increasing list of sizes >= 1, got {rungs}"
+        )
     for rung in rungs:
         if rung >= n:
             return rung
@@ -82,7 +86,11 @@ def length_caps(lengths_by_key: np.ndarray, floors: Sequence[int] | None = None)
     """Per key (rows of `lengths_by_key`, `[keys, stride]`) the power of two >= its longest
     bag, at least `length_cap(floor)`."""
     lengths_by_key = np.asarray(lengths_by_key)
-    longest = lengths_by_key.max(axis=1) if lengths_by_key.shape[1] else np.zeros(lengths_by_key.shape[0], np.int64)
+    longest = (
+        lengths_by_key.max(axis=1)
+        if lengths_by_key.shape[1]
+        else np.zeros(lengths_by_key.shape[0], np.int64)
+    )
     caps = [length_cap(int(m)) for m in longest]
     if floors is not None:
         if len(floors) != len(caps):

@@ -72,10 +72,19 @@ _UNSUPPORTED_FIELDS = {
     "num_embeddings_post_pruning": (None, "row pruning for inference is not supported"),
     "need_pos": (False, "position-weighted features (TorchRec's FP modules) are not supported"),
     "input_dim": (None, "virtual (key-value) tables are not supported; see issue #16 for raw ids"),
-    "total_num_buckets": (None, "virtual (key-value) tables are not supported; see issue #16 for raw ids"),
-    "use_virtual_table": (False, "virtual (key-value) tables are not supported; see issue #16 for raw ids"),
+    "total_num_buckets": (
+        None,
+        "virtual (key-value) tables are not supported; see issue #16 for raw ids",
+    ),
+    "use_virtual_table": (
+        False,
+        "virtual (key-value) tables are not supported; see issue #16 for raw ids",
+    ),
     "virtual_table_eviction_policy": (None, "virtual (key-value) tables are not supported"),
-    "enable_embedding_update": (False, "write-back embedding updates (TorchRec inference) are not supported"),
+    "enable_embedding_update": (
+        False,
+        "write-back embedding updates (TorchRec inference) are not supported",
+    ),
     "stash_weights": (False, "weight stashing is not supported"),
 }
 
@@ -119,10 +128,14 @@ class BaseEmbeddingConfig:
             object.__setattr__(self, field, int(value))
         for field, (default, why) in _UNSUPPORTED_FIELDS.items():
             if getattr(self, field) != default:
-                raise ValueError(f"table {table!r}: {field}={getattr(self, field)!r}: {why}; leave it at {default!r}")
+                raise ValueError(
+                    f"table {table!r}: {field}={getattr(self, field)!r}: {why}; leave it at {default!r}"
+                )
         if self.init_fn is not None and not callable(self.init_fn):
-            raise ValueError(f"table {table!r}: init_fn must be callable as init_fn(key, shape, dtype), got "
-                             f"{self.init_fn!r}")
+            raise ValueError(
+                f"table {table!r}: init_fn must be callable as init_fn(key, shape, dtype), got "
+                f"{self.init_fn!r}"
+            )
         names = self.feature_names
         if isinstance(names, str):
             raise ValueError(
@@ -132,12 +145,16 @@ class BaseEmbeddingConfig:
         names = tuple(names) if names else (table,)
         for name in names:
             if not isinstance(name, str) or not name:
-                raise ValueError(f"table {table!r}: feature names must be non-empty strings, got {name!r}")
+                raise ValueError(
+                    f"table {table!r}: feature names must be non-empty strings, got {name!r}"
+                )
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"table {table!r}: feature name(s) {dup} listed twice")
         object.__setattr__(self, "feature_names", names)
-        object.__setattr__(self, "data_type", _as_enum(DataType, self.data_type, "data_type", table))
+        object.__setattr__(
+            self, "data_type", _as_enum(DataType, self.data_type, "data_type", table)
+        )
         bound = math.sqrt(1.0 / self.num_embeddings)
         lo = -bound if self.weight_init_min is None else float(self.weight_init_min)
         hi = bound if self.weight_init_max is None else float(self.weight_init_max)
@@ -165,10 +182,14 @@ class BaseEmbeddingConfig:
 
         shape = (self.num_embeddings if rows is None else rows, self.embedding_dim)
         if self.init_fn is None:
-            return jax.random.uniform(key, shape, jnp.float32, self.weight_init_min, self.weight_init_max)
+            return jax.random.uniform(
+                key, shape, jnp.float32, self.weight_init_min, self.weight_init_max
+            )
         w = jnp.asarray(self.init_fn(key, shape, jnp.float32))
         if w.shape != shape:
-            raise ValueError(f"table {self.name!r}: init_fn returned shape {tuple(w.shape)}; expected {shape}")
+            raise ValueError(
+                f"table {self.name!r}: init_fn returned shape {tuple(w.shape)}; expected {shape}"
+            )
         return w.astype(jnp.float32)
 
 
@@ -205,7 +226,9 @@ def check_table_configs(tables: Sequence[BaseEmbeddingConfig]) -> tuple[BaseEmbe
         if not isinstance(t, BaseEmbeddingConfig):
             raise ValueError(f"expected EmbeddingBagConfig/EmbeddingConfig, got {type(t).__name__}")
         if t.name in seen_tables:
-            raise ValueError(f"table name {t.name!r} is used by two tables; table names must be unique")
+            raise ValueError(
+                f"table name {t.name!r} is used by two tables; table names must be unique"
+            )
         seen_tables.add(t.name)
     return tables
 

@@ -37,8 +37,9 @@ def with_indices(jt: JaggedTensor, batch: SequenceBatch, name: str) -> JaggedTen
     """`jt` with the output's ids as weights when the batch carries them (need_indices)."""
     if batch.indices is None:
         return jt
-    return JaggedTensor.tree_unflatten(None, (jt.values(), jax.device_put(batch.indices[name]), jt.lengths(),
-                                              jt.offsets()))
+    return JaggedTensor.tree_unflatten(
+        None, (jt.values(), jax.device_put(batch.indices[name]), jt.lengths(), jt.offsets())
+    )
 
 
 @jax.jit
@@ -69,8 +70,14 @@ class EmbeddingCollection(TableCollection):
 
     expands_variable_stride = False
 
-    def __init__(self, tables: Sequence[EmbeddingConfig], need_indices: bool = False, *, bounds_check: str = "error",
-                 ladder=None):
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingConfig],
+        need_indices: bool = False,
+        *,
+        bounds_check: str = "error",
+        ladder=None,
+    ):
         for t in tables:
             if not isinstance(t, EmbeddingConfig):
                 raise ValueError(
@@ -98,23 +105,35 @@ class EmbeddingCollection(TableCollection):
             if self.bounds_check == "clamp":
                 ids = np.clip(ids, 0, slot.num_rows - 1)
             inside = (ids >= 0) & (ids < slot.num_rows)
-            rows[slot.group].append(np.where(inside, ids + slot.row_offset, self.layout.groups[slot.group][0]))
+            rows[slot.group].append(
+                np.where(inside, ids + slot.row_offset, self.layout.groups[slot.group][0])
+            )
             lengths[slot.name] = all_lengths[first:last].astype(np.int32)
             indices[slot.name] = values[a:b]
-        return {g: np.concatenate(r) if r else np.zeros(0, np.int64) for g, r in rows.items()}, lengths, indices
+        return (
+            {g: np.concatenate(r) if r else np.zeros(0, np.int64) for g, r in rows.items()},
+            lengths,
+            indices,
+        )
 
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> SequenceBatch:
         """Check on the host, build each group's padded row stream, place it (once per batch)."""
         rows, lengths, indices = self._group_rows(self.check_host(kjt))
         placed = {}
         for group, r in rows.items():
-            cap = _capacity.capacity_for(max(len(r), 1), self.ladder, what=f"ids of buffer {group!r}")
+            cap = _capacity.capacity_for(
+                max(len(r), 1), self.ladder, what=f"ids of buffer {group!r}"
+            )
             padded = np.full(cap, self.layout.groups[group][0], np.int32)
             padded[: len(r)] = r
             placed[group] = jax.device_put(padded, device)
         self.prepare_count += 1
-        return SequenceBatch(rows=placed, lengths=lengths, stride=kjt.stride(),
-                             indices=indices if self._need_indices else None)
+        return SequenceBatch(
+            rows=placed,
+            lengths=lengths,
+            stride=kjt.stride(),
+            indices=indices if self._need_indices else None,
+        )
 
     def apply(self, params, batch) -> dict[str, JaggedTensor]:
         """{feature: JaggedTensor} whose values are the `[num_ids, dim]` rows (skipped ids: zeros)."""
@@ -128,8 +147,12 @@ class EmbeddingCollection(TableCollection):
             for slot in self.layout.slots_of_group(group):
                 n = batch.count(slot.name)
                 out[slot.name] = with_indices(
-                    JaggedTensor.from_values_and_lengths(emb[start : start + n], batch.lengths[slot.name]),
-                    batch, slot.name)
+                    JaggedTensor.from_values_and_lengths(
+                        emb[start : start + n], batch.lengths[slot.name]
+                    ),
+                    batch,
+                    slot.name,
+                )
                 start += n
         return {f: out[f] for f in self.layout.feature_names}
 
@@ -155,8 +178,10 @@ class EmbeddingCollection(TableCollection):
         """The tables' common dim (TorchRec's EC has one); an error when dims differ."""
         dims = sorted({t.embedding_dim for t in self.layout.tables})
         if len(dims) != 1:
-            raise ValueError(f"EmbeddingCollection.embedding_dim: the tables have dims {dims} (hybridrec allows "
-                             "several; read each table's embedding_dim)")
+            raise ValueError(
+                f"EmbeddingCollection.embedding_dim: the tables have dims {dims} (hybridrec allows "
+                "several; read each table's embedding_dim)"
+            )
         return dims[0]
 
     def embedding_names_by_table(self) -> list[list[str]]:
@@ -167,7 +192,9 @@ class EmbeddingCollection(TableCollection):
         """Per buffer (rows, per-id grads padded to the rows' capacity); device ops only."""
         missing = [s.name for s in self.layout.features if s.name not in grads]
         if missing:
-            raise ValueError(f"grads has no entry for feature(s) {missing}; give one [num_ids, dim] array per feature")
+            raise ValueError(
+                f"grads has no entry for feature(s) {missing}; give one [num_ids, dim] array per feature"
+            )
         streams = {}
         for group, rows in batch.rows.items():
             dim = self.layout.groups[group][1]
@@ -181,7 +208,10 @@ class EmbeddingCollection(TableCollection):
                     )
                 gs.append(g)
             flat = jnp.concatenate(gs) if gs else jnp.zeros((0, dim), jnp.float32)
-            streams[group] = (rows, jnp.zeros((rows.shape[0], dim), jnp.float32).at[: flat.shape[0]].set(flat))
+            streams[group] = (
+                rows,
+                jnp.zeros((rows.shape[0], dim), jnp.float32).at[: flat.shape[0]].set(flat),
+            )
         return streams
 
     def update_step(self, rule: RowRule):
@@ -191,9 +221,18 @@ class EmbeddingCollection(TableCollection):
             for group, (rows, grad) in streams.items():
                 n = rows.shape[0]
                 new_params[group], new_states[group] = update_rows(  # C++ on CPU, Pallas on CUDA
-                    rule, params[group], opt_state.tables[group], count, rows,
-                    jnp.arange(n, dtype=jnp.int32), jnp.ones(n, jnp.float32), grad, kernel="auto",
+                    rule,
+                    params[group],
+                    opt_state.tables[group],
+                    count,
+                    rows,
+                    jnp.arange(n, dtype=jnp.int32),
+                    jnp.ones(n, jnp.float32),
+                    grad,
+                    kernel="auto",
                 )
-            return new_params, SparseOptState(count=_guard.next_count(opt_state.count), tables=new_states)
+            return new_params, SparseOptState(
+                count=_guard.next_count(opt_state.count), tables=new_states
+            )
 
         return step

@@ -78,7 +78,9 @@ class EmbeddingBagCollection(TableCollection):
     def check_structure(self, kjt: KeyedJaggedTensor) -> None:
         """Keys and weights fit this collection (no id is read)."""
         if self._is_weighted and kjt.weights_or_none() is None:
-            raise ValueError("this EmbeddingBagCollection is weighted (is_weighted=True) but the KJT has no weights")
+            raise ValueError(
+                "this EmbeddingBagCollection is weighted (is_weighted=True) but the KJT has no weights"
+            )
         super().check_structure(kjt)
 
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> PaddedBatch:
@@ -95,8 +97,12 @@ class EmbeddingBagCollection(TableCollection):
         if self.kernel == "reference":
             blocks = _lookup.pooled_segment_sum(params, kjt, self.layout, **opts)
         else:
-            blocks = _lookup.pooled_per_position(params, kjt, self.layout, kernel=self.kernel, **opts)
-        return KeyedTensor(self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1))
+            blocks = _lookup.pooled_per_position(
+                params, kjt, self.layout, kernel=self.kernel, **opts
+            )
+        return KeyedTensor(
+            self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1)
+        )
 
     def apply(self, params, batch: PaddedBatch | KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings `[B, sum of feature dims]` as a KeyedTensor (fp32).
@@ -109,7 +115,9 @@ class EmbeddingBagCollection(TableCollection):
                 return self._apply(params, batch)
             batch = self.prepare(batch)
         if not isinstance(batch, PaddedBatch):
-            raise TypeError(f"EmbeddingBagCollection.apply takes a KJT or its prepare()d batch, got {type(batch).__name__}")
+            raise TypeError(
+                f"EmbeddingBagCollection.apply takes a KJT or its prepare()d batch, got {type(batch).__name__}"
+            )
         if is_concrete(*jax.tree_util.tree_leaves(params)):
             return self._apply_jit(params, batch.kjt)
         return self._apply(params, batch.kjt)
@@ -139,7 +147,16 @@ class EmbeddingBagCollection(TableCollection):
     def update_step(self, rule: RowRule):
         def step(params, opt_state, operands):
             kjt, pooled_grad = operands
-            return fused_update(self.layout, rule, params, opt_state, kjt, pooled_grad, weighted=self._is_weighted,
-                                bounds_check=self.bounds_check, kernel=self.kernel)
+            return fused_update(
+                self.layout,
+                rule,
+                params,
+                opt_state,
+                kjt,
+                pooled_grad,
+                weighted=self._is_weighted,
+                bounds_check=self.bounds_check,
+                kernel=self.kernel,
+            )
 
         return step

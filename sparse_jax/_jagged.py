@@ -63,7 +63,9 @@ def _checked_arrays(values, weights, lengths, offsets, *, what: str, keys=None, 
             offsets = _int_array(offsets)
             from_offsets = _validate.check_offsets(offsets, n, what=what)
             if lengths is not None:
-                _validate.check_agree(_int_array(lengths), from_offsets, what=what, keys=keys, stride=stride)
+                _validate.check_agree(
+                    _int_array(lengths), from_offsets, what=what, keys=keys, stride=stride
+                )
             else:
                 lengths = from_offsets
         lengths = _validate.canonical_int(
@@ -138,7 +140,9 @@ class _JaggedArrays:
         """Bytes of values, weights, lengths and offsets (and a variable-stride KJT's int32
         per-key-per-rank strides, as TorchRec counts them)."""
         arrays = (self._values, self._weights, self._lengths, self._offsets)
-        size = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
+        size = sum(
+            int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays if a is not None
+        )
         spkpr = getattr(self, "_spkpr", None)
         return size + (4 * sum(len(r) for r in spkpr) if spkpr is not None else 0)
 
@@ -186,9 +190,18 @@ class JaggedTensor(_JaggedArrays):
         """Any values (e.g. `[num_ids, dim]` embeddings) split by `lengths`; only the sizes are checked."""
         lengths = np.asarray(lengths)
         if int(lengths.sum()) != int(values.shape[0]):
-            raise ValueError(f"JaggedTensor: sum(lengths)={int(lengths.sum())} but values has {values.shape[0]} rows")
-        return cls.tree_unflatten(None, (values, None, jnp.asarray(lengths, jnp.int32),
-                                         jnp.asarray(_offsets_from_lengths(lengths.astype(np.int32)))))
+            raise ValueError(
+                f"JaggedTensor: sum(lengths)={int(lengths.sum())} but values has {values.shape[0]} rows"
+            )
+        return cls.tree_unflatten(
+            None,
+            (
+                values,
+                None,
+                jnp.asarray(lengths, jnp.int32),
+                jnp.asarray(_offsets_from_lengths(lengths.astype(np.int32))),
+            ),
+        )
 
     @classmethod
     def from_dense(cls, values: Sequence, weights: Sequence | None = None) -> JaggedTensor:
@@ -201,19 +214,32 @@ class JaggedTensor(_JaggedArrays):
         flat_w = None
         if weights is not None:
             if len(weights) != len(values):
-                raise ValueError(f"JaggedTensor.from_dense: {len(weights)} weight arrays for {len(values)} bags")
-            flat_w = np.concatenate([np.asarray(w).reshape(-1) for w in weights]) if len(weights) else \
-                np.zeros(0, np.float32)
+                raise ValueError(
+                    f"JaggedTensor.from_dense: {len(weights)} weight arrays for {len(values)} bags"
+                )
+            flat_w = (
+                np.concatenate([np.asarray(w).reshape(-1) for w in weights])
+                if len(weights)
+                else np.zeros(0, np.float32)
+            )
         return cls(flat, flat_w, lengths)
 
     @classmethod
-    def empty(cls, is_weighted: bool = False, device=None, values_dtype=None, weights_dtype=None,
-              lengths_dtype=np.int32) -> JaggedTensor:
+    def empty(
+        cls,
+        is_weighted: bool = False,
+        device=None,
+        values_dtype=None,
+        weights_dtype=None,
+        lengths_dtype=np.int32,
+    ) -> JaggedTensor:
         """No bags (TorchRec's `JaggedTensor.empty`): empty values, lengths and offsets `[0]`;
         dtypes are numpy/JAX dtypes (values default int32, weights float32)."""
-        jt = cls(np.zeros(0, values_dtype or np.int32),
-                 np.zeros(0, weights_dtype or np.float32) if is_weighted else None,
-                 lengths=np.zeros(0, lengths_dtype))
+        jt = cls(
+            np.zeros(0, values_dtype or np.int32),
+            np.zeros(0, weights_dtype or np.float32) if is_weighted else None,
+            lengths=np.zeros(0, lengths_dtype),
+        )
         return jt if device is None else jt.to(device)
 
     @staticmethod
@@ -233,21 +259,31 @@ class JaggedTensor(_JaggedArrays):
         dense = np.asarray(values)
         lens = np.asarray(lengths)
         if dense.ndim < 2 or lens.shape != (dense.shape[0],):
-            raise ValueError(f"JaggedTensor.from_dense_lengths: values must be [B, N, ...] and lengths [B]; got "
-                             f"{dense.shape} and {lens.shape}")
+            raise ValueError(
+                f"JaggedTensor.from_dense_lengths: values must be [B, N, ...] and lengths [B]; got "
+                f"{dense.shape} and {lens.shape}"
+            )
         if lens.size and (lens.min() < 0 or lens.max() > dense.shape[1]):
             b = int(np.flatnonzero((lens < 0) | (lens > dense.shape[1]))[0])
-            raise ValueError(f"JaggedTensor.from_dense_lengths: length {int(lens[b])} of bag {b} is outside "
-                             f"[0, {dense.shape[1]}] (the padded width)")
+            raise ValueError(
+                f"JaggedTensor.from_dense_lengths: length {int(lens[b])} of bag {b} is outside "
+                f"[0, {dense.shape[1]}] (the padded width)"
+            )
         keep = np.arange(dense.shape[1])[None, :] < lens[:, None]
         flat_w = None
         if weights is not None:
             w = np.asarray(weights)
             if w.shape != dense.shape[:2]:
-                raise ValueError(f"JaggedTensor.from_dense_lengths: weights {w.shape} must be [B, N] = "
-                                 f"{dense.shape[:2]}")
+                raise ValueError(
+                    f"JaggedTensor.from_dense_lengths: weights {w.shape} must be [B, N] = "
+                    f"{dense.shape[:2]}"
+                )
             flat_w = w[keep]
-        return cls(dense[keep], flat_w, lengths=lens if np.issubdtype(lens.dtype, np.integer) else lens.astype(np.int32))
+        return cls(
+            dense[keep],
+            flat_w,
+            lengths=lens if np.issubdtype(lens.dtype, np.integer) else lens.astype(np.int32),
+        )
 
     def to_dense(self) -> list[jax.Array]:
         """One array of values per bag (eager)."""
@@ -272,18 +308,32 @@ class JaggedTensor(_JaggedArrays):
 
         `desired_length` defaults to the longest bag. Works under `jit` when it is given.
         """
-        return _padded_gather(self._values, self._offsets, self._lengths, self._desired_length(desired_length),
-                              padding_value)
+        return _padded_gather(
+            self._values,
+            self._offsets,
+            self._lengths,
+            self._desired_length(desired_length),
+            padding_value,
+        )
 
-    def to_padded_dense_weights(self, desired_length: int | None = None, padding_value: float = 0.0):
+    def to_padded_dense_weights(
+        self, desired_length: int | None = None, padding_value: float = 0.0
+    ):
         """[num_bags, desired_length] weights, padded like `to_padded_dense`; None without weights."""
         if self._weights is None:
             return None
-        return _padded_gather(self._weights, self._offsets, self._lengths, self._desired_length(desired_length),
-                              padding_value)
+        return _padded_gather(
+            self._weights,
+            self._offsets,
+            self._lengths,
+            self._desired_length(desired_length),
+            padding_value,
+        )
 
     def __repr__(self) -> str:
-        return f"JaggedTensor(values={self._values}, lengths={self._lengths}, weights={self._weights})"
+        return (
+            f"JaggedTensor(values={self._values}, lengths={self._lengths}, weights={self._weights})"
+        )
 
 
 def _as_strides_per_rank(stride_per_key_per_rank, stride_per_key, num_keys: int, what: str):
@@ -294,14 +344,22 @@ def _as_strides_per_rank(stride_per_key_per_rank, stride_per_key, num_keys: int,
         spkpr = [[int(s)] for s in stride_per_key]
     else:
         spkpr = [[int(s) for s in row] for row in stride_per_key_per_rank]  # lists and arrays alike
-        if stride_per_key is not None and [sum(r) for r in spkpr] != [int(s) for s in stride_per_key]:
-            raise ValueError(f"{what}: stride_per_key {list(stride_per_key)} disagrees with stride_per_key_per_rank "
-                             f"{spkpr} (per-key sums {[sum(r) for r in spkpr]})")
+        if stride_per_key is not None and [sum(r) for r in spkpr] != [
+            int(s) for s in stride_per_key
+        ]:
+            raise ValueError(
+                f"{what}: stride_per_key {list(stride_per_key)} disagrees with stride_per_key_per_rank "
+                f"{spkpr} (per-key sums {[sum(r) for r in spkpr]})"
+            )
     if len(spkpr) != num_keys:
-        raise ValueError(f"{what}: {len(spkpr)} entries in stride_per_key(_per_rank) for {num_keys} keys")
+        raise ValueError(
+            f"{what}: {len(spkpr)} entries in stride_per_key(_per_rank) for {num_keys} keys"
+        )
     for k, row in enumerate(spkpr):
         if any(s < 0 for s in row):
-            raise ValueError(f"{what}: stride_per_key_per_rank[{k}] = {row} has a negative batch size")
+            raise ValueError(
+                f"{what}: stride_per_key_per_rank[{k}] = {row} has a negative batch size"
+            )
     return tuple(tuple(r) for r in spkpr)
 
 
@@ -324,29 +382,50 @@ class KeyedJaggedTensor(_JaggedArrays):
         TorchRec's caches; accepted and checked against the data (a disagreement is an error).
     """
 
-    def __init__(self, keys, values, weights=None, lengths=None, offsets=None, stride=None,
-                 stride_per_key_per_rank=None, stride_per_key=None, length_per_key=None,
-                 lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
-                 inverse_indices=None):
+    def __init__(
+        self,
+        keys,
+        values,
+        weights=None,
+        lengths=None,
+        offsets=None,
+        stride=None,
+        stride_per_key_per_rank=None,
+        stride_per_key=None,
+        length_per_key=None,
+        lengths_offset_per_key=None,
+        offset_per_key=None,
+        index_per_key=None,
+        jt_dict=None,
+        inverse_indices=None,
+    ):
         keys = tuple(keys)
         what = "KeyedJaggedTensor"
         for i, k in enumerate(keys):
             if not isinstance(k, str):
                 raise ValueError(f"{what}: key {i} must be a string feature name, got {k!r}")
             if keys.index(k) != i:
-                raise ValueError(f"{what}: key {k!r} appears twice (positions {keys.index(k)} and {i}); keys must be unique")
+                raise ValueError(
+                    f"{what}: key {k!r} appears twice (positions {keys.index(k)} and {i}); keys must be unique"
+                )
         if lengths is None and offsets is None:
-            raise ValueError(f"{what}: give lengths or offsets (ids per bag, num_keys * batch_size entries)")
+            raise ValueError(
+                f"{what}: give lengths or offsets (ids per bag, num_keys * batch_size entries)"
+            )
         num_bags = int(np.shape(lengths if lengths is not None else offsets)[0]) - (lengths is None)
         if not keys and num_bags:
-            raise ValueError(f"{what}: no keys but {num_bags} bags; give one key per feature (lengths are "
-                             "num_keys * batch_size entries in key-major order)")
+            raise ValueError(
+                f"{what}: no keys but {num_bags} bags; give one key per feature (lengths are "
+                "num_keys * batch_size entries in key-major order)"
+            )
         spkpr = _as_strides_per_rank(stride_per_key_per_rank, stride_per_key, len(keys), what)
         if spkpr is not None:
             per_key = [sum(r) for r in spkpr]
             if sum(per_key) != num_bags:
-                raise ValueError(f"{what}: {num_bags} lengths but the per-key batch sizes {per_key} sum to "
-                                 f"{sum(per_key)}")
+                raise ValueError(
+                    f"{what}: {num_bags} lengths but the per-key batch sizes {per_key} sum to "
+                    f"{sum(per_key)}"
+                )
             bag_stride = tuple(per_key)
             if stride is None:
                 if inverse_indices is not None:
@@ -362,7 +441,9 @@ class KeyedJaggedTensor(_JaggedArrays):
             stride = num_bags // len(keys) if keys else 0
             bag_stride = stride
         elif num_bags != len(keys) * stride:
-            raise ValueError(f"{what}: {num_bags} lengths but {len(keys)} keys x stride {stride} = {len(keys) * stride}")
+            raise ValueError(
+                f"{what}: {num_bags} lengths but {len(keys)} keys x stride {stride} = {len(keys) * stride}"
+            )
         else:
             bag_stride = int(stride)
         self._keys = keys
@@ -375,15 +456,19 @@ class KeyedJaggedTensor(_JaggedArrays):
         self._inverse = None
         if inverse_indices is not None:
             self._inverse = self._checked_inverse(inverse_indices)
-        self._check_caches(length_per_key, offset_per_key, lengths_offset_per_key, index_per_key, jt_dict)
+        self._check_caches(
+            length_per_key, offset_per_key, lengths_offset_per_key, index_per_key, jt_dict
+        )
 
     def _checked_inverse(self, inverse_indices):
         what = "KeyedJaggedTensor"
         inv_keys, inv = inverse_indices
         inv_keys = tuple(inv_keys)
         if np.ndim(inv) != 2 or np.shape(inv)[0] != len(inv_keys):
-            raise ValueError(f"{what}: inverse_indices must be (keys, [num_keys, batch] array); got "
-                             f"{len(inv_keys)} keys and shape {np.shape(inv)}")
+            raise ValueError(
+                f"{what}: inverse_indices must be (keys, [num_keys, batch] array); got "
+                f"{len(inv_keys)} keys and shape {np.shape(inv)}"
+            )
         if _validate.is_concrete(inv):
             arr = _int_array(inv)
             if not np.issubdtype(arr.dtype, np.integer):
@@ -392,12 +477,16 @@ class KeyedJaggedTensor(_JaggedArrays):
             for row, key in zip(arr, inv_keys, strict=True):
                 if key in strides and row.size and (row.min() < 0 or row.max() >= strides[key]):
                     b = int(np.flatnonzero((row < 0) | (row >= strides[key]))[0])
-                    raise ValueError(f"{what}: inverse_indices of feature {key!r} at sample {b} is {int(row[b])}, "
-                                     f"outside the feature's {strides[key]} bags")
+                    raise ValueError(
+                        f"{what}: inverse_indices of feature {key!r} at sample {b} is {int(row[b])}, "
+                        f"outside the feature's {strides[key]} bags"
+                    )
             inv = _validate.canonical_int(arr)
         return inv_keys, _to_device(inv)
 
-    def _check_caches(self, length_per_key, offset_per_key, lengths_offset_per_key, index_per_key, jt_dict):
+    def _check_caches(
+        self, length_per_key, offset_per_key, lengths_offset_per_key, index_per_key, jt_dict
+    ):
         if not _validate.is_concrete(self._lengths):
             return
         what = "KeyedJaggedTensor"
@@ -407,23 +496,32 @@ class KeyedJaggedTensor(_JaggedArrays):
             ("lengths_offset_per_key", lengths_offset_per_key, self.lengths_offset_per_key),
         ):
             if given is not None and [int(x) for x in np.asarray(given).tolist()] != actual():
-                raise ValueError(f"{what}: {name}={[int(x) for x in np.asarray(given).tolist()]} but the lengths give "
-                                 f"{actual()}; leave it out (it is computed) or fix it")
+                raise ValueError(
+                    f"{what}: {name}={[int(x) for x in np.asarray(given).tolist()]} but the lengths give "
+                    f"{actual()}; leave it out (it is computed) or fix it"
+                )
         if index_per_key is not None and dict(index_per_key) != self.index_per_key():
-            raise ValueError(f"{what}: index_per_key={dict(index_per_key)} but the keys give {self.index_per_key()}")
+            raise ValueError(
+                f"{what}: index_per_key={dict(index_per_key)} but the keys give {self.index_per_key()}"
+            )
         if jt_dict is not None:
             mine = self.to_dict()
             if set(jt_dict) != set(mine) or not all(jt_is_equal(jt_dict[k], mine[k]) for k in mine):
-                raise ValueError(f"{what}: jt_dict does not hold this KJT's bags (keys {sorted(jt_dict)}); leave it "
-                                 "out (to_dict computes it)")
+                raise ValueError(
+                    f"{what}: jt_dict does not hold this KJT's bags (keys {sorted(jt_dict)}); leave it "
+                    "out (to_dict computes it)"
+                )
 
     # -- pytree -----------------------------------------------------------------------------
     def tree_flatten(self):
         children = (self._values, self._weights, self._lengths, self._offsets)
         if self._inverse is not None:
             children += (self._inverse[1],)
-        vbe = None if self._spkpr is None and self._inverse is None else (
-            self._spkpr, None if self._inverse is None else self._inverse[0])
+        vbe = (
+            None
+            if self._spkpr is None and self._inverse is None
+            else (self._spkpr, None if self._inverse is None else self._inverse[0])
+        )
         return children, (self._keys, self._stride, self._length_caps, vbe)
 
     @classmethod
@@ -447,24 +545,63 @@ class KeyedJaggedTensor(_JaggedArrays):
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
-    def from_lengths_sync(cls, keys, values, lengths, weights=None, stride=None,
-                          stride_per_key_per_rank=None, inverse_indices=None) -> KeyedJaggedTensor:
-        return cls(keys, values, weights=weights, lengths=lengths, stride=stride,
-                   stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
+    def from_lengths_sync(
+        cls,
+        keys,
+        values,
+        lengths,
+        weights=None,
+        stride=None,
+        stride_per_key_per_rank=None,
+        inverse_indices=None,
+    ) -> KeyedJaggedTensor:
+        return cls(
+            keys,
+            values,
+            weights=weights,
+            lengths=lengths,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+        )
 
     @classmethod
-    def from_offsets_sync(cls, keys, values, offsets, weights=None, stride=None,
-                          stride_per_key_per_rank=None, inverse_indices=None) -> KeyedJaggedTensor:
-        return cls(keys, values, weights=weights, offsets=offsets, stride=stride,
-                   stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
+    def from_offsets_sync(
+        cls,
+        keys,
+        values,
+        offsets,
+        weights=None,
+        stride=None,
+        stride_per_key_per_rank=None,
+        inverse_indices=None,
+    ) -> KeyedJaggedTensor:
+        return cls(
+            keys,
+            values,
+            weights=weights,
+            offsets=offsets,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+        )
 
     @staticmethod
-    def empty(is_weighted: bool = False, device=None, values_dtype=None, weights_dtype=None,
-              lengths_dtype=np.int32) -> KeyedJaggedTensor:
+    def empty(
+        is_weighted: bool = False,
+        device=None,
+        values_dtype=None,
+        weights_dtype=None,
+        lengths_dtype=np.int32,
+    ) -> KeyedJaggedTensor:
         """No keys and no bags (TorchRec's `KeyedJaggedTensor.empty`)."""
-        kjt = KeyedJaggedTensor([], np.zeros(0, values_dtype or np.int32),
-                                weights=np.zeros(0, weights_dtype or np.float32) if is_weighted else None,
-                                lengths=np.zeros(0, lengths_dtype), stride=0)
+        kjt = KeyedJaggedTensor(
+            [],
+            np.zeros(0, values_dtype or np.int32),
+            weights=np.zeros(0, weights_dtype or np.float32) if is_weighted else None,
+            lengths=np.zeros(0, lengths_dtype),
+            stride=0,
+        )
         return kjt if device is None else kjt.to(device)
 
     @staticmethod
@@ -472,9 +609,11 @@ class KeyedJaggedTensor(_JaggedArrays):
         """No keys and no bags, with `kjt`'s dtypes, trailing shape, weightedness and stride."""
         w = kjt.weights_or_none()
         return KeyedJaggedTensor(
-            [], np.zeros((0, *kjt.values().shape[1:]), kjt.values().dtype),
+            [],
+            np.zeros((0, *kjt.values().shape[1:]), kjt.values().dtype),
             weights=None if w is None else np.zeros(0, w.dtype),
-            lengths=np.zeros(0, kjt.lengths().dtype), stride=kjt.stride(),
+            lengths=np.zeros(0, kjt.lengths().dtype),
+            stride=kjt.stride(),
         ).to(kjt.device())
 
     @classmethod
@@ -485,7 +624,9 @@ class KeyedJaggedTensor(_JaggedArrays):
         strides = [int(jt.lengths().shape[0]) for jt in jt_dict.values()]
         ws = [jt.weights_or_none() for jt in jt_dict.values()]
         if any(w is None for w in ws) and not all(w is None for w in ws):
-            raise ValueError("KeyedJaggedTensor.from_jt_dict: either every feature has weights or none does")
+            raise ValueError(
+                "KeyedJaggedTensor.from_jt_dict: either every feature has weights or none does"
+            )
         jts = list(jt_dict.values())
         if not jts:
             return cls.empty()
@@ -506,21 +647,37 @@ class KeyedJaggedTensor(_JaggedArrays):
         if not kjts:
             raise ValueError("KeyedJaggedTensor.concat: give at least one KeyedJaggedTensor")
         variable = [k.variable_stride_per_key() for k in kjts]
-        strides = [k.stride() for k in kjts if k.keys()] or [kjts[0].stride()]  # a KJT without keys adds nothing
+        strides = [k.stride() for k in kjts if k.keys()] or [
+            kjts[0].stride()
+        ]  # a KJT without keys adds nothing
         if not any(variable) and len(set(strides)) > 1:
-            raise ValueError(f"KeyedJaggedTensor.concat: strides {strides} differ; every KJT needs the same batch size")
+            raise ValueError(
+                f"KeyedJaggedTensor.concat: strides {strides} differ; every KJT needs the same batch size"
+            )
         weighted = [k.weights_or_none() is not None for k in kjts]
         if any(weighted) and not all(weighted):
-            raise ValueError(f"KeyedJaggedTensor.concat: weighted {weighted}; either every KJT has weights or none does")
-        n = [int(np.asarray(k.offsets())[-1]) for k in kjts]  # real ids (a padded KJT's padding is dropped)
+            raise ValueError(
+                f"KeyedJaggedTensor.concat: weighted {weighted}; either every KJT has weights or none does"
+            )
+        n = [
+            int(np.asarray(k.offsets())[-1]) for k in kjts
+        ]  # real ids (a padded KJT's padding is dropped)
         cat = lambda xs: np.concatenate([np.asarray(x) for x in xs])  # noqa: E731
         spkpr = None
         if any(variable):
-            spkpr = [list(r) for k in kjts for r in (k.stride_per_key_per_rank() or [[k.stride()]] * len(k.keys()))]
+            spkpr = [
+                list(r)
+                for k in kjts
+                for r in (k.stride_per_key_per_rank() or [[k.stride()]] * len(k.keys()))
+            ]
         return KeyedJaggedTensor(
-            [key for k in kjts for key in k.keys()],  # duplicate keys are refused by the constructor
+            [
+                key for k in kjts for key in k.keys()
+            ],  # duplicate keys are refused by the constructor
             cat([k.values()[:m] for k, m in zip(kjts, n, strict=True)]),
-            weights=cat([k.weights()[:m] for k, m in zip(kjts, n, strict=True)]) if all(weighted) else None,
+            weights=cat([k.weights()[:m] for k, m in zip(kjts, n, strict=True)])
+            if all(weighted)
+            else None,
             lengths=cat([k.lengths() for k in kjts]),
             stride=None if spkpr is not None else strides[0],
             stride_per_key_per_rank=spkpr,
@@ -553,7 +710,9 @@ class KeyedJaggedTensor(_JaggedArrays):
 
     def inverse_indices(self) -> tuple[list[str], jax.Array]:
         if self._inverse is None:
-            raise ValueError("this KeyedJaggedTensor has no inverse_indices; use inverse_indices_or_none()")
+            raise ValueError(
+                "this KeyedJaggedTensor has no inverse_indices; use inverse_indices_or_none()"
+            )
         return list(self._inverse[0]), self._inverse[1]
 
     def inverse_indices_or_none(self) -> tuple[list[str], jax.Array] | None:
@@ -598,8 +757,10 @@ class KeyedJaggedTensor(_JaggedArrays):
 
     def _require_uniform(self, op: str) -> None:
         if self._spkpr is not None:
-            raise ValueError(f"KeyedJaggedTensor.{op}: this KJT has a variable batch size per key "
-                             f"{self.stride_per_key()}; expand it first with expand_to_batch()")
+            raise ValueError(
+                f"KeyedJaggedTensor.{op}: this KJT has a variable batch size per key "
+                f"{self.stride_per_key()}; expand it first with expand_to_batch()"
+            )
 
     def flatten_lengths(self) -> KeyedJaggedTensor:
         """The same KJT (lengths are always flat here)."""
@@ -644,16 +805,32 @@ class KeyedJaggedTensor(_JaggedArrays):
         step keeps one compiled program; a longer bag still raises its feature's cap.
         """
         n = int(np.asarray(self._offsets)[-1])
-        cap = _capacity.capacity_for(n, ladder, what="KeyedJaggedTensor.pad") if capacity is None else int(capacity)
+        cap = (
+            _capacity.capacity_for(n, ladder, what="KeyedJaggedTensor.pad")
+            if capacity is None
+            else int(capacity)
+        )
         if cap < n:
-            raise ValueError(f"KeyedJaggedTensor.pad: capacity {cap} is below the {n} ids of this batch")
+            raise ValueError(
+                f"KeyedJaggedTensor.pad: capacity {cap} is below the {n} ids of this batch"
+            )
         values = np.asarray(self._values)[:n]
-        padded = np.moveaxis(_capacity.pad_ids(np.moveaxis(values, 0, -1), cap), -1, 0)  # ids lead here
-        weights = None if self._weights is None else _capacity.pad_ids(np.asarray(self._weights)[:n], cap)
+        padded = np.moveaxis(
+            _capacity.pad_ids(np.moveaxis(values, 0, -1), cap), -1, 0
+        )  # ids lead here
+        weights = (
+            None if self._weights is None else _capacity.pad_ids(np.asarray(self._weights)[:n], cap)
+        )
         if length_caps is not None and len(length_caps) != len(self._keys):
-            raise ValueError(f"KeyedJaggedTensor.pad: {len(length_caps)} length caps for {len(self._keys)} keys")
-        caps = _capacity.length_caps(np.asarray(self.lengths()).reshape(len(self._keys), self.stride()), length_caps)
-        return self._replace(values=_to_device(padded), weights=_to_device(weights), length_caps=caps)
+            raise ValueError(
+                f"KeyedJaggedTensor.pad: {len(length_caps)} length caps for {len(self._keys)} keys"
+            )
+        caps = _capacity.length_caps(
+            np.asarray(self.lengths()).reshape(len(self._keys), self.stride()), length_caps
+        )
+        return self._replace(
+            values=_to_device(padded), weights=_to_device(weights), length_caps=caps
+        )
 
     # -- eager reshaping ------------------------------------------------------------------------
     def _key_slice(self, i: int) -> tuple[int, int]:
@@ -663,7 +840,9 @@ class KeyedJaggedTensor(_JaggedArrays):
 
     def __getitem__(self, key: str) -> JaggedTensor:
         if key not in self._keys:
-            raise KeyError(f"feature {key!r} is not in this KeyedJaggedTensor (keys: {list(self._keys)})")
+            raise KeyError(
+                f"feature {key!r} is not in this KeyedJaggedTensor (keys: {list(self._keys)})"
+            )
         i = self._keys.index(key)
         a, b = self._key_slice(i)
         first, last = self._bag_range(i)
@@ -685,9 +864,13 @@ class KeyedJaggedTensor(_JaggedArrays):
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Consecutive groups of `segments[i]` keys each (eager); segments must sum to num_keys."""
         if sum(segments) != len(self._keys) or any(s < 0 for s in segments):
-            raise ValueError(f"split: segments {list(segments)} must be >= 0 and sum to {len(self._keys)} keys")
+            raise ValueError(
+                f"split: segments {list(segments)} must be >= 0 and sum to {len(self._keys)} keys"
+            )
         starts = np.cumsum([0, *segments])
-        return [self._select(list(range(a, b))) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        return [
+            self._select(list(range(a, b))) for a, b in zip(starts[:-1], starts[1:], strict=True)
+        ]
 
     def _select(self, key_indices: list[int]) -> KeyedJaggedTensor:
         values = np.asarray(self._values)
@@ -702,8 +885,12 @@ class KeyedJaggedTensor(_JaggedArrays):
             weights=None if weights is None else cat(weights, spans),
             lengths=cat(lengths, bags),
             stride=self._stride,
-            stride_per_key_per_rank=None if self._spkpr is None else [list(self._spkpr[i]) for i in key_indices],
-            inverse_indices=None if self._inverse is None else (list(self._inverse[0]), self._inverse[1]),
+            stride_per_key_per_rank=None
+            if self._spkpr is None
+            else [list(self._spkpr[i]) for i in key_indices],
+            inverse_indices=None
+            if self._inverse is None
+            else (list(self._inverse[0]), self._inverse[1]),
         )
 
     def expand_to_batch(self) -> KeyedJaggedTensor:
@@ -713,15 +900,22 @@ class KeyedJaggedTensor(_JaggedArrays):
         if self._spkpr is None:
             return self
         if self._inverse is None:
-            raise ValueError("KeyedJaggedTensor: a variable-stride KJT needs inverse_indices to be expanded to "
-                             "the batch (give inverse_indices=(keys, [num_keys, batch]))")
+            raise ValueError(
+                "KeyedJaggedTensor: a variable-stride KJT needs inverse_indices to be expanded to "
+                "the batch (give inverse_indices=(keys, [num_keys, batch]))"
+            )
         inv_keys, inv = self._inverse[0], np.asarray(self._inverse[1])
         missing = [k for k in self._keys if k not in inv_keys]
         if missing:
-            raise ValueError(f"KeyedJaggedTensor.expand_to_batch: inverse_indices has no row for feature(s) {missing}")
+            raise ValueError(
+                f"KeyedJaggedTensor.expand_to_batch: inverse_indices has no row for feature(s) {missing}"
+            )
         offsets = np.asarray(self._offsets)
         lengths = np.asarray(self._lengths)
-        values, weights = np.asarray(self._values), None if self._weights is None else np.asarray(self._weights)
+        values, weights = (
+            np.asarray(self._values),
+            None if self._weights is None else np.asarray(self._weights),
+        )
         take, new_lengths = [], []
         for i, k in enumerate(self._keys):
             first, _ = self._bag_range(i)
@@ -730,8 +924,11 @@ class KeyedJaggedTensor(_JaggedArrays):
             take.extend(np.arange(offsets[b], offsets[b + 1]) for b in bags)
         idx = np.concatenate(take).astype(np.int64) if take else np.zeros(0, np.int64)
         return KeyedJaggedTensor(
-            self._keys, values[idx], weights=None if weights is None else weights[idx],
-            lengths=np.concatenate(new_lengths) if new_lengths else lengths[:0], stride=inv.shape[1],
+            self._keys,
+            values[idx],
+            weights=None if weights is None else weights[idx],
+            lengths=np.concatenate(new_lengths) if new_lengths else lengths[:0],
+            stride=inv.shape[1],
         )
 
     def __repr__(self) -> str:
@@ -745,7 +942,11 @@ def _same_array(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
     a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
+    )
 
 
 def jt_is_equal(jt_1: JaggedTensor, jt_2: JaggedTensor) -> bool:
@@ -760,9 +961,13 @@ def _bag_arrays_equal(a, b) -> bool:
     """Offsets, and the values and weights the bags hold (offsets always start with 0)."""
     n, m = int(np.asarray(a.offsets())[-1]), int(np.asarray(b.offsets())[-1])
     wa, wb = a.weights_or_none(), b.weights_or_none()
-    return (_same_array(a.offsets(), b.offsets())
-            and _same_array(np.asarray(a.values())[:n], np.asarray(b.values())[:m])
-            and _same_array(None if wa is None else np.asarray(wa)[:n], None if wb is None else np.asarray(wb)[:m]))
+    return (
+        _same_array(a.offsets(), b.offsets())
+        and _same_array(np.asarray(a.values())[:n], np.asarray(b.values())[:m])
+        and _same_array(
+            None if wa is None else np.asarray(wa)[:n], None if wb is None else np.asarray(wb)[:m]
+        )
+    )
 
 
 def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:
@@ -770,6 +975,10 @@ def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:
     equals its unpadded form."""
     if not isinstance(kjt_1, KeyedJaggedTensor) or not isinstance(kjt_2, KeyedJaggedTensor):
         return False
-    return (kjt_1.keys() == kjt_2.keys() and kjt_1.stride() == kjt_2.stride()
-            and kjt_1.stride_per_key_per_rank() == kjt_2.stride_per_key_per_rank()
-            and _same_array(kjt_1.lengths(), kjt_2.lengths()) and _bag_arrays_equal(kjt_1, kjt_2))
+    return (
+        kjt_1.keys() == kjt_2.keys()
+        and kjt_1.stride() == kjt_2.stride()
+        and kjt_1.stride_per_key_per_rank() == kjt_2.stride_per_key_per_rank()
+        and _same_array(kjt_1.lengths(), kjt_2.lengths())
+        and _bag_arrays_equal(kjt_1, kjt_2)
+    )

@@ -23,18 +23,29 @@ class KeyedTensor:
     `offset_per_key` / `index_per_key` are TorchRec's caches: accepted and checked.
     """
 
-    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values, key_dim: int = 1,
-                 offset_per_key: Sequence[int] | None = None, index_per_key: dict | None = None):
+    def __init__(
+        self,
+        keys: Sequence[str],
+        length_per_key: Sequence[int],
+        values,
+        key_dim: int = 1,
+        offset_per_key: Sequence[int] | None = None,
+        index_per_key: dict | None = None,
+    ):
         keys = tuple(keys)
         lengths = tuple(int(n) for n in length_per_key)
         if len(keys) != len(lengths):
-            raise ValueError(f"KeyedTensor: {len(keys)} keys but {len(lengths)} entries in length_per_key")
+            raise ValueError(
+                f"KeyedTensor: {len(keys)} keys but {len(lengths)} entries in length_per_key"
+            )
         if len(set(keys)) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})
             raise ValueError(f"KeyedTensor: key(s) {dup} appear twice; keys must be unique")
         neg = [k for k, n in zip(keys, lengths, strict=True) if n < 0]
         if neg:
-            raise ValueError(f"KeyedTensor: key(s) {neg} have a negative length; lengths must be >= 0")
+            raise ValueError(
+                f"KeyedTensor: key(s) {neg} have a negative length; lengths must be >= 0"
+            )
         if values.ndim <= key_dim or values.shape[key_dim] != sum(lengths):
             raise ValueError(
                 f"KeyedTensor: values has shape {values.shape} but the keys need {sum(lengths)} "
@@ -42,10 +53,14 @@ class KeyedTensor:
             )
         self._keys, self._lengths, self._values, self._key_dim = keys, lengths, values, key_dim
         if offset_per_key is not None and [int(x) for x in offset_per_key] != self.offset_per_key():
-            raise ValueError(f"KeyedTensor: offset_per_key={list(offset_per_key)} but the lengths give "
-                             f"{self.offset_per_key()}")
+            raise ValueError(
+                f"KeyedTensor: offset_per_key={list(offset_per_key)} but the lengths give "
+                f"{self.offset_per_key()}"
+            )
         if index_per_key is not None and dict(index_per_key) != self.index_per_key():
-            raise ValueError(f"KeyedTensor: index_per_key={dict(index_per_key)} but the keys give {self.index_per_key()}")
+            raise ValueError(
+                f"KeyedTensor: index_per_key={dict(index_per_key)} but the keys give {self.index_per_key()}"
+            )
 
     def tree_flatten(self):
         return (self._values,), (self._keys, self._lengths, self._key_dim)
@@ -58,15 +73,26 @@ class KeyedTensor:
         return obj
 
     @classmethod
-    def from_tensor_list(cls, keys: Sequence[str], tensors: Sequence, key_dim: int = 1, cat_dim: int = 1) -> KeyedTensor:
+    def from_tensor_list(
+        cls, keys: Sequence[str], tensors: Sequence, key_dim: int = 1, cat_dim: int = 1
+    ) -> KeyedTensor:
         """`tensors` concatenated along `cat_dim`; key i's length is `tensors[i].shape[key_dim]`
         (TorchRec's rule: keep the two dims equal for the blocks to line up)."""
         if len(keys) != len(tensors):
-            raise ValueError(f"KeyedTensor.from_tensor_list: {len(keys)} keys and {len(tensors)} tensors; give one "
-                             "tensor per key")
+            raise ValueError(
+                f"KeyedTensor.from_tensor_list: {len(keys)} keys and {len(tensors)} tensors; give one "
+                "tensor per key"
+            )
         if not tensors:
-            raise ValueError("KeyedTensor.from_tensor_list: no tensors; build KeyedTensor([], [], values) directly")
-        return cls(keys, [t.shape[key_dim] for t in tensors], jnp.concatenate(tensors, axis=cat_dim), key_dim)
+            raise ValueError(
+                "KeyedTensor.from_tensor_list: no tensors; build KeyedTensor([], [], values) directly"
+            )
+        return cls(
+            keys,
+            [t.shape[key_dim] for t in tensors],
+            jnp.concatenate(tensors, axis=cat_dim),
+            key_dim,
+        )
 
     def keys(self) -> list[str]:
         return list(self._keys)
@@ -104,13 +130,17 @@ class KeyedTensor:
             raise KeyError(f"feature {key!r} is not in this KeyedTensor (keys: {list(self._keys)})")
         i = self._keys.index(key)
         start = sum(self._lengths[:i])
-        return jax.lax.slice_in_dim(self._values, start, start + self._lengths[i], axis=self._key_dim)
+        return jax.lax.slice_in_dim(
+            self._values, start, start + self._lengths[i], axis=self._key_dim
+        )
 
     def to_dict(self) -> dict[str, jax.Array]:
         return {k: self[k] for k in self._keys}
 
     @staticmethod
-    def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[jax.Array]:
+    def regroup(
+        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]
+    ) -> list[jax.Array]:
         """One array per group: its keys' blocks concatenated along `key_dim`. A key must be in
         exactly one of the KeyedTensors, and all share `key_dim`."""
         if not keyed_tensors:
@@ -119,12 +149,16 @@ class KeyedTensor:
         where: dict[str, KeyedTensor] = {}
         for i, kt in enumerate(keyed_tensors):
             if kt.key_dim() != key_dim:
-                raise ValueError(f"KeyedTensor.regroup: keyed_tensors[{i}] has key_dim={kt.key_dim()} but "
-                                 f"keyed_tensors[0] has {key_dim}")
+                raise ValueError(
+                    f"KeyedTensor.regroup: keyed_tensors[{i}] has key_dim={kt.key_dim()} but "
+                    f"keyed_tensors[0] has {key_dim}"
+                )
             for k in kt.keys():
                 if k in where:
-                    raise ValueError(f"KeyedTensor.regroup: key {k!r} is in more than one KeyedTensor; a group "
-                                     "naming it is ambiguous")
+                    raise ValueError(
+                        f"KeyedTensor.regroup: key {k!r} is in more than one KeyedTensor; a group "
+                        "naming it is ambiguous"
+                    )
                 where[k] = kt
         out = []
         for group in groups:
@@ -138,12 +172,15 @@ class KeyedTensor:
         return out
 
     @staticmethod
-    def regroup_as_dict(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]],
-                        keys: Sequence[str]) -> dict[str, jax.Array]:
+    def regroup_as_dict(
+        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: Sequence[str]
+    ) -> dict[str, jax.Array]:
         """`regroup`, the i-th group's array named `keys[i]`."""
         if len(groups) != len(keys):
-            raise ValueError(f"KeyedTensor.regroup_as_dict: {len(groups)} groups but {len(keys)} keys; give one key "
-                             "per group")
+            raise ValueError(
+                f"KeyedTensor.regroup_as_dict: {len(groups)} groups but {len(keys)} keys; give one key "
+                "per group"
+            )
         return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
 
     def __repr__(self) -> str:

@@ -67,8 +67,17 @@ class TableLayout:
             g, off = table_group[t.name]
             for f, name in zip(t.feature_names, names, strict=True):
                 features.append(
-                    FeatureSlot(f, t.name, g, off, t.num_embeddings, t.embedding_dim, getattr(t, "pooling", None), col,
-                                name)
+                    FeatureSlot(
+                        f,
+                        t.name,
+                        g,
+                        off,
+                        t.num_embeddings,
+                        t.embedding_dim,
+                        getattr(t, "pooling", None),
+                        col,
+                        name,
+                    )
                 )
                 col += t.embedding_dim
         return cls(tables, groups, group_dtype, table_group, tuple(features))

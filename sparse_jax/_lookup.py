@@ -30,7 +30,14 @@ from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._layout import FeatureSlot, TableLayout
 from sparse_jax._validate import is_concrete
 
-__all__ = ["BOUNDS_CHECKS", "KERNELS", "check_ids", "id_stream", "pooled_per_position", "pooled_segment_sum"]
+__all__ = [
+    "BOUNDS_CHECKS",
+    "KERNELS",
+    "check_ids",
+    "id_stream",
+    "pooled_per_position",
+    "pooled_segment_sum",
+]
 
 BOUNDS_CHECKS = ("error", "clamp", "skip")
 KERNELS = ("auto", "ffi", "xla", "reference", "pallas")
@@ -115,7 +122,9 @@ def use_ffi(kernel: str, table) -> bool:
     if _kernels.available():
         return True
     if kernel == "ffi":
-        raise ValueError("kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); use kernel='auto' or 'xla'")
+        raise ValueError(
+            "kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); use kernel='auto' or 'xla'"
+        )
     return False
 
 
@@ -129,17 +138,24 @@ def sum_positions(table, rows, w, kernel: str):
     pallas_ok = _pallas.supports_dim(table.shape[1])
     if kernel == "pallas":
         _require_pallas(pallas_ok, table)
-        impls = dict(default=functools.partial(_pallas.pooled_positions, interpret=True),
-                     cuda=_pallas.pooled_positions)
+        impls = dict(
+            default=functools.partial(_pallas.pooled_positions, interpret=True),
+            cuda=_pallas.pooled_positions,
+        )
     elif kernel in ("auto", "ffi"):
         cpu = None
         if use_ffi(kernel, table) or (kernel == "auto" and table.dtype == jnp.float32):
             cpu = _when_built(lambda t, r, x: _ffi_pooled_sum(t, r, x), _sum_positions)
-        impls = dict(default=_sum_positions, cpu=cpu, cuda=_pallas.pooled_positions if pallas_ok else None)
+        impls = dict(
+            default=_sum_positions, cpu=cpu, cuda=_pallas.pooled_positions if pallas_ok else None
+        )
     else:
         return _sum_positions(table, rows, w)
-    out = by_platform((table, rows, w), [jax.ShapeDtypeStruct((rows.shape[0], table.shape[1]), jnp.float32)],
-                      **impls)
+    out = by_platform(
+        (table, rows, w),
+        [jax.ShapeDtypeStruct((rows.shape[0], table.shape[1]), jnp.float32)],
+        **impls,
+    )
     return out[0]
 
 
@@ -162,8 +178,10 @@ def _when_built(ffi_fn, fallback):
 
 def _require_pallas(ok: bool, table) -> None:
     if not ok:
-        raise ValueError(f"kernel='pallas' needs power-of-two embedding dims, got a [{table.shape[0]}, "
-                         f"{table.shape[1]}] buffer; use kernel='auto' (XLA for this buffer)")
+        raise ValueError(
+            f"kernel='pallas' needs power-of-two embedding dims, got a [{table.shape[0]}, "
+            f"{table.shape[1]}] buffer; use kernel='auto' (XLA for this buffer)"
+        )
 
 
 def _sum_positions(table, rows, w):
@@ -202,16 +220,25 @@ def _group_members(layout: TableLayout, group: str) -> list[int]:
     return [i for i, s in enumerate(layout.features) if s.group == group]
 
 
-def _jagged_args(kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str) -> dict:
+def _jagged_args(
+    kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str
+) -> dict:
     key_indices = layout.key_indices(kjt.keys())
     members = _group_members(layout, group)
     slots = [layout.features[i] for i in members]
-    return dict(stride=kjt.stride(), keys=[key_indices[i] for i in members], row_offsets=[s.row_offset for s in slots],
-                num_rows=[s.num_rows for s in slots], mean=[s.pooling is PoolingType.MEAN for s in slots],
-                clamp=bounds_check == "clamp")
+    return dict(
+        stride=kjt.stride(),
+        keys=[key_indices[i] for i in members],
+        row_offsets=[s.row_offset for s in slots],
+        num_rows=[s.num_rows for s in slots],
+        mean=[s.pooling is PoolingType.MEAN for s in slots],
+        clamp=bounds_check == "clamp",
+    )
 
 
-def _group_per_position(table, kjt, layout: TableLayout, group: str, caps, *, weighted: bool, bounds_check: str):
+def _group_per_position(
+    table, kjt, layout: TableLayout, group: str, caps, *, weighted: bool, bounds_check: str
+):
     """The XLA form of one group: `[B, F_g * dim]` (features of one cap looked up together)."""
     key_indices = layout.key_indices(kjt.keys())
     stride = kjt.stride()
@@ -221,14 +248,21 @@ def _group_per_position(table, kjt, layout: TableLayout, group: str, caps, *, we
     for i in members:
         by_cap.setdefault(caps[i], []).append(i)
     for cap, same in by_cap.items():
-        mats = [_position_matrix(kjt, key_indices[i], cap, layout.features[i], weighted, bounds_check) for i in same]
-        pooled = _sum_positions(table, jnp.concatenate([m[0] for m in mats]), jnp.concatenate([m[1] for m in mats]))
+        mats = [
+            _position_matrix(kjt, key_indices[i], cap, layout.features[i], weighted, bounds_check)
+            for i in same
+        ]
+        pooled = _sum_positions(
+            table, jnp.concatenate([m[0] for m in mats]), jnp.concatenate([m[1] for m in mats])
+        )
         for j, i in enumerate(same):
             blocks[i] = pooled[j * stride : (j + 1) * stride]
     return jnp.concatenate([blocks[i] for i in members], axis=1)
 
 
-def _group_segment_sum(table, kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str):
+def _group_segment_sum(
+    table, kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str
+):
     """The reference form of one group (no caps needed): `[B, F_g * dim]`."""
     stride, n = kjt.stride(), len(_group_members(layout, group))
     rows, bag, scale = id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
@@ -241,12 +275,16 @@ def _jagged_kernel(fn, kjt, layout, group, weighted, bounds_check, **extra):
     args = _jagged_args(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
 
     def run(table, kjt):
-        return fn(table, kjt.values(), kjt.offsets(), kjt.weights() if weighted else None, **args, **extra)
+        return fn(
+            table, kjt.values(), kjt.offsets(), kjt.weights() if weighted else None, **args, **extra
+        )
 
     return run
 
 
-def pooled_group(table, kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str, kernel: str):
+def pooled_group(
+    table, kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str, kernel: str
+):
     """One group's pooled sums `[B, F_g * dim]` fp32 (the group's features side by side), the
     kernel chosen when the program is lowered:
 
@@ -279,15 +317,32 @@ def pooled_group(table, kjt, layout: TableLayout, group: str, *, weighted: bool,
         return xla(table, kjt)
     if kernel == "pallas":
         _require_pallas(pallas_ok, table)
-        impls = dict(default=_jagged_kernel(_pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check,
-                                            interpret=True),
-                     cuda=_jagged_kernel(_pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check))
+        impls = dict(
+            default=_jagged_kernel(
+                _pallas.jagged_pooled_sum,
+                kjt,
+                layout,
+                group,
+                weighted,
+                bounds_check,
+                interpret=True,
+            ),
+            cuda=_jagged_kernel(
+                _pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check
+            ),
+        )
     else:
         ffi = use_ffi(kernel, table) or (kernel == "auto" and table.dtype == jnp.float32)
         cpu = _jagged_kernel(_kernels.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check)
-        impls = dict(default=xla, cpu=_when_built(cpu, xla) if ffi else None,
-                     cuda=_jagged_kernel(_pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check)
-                     if pallas_ok else None)
+        impls = dict(
+            default=xla,
+            cpu=_when_built(cpu, xla) if ffi else None,
+            cuda=_jagged_kernel(
+                _pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check
+            )
+            if pallas_ok
+            else None,
+        )
     leaves, treedef = jax.tree_util.tree_flatten((table, kjt))
 
     def flat(fn):
@@ -295,15 +350,26 @@ def pooled_group(table, kjt, layout: TableLayout, group: str, *, weighted: bool,
 
     n = len(_group_members(layout, group))
     aval = jax.ShapeDtypeStruct((kjt.stride(), n * table.shape[1]), jnp.float32)
-    return by_platform(leaves, [aval], **{k: flat(f) if f is not None else None for k, f in impls.items()})[0]
+    return by_platform(
+        leaves, [aval], **{k: flat(f) if f is not None else None for k, f in impls.items()}
+    )[0]
 
 
-def pooled_per_position(params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str):
+def pooled_per_position(
+    params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str
+):
     """Per feature (output order) a `[B, dim]` fp32 block (`pooled_group` per group)."""
     out: list = [None] * len(layout.features)
     for group in layout.groups:
-        pooled = pooled_group(params[group], kjt, layout, group, weighted=weighted, bounds_check=bounds_check,
-                              kernel=kernel)
+        pooled = pooled_group(
+            params[group],
+            kjt,
+            layout,
+            group,
+            weighted=weighted,
+            bounds_check=bounds_check,
+            kernel=kernel,
+        )
         dim = layout.groups[group][1]
         for j, i in enumerate(_group_members(layout, group)):
             out[i] = pooled[:, j * dim : (j + 1) * dim]
@@ -347,7 +413,9 @@ def id_stream(kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_ch
     else:
         valid = valid & (ids >= 0) & (ids < n_rows)
     rows = jnp.where(valid, ids + jnp.asarray(row_off)[key_of_slot], total_rows)
-    bag = jnp.where(valid, jnp.asarray(pos_in_group)[key_of_slot] * stride + sample, len(members) * stride)
+    bag = jnp.where(
+        valid, jnp.asarray(pos_in_group)[key_of_slot] * stride + sample, len(members) * stride
+    )
     scale = jnp.where(valid, _per_id_weights(kjt, weighted), 0.0)
     lengths = jnp.concatenate([kjt.lengths(), jnp.ones(1, kjt.lengths().dtype)])
     bag_len = jnp.maximum(lengths[jnp.minimum(seg, num_bags)], 1).astype(jnp.float32)
@@ -364,9 +432,13 @@ def pooled_segment_sum(params, kjt, layout: TableLayout, *, weighted: bool, boun
     out: list = [None] * len(layout.features)
     for group in layout.groups:
         members = [i for i, s in enumerate(layout.features) if s.group == group]  # never empty
-        rows, bag, scale = id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
+        rows, bag, scale = id_stream(
+            kjt, layout, group, weighted=weighted, bounds_check=bounds_check
+        )
         table = params[group]
-        gathered = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * scale[:, None]
+        gathered = (
+            table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * scale[:, None]
+        )
         pooled = jax.ops.segment_sum(gathered, bag, num_segments=len(members) * stride)
         for j, i in enumerate(members):
             out[i] = pooled[j * stride : (j + 1) * stride]

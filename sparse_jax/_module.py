@@ -38,8 +38,15 @@ import numpy as np
 
 from sparse_jax._jagged import KeyedJaggedTensor
 
-__all__ = ["LayoutFacts", "ManagedSparseModule", "PaddedBatch", "PreparedBatch", "SparseModule", "StoredBlock",
-           "UpdateStep"]
+__all__ = [
+    "LayoutFacts",
+    "ManagedSparseModule",
+    "PaddedBatch",
+    "PreparedBatch",
+    "SparseModule",
+    "StoredBlock",
+    "UpdateStep",
+]
 
 
 class LayoutFacts:
@@ -192,6 +199,10 @@ class ManagedSparseModule(SparseModule, Protocol):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays (a
         collective on a multi-process mesh: every process calls it)."""
 
-    def load_mc_state(self, state: Mapping[str, Any], counters: Mapping | None = None,
-                      key: jax.Array | None = None) -> None:
+    def load_mc_state(
+        self,
+        state: Mapping[str, Any],
+        counters: Mapping | None = None,
+        key: jax.Array | None = None,
+    ) -> None:
         """Replace the id maps (and counters, draw key), e.g. from a checkpoint."""

@@ -24,10 +24,14 @@ __all__ = ["LengthCaps", "host_kjt", "pad_host"]
 def host_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     """`kjt` with numpy leaves (no copy for numpy leaves; one read for device arrays)."""
     children, aux = kjt.tree_flatten()
-    return KeyedJaggedTensor.tree_unflatten(aux, tuple(None if c is None else np.asarray(c) for c in children))
+    return KeyedJaggedTensor.tree_unflatten(
+        aux, tuple(None if c is None else np.asarray(c) for c in children)
+    )
 
 
-def pad_host(kjt: KeyedJaggedTensor, ladder: Sequence[int] | None, caps: Sequence[int]) -> KeyedJaggedTensor:
+def pad_host(
+    kjt: KeyedJaggedTensor, ladder: Sequence[int] | None, caps: Sequence[int]
+) -> KeyedJaggedTensor:
     """A host KJT padded to `ladder`'s rung (padding ids 0, weight 0, after the last bag),
     with the given static length caps (one per key)."""
     offsets = np.asarray(kjt.offsets(), np.int32)
@@ -35,7 +39,8 @@ def pad_host(kjt: KeyedJaggedTensor, ladder: Sequence[int] | None, caps: Sequenc
     cap = _capacity.capacity_for(max(n, 1), ladder, what="sparse batch")
     lengths = np.asarray(kjt.lengths(), np.int32)
     ids = _validate.as_id_array(
-        np.asarray(kjt.values())[:n], what="sparse batch",
+        np.asarray(kjt.values())[:n],
+        what="sparse batch",
         where=lambda i: _validate.locate(i, lengths, kjt.keys(), kjt.stride()),
     )  # int32 (x64 off): an id that does not fit raises, never truncated
     padded = _capacity.pad_ids(ids, cap)
@@ -43,7 +48,8 @@ def pad_host(kjt: KeyedJaggedTensor, ladder: Sequence[int] | None, caps: Sequenc
     if weights is not None:
         weights = _capacity.pad_ids(np.asarray(weights, np.float32)[:n], cap)
     return KeyedJaggedTensor.tree_unflatten(
-        (tuple(kjt.keys()), kjt.stride(), tuple(int(c) for c in caps)), (padded, weights, lengths, offsets)
+        (tuple(kjt.keys()), kjt.stride(), tuple(int(c) for c in caps)),
+        (padded, weights, lengths, offsets),
     )
 
 

@@ -48,8 +48,15 @@ import numpy as np
 from sparse_jax._configs import PoolingType
 from sparse_jax._validate import is_concrete
 
-__all__ = ["BOUNDS_CHECKS", "KERNELS", "WEIGHT_TYPES", "dequantize_rows", "quantize_rows", "quantized_pooled_lookup",
-           "row_bytes"]
+__all__ = [
+    "BOUNDS_CHECKS",
+    "KERNELS",
+    "WEIGHT_TYPES",
+    "dequantize_rows",
+    "quantize_rows",
+    "quantized_pooled_lookup",
+    "row_bytes",
+]
 
 WEIGHT_TYPES = ("fp16", "int8", "int4", "int2")
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -86,9 +93,15 @@ def row_bytes(weight_type: str, dim: int, row_alignment: int = 1) -> int:
     `rounded_row_size_in_bytes`; its CPU TBE aligns rows to 1 byte, its GPU TBE to 16)."""
     weight_type = _check_type(weight_type)
     dim = _check_dim(weight_type, dim)
-    if not isinstance(row_alignment, int | np.integer) or isinstance(row_alignment, bool) or row_alignment < 1:
-        raise ValueError(f"row_alignment must be an integer >= 1 (1 for FBGEMM's CPU TBE, 16 for its GPU TBE), "
-                         f"got {row_alignment!r}")
+    if (
+        not isinstance(row_alignment, int | np.integer)
+        or isinstance(row_alignment, bool)
+        or row_alignment < 1
+    ):
+        raise ValueError(
+            f"row_alignment must be an integer >= 1 (1 for FBGEMM's CPU TBE, 16 for its GPU TBE), "
+            f"got {row_alignment!r}"
+        )
     return int(-(-_unpadded_bytes(weight_type, dim) // row_alignment) * row_alignment)
 
 
@@ -130,7 +143,9 @@ def _quantize(table, weight_type: str):
     packed = q[..., 0]
     for i in range(1, per_byte):
         packed = packed | (q[..., i] << (i * bits))
-    return jnp.concatenate([_fp16_bytes(scale.astype(jnp.float16)), _fp16_bytes(bias), packed], axis=1), finite
+    return jnp.concatenate(
+        [_fp16_bytes(scale.astype(jnp.float16)), _fp16_bytes(bias), packed], axis=1
+    ), finite
 
 
 def quantize_rows(table, weight_type: str, *, row_alignment: int = 1) -> jax.Array:
@@ -202,8 +217,11 @@ def _unpack_words(words, weight_type: str, dim: int):
     bits `8k..8k+7` of word j): the same fp32 values, shifted out of whole words instead of
     reassembled from bytes (measured ~2.5x faster on CPU). Needs the values to fill whole
     words (`_word_aligned`)."""
+
     def half(bits):
-        return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+        return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(
+            jnp.float32
+        )
 
     if weight_type == "fp16":
         halves = (words[:, : dim // 2, None] >> jnp.array([0, 16], jnp.uint32)) & jnp.uint32(0xFFFF)
@@ -213,7 +231,11 @@ def _unpack_words(words, weight_type: str, dim: int):
     body = words[:, 1 : 1 + dim * bits // 32]
     shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32)
     q = (body[:, :, None] >> shifts) & jnp.uint32((1 << bits) - 1)
-    return half(head & 0xFFFF)[:, None], half(head >> 16)[:, None], q.reshape(-1, dim).astype(jnp.float32)
+    return (
+        half(head & 0xFFFF)[:, None],
+        half(head >> 16)[:, None],
+        q.reshape(-1, dim).astype(jnp.float32),
+    )
 
 
 def _word_aligned(weight_type: str, dim: int, width: int) -> bool:
@@ -223,7 +245,9 @@ def _word_aligned(weight_type: str, dim: int, width: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("weight_type", "dim", "max_length"))
-def _pooled(packed, ids, offsets, weights, weight_type: str, dim: int, mean, max_length: int | None):
+def _pooled(
+    packed, ids, offsets, weights, weight_type: str, dim: int, mean, max_length: int | None
+):
     """Unweighted bags come with weights of 1 and SUM bags with a final factor of 1: both
     products are exact, so one compiled loop serves SUM and MEAN, weighted or not. With
     `max_length` the loop has a static trip count (unrolled by 4); else it runs to the
@@ -266,8 +290,18 @@ def _xla_form(weight_type: str, dim: int, mean: bool, clamp: bool, max_length: i
             ids = jnp.clip(ids, 0, packed.shape[0] - 1)
         if weights is None:  # weights of 1: exact products, so one loop serves weighted or not
             weights = jnp.ones(ids.shape, jnp.float32)
-        return [_pooled(packed, ids, offsets.astype(ids.dtype), weights, weight_type, dim, jnp.bool_(mean),
-                        max_length)]
+        return [
+            _pooled(
+                packed,
+                ids,
+                offsets.astype(ids.dtype),
+                weights,
+                weight_type,
+                dim,
+                jnp.bool_(mean),
+                max_length,
+            )
+        ]
 
     return run
 
@@ -280,15 +314,38 @@ def _kernel_form(weight_type: str, dim: int, mean: bool, clamp: bool, max_length
 
         if ids.dtype.itemsize > 4:  # int32 for the kernel without wrapping ids into the table
             ids = jnp.clip(ids, -1, packed.shape[0])
-        return [_kernels.quant_pooled(packed, ids, offsets, weights, weight_type=weight_type, dim=dim, mean=mean,
-                                      clamp=clamp, max_length=max_length)]
+        return [
+            _kernels.quant_pooled(
+                packed,
+                ids,
+                offsets,
+                weights,
+                weight_type=weight_type,
+                dim=dim,
+                mean=mean,
+                clamp=clamp,
+                max_length=max_length,
+            )
+        ]
 
     return run
 
 
-@functools.partial(jax.jit, static_argnames=("weight_type", "dim", "mean", "clamp", "max_length", "kernel"))
-def _lookup(packed, ids, offsets, weights, weight_type: str, dim: int, mean: bool, clamp: bool,
-            max_length: int | None, kernel: str):
+@functools.partial(
+    jax.jit, static_argnames=("weight_type", "dim", "mean", "clamp", "max_length", "kernel")
+)
+def _lookup(
+    packed,
+    ids,
+    offsets,
+    weights,
+    weight_type: str,
+    dim: int,
+    mean: bool,
+    clamp: bool,
+    max_length: int | None,
+    kernel: str,
+):
     """The lookup, its implementation chosen when the program is lowered (`by_platform`):
     kernel "auto"/"ffi" takes the fused C++ kernel on CPU when it is built, the XLA form
     elsewhere (other platforms, an unbuilt kernel); "xla" always the XLA form."""
@@ -304,9 +361,19 @@ def _lookup(packed, ids, offsets, weights, weight_type: str, dim: int, mean: boo
     return by_platform(operands, [aval], default=xla, cpu=_when_built(_kernel_form(*form), xla))[0]
 
 
-def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, pooling="SUM",
-                            per_sample_weights=None, *, max_length: int | None = None, bounds_check: str = "skip",
-                            kernel: str = "auto") -> jax.Array:
+def quantized_pooled_lookup(
+    packed,
+    weight_type: str,
+    dim: int,
+    ids,
+    offsets,
+    pooling="SUM",
+    per_sample_weights=None,
+    *,
+    max_length: int | None = None,
+    bounds_check: str = "skip",
+    kernel: str = "auto",
+) -> jax.Array:
     """Pooled fp32 `[B, dim]` over bags of packed rows, FBGEMM's IntN TBE CPU forward.
 
     packed: uint8 `[rows, row_bytes]` from `quantize_rows` (any row alignment).
@@ -340,17 +407,26 @@ def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, po
     mean = _is_mean(pooling)
     ids, offsets = jnp.asarray(ids), jnp.asarray(offsets)
     if ids.ndim != 1 or offsets.ndim != 1 or offsets.shape[0] < 1:
-        raise ValueError(f"ids must be 1-D [N] and offsets 1-D [B + 1]; got shapes {ids.shape} and {offsets.shape}")
+        raise ValueError(
+            f"ids must be 1-D [N] and offsets 1-D [B + 1]; got shapes {ids.shape} and {offsets.shape}"
+        )
     if not (jnp.issubdtype(ids.dtype, jnp.integer) and jnp.issubdtype(offsets.dtype, jnp.integer)):
         raise ValueError(f"ids and offsets must be integers, got {ids.dtype} and {offsets.dtype}")
     if per_sample_weights is not None:
         per_sample_weights = jnp.asarray(per_sample_weights, jnp.float32)
     if per_sample_weights is not None and per_sample_weights.shape != ids.shape:
-        raise ValueError(f"per_sample_weights has shape {per_sample_weights.shape}, ids {ids.shape}: "
-                         "pass one weight per id")
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int | np.integer)
-                                   or max_length < 0):
-        raise ValueError(f"max_length={max_length!r} must be an int >= 0 (a bound on every bag's length) or None")
+        raise ValueError(
+            f"per_sample_weights has shape {per_sample_weights.shape}, ids {ids.shape}: "
+            "pass one weight per id"
+        )
+    if max_length is not None and (
+        isinstance(max_length, bool)
+        or not isinstance(max_length, int | np.integer)
+        or max_length < 0
+    ):
+        raise ValueError(
+            f"max_length={max_length!r} must be an int >= 0 (a bound on every bag's length) or None"
+        )
     if bounds_check not in BOUNDS_CHECKS:
         raise ValueError(f"bounds_check={bounds_check!r} is not one of {BOUNDS_CHECKS}")
     if kernel not in KERNELS:
@@ -359,19 +435,35 @@ def quantized_pooled_lookup(packed, weight_type: str, dim: int, ids, offsets, po
         from sparse_jax import _kernels
 
         if not _kernels.available():
-            raise ValueError("kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); "
-                             "use kernel='auto' or 'xla'")
+            raise ValueError(
+                "kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); "
+                "use kernel='auto' or 'xla'"
+            )
     if is_concrete(ids, offsets):
-        _check_bags(np.asarray(ids), np.asarray(offsets), packed.shape[0], ids_too=bounds_check == "skip")
+        _check_bags(
+            np.asarray(ids), np.asarray(offsets), packed.shape[0], ids_too=bounds_check == "skip"
+        )
         longest = int(np.diff(np.asarray(offsets)).max(initial=0))
         if max_length is not None and longest > max_length:
-            raise ValueError(f"max_length={max_length} but a bag holds {longest} ids: pass a bound >= {longest}, "
-                             "or None to loop to the longest bag")
+            raise ValueError(
+                f"max_length={max_length} but a bag holds {longest} ids: pass a bound >= {longest}, "
+                "or None to loop to the longest bag"
+            )
     batch = offsets.shape[0] - 1
     if batch == 0 or ids.shape[0] == 0 or packed.shape[0] == 0:  # nothing to add
         return jnp.zeros((batch, dim), jnp.float32)
-    return _lookup(packed, ids, offsets, per_sample_weights, weight_type, dim, mean, bounds_check == "clamp",
-                   None if max_length is None else int(max_length), kernel)
+    return _lookup(
+        packed,
+        ids,
+        offsets,
+        per_sample_weights,
+        weight_type,
+        dim,
+        mean,
+        bounds_check == "clamp",
+        None if max_length is None else int(max_length),
+        kernel,
+    )
 
 
 def _is_mean(pooling) -> bool:

@@ -48,8 +48,12 @@ from sparse_jax._validate import is_concrete
 __all__ = ["QuantEmbeddingBagCollection"]
 
 
-def _weight_types(tables, weight_type: str, per_table: Mapping[str, str] | None,
-                  what: str = "per_table_weight_type") -> dict[str, str]:
+def _weight_types(
+    tables,
+    weight_type: str,
+    per_table: Mapping[str, str] | None,
+    what: str = "per_table_weight_type",
+) -> dict[str, str]:
     """{table: weight type}: `per_table` where it names the table, else `weight_type`."""
     names = [t.name for t in tables]
     per_table = dict(per_table or {})
@@ -111,7 +115,9 @@ class QuantEmbeddingBagCollection(LayoutFacts):
         names = [t.name for t in self.layout.tables]
         missing = sorted(set(names) - set(weight_types))
         if missing:
-            raise ValueError(f"weight_types has no entry for tables {missing}; give one of {WEIGHT_TYPES} per table")
+            raise ValueError(
+                f"weight_types has no entry for tables {missing}; give one of {WEIGHT_TYPES} per table"
+            )
         self.weight_types = _weight_types(self.layout.tables, "", weight_types, "weight_types")
         if set(packed) != set(names):
             raise ValueError(f"packed must hold one array per table {names}; got {sorted(packed)}")
@@ -164,13 +170,23 @@ class QuantEmbeddingBagCollection(LayoutFacts):
         packed = {}
         for t in tables:
             try:
-                packed[t.name] = quantize_rows(weights[t.name], types[t.name], row_alignment=row_alignment)
+                packed[t.name] = quantize_rows(
+                    weights[t.name], types[t.name], row_alignment=row_alignment
+                )
             except ValueError as e:
                 raise ValueError(f"table {t.name!r} (dim {t.embedding_dim}): {e}") from None
         if ladder is None and isinstance(module, EmbeddingBagCollection):
             ladder = module.ladder
-        return cls(tables, packed, types, is_weighted=module.is_weighted(), row_alignment=row_alignment,
-                   bounds_check=module.bounds_check, ladder=ladder, device=device)
+        return cls(
+            tables,
+            packed,
+            types,
+            is_weighted=module.is_weighted(),
+            row_alignment=row_alignment,
+            bounds_check=module.bounds_check,
+            ladder=ladder,
+            device=device,
+        )
 
     # -- facts ----------------------------------------------------------------------------------
     def is_weighted(self) -> bool:
@@ -191,13 +207,16 @@ class QuantEmbeddingBagCollection(LayoutFacts):
     def dequantized_weights(self) -> dict[str, jax.Array]:
         """{table: fp32 [num_embeddings, dim]}: the values the lookup pools (`dequantize_rows`)."""
         return {
-            t.name: dequantize_rows(self.packed_tables[t.name], self.weight_types[t.name], t.embedding_dim)
+            t.name: dequantize_rows(
+                self.packed_tables[t.name], self.weight_types[t.name], t.embedding_dim
+            )
             for t in self.layout.tables
         }
 
     def __repr__(self) -> str:
         parts = ", ".join(
-            f"{t.name} [{t.num_embeddings} x {t.embedding_dim}] {self.weight_types[t.name]}" for t in self.layout.tables
+            f"{t.name} [{t.num_embeddings} x {t.embedding_dim}] {self.weight_types[t.name]}"
+            for t in self.layout.tables
         )
         return f"QuantEmbeddingBagCollection({parts}; {self.nbytes} bytes)"
 
@@ -206,14 +225,20 @@ class QuantEmbeddingBagCollection(LayoutFacts):
         """Keys, id dtype and weights fit this collection (no id is read)."""
         self.layout.key_indices(kjt.keys())
         if self._is_weighted and kjt.weights_or_none() is None:
-            raise ValueError("this QuantEmbeddingBagCollection is weighted (is_weighted=True) but the KJT has no weights")
+            raise ValueError(
+                "this QuantEmbeddingBagCollection is weighted (is_weighted=True) but the KJT has no weights"
+            )
         if kjt.variable_stride_per_key():
-            raise ValueError("QuantEmbeddingBagCollection: a variable-batch KJT is expanded by prepare(); pass it to "
-                             "prepare() or apply() outside jit, or call expand_to_batch() first")
+            raise ValueError(
+                "QuantEmbeddingBagCollection: a variable-batch KJT is expanded by prepare(); pass it to "
+                "prepare() or apply() outside jit, or call expand_to_batch() first"
+            )
         values = kjt.values()
         if values.ndim != 1 or not jnp.issubdtype(values.dtype, jnp.integer):
-            raise ValueError(f"QuantEmbeddingBagCollection: the KJT's values must be integer ids of shape [N], got "
-                             f"{values.dtype} {tuple(values.shape)}")
+            raise ValueError(
+                f"QuantEmbeddingBagCollection: the KJT's values must be integer ids of shape [N], got "
+                f"{values.dtype} {tuple(values.shape)}"
+            )
 
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> PaddedBatch:
         """Check the ids on the host (with bounds_check="error": an id outside its table
@@ -238,12 +263,22 @@ class QuantEmbeddingBagCollection(LayoutFacts):
         blocks = []
         for slot, ki in zip(self.layout.features, self.layout.key_indices(kjt.keys()), strict=True):
             bags = offsets[ki * stride : (ki + 1) * stride + 1]
-            blocks.append(quantized_pooled_lookup(
-                tables[slot.table], self.weight_types[slot.table], slot.dim, values, bags, slot.pooling, weights,
-                max_length=None if caps is None else caps[ki],
-                bounds_check="clamp" if self.bounds_check == "clamp" else "skip",
-            ))
-        return KeyedTensor(self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1))
+            blocks.append(
+                quantized_pooled_lookup(
+                    tables[slot.table],
+                    self.weight_types[slot.table],
+                    slot.dim,
+                    values,
+                    bags,
+                    slot.pooling,
+                    weights,
+                    max_length=None if caps is None else caps[ki],
+                    bounds_check="clamp" if self.bounds_check == "clamp" else "skip",
+                )
+            )
+        return KeyedTensor(
+            self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1)
+        )
 
     def apply(self, batch: PaddedBatch | KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings `[B, sum of feature dims]` (fp32 KeyedTensor): what the float

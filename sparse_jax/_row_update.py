@@ -42,8 +42,12 @@ def ffi_rule(rule: RowRule, table) -> bool:
 def pallas_rule(rule: RowRule, table, state) -> bool:
     """The Pallas sorted-run kernel implements this rule on this buffer."""
     num_rows, dim = table.shape
-    return (rule.native is not None and _pallas.supports_dim(dim) and any(table.dtype == d for d in _NARROW)
-            and _pallas.per_row_state(state, num_rows, dim))
+    return (
+        rule.native is not None
+        and _pallas.supports_dim(dim)
+        and any(table.dtype == d for d in _NARROW)
+        and _pallas.per_row_state(state, num_rows, dim)
+    )
 
 
 def _cpu_kernels_ready() -> bool:
@@ -64,7 +68,16 @@ def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, 
 
     def unpack(ops):
         t, s, r, b, sc, g, ok, *lv = ops
-        return t, jax.tree_util.tree_unflatten(treedef, lv), s, r, b, sc, g, (ok if guarded else None)
+        return (
+            t,
+            jax.tree_util.tree_unflatten(treedef, lv),
+            s,
+            r,
+            b,
+            sc,
+            g,
+            (ok if guarded else None),
+        )
 
     def flat(out):
         return [out[0], *jax.tree_util.tree_leaves(out[1])]
@@ -72,7 +85,9 @@ def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, 
     def xla(scatter_add: bool):
         def run(*ops):
             t, st, s, r, b, sc, g, ok = unpack(ops)
-            return flat(apply_row_rule(rule, t, st, s, r, b, sc, g, scatter_add=scatter_add, good=ok))
+            return flat(
+                apply_row_rule(rule, t, st, s, r, b, sc, g, scatter_add=scatter_add, good=ok)
+            )
 
         return run
 
@@ -80,7 +95,11 @@ def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, 
         def run(*ops):
             t, st, s, r, b, sc, g, ok = unpack(ops)
             rows_s, perm = _pallas.sorted_runs(r, num_rows)
-            return flat(_pallas.sorted_run_update(rule, t, st, s, rows_s, perm, b, sc, g, ok, interpret=interpret))
+            return flat(
+                _pallas.sorted_run_update(
+                    rule, t, st, s, rows_s, perm, b, sc, g, ok, interpret=interpret
+                )
+            )
 
         return run
 
@@ -93,21 +112,35 @@ def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, 
         if ok is not None:
             r = jnp.where(ok, r, num_rows)  # the kernel skips rows outside the buffer
         leaf = st.get("momentum1") if isinstance(st, dict) else None
-        new_t, new_leaf = _kernels.fused_update(rule.native, t, leaf, r, b, sc, g, lr=rule.hyperparams["lr"],
-                                                eps=rule.hyperparams.get("eps", 0.0))
+        new_t, new_leaf = _kernels.fused_update(
+            rule.native,
+            t,
+            leaf,
+            r,
+            b,
+            sc,
+            g,
+            lr=rule.hyperparams["lr"],
+            eps=rule.hyperparams.get("eps", 0.0),
+        )
         return flat((new_t, {"momentum1": new_leaf} if leaf is not None else st))
 
     if kernel == "pallas":
         if not pallas_rule(rule, table, state):
-            raise ValueError(f"kernel='pallas' cannot run {rule.name!r} on a {table.dtype} [{num_rows}, "
-                             f"{table.shape[1]}] buffer (needs a native rule and a power-of-two dim); use 'auto'")
+            raise ValueError(
+                f"kernel='pallas' cannot run {rule.name!r} on a {table.dtype} [{num_rows}, "
+                f"{table.shape[1]}] buffer (needs a native rule and a power-of-two dim); use 'auto'"
+            )
         impls = dict(default=pallas(True), cuda=pallas(False))
     elif kernel in ("xla", "reference"):
         impls = dict(default=xla(True), cuda=xla(False))
     else:
         use_cpu = ffi_rule(rule, table) and (kernel == "auto" or use_ffi(kernel, table))
-        impls = dict(default=xla(True), cpu=ffi if use_cpu else None,
-                     cuda=pallas(False) if pallas_rule(rule, table, state) else xla(False))
+        impls = dict(
+            default=xla(True),
+            cpu=ffi if use_cpu else None,
+            cuda=pallas(False) if pallas_rule(rule, table, state) else xla(False),
+        )
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)]
     out = by_platform(operands, avals, **impls)
     return out[0], jax.tree_util.tree_unflatten(treedef, out[1:])

@@ -34,8 +34,10 @@ class TableCollection(LayoutFacts):
         their checks."""
         self.layout.key_indices(kjt.keys())
         if kjt.variable_stride_per_key() and self.expands_variable_stride:
-            raise ValueError(f"{type(self).__name__}: a variable-batch KJT is expanded by prepare(); pass it to "
-                             "prepare() or apply() outside jit, or call expand_to_batch() first")
+            raise ValueError(
+                f"{type(self).__name__}: a variable-batch KJT is expanded by prepare(); pass it to "
+                "prepare() or apply() outside jit, or call expand_to_batch() first"
+            )
         values = kjt.values()
         if values.ndim != 1 or not jnp.issubdtype(values.dtype, jnp.integer):
             raise ValueError(
@@ -70,7 +72,9 @@ class TableCollection(LayoutFacts):
         parts: dict[str, list] = {g: [] for g in self.layout.groups}
         for i, t in enumerate(self.layout.tables):
             g, _ = self.layout.table_group[t.name]
-            parts[g].append(t.initial_weights(jax.random.fold_in(key, i)).astype(t.data_type.numpy_dtype))
+            parts[g].append(
+                t.initial_weights(jax.random.fold_in(key, i)).astype(t.data_type.numpy_dtype)
+            )
         return {g: jnp.array(jnp.concatenate(ws), copy=True) for g, ws in parts.items()}
 
     def reset_parameters(self, key: jax.Array) -> dict[str, jax.Array]:
@@ -91,7 +95,9 @@ class TableCollection(LayoutFacts):
         params = dict(params)
         for name, w in weights.items():
             if name not in by_name:
-                raise ValueError(f"with_table_weights: no table named {name!r} (tables: {list(by_name)})")
+                raise ValueError(
+                    f"with_table_weights: no table named {name!r} (tables: {list(by_name)})"
+                )
             t = by_name[name]
             w = jnp.asarray(w)
             if w.shape != (t.num_embeddings, t.embedding_dim):

@@ -32,12 +32,24 @@ __all__ = ["make_update", "fused_update"]
 
 def _bag_grads(layout: TableLayout, group: str, pooled_grad):
     """`[F_g * B, dim]`: the pooled gradient of the group's features, stacked feature-major."""
-    blocks = [pooled_grad[:, s.out_offset : s.out_offset + s.dim] for s in layout.slots_of_group(group)]
+    blocks = [
+        pooled_grad[:, s.out_offset : s.out_offset + s.dim] for s in layout.slots_of_group(group)
+    ]
     return jnp.concatenate(blocks, axis=0)
 
 
-def _jagged_kernel_update(layout: TableLayout, group: str, rule: RowRule, table, state, kjt, pooled_grad, *,
-                          weighted: bool, bounds_check: str):
+def _jagged_kernel_update(
+    layout: TableLayout,
+    group: str,
+    rule: RowRule,
+    table,
+    state,
+    kjt,
+    pooled_grad,
+    *,
+    weighted: bool,
+    bounds_check: str,
+):
     """The C++ kernel's update of one fp32 buffer, read from the KJT and the pooled gradient
     in place (no id stream, no stacked bag gradients). Under the guard a skipped step hands
     the kernel empty bags (all offsets 0): it writes nothing."""
@@ -48,27 +60,65 @@ def _jagged_kernel_update(layout: TableLayout, group: str, rule: RowRule, table,
     good = _guard.current()
     offsets = kjt.offsets() if good is None else jnp.where(good, kjt.offsets(), 0)
     new_table, new_leaf = _kernels.jagged_fused_update(
-        rule.native, table, leaf, kjt.values(), offsets, kjt.weights() if weighted else None, pooled_grad,
-        stride=kjt.stride(), keys=[key_indices[i] for i in members], row_offsets=[s.row_offset for s in slots],
-        num_rows=[s.num_rows for s in slots], mean=[s.pooling is PoolingType.MEAN for s in slots],
-        grad_columns=[s.out_offset for s in slots], clamp=bounds_check == "clamp",
-        lr=rule.hyperparams["lr"], eps=rule.hyperparams.get("eps", 0.0),
+        rule.native,
+        table,
+        leaf,
+        kjt.values(),
+        offsets,
+        kjt.weights() if weighted else None,
+        pooled_grad,
+        stride=kjt.stride(),
+        keys=[key_indices[i] for i in members],
+        row_offsets=[s.row_offset for s in slots],
+        num_rows=[s.num_rows for s in slots],
+        mean=[s.pooling is PoolingType.MEAN for s in slots],
+        grad_columns=[s.out_offset for s in slots],
+        clamp=bounds_check == "clamp",
+        lr=rule.hyperparams["lr"],
+        eps=rule.hyperparams.get("eps", 0.0),
     )
     return new_table, ({"momentum1": new_leaf} if leaf is not None else state)
 
 
-def _group_update(layout: TableLayout, group: str, rule: RowRule, table, state, step, kjt, pooled_grad, *,
-                  weighted: bool, bounds_check: str, kernel: str):
+def _group_update(
+    layout: TableLayout,
+    group: str,
+    rule: RowRule,
+    table,
+    state,
+    step,
+    kjt,
+    pooled_grad,
+    *,
+    weighted: bool,
+    bounds_check: str,
+    kernel: str,
+):
     """One group's update. The id stream feeds `update_rows` (C++, Pallas or XLA by the
     lowering platform); on CPU, fp32 buffers of a rule the C++ kernels know take the jagged
     C++ update instead (it reads the KJT in place), chosen when the CPU program is lowered."""
 
     def stream(table, state, step, kjt, pooled_grad):
-        rows, bag, scale = _lookup.id_stream(kjt, layout, group, weighted=weighted, bounds_check=bounds_check)
-        return update_rows(rule, table, state, step, rows, bag, scale, _bag_grads(layout, group, pooled_grad),
-                           kernel=kernel)
+        rows, bag, scale = _lookup.id_stream(
+            kjt, layout, group, weighted=weighted, bounds_check=bounds_check
+        )
+        return update_rows(
+            rule,
+            table,
+            state,
+            step,
+            rows,
+            bag,
+            scale,
+            _bag_grads(layout, group, pooled_grad),
+            kernel=kernel,
+        )
 
-    if kernel not in ("auto", "ffi") or not ffi_rule(rule, table) or (kernel == "ffi" and not use_ffi(kernel, table)):
+    if (
+        kernel not in ("auto", "ffi")
+        or not ffi_rule(rule, table)
+        or (kernel == "ffi" and not use_ffi(kernel, table))
+    ):
         return stream(table, state, step, kjt, pooled_grad)
     leaves, treedef = jax.tree_util.tree_flatten((table, state, step, kjt, pooled_grad))
 
@@ -84,28 +134,61 @@ def _group_update(layout: TableLayout, group: str, rule: RowRule, table, state, 
 
         if _ffi._register() is not None:  # not built: decided when the CPU program is lowered
             return stream(table, state, step, kjt, pooled_grad)
-        return _jagged_kernel_update(layout, group, rule, table, state, kjt, pooled_grad, weighted=weighted,
-                                     bounds_check=bounds_check)
+        return _jagged_kernel_update(
+            layout,
+            group,
+            rule,
+            table,
+            state,
+            kjt,
+            pooled_grad,
+            weighted=weighted,
+            bounds_check=bounds_check,
+        )
 
     out_tree = jax.tree_util.tree_structure((table, state))
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves((table, state))]
+    avals = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves((table, state))
+    ]
     out = by_platform(leaves, avals, default=unpacked(stream), cpu=unpacked(cpu))
     return jax.tree_util.tree_unflatten(out_tree, out)
 
 
-def fused_update(layout: TableLayout, rule: RowRule, params, opt_state: SparseOptState, kjt, pooled_grad, *,
-                 weighted: bool, bounds_check: str, kernel: str):
+def fused_update(
+    layout: TableLayout,
+    rule: RowRule,
+    params,
+    opt_state: SparseOptState,
+    kjt,
+    pooled_grad,
+    *,
+    weighted: bool,
+    bounds_check: str,
+    kernel: str,
+):
     """The traceable step of `EmbeddingBagCollection.update_step` (no donation, no checks);
     `pooled_grad` is the `[B, sum of dims]` array (`update_operands` unwrapped a KeyedTensor)."""
     want = (kjt.stride(), sum(layout.output_dims))
     if tuple(pooled_grad.shape) != want:
-        raise ValueError(f"pooled_grad has shape {tuple(pooled_grad.shape)}; expected [batch, sum of dims] = {list(want)}")
+        raise ValueError(
+            f"pooled_grad has shape {tuple(pooled_grad.shape)}; expected [batch, sum of dims] = {list(want)}"
+        )
     step = opt_state.count + 1
     new_params, new_states = {}, {}
     for group in layout.groups:
         new_params[group], new_states[group] = _group_update(
-            layout, group, rule, params[group], opt_state.tables[group], step, kjt, pooled_grad, weighted=weighted,
-            bounds_check=bounds_check, kernel=kernel)
+            layout,
+            group,
+            rule,
+            params[group],
+            opt_state.tables[group],
+            step,
+            kjt,
+            pooled_grad,
+            weighted=weighted,
+            bounds_check=bounds_check,
+            kernel=kernel,
+        )
     return new_params, SparseOptState(count=_guard.next_count(opt_state.count), tables=new_states)
 
 
@@ -122,7 +205,9 @@ class _Update:
 
     def __init__(self, module, rule: RowRule, *, skip_nonfinite: bool):
         if not isinstance(rule, RowRule):
-            raise ValueError(f"make_update needs a sparse_jax.optim row rule, got {type(rule).__name__}")
+            raise ValueError(
+                f"make_update needs a sparse_jax.optim row rule, got {type(rule).__name__}"
+            )
         self.module, self.rule, self.skip_nonfinite = module, rule, bool(skip_nonfinite)
         step = module.update_step(rule)
         if self.skip_nonfinite:
@@ -189,7 +274,10 @@ def _flag_on_devices(ok: jax.Array, like_array: jax.Array) -> jax.Array:
         return ok.reshape(1)
     mesh = like.mesh
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
-    local = [jax.device_put(ok.reshape(1), d) for d in sharding.addressable_devices_indices_map((mesh.size,))]
+    local = [
+        jax.device_put(ok.reshape(1), d)
+        for d in sharding.addressable_devices_indices_map((mesh.size,))
+    ]
     return jax.make_array_from_single_device_arrays((mesh.size,), sharding, local)
 
 

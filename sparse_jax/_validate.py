@@ -13,8 +13,16 @@ import jax
 import numpy as np
 
 __all__ = [
-    "as_id_array", "as_values_array", "bag_position", "canonical_int", "check_agree", "check_lengths", "check_offsets",
-    "check_weights", "is_concrete", "locate",
+    "as_id_array",
+    "as_values_array",
+    "bag_position",
+    "canonical_int",
+    "check_agree",
+    "check_lengths",
+    "check_offsets",
+    "check_weights",
+    "is_concrete",
+    "locate",
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -30,7 +38,11 @@ def bag_position(bag: int, keys: Sequence[str], stride) -> str:
     """Where flat bag `bag` sits, as "feature 'k', batch position b"; `stride` is the batch
     size, or one batch size per key (a variable-stride KJT)."""
     if isinstance(stride, int | np.integer):
-        return f"feature {keys[bag // stride]!r}, batch position {bag % stride}" if stride else f"bag {bag}"
+        return (
+            f"feature {keys[bag // stride]!r}, batch position {bag % stride}"
+            if stride
+            else f"bag {bag}"
+        )
     starts = np.cumsum([0, *stride])
     k = int(np.searchsorted(starts, bag, side="right")) - 1
     return f"feature {keys[k]!r}, batch position {bag - int(starts[k])}"
@@ -84,10 +96,15 @@ def as_values_array(values, *, what: str, where=None) -> np.ndarray:
     become int32 after a range check, never truncated; float64 becomes float32)."""
     arr = np.asarray(values)
     if arr.ndim < 1:
-        raise ValueError(f"{what}: values must have at least one dimension (one entry per id), got a scalar")
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
-                                   or arr.dtype.name == "bfloat16"):
-        raise ValueError(f"{what}: values must be numbers, got dtype {arr.dtype}; hash strings to integers first")
+        raise ValueError(
+            f"{what}: values must have at least one dimension (one entry per id), got a scalar"
+        )
+    if arr.dtype == object or not (
+        np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_ or arr.dtype.name == "bfloat16"
+    ):
+        raise ValueError(
+            f"{what}: values must be numbers, got dtype {arr.dtype}; hash strings to integers first"
+        )
     if jax.config.jax_enable_x64:
         return arr
     if np.issubdtype(arr.dtype, np.integer) and arr.dtype.itemsize > 4:
@@ -122,7 +139,9 @@ def check_lengths(lengths, num_values: int, *, what: str, keys, stride, exact=Tr
     if neg.size:
         i = int(neg[0])
         where = bag_position(i, keys, stride) if keys else f"bag {i}"
-        raise ValueError(f"{what}: length {int(arr[i])} at {where} is negative; lengths count ids per bag")
+        raise ValueError(
+            f"{what}: length {int(arr[i])} at {where} is negative; lengths count ids per bag"
+        )
     total = int(arr.sum())
     if (exact and total != num_values) or total > num_values:
         raise ValueError(
@@ -137,21 +156,27 @@ def check_agree(lengths, from_offsets: np.ndarray, *, what: str, keys, stride) -
     them silently; a disagreement is a bug in the caller)."""
     arr = np.asarray(lengths)
     if arr.shape != from_offsets.shape:
-        raise ValueError(f"{what}: lengths has shape {arr.shape} but offsets describe {from_offsets.shape[0]} "
-                         "bags; give one of them, or both for the same bags")
+        raise ValueError(
+            f"{what}: lengths has shape {arr.shape} but offsets describe {from_offsets.shape[0]} "
+            "bags; give one of them, or both for the same bags"
+        )
     bad = np.flatnonzero(arr != from_offsets)
     if bad.size:
         i = int(bad[0])
         where = bag_position(i, keys, stride) if keys else f"bag {i}"
-        raise ValueError(f"{what}: at {where}, lengths says {int(arr[i])} ids but offsets say "
-                         f"{int(from_offsets[i])}; give one of them, or both for the same bags")
+        raise ValueError(
+            f"{what}: at {where}, lengths says {int(arr[i])} ids but offsets say "
+            f"{int(from_offsets[i])}; give one of them, or both for the same bags"
+        )
 
 
 def check_offsets(offsets, num_values: int, *, what: str) -> np.ndarray:
     """Offsets start at 0, never decrease, and end at `num_values`; returns the lengths."""
     arr = np.asarray(offsets)
     if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"{what}: offsets must be 1-D with at least one entry (0), got shape {arr.shape}")
+        raise ValueError(
+            f"{what}: offsets must be 1-D with at least one entry (0), got shape {arr.shape}"
+        )
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{what}: offsets must be integers, got dtype {arr.dtype}")
     if int(arr[0]) != 0:
@@ -160,7 +185,9 @@ def check_offsets(offsets, num_values: int, *, what: str) -> np.ndarray:
     down = np.flatnonzero(lengths < 0)
     if down.size:
         i = int(down[0])
-        raise ValueError(f"{what}: offsets decrease at bag {i} ({int(arr[i])} -> {int(arr[i + 1])})")
+        raise ValueError(
+            f"{what}: offsets decrease at bag {i} ({int(arr[i])} -> {int(arr[i + 1])})"
+        )
     if int(arr[-1]) != num_values:
         raise ValueError(f"{what}: offsets end at {int(arr[-1])} but values holds {num_values} ids")
     return lengths

@@ -60,7 +60,9 @@ def random_case(
         bag_ids[k], bag_weights[k] = [], []
         for _ in range(batch):
             n = int(rng.integers(0, max_len + 1))
-            high = num_rows[table_of[k]] if hot_rows is None else min(hot_rows, num_rows[table_of[k]])
+            high = (
+                num_rows[table_of[k]] if hot_rows is None else min(hot_rows, num_rows[table_of[k]])
+            )
             ids = rng.integers(0, high, size=n).tolist()
             w = rng.uniform(0.5, 1.5, size=n).astype(np.float32).tolist()
             bag_ids[k].append(ids)

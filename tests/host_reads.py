@@ -28,8 +28,14 @@ class HostReads:
         return len(self.sites)
 
     def record(self) -> None:
-        frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.endswith("host_reads.py")]
-        ours = [f for f in frames if "/site-packages/" not in f.filename and "/lib/python" not in f.filename]
+        frames = [
+            f for f in traceback.extract_stack()[:-2] if not f.filename.endswith("host_reads.py")
+        ]
+        ours = [
+            f
+            for f in frames
+            if "/site-packages/" not in f.filename and "/lib/python" not in f.filename
+        ]
         where = ours[-1] if ours else frames[-1]
         self.sites.append(f"{where.filename}:{where.lineno} ({where.name})")
 

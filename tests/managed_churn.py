@@ -34,20 +34,33 @@ def rss_mib() -> float:
 
 
 def one_model(seed: int) -> None:
-    tables = [EmbeddingBagConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"]),
-              EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
+    tables = [
+        EmbeddingBagConfig(
+            name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"]
+        ),
+        EmbeddingBagConfig(
+            name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"]
+        ),
+    ]
     torch.manual_seed(0)
     dense = dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1])
-    model = hybrid.Model(tables, dense, sparse_optimizer=rowwise_adagrad(lr=0.1),
-                         managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=64)})
+    model = hybrid.Model(
+        tables,
+        dense,
+        sparse_optimizer=rowwise_adagrad(lr=0.1),
+        managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=64)},
+    )
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
     rng = np.random.default_rng(seed)
     pool = rng.integers(-(2**62), 2**62, size=40)
     for step in range(4):
         users = pool[rng.integers(0, 40, BATCH)]
         items = rng.integers(0, ITEMS, BATCH)
-        sparse = (("user", "item"), torch.from_numpy(np.concatenate([users, items]).astype(np.int64)),
-                  torch.ones(2 * BATCH, dtype=torch.int32))
+        sparse = (
+            ("user", "item"),
+            torch.from_numpy(np.concatenate([users, items]).astype(np.int64)),
+            torch.ones(2 * BATCH, dtype=torch.int32),
+        )
         dense_in = torch.from_numpy(rng.normal(size=(BATCH, 3)).astype(np.float32))
         if step == 3:
             model.eval()
@@ -55,7 +68,9 @@ def one_model(seed: int) -> None:
                 model(dense_in, sparse)
             continue
         labels = torch.from_numpy(rng.integers(0, 2, BATCH).astype(np.float32))
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense_in, sparse).squeeze(-1), labels)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(dense_in, sparse).squeeze(-1), labels
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -25,10 +25,20 @@ Z, ITEMS, DIM, BATCH, STEPS = 32, 12, 4, 8, 6
 
 def run_managed_workload(mesh) -> dict[str, np.ndarray]:
     me, n = jax.process_index(), jax.process_count()
-    tables = [EmbeddingBagConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"]),
-              EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
-    sharded = shard(EmbeddingBagCollection(tables), mesh, {"users": "row_wise", "items": "table_wise"})
-    module = ShardedManagedCollisionModule(sharded, {"users": MCHManagedCollisionModule(Z, history_capacity=256)})
+    tables = [
+        EmbeddingBagConfig(
+            name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"]
+        ),
+        EmbeddingBagConfig(
+            name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"]
+        ),
+    ]
+    sharded = shard(
+        EmbeddingBagCollection(tables), mesh, {"users": "row_wise", "items": "table_wise"}
+    )
+    module = ShardedManagedCollisionModule(
+        sharded, {"users": MCHManagedCollisionModule(Z, history_capacity=256)}
+    )
     rule = rowwise_adagrad(lr=0.3)
     update = make_update(module, rule)
     params = module.init(jax.random.key(3))
@@ -40,27 +50,39 @@ def run_managed_workload(mesh) -> dict[str, np.ndarray]:
     for step in range(STEPS):
         # the first half of the batch (process 0's) carries many more ids: the id capacities the
         # processes would pick alone differ, so they must agree
-        users = [pool[rng.integers(0, 40, rng.integers(0, 12 if b < BATCH // 2 else 3))] for b in range(BATCH)]
+        users = [
+            pool[rng.integers(0, 40, rng.integers(0, 12 if b < BATCH // 2 else 3))]
+            for b in range(BATCH)
+        ]
         items = rng.integers(0, ITEMS, BATCH)
         grad = rng.normal(size=(BATCH, 2 * DIM)).astype(np.float32)
         mine = users[first:last]
         values = np.concatenate([*mine, items[first:last]]).astype(np.int64)
         lengths = np.array([len(u) for u in mine] + [1] * (last - first), np.int32)
-        batch = module.prepare(KeyedJaggedTensor(["user", "item"], RawIds.from_int64(values).words(), lengths=lengths))
+        batch = module.prepare(
+            KeyedJaggedTensor(["user", "item"], RawIds.from_int64(values).words(), lengths=lengths)
+        )
         params, opt, rows = module.remap(params, opt, batch)
         out[f"pooled/{step}"] = _host(module.apply(params, rows).values())
         params, opt = update(params, opt, rows, grad)
     out.update({f"weight/{k}": np.asarray(v) for k, v in module.table_weights(params).items()})
     states, counters, key = module.host_state()
-    out.update({f"mc/{field}": np.asarray(leaf) for field, leaf in zip(states["users"]._fields, states["users"],
-                                                                      strict=True)})
+    out.update(
+        {
+            f"mc/{field}": np.asarray(leaf)
+            for field, leaf in zip(states["users"]._fields, states["users"], strict=True)
+        }
+    )
     out["mc/counters"], out["mc/key"] = counters["users"], key
     out["stats"] = np.asarray(module.stats()["users"])
-    ec = EmbeddingCollection([EmbeddingConfig(name="users", num_embeddings=Z, embedding_dim=DIM,
-                                              feature_names=["user"])])
+    ec = EmbeddingCollection(
+        [EmbeddingConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"])]
+    )
     try:  # a sequence collection's managed tables: one process only
-        ShardedManagedCollisionModule(shard(ec, mesh, {"users": "row_wise"}),
-                                      {"users": MCHManagedCollisionModule(Z, history_capacity=256)})
+        ShardedManagedCollisionModule(
+            shard(ec, mesh, {"users": "row_wise"}),
+            {"users": MCHManagedCollisionModule(Z, history_capacity=256)},
+        )
         out["sequence_refused"] = np.array(False)
     except NotImplementedError as e:
         out["sequence_refused"] = np.array("several processes are not supported" in str(e))

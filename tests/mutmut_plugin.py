@@ -32,7 +32,9 @@ settings.load_profile("mutmut")
 
 jax.config.update(
     "jax_compilation_cache_dir",
-    os.environ.get("MUTMUT_JAX_CACHE", str(pathlib.Path(__file__).resolve().parents[1] / ".jax_cache")),
+    os.environ.get(
+        "MUTMUT_JAX_CACHE", str(pathlib.Path(__file__).resolve().parents[1] / ".jax_cache")
+    ),
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -125,7 +125,9 @@ def fused_step(name, hp, weights, states, row_grads, step):
         for i, g in grads.items():
             dim = weights[table].shape[1]
             state = states.setdefault(table, {}).get(i, initial_row_state(name, dim))
-            weights[table][i], states[table][i] = rule_step(name, hp, weights[table][i], state, g, step)
+            weights[table][i], states[table][i] = rule_step(
+                name, hp, weights[table][i], state, g, step
+            )
 
 
 def _murmur_mix(h):
@@ -142,7 +144,9 @@ def stochastic_round_loop(x, dtype, seed, step, rows):
     narrow type), a 24-bit uniform u from the hash of (seed, step, row, column), and hi when
     u < (x - lo) / (hi - lo); exact values stay, non-finite neighbours round to nearest."""
     out = np.empty(x.shape, dtype)
-    quiet = np.errstate(over="ignore", invalid="ignore")  # casts and nextafter past the largest value
+    quiet = np.errstate(
+        over="ignore", invalid="ignore"
+    )  # casts and nextafter past the largest value
     quiet.__enter__()
     key = _murmur_mix(seed ^ ((step * 0x9E3779B9) & 0xFFFFFFFF))
     for i, row in enumerate(rows):
@@ -155,7 +159,10 @@ def stochastic_round_loop(x, dtype, seed, step, rows):
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 out[i, j] = near
                 continue
-            h = _murmur_mix(_murmur_mix(key ^ ((int(row) * 0x85EBCA6B) & 0xFFFFFFFF)) ^ ((j * 0xC2B2AE35) & 0xFFFFFFFF))
+            h = _murmur_mix(
+                _murmur_mix(key ^ ((int(row) * 0x85EBCA6B) & 0xFFFFFFFF))
+                ^ ((j * 0xC2B2AE35) & 0xFFFFFFFF)
+            )
             u = (h >> 8) / 2.0**24
             out[i, j] = np.asarray(hi if u < (v - lo) / (hi - lo) else lo, dtype)
     quiet.__exit__(None, None, None)
@@ -207,7 +214,9 @@ def quantize_rows_loop(table, weight_type, row_alignment=1):
                 codes = []
                 for x in row:
                     v = float(np.float32(np.float32(x - low) * inverse))
-                    codes.append(0 if math.isnan(v) or v < 0 else min(round(v), top))  # round: half to even
+                    codes.append(
+                        0 if math.isnan(v) or v < 0 else min(round(v), top)
+                    )  # round: half to even
             data = _half_bytes(scale) + bias
             per_byte = 8 // bits
             for start in range(0, len(codes), per_byte):
@@ -238,7 +247,9 @@ def dequantize_rows_loop(packed, weight_type, dim):
     return out
 
 
-def quantized_pooled_loop(packed, weight_type, dim, ids, offsets, pooling="SUM", per_sample_weights=None):
+def quantized_pooled_loop(
+    packed, weight_type, dim, ids, offsets, pooling="SUM", per_sample_weights=None
+):
     """float64 [B, dim] by loops over bags of dequantized rows; id -1 (a pruned row) adds
     nothing, MEAN divides by the bag's full length, an empty bag is zeros."""
     rows = dequantize_rows_loop(packed, weight_type, dim)
@@ -280,7 +291,9 @@ class ManagedCollisionLoop:
         for i, s in self.window:
             count[i] = count.get(i, 0) + 1
             last[i] = max(last.get(i, 0), s)
-        ranked = sorted((i for i in sorted(count) if count[i] >= self.threshold), key=lambda i: -count[i])
+        ranked = sorted(
+            (i for i in sorted(count) if count[i] >= self.threshold), key=lambda i: -count[i]
+        )
         where = {e["raw"]: n for n, e in enumerate(self.entries) if e["raw"] is not None}
         for i in ranked:
             if i in where:
@@ -299,7 +312,12 @@ class ManagedCollisionLoop:
         evicted = set()
         for w, n in zip(winners, losers, strict=True):
             slot = self.entries[n]["slot"]
-            self.entries[n] = {"raw": new[w], "slot": slot, "count": count[new[w]], "last": last[new[w]]}
+            self.entries[n] = {
+                "raw": new[w],
+                "slot": slot,
+                "count": count[new[w]],
+                "last": last[new[w]],
+            }
             evicted.add(slot)
         self.entries.sort(key=lambda e: (e["raw"] is None, e["raw"] if e["raw"] is not None else 0))
         self.window, self.last_eviction = [], self.step

@@ -13,7 +13,9 @@ PLAN = {"t0": "row_wise", "t1": "table_wise", "t2": "data_parallel", "t3": "colu
 
 def run_workload(mesh) -> dict:
     n = mesh.size
-    case = random_case(np.random.default_rng(11), dims=[8, 8, 4, 16], batch=2 * n, weighted=True, rows=(20, 60))
+    case = random_case(
+        np.random.default_rng(11), dims=[8, 8, 4, 16], batch=2 * n, weighted=True, rows=(20, 60)
+    )
     ebc = EmbeddingBagCollection(case.tables, is_weighted=True)
     sharded = shard(ebc, mesh, PLAN)
     rule = optim.adagrad(lr=0.1)
@@ -24,8 +26,15 @@ def run_workload(mesh) -> dict:
     out = {"pooled": _host(pooled)}
     rng = np.random.default_rng(5)
     for step in range(3):
-        kjt = random_case(np.random.default_rng(50 + step), dims=[8, 8, 4, 16], batch=2 * n, weighted=True,
-                          rows=(20, 60), hot_rows=20, shuffle_keys=False).kjt
+        kjt = random_case(
+            np.random.default_rng(50 + step),
+            dims=[8, 8, 4, 16],
+            batch=2 * n,
+            weighted=True,
+            rows=(20, 60),
+            hot_rows=20,
+            shuffle_keys=False,
+        ).kjt
         grad = jnp.asarray(rng.normal(size=(2 * n, sum(ebc.layout.output_dims))).astype(np.float32))
         # each process prepares only its own samples; the gradient is the global value
         params, state = update(params, state, process_share(kjt, mesh), np.asarray(grad))
@@ -45,7 +54,9 @@ def process_share(kjt, mesh):
     whole batch in one process."""
     from sparse_jax import KeyedJaggedTensor
 
-    positions = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+    positions = [
+        i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()
+    ]
     stride, keys = kjt.stride(), kjt.keys()
     b_l = stride // mesh.devices.size
     lengths = np.asarray(kjt.lengths()).reshape(len(keys), stride)
@@ -59,5 +70,9 @@ def process_share(kjt, mesh):
             take_v.append(np.arange(offsets[a], offsets[b]))
             take_l.append(lengths[k, p * b_l : (p + 1) * b_l])
     idx = np.concatenate(take_v)
-    return KeyedJaggedTensor(keys, values[idx], lengths=np.concatenate(take_l),
-                             weights=None if weights is None else np.asarray(weights)[idx])
+    return KeyedJaggedTensor(
+        keys,
+        values[idx],
+        lengths=np.concatenate(take_l),
+        weights=None if weights is None else np.asarray(weights)[idx],
+    )

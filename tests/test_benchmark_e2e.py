@@ -12,14 +12,18 @@ def torchrec():
 
 
 @pytest.mark.parity
-@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+@pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"
+)
 def test_e2e_tiny_gate_and_outputs(tmp_path, monkeypatch, torchrec):
     import hybrid
     from benchmarks import e2e_vs_torchrec
 
     waits = []  # every timed round of ours ends by waiting for the sparse update it started
     real = hybrid.Model.wait_for_sparse_update
-    monkeypatch.setattr(hybrid.Model, "wait_for_sparse_update", lambda self: (waits.append(1), real(self))[1])
+    monkeypatch.setattr(
+        hybrid.Model, "wait_for_sparse_update", lambda self: (waits.append(1), real(self))[1]
+    )
     result = e2e_vs_torchrec.run(tiny=True, out_dir=tmp_path)
     w = e2e_vs_torchrec._workload(True)
     assert len(waits) == 1 + w["steps"] // w["steps_per_round"]  # warm-up + timed rounds
@@ -52,8 +56,11 @@ def test_e2e_sharded_forgives_a_teardown_abort_only_after_the_rank_finished(tmp_
     _done_path(out, 0).write_text(json.dumps({"rank": 0, "steps": 4}))
     (note,) = _check_ranks([-6, 0], out, steps=4)
     assert note.startswith("TorchRec rank 0 exited with code -6 in teardown, after all 4 steps")
-    with pytest.raises(RuntimeError, match=r"exit codes \[0, -6\]\): rank 1 exited with code -6 "
-                       r"before finishing its 4 steps \(done file: None\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"exit codes \[0, -6\]\): rank 1 exited with code -6 "
+        r"before finishing its 4 steps \(done file: None\)",
+    ):
         _check_ranks([0, -6], out, steps=4)  # rank 1 never wrote its done file
     _done_path(out, 1).write_text(json.dumps({"rank": 1, "steps": 2}))
     with pytest.raises(RuntimeError, match="rank 1 exited with code 1 before finishing"):

@@ -250,16 +250,21 @@ def test_round_state_is_what_the_real_update_replaces():
     from sparse_jax.optim import rowwise_adagrad
 
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"])
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"]
+        )
         for i in range(2)
     ]
     dense = dense_torch.DLRM(
-        embedding_dim=8, num_sparse_features=2, dense_in_features=13,
-        dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
+        embedding_dim=8,
+        num_sparse_features=2,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
     )
     model = hybrid.Model(tables, dense, sparse_optimizer=rowwise_adagrad(lr=0.01))
     w = dict(T=2, E=50, B=4, L=3, n_dense=13, pool=1)
-    (dense_x, sparse, labels), = e2e_step._batch_pool(w)
+    ((dense_x, sparse, labels),) = e2e_step._batch_pool(w)
     returned = []
     inner = model._tables._update
 
@@ -279,15 +284,37 @@ def test_round_state_is_what_the_real_update_replaces():
 # -- the step-segment arithmetic -----------------------------------------------------------------
 def test_step_segments_partition_the_step():
     # ours: prep, call, lookup done, grad node starts, update dispatched, loop end, update ready
-    ours = {"start": 0.0, "prepared": 1.0, "call": 1.5, "lookup_done": 3.0, "grad": 6.0,
-            "dispatched": 6.5, "end": 8.0, "ready": 10.0}
+    ours = {
+        "start": 0.0,
+        "prepared": 1.0,
+        "call": 1.5,
+        "lookup_done": 3.0,
+        "grad": 6.0,
+        "dispatched": 6.5,
+        "end": 8.0,
+        "ready": 10.0,
+    }
     s = e2e_step._step_segments(ours)
-    assert s == {"host_prep": 1.0, "host_prep_critical": 1.0, "lookup": 1.5,
-                 "dense": 3.0 + 1.5, "sparse_update": 4.0}
+    assert s == {
+        "host_prep": 1.0,
+        "host_prep_critical": 1.0,
+        "lookup": 1.5,
+        "dense": 3.0 + 1.5,
+        "sparse_update": 4.0,
+    }
     # TorchRec: the lookup starts inside the model (input dist first); dense includes the
     # time before it
-    theirs = {"start": 0.0, "prepared": 0.5, "call": 0.5, "lookup_start": 1.0,
-              "lookup_done": 2.0, "grad": 5.0, "ready": 7.0, "dispatched": 7.0, "end": 8.0}
+    theirs = {
+        "start": 0.0,
+        "prepared": 0.5,
+        "call": 0.5,
+        "lookup_start": 1.0,
+        "lookup_done": 2.0,
+        "grad": 5.0,
+        "ready": 7.0,
+        "dispatched": 7.0,
+        "end": 8.0,
+    }
     s = e2e_step._step_segments(theirs)
     assert s["lookup"] == 1.0 and s["dense"] == 0.5 + 3.0 + 1.0 and s["sparse_update"] == 2.0
     assert s["host_prep"] + s["lookup"] + s["dense"] + s["sparse_update"] == theirs["end"]
@@ -322,7 +349,8 @@ def _fake_probe_runs(monkeypatch, timings: list[tuple[float, float]]):
 
 
 @pytest.mark.parametrize(
-    ("one", "two", "quiet"), [(10.0, 5.0, True), (10.0, 8.4, True), (10.0, 8.5, False), (10.0, 12.0, False)]
+    ("one", "two", "quiet"),
+    [(10.0, 5.0, True), (10.0, 8.4, True), (10.0, 8.5, False), (10.0, 12.0, False)],
 )
 def test_quietness_probe_verdict(monkeypatch, one, two, quiet):
     _fake_probe_runs(monkeypatch, [(one, two)])
@@ -343,13 +371,25 @@ STEP = {  # seconds per round, 3 rounds
 def _synthetic_harness(w, pool):  # noqa: ARG001
     samples = {}
     for side, step in STEP.items():
-        s = {"step": list(step), "host_prep": [x / 4 for x in step], "host_prep_critical": [x / 4 for x in step]}
+        s = {
+            "step": list(step),
+            "host_prep": [x / 4 for x in step],
+            "host_prep_critical": [x / 4 for x in step],
+        }
         if side.startswith("hybridrec"):
-            s.update(lookup=[x / 5 for x in step], dense=[x / 3 for x in step],
-                     sparse_update=[x / 6 for x in step], device_wait=[0.0] * 3)
+            s.update(
+                lookup=[x / 5 for x in step],
+                dense=[x / 3 for x in step],
+                sparse_update=[x / 6 for x in step],
+                device_wait=[0.0] * 3,
+            )
         samples[side] = s
-    return {"gate": {"loss_rel_err": 0.0, "table_rel_err": 1e-7}, "samples": samples,
-            "skipped": {}, "torchrec_pipeline": {"first_loss": 0.69, "pipelined_modules": 1}}
+    return {
+        "gate": {"loss_rel_err": 0.0, "table_rel_err": 1e-7},
+        "samples": samples,
+        "skipped": {},
+        "torchrec_pipeline": {"first_loss": 0.69, "pipelined_modules": 1},
+    }
 
 
 @pytest.mark.parametrize(
@@ -406,7 +446,9 @@ def _check_ratios(r: dict) -> None:
         if ours in med and theirs in med:
             q = r["ratios"][name]
             assert q["ratio_of_medians"] == pytest.approx(med[ours] / med[theirs], rel=1e-9)
-            per_round = np.asarray(r["samples_s"][ours]["step"]) / np.asarray(r["samples_s"][theirs]["step"])
+            per_round = np.asarray(r["samples_s"][ours]["step"]) / np.asarray(
+                r["samples_s"][theirs]["step"]
+            )
             assert q["paired_median"] == pytest.approx(float(np.median(per_round)), rel=1e-9)
     best = r["ratios"]["best vs best"]
     ours_best = min((s for s in med if s.startswith("hybridrec")), key=med.get)
@@ -450,8 +492,11 @@ def _plant(monkeypatch, fault: str) -> str:
                 built = built[0]
             calls.append(1)
             if len(calls) == which:  # a different start for this side only
-                params = list(built.dense_parameters() if hasattr(built, "dense_parameters")
-                              else [p for n, p in built.named_parameters() if "over_arch" in n])
+                params = list(
+                    built.dense_parameters()
+                    if hasattr(built, "dense_parameters")
+                    else [p for n, p in built.named_parameters() if "over_arch" in n]
+                )
                 with torch.no_grad():
                     params[-1].add_(0.5)
             return out
@@ -470,14 +515,22 @@ def _plant(monkeypatch, fault: str) -> str:
 @pytest.mark.filterwarnings(*WARNINGS)
 @pytest.mark.parametrize(
     "fault",
-    ["our learning rate", "one table row after the second step", "our pipeline's start",
-     "TorchRec pipeline's start"],
+    [
+        "our learning rate",
+        "one table row after the second step",
+        "our pipeline's start",
+        "TorchRec pipeline's start",
+    ],
 )
-def test_gate_refuses_to_time_a_side_that_trains_differently(monkeypatch, tmp_path, torchrec, fault):
+def test_gate_refuses_to_time_a_side_that_trains_differently(
+    monkeypatch, tmp_path, torchrec, fault
+):
     from benchmarks import xla_vs_fbgemm
 
     expected = _plant(monkeypatch, fault)
-    monkeypatch.setattr(e2e_step, "_probe_for", lambda w, tiny: {"quiet": True, "ratio_2_over_1": 0.5})
+    monkeypatch.setattr(
+        e2e_step, "_probe_for", lambda w, tiny: {"quiet": True, "ratio_2_over_1": 0.5}
+    )
     monkeypatch.setattr(e2e_step, "_torchrec_alone", lambda *a: {})
     monkeypatch.setattr(xla_vs_fbgemm, "versions", lambda: {})
 
@@ -497,7 +550,9 @@ def test_gate_refuses_to_time_a_side_that_trains_differently(monkeypatch, tmp_pa
 @pytest.mark.filterwarnings(*WARNINGS)
 def test_tiny_run_writes_consistent_json_and_markdown(tmp_path, torchrec, capsys):
     rounds, steps = 2, 2
-    e2e_step.main(["--tiny", "--out", str(tmp_path), "--rounds", str(rounds), "--steps", str(steps)])
+    e2e_step.main(
+        ["--tiny", "--out", str(tmp_path), "--rounds", str(rounds), "--steps", str(steps)]
+    )
     r = json.loads((tmp_path / "e2e_step_tiny.json").read_text())
     md = (tmp_path / "e2e_step_tiny.md").read_text()
     assert md.strip() in capsys.readouterr().out  # main prints the Markdown it wrote
@@ -522,7 +577,9 @@ def test_tiny_run_writes_consistent_json_and_markdown(tmp_path, torchrec, capsys
     # next update donates the buffers first); every other segment is always there
     assert set(e2e_step.SEGMENTS) - {"device_wait"} <= set(plain) <= set(e2e_step.SEGMENTS)
     assert plain["host_prep"] == plain["host_prep_critical"] > 0
-    assert plain["host_prep"] + plain["lookup"] + plain["dense"] <= step_ms["hybridrec plain"] * (1 + 1e-9)
+    assert plain["host_prep"] + plain["lookup"] + plain["dense"] <= step_ms["hybridrec plain"] * (
+        1 + 1e-9
+    )
     assert plain["sparse_update"] > 0
     pipe = seg("hybridrec pipeline")
     assert {"host_prep", "host_prep_critical", "lookup", "dense", "sparse_update"} <= set(pipe)
@@ -546,7 +603,9 @@ def test_tiny_run_writes_consistent_json_and_markdown(tmp_path, torchrec, capsys
     for side, a in r["torchrec_alone"].items():
         assert a["harness_ms"] == pytest.approx(step_ms[side])
         assert a["harness_over_alone"] == pytest.approx(a["harness_ms"] / a["alone_ms"])
-        assert a["within_tolerance"] is (abs(a["harness_over_alone"] - 1) <= e2e_step.ALONE_TOLERANCE)
+        assert a["within_tolerance"] is (
+            abs(a["harness_over_alone"] - 1) <= e2e_step.ALONE_TOLERANCE
+        )
     assert r["harness_fair"] is all(a["within_tolerance"] for a in r["torchrec_alone"].values())
 
     title = md.splitlines()[0]

@@ -15,12 +15,20 @@ def test_the_gpu_benchmark_runs_in_interpret_mode_and_its_checks_hold(tmp_path, 
     assert results["interpret"] is True
     assert json.loads((tmp_path / "gpu.json").read_text())["workloads"]
     md = (tmp_path / "gpu.md").read_text()
-    assert "INTERPRET MODE" in md and "forward pallas" in md and "library forward + guarded update" in md
+    assert (
+        "INTERPRET MODE" in md
+        and "forward pallas" in md
+        and "library forward + guarded update" in md
+    )
     for entry in results["workloads"]:
         checks = entry["checks"]
         assert checks["forward_max_abs_diff"] < 1e-5, checks
-        assert checks["rowwise_adagrad_max_abs_diff"] < 1e-5 and checks["sgd_max_abs_diff"] < 1e-5, checks
-        assert checks["rowwise_adagrad_bitwise_reproducible"] and checks["sgd_bitwise_reproducible"], checks
+        assert (
+            checks["rowwise_adagrad_max_abs_diff"] < 1e-5 and checks["sgd_max_abs_diff"] < 1e-5
+        ), checks
+        assert (
+            checks["rowwise_adagrad_bitwise_reproducible"] and checks["sgd_bitwise_reproducible"]
+        ), checks
         launches = entry["update_launches"]["rowwise_adagrad"]["pallas"]
         assert launches["sorts"] + launches["custom_calls"] >= 1  # the sort is in the program
 

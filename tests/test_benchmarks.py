@@ -22,20 +22,37 @@ def fbgemm():
     return pytest.importorskip("fbgemm_gpu")
 
 
-FAST = ["--tiny", "--alpha", "1.15", "--repeats", "3", "--warmup", "1", "--budget-s", "2", "--quiet"]
+FAST = [
+    "--tiny",
+    "--alpha",
+    "1.15",
+    "--repeats",
+    "3",
+    "--warmup",
+    "1",
+    "--budget-s",
+    "2",
+    "--quiet",
+]
 
 
 @pytest.mark.parity
 def test_tiny_run_passes_gate_and_writes_outputs(tmp_path, fbgemm):
     # tiny cases take well under a millisecond and the suite shares the cores: the alone
     # comparison runs, with a tolerance that never trips (the next test proves it can)
-    rc = xla_vs_fbgemm.main([*FAST, "--no-memory", "--alone-tolerance", "1000", "--out", str(tmp_path)])
+    rc = xla_vs_fbgemm.main(
+        [*FAST, "--no-memory", "--alone-tolerance", "1000", "--out", str(tmp_path)]
+    )
     assert rc == 0
     res = json.loads((tmp_path / "xla_vs_fbgemm.json").read_text())
     (wr,) = res["workloads"]
     assert wr["gate_ok"] and wr["gate"] and all(c["ok"] for c in wr["gate"])
     # per path of ours and optimizer: pooled output, weights after one update, Adagrad state (2 of 3)
-    ours = [p for p in ("auto", "xla", "reference") if wr["paths"].get(p) and (p != "auto" or wr["paths"][p] != "xla")]
+    ours = [
+        p
+        for p in ("auto", "xla", "reference")
+        if wr["paths"].get(p) and (p != "auto" or wr["paths"][p] != "xla")
+    ]
     assert {"xla", "reference"} <= set(ours)
     assert len(wr["gate"]) == 8 * len(ours)
     assert set(wr["train"]) == {"rowwise_adagrad", "adagrad", "sgd"}
@@ -44,7 +61,10 @@ def test_tiny_run_passes_gate_and_writes_outputs(tmp_path, fbgemm):
         assert set(block["cases"]) == timed | {"fbgemm"}
         for p in timed:
             r = block["ratios"][p]["ratio_of_medians"]
-            want = block["cases"][p]["total"]["median_ms"] / block["cases"]["fbgemm"]["total"]["median_ms"]
+            want = (
+                block["cases"][p]["total"]["median_ms"]
+                / block["cases"]["fbgemm"]["total"]["median_ms"]
+            )
             assert r == pytest.approx(want)
         assert block["cases"]["fbgemm"]["total"]["n"] >= 3
         assert set(block["vs_alone"]) == timed | {"fbgemm"}  # every timed side, alone too
@@ -58,9 +78,13 @@ def test_tiny_run_passes_gate_and_writes_outputs(tmp_path, fbgemm):
             assert set(ph) >= {"records", "sort", "apply"} and ph["unique_rows"] <= 2 * 64 * 4
     roof = wr["roofline"]  # each bandwidth is its case's bytes over its median time
     row, bags, L = roof["row_bytes"], roof["gather_bags"], roof["gather_L"]
-    assert roof["copy"]["gbps"] == pytest.approx(roof["copy_bytes"] / (roof["copy"]["median_ms"] / 1e3) / 1e9)
+    assert roof["copy"]["gbps"] == pytest.approx(
+        roof["copy_bytes"] / (roof["copy"]["median_ms"] / 1e3) / 1e9
+    )
     pooled_bytes = bags * L * row + bags * row  # the ids' rows read, one row written per bag
-    assert roof["gather_pooled"]["gbps"] == pytest.approx(pooled_bytes / (roof["gather_pooled"]["median_ms"] / 1e3) / 1e9)
+    assert roof["gather_pooled"]["gbps"] == pytest.approx(
+        pooled_bytes / (roof["gather_pooled"]["median_ms"] / 1e3) / 1e9
+    )
     assert roof["roofline_gbps"] == roof["gather_pooled"]["gbps"]
     for key in ("cpu_model", "cores"):
         assert res["machine"][key]
@@ -101,8 +125,18 @@ def test_a_side_slowed_only_inside_the_harness_voids_the_run(tmp_path, fbgemm, m
     monkeypatch.setattr(timing, "time", clock)
     monkeypatch.setattr(xla_vs_fbgemm, "time", clock)
     monkeypatch.setattr(alone, "time_alone", lambda spec, timeout_s=None: alone._child(spec))
-    rc = xla_vs_fbgemm.main([*FAST, "--no-memory", "--optimizers", "sgd", "--inject-fault", "harness-delay",
-                             "--out", str(tmp_path)])
+    rc = xla_vs_fbgemm.main(
+        [
+            *FAST,
+            "--no-memory",
+            "--optimizers",
+            "sgd",
+            "--inject-fault",
+            "harness-delay",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 3
     (wr,) = json.loads((tmp_path / "xla_vs_fbgemm.json").read_text())["workloads"]
     assert not wr["alone_ok"]
@@ -188,8 +222,18 @@ def jax_leaves(tree):
 @pytest.mark.parity
 @pytest.mark.parametrize("fault", ["weights", "update"])
 def test_gate_refuses_to_time_wrong_results(tmp_path, fault, fbgemm):
-    rc = xla_vs_fbgemm.main([*FAST, "--no-memory", "--optimizers", "rowwise_adagrad",
-                             "--inject-fault", fault, "--out", str(tmp_path)])
+    rc = xla_vs_fbgemm.main(
+        [
+            *FAST,
+            "--no-memory",
+            "--optimizers",
+            "rowwise_adagrad",
+            "--inject-fault",
+            fault,
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 1
     res = json.loads((tmp_path / "xla_vs_fbgemm.json").read_text())
     (wr,) = res["workloads"]
@@ -211,7 +255,9 @@ def test_gate_close_tolerances():
     assert not gate.close("1e-3 rel", b * (1 + 1e-3), b)["ok"]
     assert not gate.close("shape", b[:2], b)["ok"]
     assert not gate.close("nan", np.array([np.nan]), np.array([1.0]))["ok"]
-    assert gate.update_rtol("fp32") == gate.RTOL < gate.update_rtol("fp16") < gate.update_rtol("bf16")
+    assert (
+        gate.update_rtol("fp32") == gate.RTOL < gate.update_rtol("fp16") < gate.update_rtol("bf16")
+    )
 
 
 def test_zipf_ids_are_distinct_per_bag_and_skewed():
@@ -228,8 +274,15 @@ def test_zipf_ids_are_distinct_per_bag_and_skewed():
 @pytest.mark.parity
 def test_memory_worker_reports_peak_rss(fbgemm):
     w = Workload(T=2, E=1000, D=16, B=64, L=4)
-    spec = {"side": "fbgemm", "optimizer": "rowwise_adagrad", "lr": 0.01, "eps": 1e-8, "fbgemm_dtype": None,
-            "workload": {k: v for k, v in w.as_dict().items() if k != "name"}, "steps": 2}
+    spec = {
+        "side": "fbgemm",
+        "optimizer": "rowwise_adagrad",
+        "lr": 0.01,
+        "eps": 1e-8,
+        "fbgemm_dtype": None,
+        "workload": {k: v for k, v in w.as_dict().items() if k != "name"},
+        "steps": 2,
+    }
     out = memory.measure_side(spec, timeout_s=120)
     assert "error" not in out, out
     assert out["rss_ready"] >= out["rss_base"] > 0
@@ -240,14 +293,29 @@ def test_memory_worker_reports_peak_rss(fbgemm):
 def test_quant_lookup_benchmark_gates_on_fbgemm_and_reports_bytes(capsys, monkeypatch):
     from benchmarks import quant_lookup
 
-    small = ["--rows", "300", "--dim", "8", "--batch", "16", "--pooling", "3", "--repeats", "2", "--alone-repeats", "2"]
+    small = [
+        "--rows",
+        "300",
+        "--dim",
+        "8",
+        "--batch",
+        "16",
+        "--pooling",
+        "3",
+        "--repeats",
+        "2",
+        "--alone-repeats",
+        "2",
+    ]
     assert quant_lookup.main(small) == 0
     out = capsys.readouterr().out
     # bytes per row at dim 8: int8 8 + 4 (fp16 scale, bias), int4 4 + 4, fp16 16, fp32 32
     for line in ("| int8 | 12 |", "| int4 | 8 |", "| fp16 | 16 |", "| 32 |"):
         assert line in out, out
     real = quant_lookup.fbgemm_case
-    monkeypatch.setattr(quant_lookup, "fbgemm_case", lambda *a: (lambda r, o: (r, o + 1e-3))(*real(*a)))
+    monkeypatch.setattr(
+        quant_lookup, "fbgemm_case", lambda *a: (lambda r, o: (r, o + 1e-3))(*real(*a))
+    )
     with pytest.raises(AssertionError, match="int8: outputs differ"):
         quant_lookup.main(small)
 
@@ -256,14 +324,30 @@ def test_mc_remap_benchmark_gates_on_torchrec_slots_and_reports_both_calls(capsy
     pytest.importorskip("torchrec.modules.mc_modules")
     from benchmarks import mc_remap
 
-    small = ["--zch", "64", "--ids", "32", "--pool", "200", "--check", "4", "--repeats", "2", "--alone-repeats", "2"]
+    small = [
+        "--zch",
+        "64",
+        "--ids",
+        "32",
+        "--pool",
+        "200",
+        "--check",
+        "4",
+        "--repeats",
+        "2",
+        "--alone-repeats",
+        "2",
+    ]
     assert mc_remap.main(small) == 0
     out = capsys.readouterr().out
     assert "first 4 batches equal slot for slot" in out
     rows = [line for line in out.splitlines() if line.startswith(("| train |", "| eval |"))]
     assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows), out
-    assert re.search(r"hybrid.Model training step, 32 ids: [\d.]+ ms managed, [\d.]+ ms on a plain table; the "
-                     r"remap is \d+% of the managed step", out), out
+    assert re.search(
+        r"hybrid.Model training step, 32 ids: [\d.]+ ms managed, [\d.]+ ms on a plain table; the "
+        r"remap is \d+% of the managed step",
+        out,
+    ), out
     real = mc_remap.theirs
 
     def shifted(args):  # TorchRec's slots, one off: the gate must refuse to time anything
@@ -275,8 +359,9 @@ def test_mc_remap_benchmark_gates_on_torchrec_slots_and_reports_both_calls(capsy
         mc_remap.main(small)
 
 
-def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_committed_results(tmp_path, capsys,
-                                                                                             monkeypatch):
+def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_committed_results(
+    tmp_path, capsys, monkeypatch
+):
     """`python -m benchmarks.xla_vs_fbgemm --tiny` once replaced benchmarks/results/: now every
     benchmark writes runs/bench/<name>-<time>/ unless --out or --update-results says otherwise."""
     import argparse
@@ -290,15 +375,24 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
     assert pathlib.Path(report.RUNS_DIR) == root / "runs" / "bench"  # runs/ is git-ignored
     assert "runs/" in (root / ".gitignore").read_text().split()
     assert pathlib.Path(report.RESULTS_DIR) == root / "benchmarks" / "results"
-    monkeypatch.setattr(report, "RUNS_DIR", str(tmp_path / "runs" / "bench"))  # nothing made in the tree
+    monkeypatch.setattr(
+        report, "RUNS_DIR", str(tmp_path / "runs" / "bench")
+    )  # nothing made in the tree
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     report.add_output_args(parser, "demo")
     default = report.output_dir(parser, parser.parse_args(["--tiny"]), "demo")
-    assert os.path.dirname(default) == report.RUNS_DIR and os.path.basename(default).startswith("demo-")
+    assert os.path.dirname(default) == report.RUNS_DIR and os.path.basename(default).startswith(
+        "demo-"
+    )
     assert report.RESULTS_DIR not in default and not os.path.exists(default)
-    assert report.output_dir(parser, parser.parse_args(["--update-results"]), "demo") == report.RESULTS_DIR
-    assert report.output_dir(parser, parser.parse_args(["--out", str(tmp_path)]), "demo") == str(tmp_path)
+    assert (
+        report.output_dir(parser, parser.parse_args(["--update-results"]), "demo")
+        == report.RESULTS_DIR
+    )
+    assert report.output_dir(parser, parser.parse_args(["--out", str(tmp_path)]), "demo") == str(
+        tmp_path
+    )
     for both in (["--out", str(tmp_path), "--update-results"], ["--tiny", "--update-results"]):
         with pytest.raises(SystemExit):
             report.output_dir(parser, parser.parse_args(both), "demo")
@@ -314,6 +408,15 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
     here = pathlib.Path(report.__file__).parent
     writers = [p for p in here.glob("*.py") if p.name != "report.py" and '"--out"' in p.read_text()]
     assert all("report.add_output_args(" in p.read_text() for p in writers), writers
-    with_helper = sorted(p.stem for p in here.glob("*.py") if "report.add_output_args(" in p.read_text())
-    assert with_helper == ["e2e_sharded", "e2e_step", "e2e_vs_torchrec", "explore_malloc", "explore_update", "gpu",
-                           "xla_vs_fbgemm"]
+    with_helper = sorted(
+        p.stem for p in here.glob("*.py") if "report.add_output_args(" in p.read_text()
+    )
+    assert with_helper == [
+        "e2e_sharded",
+        "e2e_step",
+        "e2e_vs_torchrec",
+        "explore_malloc",
+        "explore_update",
+        "gpu",
+        "xla_vs_fbgemm",
+    ]

@@ -34,12 +34,22 @@ def test_every_counter_accumulates(stats):
     for _ in range(2):
         hybrid.torch_to_jax(base.t())  # non-contiguous
         hybrid.torch_to_jax(torch.ones(64)[1:17])  # 4 bytes past an aligned start
-        hybrid.torch_to_jax(torch.ones(8), sharding=NamedSharding(jax.make_mesh((8,), ("d",)), P("d")))
+        hybrid.torch_to_jax(
+            torch.ones(8), sharding=NamedSharding(jax.make_mesh((8,), ("d",)), P("d"))
+        )
         hybrid.torch_ids_to_jax(torch.tensor([1, 2], dtype=torch.int32), capacity=4)
         hybrid.torch_ids_to_jax(torch.tensor([1, 2], dtype=torch.int64))
-        hybrid.jax_to_torch(jax.device_put(jnp.zeros(8), NamedSharding(jax.make_mesh((8,), ("d",)), P("d"))))
-    assert dict(stats.copies) == {"non_contiguous": 2, "unaligned": 2, "to_sharding": 2, "padded_ids": 2,
-                                  "ids_to_int32": 2, "joined_shards": 2}
+        hybrid.jax_to_torch(
+            jax.device_put(jnp.zeros(8), NamedSharding(jax.make_mesh((8,), ("d",)), P("d")))
+        )
+    assert dict(stats.copies) == {
+        "non_contiguous": 2,
+        "unaligned": 2,
+        "to_sharding": 2,
+        "padded_ids": 2,
+        "ids_to_int32": 2,
+        "joined_shards": 2,
+    }
     # the compacted / realigned copies then cross zero-copy: 3 + 2 * 2
     assert stats.total_copies == 12 and stats.zero_copy == 7
 
@@ -49,7 +59,7 @@ def test_join_places_each_part_relative_to_the_block_origin():
     joined tensor starts at the smallest start, whatever the parts' order."""
     whole = torch.arange(12 * 6, dtype=torch.int32).reshape(12, 6)
     boxes = [((6, 8), (3, 6)), ((4, 6), (0, 3)), ((4, 6), (3, 6)), ((6, 8), (0, 3))]
-    parts = [(b, whole[b[0][0]:b[0][1], b[1][0]:b[1][1]].clone()) for b in boxes]
+    parts = [(b, whole[b[0][0] : b[0][1], b[1][0] : b[1][1]].clone()) for b in boxes]
     out = _bridge._join(parts, (12, 6), "S")
     assert out.dtype == torch.int32 and out.shape == (4, 6)
     assert torch.equal(out, whole[4:8])
@@ -57,8 +67,10 @@ def test_join_places_each_part_relative_to_the_block_origin():
 
 def test_join_refuses_parts_that_do_not_tile_one_block():
     part = torch.zeros(2, 3)
-    msg = ("jax_to_torch: the local shards of this (12, 6) array (sharding S) do not tile one block "
-           "(they span [(0, 4), (0, 6)]); shard the batch dimension so each process holds one contiguous block")
+    msg = (
+        "jax_to_torch: the local shards of this (12, 6) array (sharding S) do not tile one block "
+        "(they span [(0, 4), (0, 6)]); shard the batch dimension so each process holds one contiguous block"
+    )
     with pytest.raises(ValueError, match=re.escape(msg)):
         _bridge._join([(((0, 2), (0, 3)), part), (((2, 4), (3, 6)), part)], (12, 6), "S")
 
@@ -104,21 +116,44 @@ def test_capacity_equal_to_the_ids_is_enough():
 
 def test_refusals_in_full():
     cases = [
-        (lambda: hybrid.jax_to_torch(np.zeros(2)), TypeError, "jax_to_torch expects a jax.Array, got ndarray"),
-        (lambda: hybrid.torch_to_jax([1]), TypeError, "torch_to_jax expects a torch.Tensor, got list"),
-        (lambda: hybrid.torch_ids_to_jax(np.zeros(2)), TypeError,
-         "ids: expected a torch.Tensor of integer ids, got ndarray"),
-        (lambda: hybrid.torch_ids_to_jax(torch.tensor([True])), ValueError,
-         "ids: ids must be an integer tensor, got dtype torch.bool; convert with .long() (or hash strings to "
-         "integers) first"),
-        (lambda: hybrid.torch_ids_to_jax(torch.zeros(2, 2, dtype=torch.int32)), ValueError,
-         "ids: ids must be 1-D, got shape (2, 2)"),
-        (lambda: hybrid.torch_ids_to_jax(torch.tensor([1, 2, 3]), capacity=2), ValueError,
-         "ids: capacity 2 is below the 3 ids"),
-        (lambda: hybrid.torch_ids_to_jax(torch.tensor([1, 2**31])), ValueError,
-         "ids: id 2147483648 at index 1 does not fit in int32 and jax x64 is off (1 such ids); hash or remap ids "
-         "into the table's range (e.g. ids % num_embeddings) before the batch reaches the model, or enable "
-         "jax.config.update('jax_enable_x64', True)"),
+        (
+            lambda: hybrid.jax_to_torch(np.zeros(2)),
+            TypeError,
+            "jax_to_torch expects a jax.Array, got ndarray",
+        ),
+        (
+            lambda: hybrid.torch_to_jax([1]),
+            TypeError,
+            "torch_to_jax expects a torch.Tensor, got list",
+        ),
+        (
+            lambda: hybrid.torch_ids_to_jax(np.zeros(2)),
+            TypeError,
+            "ids: expected a torch.Tensor of integer ids, got ndarray",
+        ),
+        (
+            lambda: hybrid.torch_ids_to_jax(torch.tensor([True])),
+            ValueError,
+            "ids: ids must be an integer tensor, got dtype torch.bool; convert with .long() (or hash strings to "
+            "integers) first",
+        ),
+        (
+            lambda: hybrid.torch_ids_to_jax(torch.zeros(2, 2, dtype=torch.int32)),
+            ValueError,
+            "ids: ids must be 1-D, got shape (2, 2)",
+        ),
+        (
+            lambda: hybrid.torch_ids_to_jax(torch.tensor([1, 2, 3]), capacity=2),
+            ValueError,
+            "ids: capacity 2 is below the 3 ids",
+        ),
+        (
+            lambda: hybrid.torch_ids_to_jax(torch.tensor([1, 2**31])),
+            ValueError,
+            "ids: id 2147483648 at index 1 does not fit in int32 and jax x64 is off (1 such ids); hash or remap ids "
+            "into the table's range (e.g. ids % num_embeddings) before the batch reaches the model, or enable "
+            "jax.config.update('jax_enable_x64', True)",
+        ),
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=f"^{re.escape(message)}$"):

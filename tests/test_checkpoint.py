@@ -73,7 +73,10 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert sorted(after) == list(range(1, steps + 1))
 
     reference = train.run(
-        load_config("configs/synthetic.toml", [*common, f"train.steps={steps}", "log.metrics_path=''"]), echo=lambda *_: None
+        load_config(
+            "configs/synthetic.toml", [*common, f"train.steps={steps}", "log.metrics_path=''"]
+        ),
+        echo=lambda *_: None,
     )
     np.testing.assert_array_equal(
         [after[s] for s in range(1, steps + 1)],
@@ -115,7 +118,9 @@ def test_reshard_on_load_keeps_metrics_and_optimizer_state(tmp_path, mesh, shard
     assert path.name == "step_00000024"
     meta = checkpoint.verify_checkpoint(path)  # where it was written, for the record
     assert meta["mesh"] == {"data": 2, "model": 4} and meta["step"] == 24
-    assert meta["plan"] is not None and {"t_cat_0", "t_cat_3"} <= set(json.dumps(meta["plan"]).replace('"', " ").split())
+    assert meta["plan"] is not None and {"t_cat_0", "t_cat_3"} <= set(
+        json.dumps(meta["plan"]).replace('"', " ").split()
+    )
     with np.load(path / "tables.npz") as f:
         saved = {k: f[k] for k in f.files}
 

@@ -26,15 +26,39 @@ MESHES = {"8": ((8,), ("model",)), "2x4": ((2, 4), ("data", "model"))}
 
 # -- reading the compiled HLO ---------------------------------------------------------------
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z][\w\-]*)\(")
+_ITEMSIZE = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z][\w\-]*)\("
+)
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _COUNTED = {"all-gather", "all-to-all", "all-reduce"}
 # Collectives this scheme never emits: seeing one means the count below would miss bytes.
-_UNEXPECTED = {"reduce-scatter", "collective-permute", "collective-broadcast",
-               "ragged-all-to-all", "all-gather-start", "all-to-all-start", "all-reduce-start",
-               "collective-permute-start", "send", "recv"}
+_UNEXPECTED = {
+    "reduce-scatter",
+    "collective-permute",
+    "collective-broadcast",
+    "ragged-all-to-all",
+    "all-gather-start",
+    "all-to-all-start",
+    "all-reduce-start",
+    "collective-permute-start",
+    "send",
+    "recv",
+}
 
 
 def _group_size(line: str) -> int:
@@ -80,8 +104,12 @@ def _mesh(name):
 
 
 def _table(name="t", rows=1000, dim=16, features=2):
-    return EmbeddingBagConfig(name=name, num_embeddings=rows, embedding_dim=dim,
-                              feature_names=[f"{name}_f{i}" for i in range(features)])
+    return EmbeddingBagConfig(
+        name=name,
+        num_embeddings=rows,
+        embedding_dim=dim,
+        feature_names=[f"{name}_f{i}" for i in range(features)],
+    )
 
 
 def _kjt(tables, lengths, *, weighted, seed=0):
@@ -129,14 +157,18 @@ def _random_lengths(num_keys):
         ("table_wise", "8", False, "all_to_all"),
     ],
 )
-def test_analytic_bytes_equal_what_the_compiled_programs_move(kind, mesh_name, weighted, input_dist):
+def test_analytic_bytes_equal_what_the_compiled_programs_move(
+    kind, mesh_name, weighted, input_dist
+):
     table = _table()
     ebc = EmbeddingBagCollection([table], is_weighted=weighted)
     sharded = shard(ebc, _mesh(mesh_name), {"t": kind}, input_dist=input_dist)
     local, forward, update = _hlo_bytes(sharded, _kjt([table], _random_lengths, weighted=weighted))
     got = sharded.collective_bytes(local, "rowwise_adagrad")
     split = kind in ("column_wise", "table_column_wise", "grid_shard")
-    assert set(got) == {*(b.name for b in sharded.buffers), "total"} | ({"row_stat"} if split else set())
+    assert set(got) == {*(b.name for b in sharded.buffers), "total"} | (
+        {"row_stat"} if split else set()
+    )
     if split:  # by hand: one psum over the 8 devices of the table's rows, fp32
         assert got["row_stat"]["backward"] == 7 * table.num_embeddings * 4
     total = got["total"]
@@ -145,7 +177,9 @@ def test_analytic_bytes_equal_what_the_compiled_programs_move(kind, mesh_name, w
     assert update > 0
     if kind == "data_parallel":
         assert forward == 0
-    if input_dist == "all_to_all":  # by hand: (n_A - 1) blocks of capacity (row, bag, weight) triples
+    if (
+        input_dist == "all_to_all"
+    ):  # by hand: (n_A - 1) blocks of capacity (row, bag, weight) triples
         (buf,) = sharded.buffers
         assert local.route_capacity > 0
         assert total["input_dist"] == (buf.group_size - 1) * local.route_capacity * 12
@@ -202,7 +236,9 @@ def _fixed(num_keys):  # every bag 4 ids
 @pytest.mark.parametrize(
     ("lengths", "weighted", "max_bag_length"), [(_alternating, False, None), (_fixed, True, 4)]
 )
-def test_planner_estimate_is_within_ten_percent_of_the_reported_bytes(kind, lengths, weighted, max_bag_length):
+def test_planner_estimate_is_within_ten_percent_of_the_reported_bytes(
+    kind, lengths, weighted, max_bag_length
+):
     table = _table()  # 2 features, 4 ids per bag on average: pooling factor 8 ids per sample
     pooling = 8.0
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
@@ -213,8 +249,15 @@ def test_planner_estimate_is_within_ten_percent_of_the_reported_bytes(kind, leng
     shapes = static_shapes(table, PLANNER_BATCH / 8, pooling, max_bag_length=max_bag_length)
     assert (local.values.shape[1], local.length_cap) == shapes
     got = sharded.collective_bytes(local)["total"]
-    est = estimate_collective_bytes(table, plan["t"], MESH_AXES, PLANNER_BATCH, pooling,
-                                    max_bag_length=max_bag_length, weighted=weighted)
+    est = estimate_collective_bytes(
+        table,
+        plan["t"],
+        MESH_AXES,
+        PLANNER_BATCH,
+        pooling,
+        max_bag_length=max_bag_length,
+        weighted=weighted,
+    )
     for phase in PHASES:
         assert est[phase] == pytest.approx(got[phase], rel=0.10), (phase, est, got)
     assert got["backward"] > 0

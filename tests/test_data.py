@@ -77,18 +77,30 @@ def test_criteo_tsv_plain_and_gzip(tmp_path):
 
 
 def test_criteo_raw_ids_keep_every_hex_bit_and_refuse_only_the_reserved_value(tmp_path):
-    cats = ["68fd1e64", "", "ffffffffffffffff", "8000000000000000", "7ffffffffffffffe", "0"] + ["a"] * 20
+    cats = ["68fd1e64", "", "ffffffffffffffff", "8000000000000000", "7ffffffffffffffe", "0"] + [
+        "a"
+    ] * 20
     path = tmp_path / "day.tsv"
     path.write_text(_criteo_line(1, ["1"] * 13, cats))
     sizes = [0] * 6 + [100] * 20
     data = read_criteo_tsv(path, num_embeddings=sizes)
-    assert [v.tolist() for v in data.values[:6]] == [[0x68FD1E64], [], [-1], [-(2**63)], [2**63 - 2], [0]]
+    assert [v.tolist() for v in data.values[:6]] == [
+        [0x68FD1E64],
+        [],
+        [-1],
+        [-(2**63)],
+        [2**63 - 2],
+        [0],
+    ]
     assert data.lengths[:6, 0].tolist() == [1, 0, 1, 1, 1, 1]  # missing: an empty bag, not an id
     assert data.num_embeddings[:7] == (0, 0, 0, 0, 0, 0, 100) and data.raw_keys == CRITEO_KEYS[:6]
     assert int(data.values[6][0]) == 1 + 0xA % 99  # a hashed feature beside them is unchanged
     path.write_text(_criteo_line(1, ["1"] * 13, ["7fffffffffffffff"] + ["a"] * 25))
-    with pytest.raises(CriteoFormatError, match=r"day\.tsv, line 1: categorical feature C1 is '7fffffffffffffff' "
-                                                r"\(column 15\): the raw id 2\*\*63 - 1 is reserved"):
+    with pytest.raises(
+        CriteoFormatError,
+        match=r"day\.tsv, line 1: categorical feature C1 is '7fffffffffffffff' "
+        r"\(column 15\): the raw id 2\*\*63 - 1 is reserved",
+    ):
         read_criteo_tsv(path, num_embeddings=sizes)
     with pytest.raises(ValueError, match=r"integer >= 2 \(or 0: raw ids\)"):
         read_criteo_tsv(path, num_embeddings=1)

@@ -30,7 +30,11 @@ def write_criteo(path, rows, *, first=0, seed=0, blank_every=0):
             table = np.column_stack([labels.astype(str), ints, ids, cats])
             lines = ["\t".join(row) for row in table.tolist()]
             if blank_every:
-                lines = [x for i, line in enumerate(lines) for x in ((line, "") if i % blank_every == 1 else (line,))]
+                lines = [
+                    x
+                    for i, line in enumerate(lines)
+                    for x in ((line, "") if i % blank_every == 1 else (line,))
+                ]
             f.write("\n".join(lines) + "\n")
     return path
 
@@ -57,12 +61,24 @@ def assert_same_batches(a, b):
 
 @pytest.mark.parametrize("files", [3, 4])  # 3 over 2 processes: row blocks; 4: whole files
 def test_two_processes_see_every_row_once_disjointly(tmp_path, files):
-    paths = [write_criteo(tmp_path / f"day_{i}.tsv", 100 + 17 * i, first=1000 * i, seed=i) for i in range(files)]
+    paths = [
+        write_criteo(tmp_path / f"day_{i}.tsv", 100 + 17 * i, first=1000 * i, seed=i)
+        for i in range(files)
+    ]
     every = sorted(r for i in range(files) for r in range(1000 * i, 1000 * i + 100 + 17 * i))
     seen = []
     for p in (0, 1):
-        stream = CriteoStream(paths, 16, process_index=p, process_count=2, num_embeddings=SIZES,
-                              num_epochs=1, block_rows=7, shuffle_window=50, seed=3)
+        stream = CriteoStream(
+            paths,
+            16,
+            process_index=p,
+            process_count=2,
+            num_embeddings=SIZES,
+            num_epochs=1,
+            block_rows=7,
+            shuffle_window=50,
+            seed=3,
+        )
         seen.append([r for batch in drain(stream) for r in row_ids(batch)])
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == every
@@ -80,9 +96,14 @@ def test_unshuffled_stream_is_read_criteo_tsv_in_batches(tmp_path):
     assert_same_batches(batches, expect)
 
 
-@pytest.mark.parametrize("cut", [0, 1, 3, 7, 12])  # before any batch, mid window, window edge, 2nd epoch
+@pytest.mark.parametrize(
+    "cut", [0, 1, 3, 7, 12]
+)  # before any batch, mid window, window edge, 2nd epoch
 def test_restored_stream_yields_exactly_the_remaining_batches(tmp_path, cut):
-    paths = [write_criteo(tmp_path / "day_0.tsv", 250), write_criteo(tmp_path / "day_1.tsv.gz", 120, first=500)]
+    paths = [
+        write_criteo(tmp_path / "day_0.tsv", 250),
+        write_criteo(tmp_path / "day_1.tsv.gz", 120, first=500),
+    ]
     settings = dict(num_embeddings=SIZES, num_epochs=2, shuffle_window=64, seed=11, batch_size=32)
     stream = CriteoStream(paths, **settings)
     head = [next(stream) for _ in range(cut)]
@@ -112,7 +133,9 @@ def test_gzip_stream_equals_the_plain_one(tmp_path):
     packed = tmp_path / "day_0.tsv.gz"
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     settings = dict(num_embeddings=SIZES, num_epochs=1, shuffle_window=40, seed=5)
-    assert_same_batches(drain(CriteoStream(packed, 24, **settings)), drain(CriteoStream(plain, 24, **settings)))
+    assert_same_batches(
+        drain(CriteoStream(packed, 24, **settings)), drain(CriteoStream(plain, 24, **settings))
+    )
 
 
 def test_a_bad_line_names_file_and_line(tmp_path):
@@ -121,7 +144,9 @@ def test_a_bad_line_names_file_and_line(tmp_path):
     lines[29] = "1\t2\t3\n"  # line 30: truncated
     path.write_text("".join(lines))
     stream = CriteoStream(path, 8, num_embeddings=SIZES, num_epochs=1, shuffle_window=1)
-    with pytest.raises(CriteoFormatError, match=r"day_0\.tsv, line 30: 3 tab-separated fields, expected 40"):
+    with pytest.raises(
+        CriteoFormatError, match=r"day_0\.tsv, line 30: 3 tab-separated fields, expected 40"
+    ):
         drain(stream)
 
 
@@ -131,13 +156,17 @@ def test_a_truncated_gz_names_the_line_it_broke_at(tmp_path):
     data = gzip.compress(plain.read_bytes())
     packed.write_bytes(data[: len(data) // 2])
     stream = CriteoStream(packed, 64, num_embeddings=SIZES, num_epochs=1)
-    with pytest.raises(CriteoFormatError, match=r"day_0\.tsv\.gz, line \d+: the gzip stream ends early"):
+    with pytest.raises(
+        CriteoFormatError, match=r"day_0\.tsv\.gz, line \d+: the gzip stream ends early"
+    ):
         drain(stream)
 
 
 def test_a_process_without_rows_is_told_so(tmp_path):
     path = write_criteo(tmp_path / "day_0.tsv", 5)
-    stream = CriteoStream([path], 4, process_index=1, process_count=2, num_embeddings=SIZES, block_rows=8)
+    stream = CriteoStream(
+        [path], 4, process_index=1, process_count=2, num_embeddings=SIZES, block_rows=8
+    )
     with pytest.raises(CriteoFormatError, match=r"process 1 of 2 gets no rows .* lower block_rows"):
         next(stream)
 
@@ -168,19 +197,28 @@ _PEAK = textwrap.dedent(
 
 
 def peak_growth_kib(path) -> tuple[int, int]:
-    out = subprocess.run([sys.executable, "-c", _PEAK, str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(path)], capture_output=True, text=True, check=True
+    )
     rows, growth = out.stdout.split()
     return int(rows), int(growth)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resets the peak RSS through /proc")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="resets the peak RSS through /proc"
+)
 def test_memory_stays_flat_from_50k_to_500k_rows(tmp_path):
     """Streaming 10x the rows (50k vs 500k: 1M takes too long on a busy 2-core machine)
     grows the peak RSS alike, by a few MiB (the 500k rows parsed whole take ~140 MiB)."""
     block = write_criteo(tmp_path / "block.tsv", 10_000).read_bytes()
     (tmp_path / "small.tsv").write_bytes(block * 5)
     (tmp_path / "large.tsv").write_bytes(block * 50)
-    (n_small, small), (n_large, large) = peak_growth_kib(tmp_path / "small.tsv"), peak_growth_kib(tmp_path / "large.tsv")
+    (n_small, small), (n_large, large) = (
+        peak_growth_kib(tmp_path / "small.tsv"),
+        peak_growth_kib(tmp_path / "large.tsv"),
+    )
     assert (n_small, n_large) == (50_000, 500_000)
-    print(f"peak RSS growth: {small / 1024:.1f} MiB streaming 50k rows, {large / 1024:.1f} MiB streaming 500k rows")
+    print(
+        f"peak RSS growth: {small / 1024:.1f} MiB streaming 50k rows, {large / 1024:.1f} MiB streaming 500k rows"
+    )
     assert large - small < 16 * 1024 and large < 48 * 1024, (small, large)

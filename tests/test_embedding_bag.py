@@ -32,7 +32,9 @@ def test_pooled_lookup_matches_loops_both_kernels(seed, weighted):
         params = ebc.init(jax.random.key(seed))
         kt = ebc.apply(params, case.kjt)
         assert kt.keys() == [f for f, _, _ in case.features]
-        assert kt.length_per_key() == [t.embedding_dim for t in case.tables for _ in t.feature_names]
+        assert kt.length_per_key() == [
+            t.embedding_dim for t in case.tables for _ in t.feature_names
+        ]
         expected = _oracle(ebc, params, case) if expected is None else expected
         np.testing.assert_allclose(np.asarray(kt.values()), expected, rtol=1e-5, atol=1e-6)
         padded = ebc.apply(params, case.kjt.pad())  # static-shape form gives the same numbers
@@ -47,13 +49,19 @@ def test_bf16_tables_within_bf16_tolerance():
     assert all(p.dtype == jnp.bfloat16 for p in params.values())
     kt = ebc.apply(params, case.kjt.pad())
     assert kt.values().dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(kt.values()), _oracle(ebc, params, case), rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(kt.values()), _oracle(ebc, params, case), rtol=1e-2, atol=1e-3
+    )
 
 
 def test_empty_bags_pool_to_zero_and_mean_divides_by_true_length():
-    t = EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, feature_names=["f"], pooling="MEAN")
+    t = EmbeddingBagConfig(
+        name="t", num_embeddings=4, embedding_dim=2, feature_names=["f"], pooling="MEAN"
+    )
     ebc = EmbeddingBagCollection([t])
-    params = ebc.with_table_weights(ebc.init(jax.random.key(0)), {"t": np.arange(8, dtype=np.float32).reshape(4, 2)})
+    params = ebc.with_table_weights(
+        ebc.init(jax.random.key(0)), {"t": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    )
     kjt = KeyedJaggedTensor(["f"], np.array([1, 3, 3]), lengths=np.array([0, 3, 0]))
     out = np.asarray(ebc.apply(params, kjt.pad()).values())
     np.testing.assert_allclose(out, [[0, 0], [(2 + 6 + 6) / 3, (3 + 7 + 7) / 3], [0, 0]])
@@ -97,8 +105,13 @@ def test_ids_out_of_range_error_clamp_skip():
     t = EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, feature_names=["f", "g"])
     kjt = KeyedJaggedTensor(["f", "g"], np.array([1, 2, 9, 0]), lengths=np.array([1, 0, 2, 1]))
     ebc = EmbeddingBagCollection([t])
-    params = ebc.with_table_weights(ebc.init(jax.random.key(0)), {"t": np.arange(8, dtype=np.float32).reshape(4, 2)})
-    with pytest.raises(ValueError, match=r"feature 'g' \(table 't', num_embeddings=4\): id 9 at batch position 0, index 1"):
+    params = ebc.with_table_weights(
+        ebc.init(jax.random.key(0)), {"t": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'g' \(table 't', num_embeddings=4\): id 9 at batch position 0, index 1",
+    ):
         ebc.apply(params, kjt)
     clamp = EmbeddingBagCollection([t], bounds_check="clamp").apply(params, kjt).values()
     skip = EmbeddingBagCollection([t], bounds_check="skip").apply(params, kjt).values()
@@ -112,28 +125,69 @@ def test_ids_out_of_range_error_clamp_skip():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: EmbeddingBagConfig(name="", num_embeddings=3, embedding_dim=2), "non-empty string name"),
-        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=0), "embedding_dim must be an integer >= 1"),
-        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, feature_names="f"), "write feature_names=\\['f'\\]"),
-        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, pooling="MAX"), "pooling='MAX' is not one of"),
-        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, feature_names=["f", ""]), "non-empty strings"),
+        (
+            lambda: EmbeddingBagConfig(name="", num_embeddings=3, embedding_dim=2),
+            "non-empty string name",
+        ),
+        (
+            lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=0),
+            "embedding_dim must be an integer >= 1",
+        ),
+        (
+            lambda: EmbeddingBagConfig(
+                name="t", num_embeddings=3, embedding_dim=2, feature_names="f"
+            ),
+            "write feature_names=\\['f'\\]",
+        ),
+        (
+            lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, pooling="MAX"),
+            "pooling='MAX' is not one of",
+        ),
+        (
+            lambda: EmbeddingBagConfig(
+                name="t", num_embeddings=3, embedding_dim=2, feature_names=["f", ""]
+            ),
+            "non-empty strings",
+        ),
         (
             lambda: EmbeddingBagCollection(
                 [
-                    EmbeddingBagConfig(name="a", num_embeddings=3, embedding_dim=2, feature_names=["f"]),
-                    EmbeddingBagConfig(name="a", num_embeddings=3, embedding_dim=2, feature_names=["g"]),
+                    EmbeddingBagConfig(
+                        name="a", num_embeddings=3, embedding_dim=2, feature_names=["f"]
+                    ),
+                    EmbeddingBagConfig(
+                        name="a", num_embeddings=3, embedding_dim=2, feature_names=["g"]
+                    ),
                 ]
             ),
             "table name 'a' is used by two tables",
         ),
-        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, need_pos=True),
-         "need_pos=True: position-weighted features .* leave it at False"),
-        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, use_virtual_table=True),
-         "use_virtual_table=True: virtual"),
-        (lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, init_fn=0.5),
-         "init_fn must be callable as init_fn\\(key, shape, dtype\\)"),
-        (lambda: EmbeddingBagCollection([EmbeddingConfig(name="s", num_embeddings=3, embedding_dim=2)]), "use EmbeddingCollection"),
-        (lambda: EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2)], kernel="fast"), "kernel='fast'"),
+        (
+            lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, need_pos=True),
+            "need_pos=True: position-weighted features .* leave it at False",
+        ),
+        (
+            lambda: EmbeddingBagConfig(
+                name="t", num_embeddings=3, embedding_dim=2, use_virtual_table=True
+            ),
+            "use_virtual_table=True: virtual",
+        ),
+        (
+            lambda: EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, init_fn=0.5),
+            "init_fn must be callable as init_fn\\(key, shape, dtype\\)",
+        ),
+        (
+            lambda: EmbeddingBagCollection(
+                [EmbeddingConfig(name="s", num_embeddings=3, embedding_dim=2)]
+            ),
+            "use EmbeddingCollection",
+        ),
+        (
+            lambda: EmbeddingBagCollection(
+                [EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2)], kernel="fast"
+            ),
+            "kernel='fast'",
+        ),
     ],
 )
 def test_config_errors(make, message):
@@ -144,7 +198,9 @@ def test_config_errors(make, message):
 def test_missing_feature_and_missing_weights():
     t = EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, feature_names=["f", "g"])
     kjt = KeyedJaggedTensor(["f"], np.array([1]), lengths=np.array([1]))
-    with pytest.raises(ValueError, match=r"feature\(s\) \['g'\] of tables \['t'\] are not in the KeyedJaggedTensor"):
+    with pytest.raises(
+        ValueError, match=r"feature\(s\) \['g'\] of tables \['t'\] are not in the KeyedJaggedTensor"
+    ):
         EmbeddingBagCollection([t]).apply(EmbeddingBagCollection([t]).init(jax.random.key(0)), kjt)
     kjt2 = KeyedJaggedTensor(["f", "g"], np.array([1]), lengths=np.array([1, 0]))
     ebc = EmbeddingBagCollection([t], is_weighted=True)

@@ -35,10 +35,15 @@ def _scatters(text: str) -> list[dict]:
     for m in re.finditer(r'"stablehlo\.scatter"\(', text):
         end = text.find("\n    }) ", m.end())
         end = text.find("\n", text.find("}) ", m.end()))
-        body = text[m.start():end]
-        result = body[body.rfind("->"):]
-        out.append({"adds": "stablehlo.add" in body, "unique": "unique_indices = true" in body,
-                    "float": bool(re.search(r"x(f32|f16|bf16)>", result))})
+        body = text[m.start() : end]
+        result = body[body.rfind("->") :]
+        out.append(
+            {
+                "adds": "stablehlo.add" in body,
+                "unique": "unique_indices = true" in body,
+                "float": bool(re.search(r"x(f32|f16|bf16)>", result)),
+            }
+        )
     return out
 
 
@@ -47,9 +52,12 @@ def _dynamic_loops(text: str) -> int:
     copies such a predicate to the host every iteration; a static trip count it does not)."""
     count = 0
     for m in re.finditer(r"stablehlo\.while\(", text):
-        cond = text[text.find("cond {", m.end()):text.find("} do {", m.end())]
+        cond = text[text.find("cond {", m.end()) : text.find("} do {", m.end())]
         ops = re.findall(r"= (stablehlo\.\w+)", cond)
-        if sorted(set(ops)) != ["stablehlo.compare", "stablehlo.constant"] or ops.count("stablehlo.compare") != 1:
+        if (
+            sorted(set(ops)) != ["stablehlo.compare", "stablehlo.constant"]
+            or ops.count("stablehlo.compare") != 1
+        ):
             count += 1
     return count
 
@@ -59,37 +67,51 @@ def audit(text: str) -> dict:
     return {
         "dynamic_loops": _dynamic_loops(text),
         "case_or_if": text.count("stablehlo.case") + text.count("stablehlo.if"),
-        "float_scatter_add_non_unique": sum(s["adds"] and s["float"] and not s["unique"] for s in scatters),
+        "float_scatter_add_non_unique": sum(
+            s["adds"] and s["float"] and not s["unique"] for s in scatters
+        ),
         "cpu_custom_calls": len(re.findall(r"custom_call @Hybridrec", text)),
         "triton_kernels": text.count(TRITON),
     }
 
 
 def _w1(T=8, E=100_000, D=64, B=2048, L=20, rule="rowwise_adagrad", mesh=None):
-    tables = [EmbeddingBagConfig(name=f"t{t}", num_embeddings=E, embedding_dim=D, feature_names=[f"f{t}"])
-              for t in range(T)]
+    tables = [
+        EmbeddingBagConfig(name=f"t{t}", num_embeddings=E, embedding_dim=D, feature_names=[f"f{t}"])
+        for t in range(T)
+    ]
     module = EmbeddingBagCollection(tables)  # kernel="auto", the default
     if mesh is not None:
-        module = shard(module, mesh, {f"t{t}": "row_wise" if t % 2 else "table_wise" for t in range(T)})
+        module = shard(
+            module, mesh, {f"t{t}": "row_wise" if t % 2 else "table_wise" for t in range(T)}
+        )
     rng = np.random.default_rng(0)
-    kjt = KeyedJaggedTensor([f"f{t}" for t in range(T)], rng.integers(0, E, T * B * L),
-                            lengths=np.full(T * B, L))
+    kjt = KeyedJaggedTensor(
+        [f"f{t}" for t in range(T)], rng.integers(0, E, T * B * L), lengths=np.full(T * B, L)
+    )
     batch = module.prepare(kjt)
     r = getattr(optim, rule)(lr=0.05)
     if mesh is not None:
         params = module.init(jax.random.key(0))  # placed on the mesh (small tables)
         return module, batch, params, r.init(params), r, T * B * L
-    params = jax.eval_shape(module.init, jax.random.key(0))  # abstract: a W1 table is never allocated
+    params = jax.eval_shape(
+        module.init, jax.random.key(0)
+    )  # abstract: a W1 table is never allocated
     state = jax.eval_shape(r.init, params)
     return module, batch, params, state, r, T * B * L
 
 
 def _lowered_step(module, batch, params, state, r, platform):
     update = make_update(module, r, skip_nonfinite=True)  # as hybrid.Model builds it
-    operands = module.update_operands(batch, jnp.zeros((batch_size(module, batch), sum(module.layout.output_dims))))
+    operands = module.update_operands(
+        batch, jnp.zeros((batch_size(module, batch), sum(module.layout.output_dims)))
+    )
     flag, skipped = jnp.ones((1,), bool), (jnp.int32(0), jnp.int32(-1))
-    return update.jitted.trace(params, state, operands, flag, skipped, jnp.int32(0)).lower(
-        lowering_platforms=(platform,)).as_text()
+    return (
+        update.jitted.trace(params, state, operands, flag, skipped, jnp.int32(0))
+        .lower(lowering_platforms=(platform,))
+        .as_text()
+    )
 
 
 def batch_size(module, batch):
@@ -106,12 +128,22 @@ def test_the_w1_training_step_lowered_for_cuda_is_gpu_right(rule):
     assert got["cpu_custom_calls"] == 0, got
     assert got["triton_kernels"] >= 1, got
     big = [int(n) for n in re.findall(r"tensor<(\d+)x64xf32>", text) if int(n) >= n_ids]
-    buffers = {rows for rows, _ in module.layout.groups.values()}  # the stacked tables and their state
-    assert set(big) <= buffers, f"[ids, dim] temporaries in the update: {sorted(set(big) - buffers)}"
-    forward = jax.jit(lambda p, b: module.apply(p, b).values()).trace(params, batch).lower(
-        lowering_platforms=("cuda",)).as_text()
+    buffers = {
+        rows for rows, _ in module.layout.groups.values()
+    }  # the stacked tables and their state
+    assert set(big) <= buffers, (
+        f"[ids, dim] temporaries in the update: {sorted(set(big) - buffers)}"
+    )
+    forward = (
+        jax.jit(lambda p, b: module.apply(p, b).values())
+        .trace(params, batch)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     fwd = audit(forward)
-    assert fwd["triton_kernels"] >= 1 and fwd["cpu_custom_calls"] == 0 and fwd["case_or_if"] == 0, fwd
+    assert fwd["triton_kernels"] >= 1 and fwd["cpu_custom_calls"] == 0 and fwd["case_or_if"] == 0, (
+        fwd
+    )
     assert "stablehlo.while" not in forward  # no per-position loop: the jagged kernel reads offsets
 
 
@@ -123,10 +155,14 @@ def test_the_same_step_lowered_for_cpu_takes_the_cpu_kernels():
     module, batch, params, state, r, _ = _w1(T=2, E=1000, B=64, L=4)
     text = _lowered_step(module, batch, params, state, r, "cpu")
     got = audit(text)
-    assert got["cpu_custom_calls"] == 1 and got["triton_kernels"] == 0 and got["case_or_if"] == 0, got
+    assert got["cpu_custom_calls"] == 1 and got["triton_kernels"] == 0 and got["case_or_if"] == 0, (
+        got
+    )
     forward = jax.jit(lambda p, b: module.apply(p, b).values()).trace(params, batch)
     assert audit(forward.lower(lowering_platforms=("cpu",)).as_text())["cpu_custom_calls"] == 1
-    assert audit(forward.lower(lowering_platforms=("cuda",)).as_text())["triton_kernels"] == 1  # one trace, both
+    assert (
+        audit(forward.lower(lowering_platforms=("cuda",)).as_text())["triton_kernels"] == 1
+    )  # one trace, both
 
 
 def test_a_sharded_step_lowered_for_cuda_is_gpu_right():
@@ -141,20 +177,44 @@ def test_a_sharded_step_lowered_for_cuda_is_gpu_right():
 def test_the_audit_sees_what_it_forbids():
     """The audit itself: a lax.cond, a float scatter-add and the C++ kernels are counted."""
     x = jnp.zeros((8, 4), jnp.float32)
-    cond = jax.jit(lambda a, p: jax.lax.cond(p, lambda a: a + 1, lambda a: a, a)).trace(x, True).lower(
-        lowering_platforms=("cuda",)).as_text()
+    cond = (
+        jax.jit(lambda a, p: jax.lax.cond(p, lambda a: a + 1, lambda a: a, a))
+        .trace(x, True)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert audit(cond)["case_or_if"] >= 1
-    add = jax.jit(lambda a, i: a.at[i].add(1.0)).trace(x, jnp.zeros(3, jnp.int32)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    add = (
+        jax.jit(lambda a, i: a.at[i].add(1.0))
+        .trace(x, jnp.zeros(3, jnp.int32))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert audit(add)["float_scatter_add_non_unique"] == 1
-    unique = jax.jit(lambda a, i: a.at[i].set(1.0, unique_indices=True)).trace(x, jnp.zeros(3, jnp.int32)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    unique = (
+        jax.jit(lambda a, i: a.at[i].set(1.0, unique_indices=True))
+        .trace(x, jnp.zeros(3, jnp.int32))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert audit(unique)["float_scatter_add_non_unique"] == 0
-    loop = jax.jit(lambda a: jax.lax.while_loop(lambda c: c[1] < jnp.max(c[0]), lambda c: (c[0] - 1, c[1] + 1),
-                                                (a, 0.0))).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    loop = (
+        jax.jit(
+            lambda a: jax.lax.while_loop(
+                lambda c: c[1] < jnp.max(c[0]), lambda c: (c[0] - 1, c[1] + 1), (a, 0.0)
+            )
+        )
+        .trace(x)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert audit(loop)["dynamic_loops"] == 1
-    fixed = jax.jit(lambda a: jax.lax.fori_loop(0, 5, lambda i, c: c + 1, a)).trace(x).lower(
-        lowering_platforms=("cuda",)).as_text()
+    fixed = (
+        jax.jit(lambda a: jax.lax.fori_loop(0, 5, lambda i, c: c + 1, a))
+        .trace(x)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert audit(fixed)["dynamic_loops"] == 0
     module, batch, params, state, r, _ = _w1(T=2, E=1000, B=64, L=4)
     old = jax.jit(lambda p, b: module.apply(p, b).values()).trace(params, batch)
@@ -164,7 +224,9 @@ def test_the_audit_sees_what_it_forbids():
 def test_a_sequence_collection_step_lowered_for_cuda_is_gpu_right():
     from sparse_jax import EmbeddingCollection, EmbeddingConfig
 
-    tables = [EmbeddingConfig(name="t", num_embeddings=5000, embedding_dim=32, feature_names=["f", "g"])]
+    tables = [
+        EmbeddingConfig(name="t", num_embeddings=5000, embedding_dim=32, feature_names=["f", "g"])
+    ]
     module = EmbeddingCollection(tables)
     kjt = KeyedJaggedTensor(["f", "g"], np.arange(96) % 5000, lengths=np.full(32, 3))
     batch = module.prepare(kjt)
@@ -173,11 +235,26 @@ def test_a_sequence_collection_step_lowered_for_cuda_is_gpu_right():
     update = make_update(module, r, skip_nonfinite=True)
     grads = {k: jnp.zeros((48, 32), jnp.float32) for k in ("f", "g")}
     operands = module.update_operands(batch, grads)
-    text = update.jitted.trace(params, r.init(params), operands, jnp.ones((1,), bool), (jnp.int32(0), jnp.int32(-1)),
-                               jnp.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        update.jitted.trace(
+            params,
+            r.init(params),
+            operands,
+            jnp.ones((1,), bool),
+            (jnp.int32(0), jnp.int32(-1)),
+            jnp.int32(0),
+        )
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     got = audit(text)
-    assert got == {"dynamic_loops": 0, "case_or_if": 0, "float_scatter_add_non_unique": 0, "cpu_custom_calls": 0,
-                   "triton_kernels": 1}, got
+    assert got == {
+        "dynamic_loops": 0,
+        "case_or_if": 0,
+        "float_scatter_add_non_unique": 0,
+        "cpu_custom_calls": 0,
+        "triton_kernels": 1,
+    }, got
 
 
 @pytest.mark.parametrize("policy,interval,threshold", [("lru", 1, 1), ("lfu", 3, 2)])
@@ -187,8 +264,13 @@ def test_the_managed_remaps_gpu_form_gives_the_same_maps(policy, interval, thres
     from sparse_jax import MCHManagedCollisionModule, RawIds
     from sparse_jax.managed._id_map import _static_loops
 
-    mch = MCHManagedCollisionModule(24, history_capacity=64 * interval, eviction_policy=policy,
-                                    eviction_interval=interval, threshold=threshold)
+    mch = MCHManagedCollisionModule(
+        24,
+        history_capacity=64 * interval,
+        eviction_policy=policy,
+        eviction_interval=interval,
+        threshold=threshold,
+    )
 
     def form(static):
         def run(state, ids, valid):
@@ -209,10 +291,18 @@ def test_the_managed_remaps_gpu_form_gives_the_same_maps(policy, interval, thres
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         state = a[0]
     assert int(jnp.sum(state.sorted_hi != jnp.iinfo(jnp.int32).max)) > 0  # ids were admitted
-    text = jax.jit(mch.profile).trace(state, ids, valid).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(mch.profile).trace(state, ids, valid).lower(lowering_platforms=("cuda",)).as_text()
+    )
     assert audit(text)["case_or_if"] == 0 and audit(text)["dynamic_loops"] == 0, audit(text)
-    assert "stablehlo.case" in jax.jit(mch.profile).trace(state, ids, valid).lower(
-        lowering_platforms=("cpu",)).as_text() or interval == 1  # the CPU form keeps its cond
+    assert (
+        "stablehlo.case"
+        in jax.jit(mch.profile)
+        .trace(state, ids, valid)
+        .lower(lowering_platforms=("cpu",))
+        .as_text()
+        or interval == 1
+    )  # the CPU form keeps its cond
 
 
 def test_a_managed_training_remap_lowered_for_cuda_has_no_conditional():
@@ -223,20 +313,42 @@ def test_a_managed_training_remap_lowered_for_cuda_has_no_conditional():
     )
 
     tables = [EmbeddingBagConfig(name="u", num_embeddings=32, embedding_dim=8, feature_names=["u"])]
-    module = ManagedCollisionSparseModule(ManagedCollisionEmbeddingBagCollection(
-        EmbeddingBagCollection(tables), {"u": MCHManagedCollisionModule(32, history_capacity=256)}))
+    module = ManagedCollisionSparseModule(
+        ManagedCollisionEmbeddingBagCollection(
+            EmbeddingBagCollection(tables),
+            {"u": MCHManagedCollisionModule(32, history_capacity=256)},
+        )
+    )
     ids = np.random.default_rng(0).integers(-(2**62), 2**62, 40)
-    batch = module.prepare(KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5)))
+    batch = module.prepare(
+        KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5))
+    )
     r = optim.rowwise_adagrad(lr=0.1)
     params = module.init(jax.random.key(0))
     arrays = module._targets(batch.inner)
     limits = {"u": np.int32(arrays[""].shape[0])}
-    args = (params, r.init(params), module.mc_state, module.mc_counters, module._key, batch.words, batch.positions,
-            limits)
+    args = (
+        params,
+        r.init(params),
+        module.mc_state,
+        module.mc_counters,
+        module._key,
+        batch.words,
+        batch.positions,
+        limits,
+    )
     program = module._program  # the training remap, then the scatter of its rows into the batch
     slots = jax.eval_shape(program.train, *args)[-1]
-    for text in (program.train.trace(*args).lower(lowering_platforms=("cuda",)).as_text(),
-                 program.scatter.trace(arrays, batch.positions, slots).lower(lowering_platforms=("cuda",)).as_text()):
+    for text in (
+        program.train.trace(*args).lower(lowering_platforms=("cuda",)).as_text(),
+        program.scatter.trace(arrays, batch.positions, slots)
+        .lower(lowering_platforms=("cuda",))
+        .as_text(),
+    ):
         got = audit(text)
-        assert got["case_or_if"] == 0 and got["cpu_custom_calls"] == 0 and got["float_scatter_add_non_unique"] == 0, got
+        assert (
+            got["case_or_if"] == 0
+            and got["cpu_custom_calls"] == 0
+            and got["float_scatter_add_non_unique"] == 0
+        ), got
         assert got["dynamic_loops"] == 0, got

@@ -407,7 +407,12 @@ def test_one_device_mesh_keeps_tables_on_that_device():
 
 
 @pytest.mark.parametrize(
-    "plan", [{"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"}, {"t0": "grid_shard", "t1": "data_parallel"}, None]
+    "plan",
+    [
+        {"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"},
+        {"t0": "grid_shard", "t1": "data_parallel"},
+        None,
+    ],
 )
 def test_sharded_mesh_matches_one_device(plan):
     # row-wise adagrad: column-split tables sum each row's statistic over their blocks
@@ -463,7 +468,9 @@ def test_load_sparse_opt_state_checks_structure_and_places_leaves():
     state = model.sparse_opt_state
     host = jax.tree.map(lambda x: np.asarray(x) + 1, state)
     model.load_sparse_opt_state(host)
-    for got, want in zip(jax.tree.leaves(model.sparse_opt_state), jax.tree.leaves(host), strict=True):
+    for got, want in zip(
+        jax.tree.leaves(model.sparse_opt_state), jax.tree.leaves(host), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(ValueError, match="optimizer state has structure"):
         model.load_sparse_opt_state({"count": 0})

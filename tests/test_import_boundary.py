@@ -25,16 +25,23 @@ def _imported_modules(package: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize(("package", "forbidden"), [("sparse_jax", {"torch", "dense_torch", "hybrid"}), ("dense_torch", {"jax", "jaxlib", "sparse_jax", "hybrid"})])
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("sparse_jax", {"torch", "dense_torch", "hybrid"}),
+        ("dense_torch", {"jax", "jaxlib", "sparse_jax", "hybrid"}),
+    ],
+)
 def test_source_never_imports_the_other_framework(package, forbidden):
     assert not _imported_modules(package) & forbidden
 
 
-@pytest.mark.parametrize(("package", "forbidden"), [("sparse_jax", "torch"), ("dense_torch", "jax")])
+@pytest.mark.parametrize(
+    ("package", "forbidden"), [("sparse_jax", "torch"), ("dense_torch", "jax")]
+)
 def test_importing_the_package_loads_no_other_framework(package, forbidden):
     code = f"import sys, {package}; assert {forbidden!r} not in sys.modules, sorted(m for m in sys.modules if m.startswith({forbidden!r}))"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
 
 
 def _full_imports(source: str, module: str, *, is_package: bool = False) -> set[str]:
@@ -61,12 +68,19 @@ def _module_imports(path: pathlib.Path) -> set[str]:
 
 
 def test_full_imports_resolves_every_form():
-    source = "import sparse_jax.sharding\nfrom sparse_jax import plan\nfrom ..sharding import _work\n" \
+    source = (
+        "import sparse_jax.sharding\nfrom sparse_jax import plan\nfrom ..sharding import _work\n"
         "def f():\n    from . import _x\n"
+    )
     assert _full_imports(source, "sparse_jax.planner._a") >= {
-        "sparse_jax.sharding", "sparse_jax.plan", "sparse_jax.sharding._work", "sparse_jax.planner._x"
+        "sparse_jax.sharding",
+        "sparse_jax.plan",
+        "sparse_jax.sharding._work",
+        "sparse_jax.planner._x",
     }
-    assert "sparse_jax.planner._x" in _full_imports("from . import _x", "sparse_jax.planner", is_package=True)
+    assert "sparse_jax.planner._x" in _full_imports(
+        "from . import _x", "sparse_jax.planner", is_package=True
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,7 +95,9 @@ def test_plans_flow_from_planner_to_runtime_only(package, forbidden):
     assert paths, f"no modules under {package}"
     bad = {
         str(path.relative_to(ROOT)): sorted(
-            n for n in _module_imports(path) if any(n == f or n.startswith(f + ".") for f in forbidden)
+            n
+            for n in _module_imports(path)
+            if any(n == f or n.startswith(f + ".") for f in forbidden)
         )
         for path in paths
     }
@@ -101,7 +117,9 @@ def test_checkpoints_import_neither_the_training_script_nor_the_training_package
     forbidden = ("hybrid.train", "hybrid.training")
     bad = {
         str(path.relative_to(ROOT)): sorted(
-            n for n in _module_imports(path) if any(n == f or n.startswith(f + ".") for f in forbidden)
+            n
+            for n in _module_imports(path)
+            if any(n == f or n.startswith(f + ".") for f in forbidden)
         )
         for path in paths
     }

@@ -18,7 +18,9 @@ def _random_kjt(rng, num_keys, batch, weighted):
     n = int(lengths.sum())
     values = rng.integers(0, 1000, n).astype(np.int32)
     weights = rng.random(n).astype(np.float32) + 0.5 if weighted else None
-    return KeyedJaggedTensor([f"k{i}" for i in range(num_keys)], values, lengths=lengths, weights=weights)
+    return KeyedJaggedTensor(
+        [f"k{i}" for i in range(num_keys)], values, lengths=lengths, weights=weights
+    )
 
 
 def _loop_split(kjt, devices):
@@ -68,17 +70,24 @@ def test_split_matches_a_loop_over_bags(devices, weighted):
         assert parts["lengths"].dtype == np.int32 and parts["weights"].dtype == np.float32
         for d, (ids, ws, ls) in enumerate(want):
             np.testing.assert_array_equal(parts["values"][d], ids + [0] * (cap - len(ids)))
-            np.testing.assert_array_equal(parts["weights"][d], np.array(ws + [0] * (cap - len(ws)), np.float32))
+            np.testing.assert_array_equal(
+                parts["weights"][d], np.array(ws + [0] * (cap - len(ws)), np.float32)
+            )
             np.testing.assert_array_equal(parts["lengths"][d], ls)
 
 
 def test_split_refuses_a_batch_the_devices_do_not_divide_and_a_batch_above_the_ladder():
     kjt = KeyedJaggedTensor(["f"], np.arange(6, dtype=np.int32), lengths=np.array([1, 2, 3]))
-    msg = ("batch size 3 is not divisible by the 2 devices of the mesh; the batch is split over every "
-           "device, so use a multiple of the device count")
+    msg = (
+        "batch size 3 is not divisible by the 2 devices of the mesh; the batch is split over every "
+        "device, so use a multiple of the device count"
+    )
     with pytest.raises(ValueError, match=re.escape(msg)):
         split_batch(kjt, 2)
-    with pytest.raises(ValueError, match=re.escape("local batch: 6 ids exceed the largest capacity 4 of the ladder")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("local batch: 6 ids exceed the largest capacity 4 of the ladder"),
+    ):
         split_batch(kjt, 1, (2, 4))
     parts = split_batch(kjt, 3, (2, 4))  # per device 1, 2 and 3 ids: the rung that holds 3
     assert parts["values"].shape == (3, 4) and parts["length_cap"] == 4
@@ -92,8 +101,12 @@ def test_an_empty_batch_splits_into_the_smallest_rung():
 
 
 def test_pad_parts_pads_ids_after_the_last_bag_and_only_raises_the_cap():
-    kjt = KeyedJaggedTensor(["f"], np.array([5, 6, 7], np.int32), lengths=np.array([2, 1]),
-                            weights=np.array([0.5, 1.5, 2.0], np.float32))
+    kjt = KeyedJaggedTensor(
+        ["f"],
+        np.array([5, 6, 7], np.int32),
+        lengths=np.array([2, 1]),
+        weights=np.array([0.5, 1.5, 2.0], np.float32),
+    )
     parts = split_batch(kjt, 1, (4, 8))
     padded = pad_parts(parts, 8, 1)
     np.testing.assert_array_equal(padded["values"], [[5, 6, 7, 0, 0, 0, 0, 0]])

@@ -21,7 +21,10 @@ from sparse_jax import (
 from sparse_jax._configs import DataType
 
 E = 10
-TABLES = [EmbeddingBagConfig(E, 4, "t", feature_names=["f"]), EmbeddingBagConfig(7, 4, "u", feature_names=["g"])]
+TABLES = [
+    EmbeddingBagConfig(E, 4, "t", feature_names=["f"]),
+    EmbeddingBagConfig(7, 4, "u", feature_names=["g"]),
+]
 
 
 def _kjt(ids_f, ids_g=(1,)):
@@ -56,9 +59,15 @@ def test_ffi_refuses_to_fall_back_and_auto_falls_back(monkeypatch):
     table = np.zeros((2, 2), np.float32)
     assert _lookup.use_ffi("auto", table) is False
     assert _lookup.use_ffi("xla", table) is False
-    with pytest.raises(ValueError, match="^" + re.escape(
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
             "kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); "
-            "use kernel='auto' or 'xla'") + "$"):
+            "use kernel='auto' or 'xla'"
+        )
+        + "$",
+    ):
         _lookup.use_ffi("ffi", table)
     monkeypatch.setattr(_kernels, "available", lambda: True)
     assert _lookup.use_ffi("auto", table) is True and _lookup.use_ffi("ffi", table) is True
@@ -72,27 +81,47 @@ def test_bounds_error_at_the_edges_of_the_table(kernel):
     params = ebc.init(jax.random.key(0))
     out = ebc.apply(params, _kjt([0, E - 1], [6])).to_dict()
     w = ebc.table_weights(params)
-    np.testing.assert_allclose(out["f"][0], np.asarray(w["t"])[0] + np.asarray(w["t"])[E - 1], rtol=1e-6)
+    np.testing.assert_allclose(
+        out["f"][0], np.asarray(w["t"])[0] + np.asarray(w["t"])[E - 1], rtol=1e-6
+    )
     np.testing.assert_allclose(out["g"][0], np.asarray(w["u"])[6], rtol=1e-6)
     for ids_f, ids_g, message in [
-        ([0, E], [1], f"feature 'f' (table 't', num_embeddings={E}): id {E} at batch position 0, index 1 in the bag "
-                      f"is outside [0, {E}) (1 such ids); fix the ids, or pass bounds_check='clamp' or 'skip'"),
-        ([-1], [1], "feature 'f' (table 't', num_embeddings=10): id -1 at batch position 0, index 0 in the bag"),
-        ([1], [0, 7, 8], "feature 'g' (table 'u', num_embeddings=7): id 7 at batch position 0, index 1 in the bag "
-                         "is outside [0, 7) (2 such ids)"),
+        (
+            [0, E],
+            [1],
+            f"feature 'f' (table 't', num_embeddings={E}): id {E} at batch position 0, index 1 in the bag "
+            f"is outside [0, {E}) (1 such ids); fix the ids, or pass bounds_check='clamp' or 'skip'",
+        ),
+        (
+            [-1],
+            [1],
+            "feature 'f' (table 't', num_embeddings=10): id -1 at batch position 0, index 0 in the bag",
+        ),
+        (
+            [1],
+            [0, 7, 8],
+            "feature 'g' (table 'u', num_embeddings=7): id 7 at batch position 0, index 1 in the bag "
+            "is outside [0, 7) (2 such ids)",
+        ),
     ]:
         with pytest.raises(ValueError, match="^" + re.escape(message)):
             ebc.apply(params, _kjt(ids_f, ids_g))
-    with pytest.raises(ValueError, match=re.escape("bounds_check='wrap' is not one of ('error', 'clamp', 'skip')")):
+    with pytest.raises(
+        ValueError, match=re.escape("bounds_check='wrap' is not one of ('error', 'clamp', 'skip')")
+    ):
         EmbeddingBagCollection(TABLES, bounds_check="wrap")
 
 
-@pytest.mark.parametrize("plan", [{"t": "row_wise", "u": "table_wise"}, {"t": "data_parallel", "u": "column_wise"}])
+@pytest.mark.parametrize(
+    "plan", [{"t": "row_wise", "u": "table_wise"}, {"t": "data_parallel", "u": "column_wise"}]
+)
 def test_sharded_lookup_takes_the_same_path(plan):
     from sparse_jax.sharding import shard
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
-    kjt = KeyedJaggedTensor(["f", "g"], np.array([0, 3, 1, 2, 5, 6], np.int32), lengths=np.array([2, 0, 1, 3]))
+    kjt = KeyedJaggedTensor(
+        ["f", "g"], np.array([0, 3, 1, 2, 5, 6], np.int32), lengths=np.array([2, 0, 1, 3])
+    )
     kinds = {"xla": False, "auto": _kernels.available()}
     for kernel, custom in kinds.items():
         sharded = shard(EmbeddingBagCollection(TABLES, kernel=kernel), mesh, plan)
@@ -105,10 +134,18 @@ def test_the_per_position_path_refuses_a_kjt_without_length_caps():
     """(`ebc.apply` pads a raw KJT first; the lookup itself refuses one.)"""
     ebc = EmbeddingBagCollection(TABLES, kernel="xla")
     params = ebc.init(jax.random.key(0))
-    with pytest.raises(ValueError, match="^" + re.escape(
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
             "the per-position lookup needs static bag-length caps: prepare the batch (module.prepare(kjt)) "
-            "or call kjt.pad(...) first, or use kernel='reference'") + "$"):
-        _lookup.pooled_per_position(params, _kjt([0, 3]), ebc.layout, weighted=False, bounds_check="error", kernel="xla")
+            "or call kjt.pad(...) first, or use kernel='reference'"
+        )
+        + "$",
+    ):
+        _lookup.pooled_per_position(
+            params, _kjt([0, 3]), ebc.layout, weighted=False, bounds_check="error", kernel="xla"
+        )
 
 
 def test_a_kjt_filled_to_its_capacity_reads_its_last_id():
@@ -116,11 +153,14 @@ def test_a_kjt_filled_to_its_capacity_reads_its_last_id():
     itself: `ebc.apply` would prepare the batch onto a ladder rung with padding)."""
     ebc = EmbeddingBagCollection(TABLES, kernel="xla")
     params = ebc.init(jax.random.key(0))
-    kjt = KeyedJaggedTensor(["f", "g"], np.array([2, 5, 1, 3, 4, 6], np.int32),
-                            lengths=np.array([2, 1, 1, 2], np.int32)).pad(capacity=6)
+    kjt = KeyedJaggedTensor(
+        ["f", "g"], np.array([2, 5, 1, 3, 4, 6], np.int32), lengths=np.array([2, 1, 1, 2], np.int32)
+    ).pad(capacity=6)
     assert kjt.capacity() == 6
     w = {k: np.asarray(v) for k, v in ebc.table_weights(params).items()}
-    f, g = _lookup.pooled_per_position(params, kjt, ebc.layout, weighted=False, bounds_check="error", kernel="xla")
+    f, g = _lookup.pooled_per_position(
+        params, kjt, ebc.layout, weighted=False, bounds_check="error", kernel="xla"
+    )
     np.testing.assert_allclose(np.asarray(f), [w["t"][2] + w["t"][5], w["t"][1]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(g), [w["u"][3], w["u"][4] + w["u"][6]], rtol=1e-6)
 

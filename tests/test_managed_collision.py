@@ -29,13 +29,22 @@ def _compiled(mc):
     return jax.jit(mc.profile), jax.jit(mc.remap)
 
 
-@pytest.mark.parametrize(("policy", "interval", "threshold", "zch"),
-                         [("lru", 1, 1, 16), ("lfu", 1, 1, 16), ("lru", 3, 2, 12), ("lfu", 2, 3, 9)])
+@pytest.mark.parametrize(
+    ("policy", "interval", "threshold", "zch"),
+    [("lru", 1, 1, 16), ("lfu", 1, 1, 16), ("lru", 3, 2, 12), ("lfu", 2, 3, 9)],
+)
 def test_long_streams_match_the_loop_oracle(policy, interval, threshold, zch):
-    mc = MCHManagedCollisionModule(zch, history_capacity=BATCH * interval, eviction_policy=policy,
-                                   eviction_interval=interval, threshold=threshold)
+    mc = MCHManagedCollisionModule(
+        zch,
+        history_capacity=BATCH * interval,
+        eviction_policy=policy,
+        eviction_interval=interval,
+        threshold=threshold,
+    )
     oracle = ManagedCollisionLoop(zch, policy, interval, threshold)
-    assert _against_the_oracle(mc, oracle, _stream(seed=zch, steps=150)) >= zch  # filled (zch - 1 ids), evicted
+    assert (
+        _against_the_oracle(mc, oracle, _stream(seed=zch, steps=150)) >= zch
+    )  # filled (zch - 1 ids), evicted
 
 
 def _against_the_oracle(mc, oracle, batches) -> int:
@@ -48,19 +57,28 @@ def _against_the_oracle(mc, oracle, batches) -> int:
         state, evicted = profile(state, ids)
         expected = oracle.profile([int(i) for i in batch])
         assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == expected, step
-        np.testing.assert_array_equal(remap(state, ids), oracle.remap([int(i) for i in batch]), err_msg=str(step))
+        np.testing.assert_array_equal(
+            remap(state, ids), oracle.remap([int(i) for i in batch]), err_msg=str(step)
+        )
         evictions += len(expected)
     return evictions
 
 
-@pytest.mark.parametrize(("policy", "interval", "zch", "batch", "pool"),
-                         [("lru", 1, 1000, 256, 3000), ("lfu", 1, 1000, 256, 3000), ("lru", 3, 300, 200, 900),
-                          ("lfu", 2, 4096, 1500, 20000)])
+@pytest.mark.parametrize(
+    ("policy", "interval", "zch", "batch", "pool"),
+    [
+        ("lru", 1, 1000, 256, 3000),
+        ("lfu", 1, 1000, 256, 3000),
+        ("lru", 3, 300, 200, 900),
+        ("lfu", 2, 4096, 1500, 20000),
+    ],
+)
 def test_large_maps_match_the_loop_oracle(policy, interval, zch, batch, pool):
     """Maps of many blocks (the two-level search), windows of many radix digits, and
     contests among thousands of tied scores (LFU counts of 1 and 2, LRU steps)."""
-    mc = MCHManagedCollisionModule(zch, history_capacity=batch * interval, eviction_policy=policy,
-                                   eviction_interval=interval)
+    mc = MCHManagedCollisionModule(
+        zch, history_capacity=batch * interval, eviction_policy=policy, eviction_interval=interval
+    )
     rng = np.random.default_rng(zch)
     values = rng.integers(-(2**63), 2**63 - 1, size=pool, dtype=np.int64)
     values[:4] = [0, -1, 2**32, -(2**63)]
@@ -80,7 +98,9 @@ def test_an_empty_batch_is_a_step_that_admits_nothing():
 def test_padding_is_not_seen():
     mc = MCHManagedCollisionModule(4, history_capacity=6, eviction_policy="lfu")
     ids = RawIds.from_int64(np.array([7, 7, 9, 9, 9, 9]))
-    state, evicted = mc.profile(mc.init(), ids, valid=np.array([True, True, True, False, False, False]))
+    state, evicted = mc.profile(
+        mc.init(), ids, valid=np.array([True, True, True, False, False, False])
+    )
     # 7 seen twice, 9 once (the padded 9s are not counted): the free entries that lose to them
     # are the later ones, best new id first (TorchRec's order), so 7 -> 1 and 9 -> 2
     assert np.asarray(mc.remap(state, RawIds.from_int64(np.array([7, 9, 8])))).tolist() == [1, 2, 3]
@@ -95,8 +115,12 @@ def test_an_id_evicted_and_seen_again_gets_a_fresh_slot():
     # back and evicts 1, the least recent, taking slot 0: a slot the caller resets
     for batch in ([1, 2], [3, 3], [2, 2]):
         state, evicted = mc.profile(state, RawIds.from_int64(np.array(batch)))
-        seen.append((np.flatnonzero(np.asarray(evicted)).tolist(), np.asarray(
-            mc.remap(state, RawIds.from_int64(np.array([1, 2, 3])))).tolist()))
+        seen.append(
+            (
+                np.flatnonzero(np.asarray(evicted)).tolist(),
+                np.asarray(mc.remap(state, RawIds.from_int64(np.array([1, 2, 3])))).tolist(),
+            )
+        )
     assert seen == [([0, 1], [0, 1, 2]), ([1], [0, 2, 1]), ([0], [2, 0, 1])]
 
 
@@ -115,9 +139,14 @@ def test_raw_ids_round_trip_every_64_bit_value_and_refuse_what_does_not_fit():
     np.testing.assert_array_equal(words.to_int64(), ids)
     for bad, message in [
         (np.array([1.0]), "RawIds.from_int64: ids must be integers, got dtype float64"),
-        (np.array([2**63], np.uint64), "RawIds.from_int64: uint64 ids above 2**63 - 1 do not fit int64"),
-        (np.array([3, 2**63 - 1], np.int64), "RawIds.from_int64: id 2**63 - 1 at position 1 is reserved (it marks "
-                                             "an empty slot)"),
+        (
+            np.array([2**63], np.uint64),
+            "RawIds.from_int64: uint64 ids above 2**63 - 1 do not fit int64",
+        ),
+        (
+            np.array([3, 2**63 - 1], np.int64),
+            "RawIds.from_int64: id 2**63 - 1 at position 1 is reserved (it marks an empty slot)",
+        ),
     ]:
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             RawIds.from_int64(bad)
@@ -135,10 +164,16 @@ def test_settings_are_checked():
         with pytest.raises(ValueError, match="^" + re.escape(f"{name}: {message}") + "$"):
             MCHManagedCollisionModule(**{"zch_size": 4, "history_capacity": 4, **kwargs})
     mc = MCHManagedCollisionModule(4, history_capacity=5, eviction_interval=2)
-    with pytest.raises(ValueError, match="^" + re.escape(
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
             f"{name}: 2 batches of 3 id positions (padding to the capacity rung included) may exceed "
             "history_capacity=5; give history_capacity >= positions per batch * eviction_interval (nothing a window "
-            "holds is ever dropped)") + "$"):
+            "holds is ever dropped)"
+        )
+        + "$",
+    ):
         mc.profile(mc.init(), RawIds.from_int64(np.array([1, 2, 3])))
 
 
@@ -149,11 +184,19 @@ def test_hashed_slots_stay_in_range_and_spread_ids_that_differ_only_in_the_high_
     assert np.bincount(slots, minlength=100).max() < 80  # ~40 per slot, not one slot
     np.testing.assert_array_equal(hashed_slots(ids, 100), slots)  # deterministic
     assert (np.asarray(hashed_slots(ids, 100, seed=1)) != slots).mean() > 0.9
-    with pytest.raises(ValueError, match="^" + re.escape("hashed_slots: num_embeddings=0 must be an int >= 1") + "$"):
+    with pytest.raises(
+        ValueError,
+        match="^" + re.escape("hashed_slots: num_embeddings=0 must be an int >= 1") + "$",
+    ):
         hashed_slots(ids, 0)
     some = np.random.default_rng(0).integers(-(2**63), 2**63 - 1, 4096, dtype=np.int64)
     some[:3] = [0, -1, -(2**63)]
-    for n, seed in [(2, 0), (7, 0), (100, 1), (2**31 - 1, 2**32 - 1)]:  # numpy on the host: the same slots
+    for n, seed in [
+        (2, 0),
+        (7, 0),
+        (100, 1),
+        (2**31 - 1, 2**32 - 1),
+    ]:  # numpy on the host: the same slots
         got = host_hashed_slots(some, n, seed=seed)
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, hashed_slots(RawIds.from_int64(some), n, seed=seed))
@@ -168,21 +211,31 @@ def test_matches_torchrec_mch_module(policy):
     from torchrec.sparse.jagged_tensor import JaggedTensor
 
     zch = 16
-    eviction = mc_modules.LRU_EvictionPolicy() if policy == "lru" else mc_modules.LFU_EvictionPolicy()
-    theirs = mc_modules.MCHManagedCollisionModule(zch_size=zch, device=torch.device("cpu"), eviction_policy=eviction,
-                                                 eviction_interval=2)
+    eviction = (
+        mc_modules.LRU_EvictionPolicy() if policy == "lru" else mc_modules.LFU_EvictionPolicy()
+    )
+    theirs = mc_modules.MCHManagedCollisionModule(
+        zch_size=zch, device=torch.device("cpu"), eviction_policy=eviction, eviction_interval=2
+    )
     theirs.train()
-    mc = MCHManagedCollisionModule(zch, history_capacity=2 * BATCH, eviction_policy=policy, eviction_interval=2)
+    mc = MCHManagedCollisionModule(
+        zch, history_capacity=2 * BATCH, eviction_policy=policy, eviction_interval=2
+    )
     profile, remap = _compiled(mc)
     state = mc.init()
     for step, batch in enumerate(_stream(seed=7, steps=60)):
         values = torch.from_numpy(batch)
-        out = theirs({"t": JaggedTensor(values=values, lengths=torch.ones_like(values, dtype=torch.int32))})
+        out = theirs(
+            {"t": JaggedTensor(values=values, lengths=torch.ones_like(values, dtype=torch.int32))}
+        )
         state, evicted = profile(state, RawIds.from_int64(batch))
-        np.testing.assert_array_equal(remap(state, RawIds.from_int64(batch)), out["t"].values().numpy(),
-                                      err_msg=str(step))
+        np.testing.assert_array_equal(
+            remap(state, RawIds.from_int64(batch)), out["t"].values().numpy(), err_msg=str(step)
+        )
         gone = theirs.evict()
-        assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == set(() if gone is None else gone.tolist()), step
+        assert set(np.flatnonzero(np.asarray(evicted)).tolist()) == set(
+            () if gone is None else gone.tolist()
+        ), step
 
 
 def test_words_carry_every_64_bit_id_through_a_kjt():
@@ -199,8 +252,11 @@ def _words_kjt(u, v, p):
 
     bags = [*u, *v, *p]
     flat = np.concatenate([np.asarray(b, np.int64) for b in bags])
-    return KeyedJaggedTensor(["u", "v", "p"], RawIds.from_int64(flat).words(),
-                             lengths=np.array([len(b) for b in bags], np.int32)), flat
+    return KeyedJaggedTensor(
+        ["u", "v", "p"],
+        RawIds.from_int64(flat).words(),
+        lengths=np.array([len(b) for b in bags], np.int32),
+    ), flat
 
 
 def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_it_evicts():
@@ -211,14 +267,19 @@ def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_
         optim,
     )
 
-    tables = [EmbeddingBagConfig(8, 4, "m", feature_names=["u", "v"]), EmbeddingBagConfig(5, 4, "plain", feature_names=["p"])]
+    tables = [
+        EmbeddingBagConfig(8, 4, "m", feature_names=["u", "v"]),
+        EmbeddingBagConfig(5, 4, "plain", feature_names=["p"]),
+    ]
     ebc = EmbeddingBagCollection(tables)
     module = MCHManagedCollisionModule(8, history_capacity=16, eviction_policy="lfu")
     mc = ManagedCollisionEmbeddingBagCollection(ebc, {"m": module})
     params = ebc.init(jax.random.key(0))
     rule = optim.adagrad(lr=0.1)
     opt = rule.init(params)
-    opt = opt._replace(tables=jax.tree_util.tree_map(lambda x: x + 1.0, opt.tables))  # state to be reset
+    opt = opt._replace(
+        tables=jax.tree_util.tree_map(lambda x: x + 1.0, opt.tables)
+    )  # state to be reset
     oracle = ManagedCollisionLoop(8, "lfu")
     remap = jax.jit(mc.remap)
     state = mc.init_state()
@@ -233,20 +294,30 @@ def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_
         managed = [int(i) for b in [*u, *v] for i in b]
         want_evicted = oracle.profile(managed)
         want = oracle.remap(managed) + [int(i) for b in p for i in b]
-        np.testing.assert_array_equal(np.asarray(slots.values())[: len(flat)], want, err_msg=str(step))
+        np.testing.assert_array_equal(
+            np.asarray(slots.values())[: len(flat)], want, err_msg=str(step)
+        )
         assert set(np.flatnonzero(np.asarray(evicted["m"])).tolist()) == want_evicted, step
         new_params, new_opt = mc.reset_evicted(params, opt, evicted, jax.random.key(1000 + step))
         group, offset = ebc.layout.table_group["m"]
         rows = offset + np.array(sorted(want_evicted), int)
         kept = np.setdiff1d(np.arange(params[group].shape[0]), rows)
-        np.testing.assert_array_equal(np.asarray(new_params[group])[kept], np.asarray(params[group])[kept])
+        np.testing.assert_array_equal(
+            np.asarray(new_params[group])[kept], np.asarray(params[group])[kept]
+        )
         state_leaf = np.asarray(new_opt.tables[group]["momentum1"])
-        assert (state_leaf[rows] == 0).all() and (state_leaf[kept] == np.asarray(opt.tables[group]["momentum1"])[kept]).all()
+        assert (state_leaf[rows] == 0).all() and (
+            state_leaf[kept] == np.asarray(opt.tables[group]["momentum1"])[kept]
+        ).all()
         fresh = np.asarray(new_params[group])[rows]
         bound = tables[0].weight_init_max
-        assert (np.abs(fresh) <= bound).all() and not np.isin(fresh, np.asarray(params[group])).any()
+        assert (np.abs(fresh) <= bound).all() and not np.isin(
+            fresh, np.asarray(params[group])
+        ).any()
         params, opt = new_params, new_opt
-    assert len(oracle.remap(list(pool))) == 12 and sum(s != 7 for s in oracle.remap(list(pool))) == 7  # full table
+    assert (
+        len(oracle.remap(list(pool))) == 12 and sum(s != 7 for s in oracle.remap(list(pool))) == 7
+    )  # full table
 
 
 def test_the_collection_refuses_what_it_cannot_manage():
@@ -257,14 +328,26 @@ def test_the_collection_refuses_what_it_cannot_manage():
     )
 
     name = "ManagedCollisionEmbeddingBagCollection"
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(8, 4, "a", feature_names=["f"]),
-                                  EmbeddingBagConfig(6, 4, "b", feature_names=["f", "g"])])
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(8, 4, "a", feature_names=["f"]),
+            EmbeddingBagConfig(6, 4, "b", feature_names=["f", "g"]),
+        ]
+    )
     for modules, message in [
-        ({"z": MCHManagedCollisionModule(8, history_capacity=4)}, "no table 'z' in the collection (tables: ['a', 'b'])"),
-        ({"a": MCHManagedCollisionModule(9, history_capacity=4)}, "table 'a' has 8 rows but its module's zch_size is 9; "
-                                                                  "make them equal"),
-        ({"a": MCHManagedCollisionModule(8, history_capacity=4)}, "feature 'f' feeds tables ['a', 'b']; a managed table "
-                                                                  "needs features of its own (one slot per id and table)"),
+        (
+            {"z": MCHManagedCollisionModule(8, history_capacity=4)},
+            "no table 'z' in the collection (tables: ['a', 'b'])",
+        ),
+        (
+            {"a": MCHManagedCollisionModule(9, history_capacity=4)},
+            "table 'a' has 8 rows but its module's zch_size is 9; make them equal",
+        ),
+        (
+            {"a": MCHManagedCollisionModule(8, history_capacity=4)},
+            "feature 'f' feeds tables ['a', 'b']; a managed table "
+            "needs features of its own (one slot per id and table)",
+        ),
     ]:
         with pytest.raises(ValueError, match="^" + re.escape(f"{name}: {message}") + "$"):
             ManagedCollisionEmbeddingBagCollection(ebc, modules)
@@ -274,9 +357,17 @@ def test_lfu_counts_saturate_instead_of_wrapping():
     mc = MCHManagedCollisionModule(4, history_capacity=8, eviction_policy="lfu")
     ids = RawIds.from_int64(np.array([11, 12, 13]))
     state, _ = mc.profile(mc.init(), ids)  # all three admitted
-    state = state._replace(counts=jnp.where(state.counts < np.iinfo(np.int32).max, np.iinfo(np.int32).max - 1,
-                                            state.counts))
+    state = state._replace(
+        counts=jnp.where(
+            state.counts < np.iinfo(np.int32).max, np.iinfo(np.int32).max - 1, state.counts
+        )
+    )
     state, _ = mc.profile(state, RawIds.from_int64(np.array([11, 11, 11, 12])))
     top = np.iinfo(np.int32).max
-    assert sorted(np.asarray(state.counts).tolist()) == [top - 1, top, top, top]  # 13 unseen; 11, 12 saturated
+    assert sorted(np.asarray(state.counts).tolist()) == [
+        top - 1,
+        top,
+        top,
+        top,
+    ]  # 13 unseen; 11, 12 saturated
     assert sorted(np.asarray(mc.remap(state, ids)).tolist()) == [0, 1, 2]  # nobody evicted

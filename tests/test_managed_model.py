@@ -23,9 +23,18 @@ def _zeros(key, shape, dtype):  # noqa: ARG001 (fresh rows the test knows)
 
 
 def _tables():
-    return [EmbeddingBagConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"],
-                               init_fn=_zeros),
-            EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
+    return [
+        EmbeddingBagConfig(
+            name="users",
+            num_embeddings=Z,
+            embedding_dim=DIM,
+            feature_names=["user"],
+            init_fn=_zeros,
+        ),
+        EmbeddingBagConfig(
+            name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"]
+        ),
+    ]
 
 
 def _dense(seed):
@@ -46,24 +55,34 @@ def _batches(steps, seed=0, batch=4):
 
 def _kjt(users, items, user_values):
     lengths = torch.tensor([len(b) for b in users] + [len(b) for b in items], dtype=torch.int32)
-    values = torch.cat([torch.as_tensor(np.asarray(user_values, np.int64)),
-                        torch.from_numpy(np.concatenate(items).astype(np.int64))])
+    values = torch.cat(
+        [
+            torch.as_tensor(np.asarray(user_values, np.int64)),
+            torch.from_numpy(np.concatenate(items).astype(np.int64)),
+        ]
+    )
     return ("user", "item"), values, lengths
 
 
 def _step(model, opt, sparse, dense, labels):
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(-1), labels)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(
+        model(dense, sparse).squeeze(-1), labels
+    )
     loss.backward()
     opt.step()
     opt.zero_grad()
     return float(loss.detach())
 
 
-@pytest.mark.parametrize("rule", [rowwise_adagrad(lr=0.3), adagrad(lr=0.3)], ids=["rowwise_adagrad", "adagrad"])
+@pytest.mark.parametrize(
+    "rule", [rowwise_adagrad(lr=0.3), adagrad(lr=0.3)], ids=["rowwise_adagrad", "adagrad"]
+)
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_a_managed_table_trains_as_a_plain_table_fed_the_oracles_slots_and_resets(policy, rule):
     module = MCHManagedCollisionModule(Z, history_capacity=128, eviction_policy=policy)
-    managed = hybrid.Model(_tables(), _dense(0), sparse_optimizer=rule, managed_collision_modules={"users": module})
+    managed = hybrid.Model(
+        _tables(), _dense(0), sparse_optimizer=rule, managed_collision_modules={"users": module}
+    )
     plain = hybrid.Model(_tables(), _dense(0), sparse_optimizer=rule)
     plain.load_state_dict(managed.state_dict())
     opts = [torch.optim.SGD(m.dense_parameters(), lr=0.2) for m in (managed, plain)]
@@ -80,7 +99,10 @@ def test_a_managed_table_trains_as_a_plain_table_fed_the_oracles_slots_and_reset
             plain.load_state_dict({"embedding_bags.users.weight": weights}, strict=False)
             state = plain.sparse_opt_state
             group, offset = plain.sparse_module.layout.table_group["users"]
-            tables = {g: {k: (np.asarray(v).copy()) for k, v in leaves.items()} for g, leaves in state.tables.items()}
+            tables = {
+                g: {k: (np.asarray(v).copy()) for k, v in leaves.items()}
+                for g, leaves in state.tables.items()
+            }
             for leaf in tables[group].values():
                 leaf[offset + np.array(rows)] = 0
             plain.load_sparse_opt_state(state._replace(tables=tables))
@@ -89,8 +111,9 @@ def test_a_managed_table_trains_as_a_plain_table_fed_the_oracles_slots_and_reset
         assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert resets >= 3
     for name, w in plain.table_weights().items():
-        np.testing.assert_allclose(managed.table_weights()[name].numpy(), w.numpy(), rtol=1e-6, atol=1e-7,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            managed.table_weights()[name].numpy(), w.numpy(), rtol=1e-6, atol=1e-7, err_msg=name
+        )
     occupancy, admitted, displaced = np.asarray(managed.managed_collision_stats()["users"]).tolist()
     assert occupancy == sum(e["raw"] is not None for e in oracle.entries) == Z - 1
     assert admitted > Z - 1 and displaced == admitted - (Z - 1)
@@ -121,13 +144,19 @@ def test_raw_ids_of_an_unmanaged_table_are_refused():
     module = MCHManagedCollisionModule(Z, history_capacity=128)
     model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
     keys, values, lengths = _kjt([[1]], [np.array([2**40])], [1])
-    with pytest.raises(ValueError, match=r"^id 1099511627776 at feature 'item', batch position 0, index 0 in the bag "
-                                         r"is a raw 64-bit id but its table has no managed-collision module; give the "
-                                         r"table one "
-                                         r"\(managed_collision_modules\) or map its ids into the table's rows$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^id 1099511627776 at feature 'item', batch position 0, index 0 in the bag "
+        r"is a raw 64-bit id but its table has no managed-collision module; give the "
+        r"table one "
+        r"\(managed_collision_modules\) or map its ids into the table's rows$",
+    ):
         model(torch.zeros(1, 3), (keys, values, lengths))
-    with pytest.raises(ValueError, match=r"^feature 'item' \(table 'items', num_embeddings=10\): id 10 at batch "
-                                         r"position 0, index 0 in the bag is outside \[0, 10\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^feature 'item' \(table 'items', num_embeddings=10\): id 10 at batch "
+        r"position 0, index 0 in the bag is outside \[0, 10\)",
+    ):
         model(torch.zeros(1, 3), _kjt([[1]], [np.array([ITEMS])], [1]))
 
 
@@ -135,17 +164,22 @@ def test_the_pipelined_step_remaps_one_batch_ahead_and_trains_as_the_plain_loop(
     """The pipeline prepares (profiles, remaps) batch i+1 while step i runs; batch i+1's
     evicted rows are reset only at its own lookup, after step i's update."""
     module = MCHManagedCollisionModule(Z, history_capacity=128, eviction_policy="lru")
-    batches = [(dense, _kjt(users, items, [int(i) for b in users for i in b]), labels)
-               for users, items, dense, labels in _batches(25, seed=4)]
+    batches = [
+        (dense, _kjt(users, items, [int(i) for b in users for i in b]), labels)
+        for users, items, dense, labels in _batches(25, seed=4)
+    ]
     loss_fn = lambda logits, labels: torch.nn.functional.binary_cross_entropy_with_logits(  # noqa: E731
-        logits.squeeze(-1), labels)
+        logits.squeeze(-1), labels
+    )
     plain = hybrid.Model(_tables(), _dense(1), managed_collision_modules={"users": module}, seed=5)
     piped = hybrid.Model(_tables(), _dense(1), managed_collision_modules={"users": module}, seed=5)
     opt = torch.optim.SGD(plain.dense_parameters(), lr=0.2)
     want = []
     for dense, sparse, labels in batches:
         want.append(_step(plain, opt, sparse, dense, labels))
-    pipeline = hybrid.TrainPipeline(piped, torch.optim.SGD(piped.dense_parameters(), lr=0.2), loss_fn)
+    pipeline = hybrid.TrainPipeline(
+        piped, torch.optim.SGD(piped.dense_parameters(), lr=0.2), loss_fn
+    )
     it, got = iter(batches), []
     while True:
         try:
@@ -169,25 +203,41 @@ def test_an_export_serves_raw_ids_through_the_frozen_map_as_eval_does(tmp_path):
     for users, items, dense, labels in batches:
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
     users, items, dense, _ = batches[-1]
-    users = [*users[:2], [2**62 + 1, int(users[0][0]) if len(users[0]) else 5], [-(2**63)]]  # unseen ids too
+    users = [
+        *users[:2],
+        [2**62 + 1, int(users[0][0]) if len(users[0]) else 5],
+        [-(2**63)],
+    ]  # unseen ids too
     sparse = _kjt(users, items, [int(i) for b in users for i in b])
     model.eval()
     with torch.no_grad():
         want = model(dense, sparse)
     ids, rows, default, shards = model.sparse_module.frozen_maps()["users"]
-    assert len(ids) == Z - 1 and sorted(rows.tolist()) == list(range(Z - 1)) and (default, shards) == (Z - 1, 1)
+    assert (
+        len(ids) == Z - 1
+        and sorted(rows.tolist()) == list(range(Z - 1))
+        and (default, shards) == (Z - 1, 1)
+    )
     path = hybrid.export(model, tmp_path / "mc", example=(dense, sparse))
     manifest = json.loads((path / "manifest.json").read_text())
     entry = {t["name"]: t for t in manifest["tables"]}
-    assert entry["users"]["managed_collision"] == {"file": "id_maps/00_users.npz", "resident": Z - 1,
-                                                   "default_row": Z - 1, "shards": 1}
+    assert entry["users"]["managed_collision"] == {
+        "file": "id_maps/00_users.npz",
+        "resident": Z - 1,
+        "default_row": Z - 1,
+        "shards": 1,
+    }
     assert entry["items"]["managed_collision"] is None
     predictor = hybrid.serving.load(path)
     torch.testing.assert_close(predictor(dense, sparse), want, rtol=1e-6, atol=1e-6)
     pooled = predictor.pooled({"user": [[2**62 + 3]] * 4, "item": [[1]] * 4})
     table = model.table_weights()["users"]
-    torch.testing.assert_close(pooled[:, :DIM], table[Z - 1].expand(4, DIM))  # unseen: the default row
-    with zipfile.ZipFile(path / "id_maps/00_users.npz", "a") as z:  # a changed map is refused by its checksum
+    torch.testing.assert_close(
+        pooled[:, :DIM], table[Z - 1].expand(4, DIM)
+    )  # unseen: the default row
+    with zipfile.ZipFile(
+        path / "id_maps/00_users.npz", "a"
+    ) as z:  # a changed map is refused by its checksum
         z.writestr("extra.npy", b"")
     with pytest.raises(hybrid.serving.ArtifactError, match=r"id_maps/00_users\.npz"):
         hybrid.serving.load(path)
@@ -209,21 +259,34 @@ def test_an_eval_batch_larger_than_any_training_batch_leaves_training_running():
     model.train()
     users, items, dense, labels = small[2]
     _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
-    users, items, dense, labels = next(_batches(1, seed=9, batch=40))  # a training batch that large is refused
-    with pytest.raises(ValueError, match=r"1 batches of 64 id positions \(padding to the capacity rung included\) "
-                                         r"may exceed history_capacity=32"):
+    users, items, dense, labels = next(
+        _batches(1, seed=9, batch=40)
+    )  # a training batch that large is refused
+    with pytest.raises(
+        ValueError,
+        match=r"1 batches of 64 id positions \(padding to the capacity rung included\) "
+        r"may exceed history_capacity=32",
+    ):
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
 
 
-@pytest.mark.parametrize("plan", [None, {"users": "row_wise", "items": "data_parallel"}], ids=["one_device", "row_wise"])
+@pytest.mark.parametrize(
+    "plan", [None, {"users": "row_wise", "items": "data_parallel"}], ids=["one_device", "row_wise"]
+)
 def test_a_quantized_copy_maps_raw_ids_through_the_frozen_maps_and_exports_them(tmp_path, plan):
     """fp16 rows: the quantized model reads what the float model reads in eval (a resident
     id its row, an unseen id its shard's default row), and its export serves the same."""
     module = MCHManagedCollisionModule(16, history_capacity=128)
-    tables = [EmbeddingBagConfig(name="users", num_embeddings=16, embedding_dim=DIM, feature_names=["user"]),
-              _tables()[1]]
+    tables = [
+        EmbeddingBagConfig(
+            name="users", num_embeddings=16, embedding_dim=DIM, feature_names=["user"]
+        ),
+        _tables()[1],
+    ]
     mesh = hybrid.make_mesh("data=2,model=4") if plan else None
-    model = hybrid.Model(tables, _dense(0), mesh=mesh, plan=plan, managed_collision_modules={"users": module})
+    model = hybrid.Model(
+        tables, _dense(0), mesh=mesh, plan=plan, managed_collision_modules={"users": module}
+    )
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
     batches = list(_batches(8, seed=4, batch=8))
     for users, items, dense, labels in batches:
@@ -250,18 +313,28 @@ def test_reserved_ids_a_quantized_copy_and_a_map_loaded_onto_another_device_are_
 
     module = MCHManagedCollisionModule(Z, history_capacity=128)
     model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
-    with pytest.raises(ValueError, match=r"^id 2\*\*63 - 1 at feature 'user', batch position 1, index 0 in the bag is "
-                                         r"reserved \(it marks an empty slot of a managed-collision table\); map it "
-                                         r"to another id$"):
-        model(torch.zeros(2, 3), _kjt([[5], [2**63 - 1]], [np.array([1]), np.array([2])], [5, 2**63 - 1]))
+    with pytest.raises(
+        ValueError,
+        match=r"^id 2\*\*63 - 1 at feature 'user', batch position 1, index 0 in the bag is "
+        r"reserved \(it marks an empty slot of a managed-collision table\); map it "
+        r"to another id$",
+    ):
+        model(
+            torch.zeros(2, 3),
+            _kjt([[5], [2**63 - 1]], [np.array([1]), np.array([2])], [5, 2**63 - 1]),
+        )
     opt = torch.optim.SGD(model.dense_parameters(), lr=0.1)
     for users, items, dense, labels in _batches(4):
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
     path = checkpoint.save_checkpoint(tmp_path, step=4, model=model, dense_optimizer=opt)
     elsewhere = jax.sharding.Mesh(np.array(jax.devices()[1:2]), ("data",))  # the tables on device 1
-    other = hybrid.Model(_tables(), _dense(0), mesh=elsewhere, managed_collision_modules={"users": module})
+    other = hybrid.Model(
+        _tables(), _dense(0), mesh=elsewhere, managed_collision_modules={"users": module}
+    )
     oopt = torch.optim.SGD(other.dense_parameters(), lr=0.1)
     checkpoint.load_checkpoint(path, model=other, dense_optimizer=oopt)  # before any step
     users, items, dense, labels = next(_batches(1, seed=3))
     _step(other, oopt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
-    assert {d.id for leaf in jax.tree.leaves(other.sparse_module.mc_state) for d in leaf.devices()} == {1}
+    assert {
+        d.id for leaf in jax.tree.leaves(other.sparse_module.mc_state) for d in leaf.devices()
+    } == {1}

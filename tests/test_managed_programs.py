@@ -56,20 +56,33 @@ def _remap(name: str) -> bool:
 
 
 def _tables(z):
-    return [EmbeddingBagConfig(name="users", num_embeddings=z, embedding_dim=DIM, feature_names=["user"]),
-            EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
+    return [
+        EmbeddingBagConfig(
+            name="users", num_embeddings=z, embedding_dim=DIM, feature_names=["user"]
+        ),
+        EmbeddingBagConfig(
+            name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"]
+        ),
+    ]
 
 
 def _unsharded(z):
     ebc = EmbeddingBagCollection(_tables(z))
-    return ManagedCollisionSparseModule(ManagedCollisionEmbeddingBagCollection(
-        ebc, {"users": MCHManagedCollisionModule(z, history_capacity=256)}))
+    return ManagedCollisionSparseModule(
+        ManagedCollisionEmbeddingBagCollection(
+            ebc, {"users": MCHManagedCollisionModule(z, history_capacity=256)}
+        )
+    )
 
 
 def _sharded(z):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
-    sharded = shard(EmbeddingBagCollection(_tables(z)), mesh, {"users": "row_wise", "items": "table_wise"})
-    return ShardedManagedCollisionModule(sharded, {"users": MCHManagedCollisionModule(z, history_capacity=256)})
+    sharded = shard(
+        EmbeddingBagCollection(_tables(z)), mesh, {"users": "row_wise", "items": "table_wise"}
+    )
+    return ShardedManagedCollisionModule(
+        sharded, {"users": MCHManagedCollisionModule(z, history_capacity=256)}
+    )
 
 
 def _train(module, shapes, seed=0):
@@ -84,7 +97,9 @@ def _train(module, shapes, seed=0):
         u = pool[rng.integers(0, 50, 8 * users)]
         i = rng.integers(0, ITEMS, 8 * items)
         lengths = np.array([users] * 8 + [items] * 8, np.int32)
-        kjt = KeyedJaggedTensor(["user", "item"], RawIds.from_int64(np.concatenate([u, i])).words(), lengths=lengths)
+        kjt = KeyedJaggedTensor(
+            ["user", "item"], RawIds.from_int64(np.concatenate([u, i])).words(), lengths=lengths
+        )
         batch = module.prepare(kjt)
         params, opt, _ = module.remap(params, opt, batch)
         module.remap_eval(batch)
@@ -94,7 +109,9 @@ def _train(module, shapes, seed=0):
 
 @pytest.mark.parametrize("build", [_unsharded, _sharded], ids=["unsharded", "sharded"])
 def test_an_identical_model_compiles_no_remap_program_of_its_own(build):
-    z = {"_unsharded": 20, "_sharded": 22}[build.__name__]  # sizes no other test uses: its own programs
+    z = {"_unsharded": 20, "_sharded": 22}[
+        build.__name__
+    ]  # sizes no other test uses: its own programs
     shapes = [(1, 1), (1, 3), (2, 1)]
     with _compiles() as first:
         _train(build(z), shapes)
@@ -112,7 +129,9 @@ def test_a_training_run_over_batches_of_several_sizes_compiles_the_remap_once_pe
     shapes = [(1, 1), (1, 1), (1, 4), (1, 16), (1, 2), (2, 1), (2, 9), (1, 30), (2, 2)]
     with _compiles() as names:
         module = _train(_unsharded(24), shapes)
-    heavy = [n for n in names if "remap_train" in n]  # the unsharded program's name, before and after
+    heavy = [
+        n for n in names if "remap_train" in n
+    ]  # the unsharded program's name, before and after
     assert len(heavy) == 2, names
     # one eval program per id capacity; one small scatter per length of the batch's values
     assert len([n for n in names if "remap_eval" in n]) == 2, names
@@ -148,8 +167,15 @@ def test_dropped_managed_models_leave_no_programs_behind():
     1 MiB). Bounds: under 1,000 mappings and 120 MiB over the 30, flat over the last 10."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "tests.managed_churn", "30"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.managed_churn", "30"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     maps = [r["maps"] for r in rows]

@@ -40,8 +40,11 @@ def _trained_map(module, steps, seed=0, pool=60, batch=20):
 def _resident(state, s):
     """{raw id: (slot, count, last access)} of shard s's map."""
     raw = RawIds(state.sorted_hi[s], state.sorted_lo[s]).to_int64()
-    return {int(r): (int(state.slots[s][i]), int(state.counts[s][i]), int(state.last_access[s][i]))
-            for i, r in enumerate(raw) if r != EMPTY}
+    return {
+        int(r): (int(state.slots[s][i]), int(state.counts[s][i]), int(state.last_access[s][i]))
+        for i, r in enumerate(raw)
+        if r != EMPTY
+    }
 
 
 def _window(state, s):
@@ -52,38 +55,57 @@ def _window(state, s):
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_ids_rows_and_windows_move_to_the_shard_their_hash_names_and_back(policy):
-    module = MCHManagedCollisionModule(Z, history_capacity=64, eviction_policy=policy, eviction_interval=3)
-    state = _trained_map(module, 7, pool=30)  # 7 calls: evictions at 3 and 6, one batch in the window
+    module = MCHManagedCollisionModule(
+        Z, history_capacity=64, eviction_policy=policy, eviction_interval=3
+    )
+    state = _trained_map(
+        module, 7, pool=30
+    )  # 7 calls: evictions at 3 and 6, one batch in the window
     before = _resident(state, 0)
     assert len(before) >= 20 and int(state.window_used[0]) == 20
     counters = np.array([[len(before), 40, 9]], np.int32)
     split = reshard_id_maps(state, counters, module, 4)
     assert split.dropped == 0 and split.state.sorted_hi.shape == (4, Z // 4)
-    owner = dict(zip(before, np.asarray(hashed_slots(RawIds.from_int64(np.array(list(before))), 4)).tolist(),
-                     strict=True))
+    owner = dict(
+        zip(
+            before,
+            np.asarray(hashed_slots(RawIds.from_int64(np.array(list(before))), 4)).tolist(),
+            strict=True,
+        )
+    )
     window = _window(state, 0)
     for s in range(4):
         mine = _resident(split.state, s)
         assert set(mine) == {i for i, o in owner.items() if o == s}
         raw = RawIds(split.state.sorted_hi[s], split.state.sorted_lo[s]).to_int64()
         k = len(mine)
-        assert (np.diff(raw[:k]) > 0).all() and (raw[k:] == EMPTY).all()  # ascending, then the empty entries
+        assert (np.diff(raw[:k]) > 0).all() and (
+            raw[k:] == EMPTY
+        ).all()  # ascending, then the empty entries
         for i, (slot, count, last) in mine.items():
             assert slot < Z // 4 - 1  # never the shard's default slot
-            assert split.row_source[s * (Z // 4) + slot] == before[i][0]  # the row moves with its id
+            assert (
+                split.row_source[s * (Z // 4) + slot] == before[i][0]
+            )  # the row moves with its id
             assert (count, last) == before[i][1:]
-        assert split.row_source[s * (Z // 4) + Z // 4 - 1] == Z - 1  # every default row: the saved one
+        assert (
+            split.row_source[s * (Z // 4) + Z // 4 - 1] == Z - 1
+        )  # every default row: the saved one
         ids = [w for w in window if hashed_slots(RawIds.from_int64(np.array([w[0]])), 4)[0] == s]
         assert _window(split.state, s) == ids
         assert int(split.state.step[s]) == 7 and int(split.state.last_eviction[s]) == 6
     assert split.counters[:, 0].sum() == len(before) and split.counters[0, 1:].tolist() == [40, 9]
     assert split.counters[1:, 1:].sum() == 0
-    merged = reshard_id_maps(split.state, split.counters, module, 1)  # and back: the same map up to slots
+    merged = reshard_id_maps(
+        split.state, split.counters, module, 1
+    )  # and back: the same map up to slots
     after = _resident(merged.state, 0)
     assert {i: v[1:] for i, v in after.items()} == {i: v[1:] for i, v in before.items()}
     for i, (slot, _, _) in after.items():
         assert split.row_source[merged.row_source[slot]] == before[i][0]
-    assert _window(merged.state, 0) == window and merged.counters[0].tolist() == counters[0].tolist()
+    assert (
+        _window(merged.state, 0) == window and merged.counters[0].tolist() == counters[0].tolist()
+    )
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -91,7 +113,9 @@ def test_a_shard_too_small_for_its_ids_keeps_the_strongest_and_counts_the_rest_e
     module = MCHManagedCollisionModule(16, history_capacity=64, eviction_policy=policy)
     state = _trained_map(module, 5, seed=3, pool=30)
     before = _resident(state, 0)
-    split = reshard_id_maps(state, np.array([[len(before), len(before), 0]], np.int32), module, 8)  # 1 slot each
+    split = reshard_id_maps(
+        state, np.array([[len(before), len(before), 0]], np.int32), module, 8
+    )  # 1 slot each
     owner = np.asarray(hashed_slots(RawIds.from_int64(np.array(list(before))), 8)).tolist()
     score = {i: (v[1] if policy == "lfu" else v[2]) for i, v in before.items()}
     kept = set()
@@ -99,7 +123,9 @@ def test_a_shard_too_small_for_its_ids_keeps_the_strongest_and_counts_the_rest_e
         mine = [i for i, o in zip(before, owner, strict=True) if o == s]
         if mine:
             kept.add(min(mine, key=lambda i: (-score[i], i)))  # the strongest, then the smaller id
-        assert set(_resident(split.state, s)) == {i for i in kept if owner[list(before).index(i)] == s}
+        assert set(_resident(split.state, s)) == {
+            i for i in kept if owner[list(before).index(i)] == s
+        }
     assert split.dropped == len(before) - len(kept) > 0
     assert split.counters[0, 2] == split.dropped and split.counters[:, 0].sum() == len(kept)
 
@@ -119,7 +145,9 @@ def test_leaf_types_default_entries_and_edge_ids_survive_a_split_and_a_merge():
     state = _map_of(module, edge)
     assert len(_resident(state, 0)) == 5
     four = reshard_id_maps(state, np.array([[5, 5, 0]], np.int32), module, 4)
-    two = reshard_id_maps(four.state, four.counters, module, 2)  # shard 1 of 2 takes old shard 1's default row
+    two = reshard_id_maps(
+        four.state, four.counters, module, 2
+    )  # shard 1 of 2 takes old shard 1's default row
     for moved, shards in ((four, 4), (two, 2)):
         assert [leaf.dtype for leaf in moved.state] == [np.asarray(leaf).dtype for leaf in state]
         assert moved.counters.dtype == np.int32 and moved.counters[:, 0].sum() == 5
@@ -128,13 +156,21 @@ def test_leaf_types_default_entries_and_edge_ids_survive_a_split_and_a_merge():
         for i, o in zip(edge, owners, strict=True):
             assert i in _resident(moved.state, o)
         for s in range(shards):  # the default entry (last) keeps the saved one's metadata
-            assert (moved.state.counts[s][-1], moved.state.last_access[s][-1]) == (state.counts[0][-1],
-                                                                                   state.last_access[0][-1])
+            assert (moved.state.counts[s][-1], moved.state.last_access[s][-1]) == (
+                state.counts[0][-1],
+                state.last_access[0][-1],
+            )
     assert set(hashed_slots(RawIds.from_int64(np.array(edge)), 2).tolist()) == {0, 1}
-    assert two.row_source[[7, 15]].tolist() == [3, 7]  # shard s of 2: the saved default row of shard s of 4
+    assert two.row_source[[7, 15]].tolist() == [
+        3,
+        7,
+    ]  # shard s of 2: the saved default row of shard s of 4
     candidates = 2**40 + np.arange(8, dtype=np.int64)
     owners = np.asarray(hashed_slots(RawIds.from_int64(candidates), 4))
-    lone, owner = int(candidates[owners != 0][0]), int(owners[owners != 0][0])  # a map of one id, not shard 0's
+    lone, owner = (
+        int(candidates[owners != 0][0]),
+        int(owners[owners != 0][0]),
+    )  # a map of one id, not shard 0's
     single = reshard_id_maps(_map_of(module, [lone]), np.zeros((1, 3), np.int32), module, 4)
     assert list(_resident(single.state, owner)) == [lone]
 
@@ -143,49 +179,86 @@ def test_splits_that_cannot_hold_the_map_are_refused():
     module = MCHManagedCollisionModule(12, history_capacity=64)
     state = _trained_map(module, 2)
     for shards in (5, 12):  # 12: one row each, no default row
-        with pytest.raises(ValueError, match=rf"^id maps of a table of 12 rows cannot move from 1 to {shards} "
-                                             r"shard\(s\): every shard needs the same number of rows, at least 2 "
-                                             r"\(one is its default row\)$"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^id maps of a table of 12 rows cannot move from 1 to {shards} "
+            r"shard\(s\): every shard needs the same number of rows, at least 2 "
+            r"\(one is its default row\)$",
+        ):
             reshard_id_maps(state, np.zeros((1, 3), np.int32), module, shards)
-    for other in (MCHManagedCollisionModule(24, history_capacity=64), MCHManagedCollisionModule(12, history_capacity=32)):
-        with pytest.raises(ValueError, match=rf"^the saved id maps hold 12 rows and windows of 64 ids, this table "
-                                             rf"{other.zch_size} rows and history_capacity={other.history_capacity}; "
-                                             r"load them with the saved zch_size and history_capacity \(only the "
-                                             r"split may change\)$"):
+    for other in (
+        MCHManagedCollisionModule(24, history_capacity=64),
+        MCHManagedCollisionModule(12, history_capacity=32),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"^the saved id maps hold 12 rows and windows of 64 ids, this table "
+            rf"{other.zch_size} rows and history_capacity={other.history_capacity}; "
+            r"load them with the saved zch_size and history_capacity \(only the "
+            r"split may change\)$",
+        ):
             reshard_id_maps(state, np.zeros((1, 3), np.int32), other, 2)
     two = reshard_id_maps(state, np.zeros((1, 3), np.int32), module, 2)
     for field in ("step", "last_eviction"):
         torn = two.state._replace(**{field: np.array([4, 5], np.int32)})
-        with pytest.raises(ValueError, match=r"^the saved id maps of one table disagree on their step or last "
-                                             r"eviction; the checkpoint is not of one run$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^the saved id maps of one table disagree on their step or last "
+            r"eviction; the checkpoint is not of one run$",
+        ):
             reshard_id_maps(torn, two.counters, module, 1)
     small = MCHManagedCollisionModule(12, history_capacity=8, eviction_interval=4)
     ids = np.arange(6, dtype=np.int64) + 2**40
     owner = np.asarray(hashed_slots(RawIds.from_int64(ids), 2))
-    ids = np.concatenate([ids[owner == 0][:1].repeat(4), ids[owner == 1][:1].repeat(4)])  # 4 ids a shard
-    window = MCHManagedCollisionModule(6, history_capacity=8, eviction_interval=4).init()  # a shard of 2
+    ids = np.concatenate(
+        [ids[owner == 0][:1].repeat(4), ids[owner == 1][:1].repeat(4)]
+    )  # 4 ids a shard
+    window = MCHManagedCollisionModule(
+        6, history_capacity=8, eviction_interval=4
+    ).init()  # a shard of 2
     window = window._replace(window_used=np.int32(8))
-    window = window._replace(window_hi=RawIds.from_int64(ids).hi, window_lo=RawIds.from_int64(ids).lo,
-                             window_step=np.ones(8, np.int32))
+    window = window._replace(
+        window_hi=RawIds.from_int64(ids).hi,
+        window_lo=RawIds.from_int64(ids).lo,
+        window_step=np.ones(8, np.int32),
+    )
     stacked = MCHState(*(np.stack([np.asarray(x)] * 2) for x in window))
     stacked = stacked._replace(window_used=np.array([4, 4], np.int32))
     one = reshard_id_maps(stacked, np.zeros((2, 3), np.int32), small, 1)  # 4 + 4 fit a window of 8
     assert int(one.state.window_used[0]) == 8
-    with pytest.raises(ValueError, match=r"^the saved eviction windows hold 9 ids for new shard 0, more than its "
-                                         r"history_capacity=8; resume with the saved sharding until the next "
-                                         r"eviction$"):
-        reshard_id_maps(stacked._replace(window_used=np.array([5, 4], np.int32)), np.zeros((2, 3), np.int32),
-                        small, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"^the saved eviction windows hold 9 ids for new shard 0, more than its "
+        r"history_capacity=8; resume with the saved sharding until the next "
+        r"eviction$",
+    ):
+        reshard_id_maps(
+            stacked._replace(window_used=np.array([5, 4], np.int32)),
+            np.zeros((2, 3), np.int32),
+            small,
+            1,
+        )
 
 
 def _model(plan, interval=1, seed=0, rows=Z, history=512):
     torch.manual_seed(seed)
-    tables = [EmbeddingBagConfig(name="users", num_embeddings=rows, embedding_dim=DIM, feature_names=["user"]),
-              EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
+    tables = [
+        EmbeddingBagConfig(
+            name="users", num_embeddings=rows, embedding_dim=DIM, feature_names=["user"]
+        ),
+        EmbeddingBagConfig(
+            name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"]
+        ),
+    ]
     module = MCHManagedCollisionModule(rows, history_capacity=history, eviction_interval=interval)
-    model = hybrid.Model(tables, dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
-                         mesh=hybrid.make_mesh("data=2,model=4") if plan else None, plan=plan,
-                         managed_collision_modules={"users": module}, seed=seed)
+    model = hybrid.Model(
+        tables,
+        dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
+        mesh=hybrid.make_mesh("data=2,model=4") if plan else None,
+        plan=plan,
+        managed_collision_modules={"users": module},
+        seed=seed,
+    )
     return model, torch.optim.SGD(model.dense_parameters(), lr=0.2)
 
 
@@ -195,17 +268,23 @@ def _batches(steps, seed=0):
 
 def _kjt(users, items):
     lengths = torch.tensor([len(b) for b in users] + [1] * len(items), dtype=torch.int32)
-    values = torch.cat([torch.as_tensor(np.concatenate(users).astype(np.int64)), torch.from_numpy(items)])
+    values = torch.cat(
+        [torch.as_tensor(np.concatenate(users).astype(np.int64)), torch.from_numpy(items)]
+    )
     return ["user", "item"], values, lengths
 
 
 ROW_WISE = {"users": "row_wise", "items": "data_parallel"}
 
 
-@pytest.mark.parametrize(("saved", "loaded"), [(ROW_WISE, None),
-                                               ({"users": "table_wise", "items": "data_parallel"}, ROW_WISE)],
-                         ids=["row_wise_to_one_device", "replicated_to_row_wise"])
-def test_a_checkpoint_loads_onto_another_split_and_reads_every_id_as_before(tmp_path, saved, loaded):
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [(ROW_WISE, None), ({"users": "table_wise", "items": "data_parallel"}, ROW_WISE)],
+    ids=["row_wise_to_one_device", "replicated_to_row_wise"],
+)
+def test_a_checkpoint_loads_onto_another_split_and_reads_every_id_as_before(
+    tmp_path, saved, loaded
+):
     model, opt = _model(saved)
     batches = list(_batches(10))
     for users, items, dense, labels in batches:
@@ -213,15 +292,22 @@ def test_a_checkpoint_loads_onto_another_split_and_reads_every_id_as_before(tmp_
     path = checkpoint.save_checkpoint(tmp_path, step=10, model=model, dense_optimizer=opt)
     resumed, ropt = _model(loaded, seed=5)
     checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
-    frozen, moved = model.sparse_module.frozen_maps()["users"], resumed.sparse_module.frozen_maps()["users"]
-    np.testing.assert_array_equal(moved.ids, frozen.ids)  # 24 ids, 8 slots or more per shard: none dropped
+    frozen, moved = (
+        model.sparse_module.frozen_maps()["users"],
+        resumed.sparse_module.frozen_maps()["users"],
+    )
+    np.testing.assert_array_equal(
+        moved.ids, frozen.ids
+    )  # 24 ids, 8 slots or more per shard: none dropped
     users = [[int(i)] for i in frozen.ids]
     items = np.zeros(len(users), np.int64)
     dense = torch.zeros(len(users), 3)
     for m in (model, resumed):
         m.eval()
     with torch.no_grad():
-        torch.testing.assert_close(resumed(dense, _kjt(users, items)), model(dense, _kjt(users, items)))
+        torch.testing.assert_close(
+            resumed(dense, _kjt(users, items)), model(dense, _kjt(users, items))
+        )
     stats = np.asarray(resumed.managed_collision_stats()["users"])
     assert stats.tolist() == np.asarray(model.managed_collision_stats()["users"]).tolist()
     state = checkpoint.sparse_state_arrays(resumed)  # the optimizer state moved with the rows
@@ -260,10 +346,16 @@ def test_a_checkpoint_of_another_table_size_or_window_is_refused_naming_both(tmp
         _step(model, opt, _kjt(users, items), dense, labels)
     path = checkpoint.save_checkpoint(tmp_path, step=2, model=model, dense_optimizer=opt)
     smaller, sopt = _model(None, rows=Z // 2)
-    with pytest.raises(ValueError, match=rf"table 'users' is saved as \[{Z}, {DIM}\] but configured as "
-                                         rf"\[{Z // 2}, {DIM}\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"table 'users' is saved as \[{Z}, {DIM}\] but configured as "
+        rf"\[{Z // 2}, {DIM}\]",
+    ):
         checkpoint.load_checkpoint(path, model=smaller, dense_optimizer=sopt)
     narrower, nopt = _model(None, history=256)
-    with pytest.raises(ValueError, match=rf"table 'users': the saved id maps hold {Z} rows and windows of 512 ids, "
-                                         rf"this table {Z} rows and history_capacity=256"):
+    with pytest.raises(
+        ValueError,
+        match=rf"table 'users': the saved id maps hold {Z} rows and windows of 512 ids, "
+        rf"this table {Z} rows and history_capacity=256",
+    ):
         checkpoint.load_checkpoint(path, model=narrower, dense_optimizer=nopt)

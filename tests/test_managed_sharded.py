@@ -34,17 +34,36 @@ def _zeros(key, shape, dtype):  # noqa: ARG001 (fresh rows the test knows)
 
 
 def _tables(init_fn=None):
-    return [EmbeddingBagConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"],
-                               init_fn=init_fn),
-            EmbeddingBagConfig(name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"])]
+    return [
+        EmbeddingBagConfig(
+            name="users",
+            num_embeddings=Z,
+            embedding_dim=DIM,
+            feature_names=["user"],
+            init_fn=init_fn,
+        ),
+        EmbeddingBagConfig(
+            name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"]
+        ),
+    ]
 
 
 def _model(plan=None, policy="lru", init_fn=None, managed=True, seed=0):
     torch.manual_seed(seed)
-    modules = {"users": MCHManagedCollisionModule(Z, history_capacity=256, eviction_policy=policy)} if managed else None
+    modules = (
+        {"users": MCHManagedCollisionModule(Z, history_capacity=256, eviction_policy=policy)}
+        if managed
+        else None
+    )
     mesh = hybrid.make_mesh(MESH) if plan else None
-    model = hybrid.Model(_tables(init_fn), dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]), mesh=mesh, plan=plan,
-                         managed_collision_modules=modules, seed=seed)
+    model = hybrid.Model(
+        _tables(init_fn),
+        dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
+        mesh=mesh,
+        plan=plan,
+        managed_collision_modules=modules,
+        seed=seed,
+    )
     return model, torch.optim.SGD(model.dense_parameters(), lr=0.2)
 
 
@@ -55,32 +74,51 @@ def _batches(steps, seed=0, batch=8, pool=40, shortest=0):
     for _ in range(steps):
         users = [ids[rng.integers(0, pool, rng.integers(shortest, 3))] for _ in range(batch)]
         items = rng.integers(0, ITEMS, batch)
-        yield users, items, torch.from_numpy(rng.normal(size=(batch, 3)).astype(np.float32)), \
-            torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32))
+        yield (
+            users,
+            items,
+            torch.from_numpy(rng.normal(size=(batch, 3)).astype(np.float32)),
+            torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32)),
+        )
 
 
 def _kjt(users, items, user_values):
     lengths = torch.tensor([len(b) for b in users] + [1] * len(items), dtype=torch.int32)
-    values = torch.cat([torch.as_tensor(np.asarray(user_values, np.int64)), torch.from_numpy(items.astype(np.int64))])
+    values = torch.cat(
+        [
+            torch.as_tensor(np.asarray(user_values, np.int64)),
+            torch.from_numpy(items.astype(np.int64)),
+        ]
+    )
     return ["user", "item"], values, lengths
 
 
-@pytest.mark.parametrize("plan", [{"users": "data_parallel", "items": "table_wise"},
-                                  {"users": "table_wise", "items": "row_wise"},
-                                  {"users": "column_wise", "items": "data_parallel"}],
-                         ids=["data_parallel", "table_wise", "column_wise"])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"users": "data_parallel", "items": "table_wise"},
+        {"users": "table_wise", "items": "row_wise"},
+        {"users": "column_wise", "items": "data_parallel"},
+    ],
+    ids=["data_parallel", "table_wise", "column_wise"],
+)
 def test_one_replicated_map_trains_as_the_unsharded_model(plan):
     sharded, sopt = _model(plan)
     assert sharded.sparse_module.split["users"].shards == 1
     single, uopt = _model()
     for users, items, dense, labels in _batches(14):
         sparse = _kjt(users, items, [int(i) for b in users for i in b])
-        assert _step(sharded, sopt, sparse, dense, labels) == pytest.approx(_step(single, uopt, sparse, dense, labels),
-                                                                            rel=1e-5)
+        assert _step(sharded, sopt, sparse, dense, labels) == pytest.approx(
+            _step(single, uopt, sparse, dense, labels), rel=1e-5
+        )
     for name, w in single.table_weights().items():
-        np.testing.assert_allclose(sharded.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
-    assert np.asarray(sharded.managed_collision_stats()["users"]).tolist() == \
-        np.asarray(single.managed_collision_stats()["users"]).tolist()
+        np.testing.assert_allclose(
+            sharded.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6
+        )
+    assert (
+        np.asarray(sharded.managed_collision_stats()["users"]).tolist()
+        == np.asarray(single.managed_collision_stats()["users"]).tolist()
+    )
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -97,10 +135,17 @@ def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy
     resets = 0
     for users, items, dense, labels in _batches(20, seed=1):
         raw = [int(i) for b in users for i in b]
-        owner = np.asarray(hashed_slots(RawIds.from_int64(np.array(raw, np.int64)), 4)).tolist() if raw else []
+        owner = (
+            np.asarray(hashed_slots(RawIds.from_int64(np.array(raw, np.int64)), 4)).tolist()
+            if raw
+            else []
+        )
         evicted = []
         for s, oracle in enumerate(oracles):
-            evicted += [s * split.rows + slot for slot in oracle.profile([i for i, o in zip(raw, owner, strict=True) if o == s])]
+            evicted += [
+                s * split.rows + slot
+                for slot in oracle.profile([i for i, o in zip(raw, owner, strict=True) if o == s])
+            ]
         rows = [o * split.rows + oracles[o].remap([i])[0] for i, o in zip(raw, owner, strict=True)]
         if evicted:
             resets += 1
@@ -108,7 +153,10 @@ def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy
             weights[sorted(evicted)] = 0
             plain.load_state_dict({"embedding_bags.users.weight": weights}, strict=False)
             state = plain.sparse_opt_state
-            host = {b: {k: np.asarray(v).copy() for k, v in leaves.items()} for b, leaves in state.tables.items()}
+            host = {
+                b: {k: np.asarray(v).copy() for k, v in leaves.items()}
+                for b, leaves in state.tables.items()
+            }
             for buffer, table, start, r0, rn, _, _ in plain.sparse_module.stored_blocks():
                 if table == "users":
                     for leaf in host[buffer].values():
@@ -117,10 +165,14 @@ def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy
                                 leaf[start + r - r0] = 0
             plain.load_sparse_opt_state(state._replace(tables=host))
         want = _step(plain, popt, _kjt(users, items, rows), dense, labels)
-        assert _step(managed, mopt, _kjt(users, items, raw), dense, labels) == pytest.approx(want, rel=1e-5)
+        assert _step(managed, mopt, _kjt(users, items, raw), dense, labels) == pytest.approx(
+            want, rel=1e-5
+        )
     assert resets >= 3
     for name, w in plain.table_weights().items():
-        np.testing.assert_allclose(managed.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            managed.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6
+        )
     occupancy = sum(sum(e["raw"] is not None for e in o.entries) for o in oracles)
     assert np.asarray(managed.managed_collision_stats()["users"])[0] == occupancy
 
@@ -133,7 +185,9 @@ def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
     path = checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=opt)
     saved = checkpoint.sparse_state_arrays(model)
-    assert saved["mc/users/sorted_hi"].shape == (4, Z // 4) and saved["mc/users/counters"].shape == (4, 3)
+    assert saved["mc/users/sorted_hi"].shape == (4, Z // 4) and saved[
+        "mc/users/counters"
+    ].shape == (4, 3)
     model.eval()
     users, items, dense, _ = batches[0]
     with torch.no_grad():
@@ -162,14 +216,24 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
     frozen = model.sparse_module.frozen_maps()["users"]
     assert (frozen.default_row, frozen.shards) == (Z // 4 - 1, 4) and len(frozen.ids) > Z // 2
     assert (np.diff(frozen.ids) > 0).all() and len(set(frozen.rows.tolist())) == len(frozen.rows)
-    assert all(r % (Z // 4) != Z // 4 - 1 for r in frozen.rows.tolist())  # no id holds a shard's default row
+    assert all(
+        r % (Z // 4) != Z // 4 - 1 for r in frozen.rows.tolist()
+    )  # no id holds a shard's default row
     unseen = np.arange(2**40, 2**40 + 64, dtype=np.int64)
     owner = np.asarray(hashed_slots(RawIds.from_int64(unseen), 4))
     assert set(owner.tolist()) == {0, 1, 2, 3}
     np.testing.assert_array_equal(frozen_rows(frozen, unseen), owner * (Z // 4) + Z // 4 - 1)
     some = np.random.default_rng(0).integers(-(2**63), 2**63 - 1, 4096, dtype=np.int64)
-    for shards in (2, 3, 4, 7, 2**31 - 1):  # the server's numpy hash is the training hash, bit for bit
-        np.testing.assert_array_equal(serving_hash(some, shards), hashed_slots(RawIds.from_int64(some), shards))
+    for shards in (
+        2,
+        3,
+        4,
+        7,
+        2**31 - 1,
+    ):  # the server's numpy hash is the training hash, bit for bit
+        np.testing.assert_array_equal(
+            serving_hash(some, shards), hashed_slots(RawIds.from_int64(some), shards)
+        )
     np.testing.assert_array_equal(frozen_rows(frozen, frozen.ids), frozen.rows)
     users, items, dense, _ = batches[-1]
     users = [*users[:5], unseen[:3], [int(frozen.ids[0]), int(unseen[5])], [-(2**63)]]
@@ -180,30 +244,46 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
     path = hybrid.export(model, tmp_path / "export", example=(dense, sparse))
     manifest = json.loads((path / "manifest.json").read_text())
     entry = {t["name"]: t for t in manifest["tables"]}["users"]["managed_collision"]
-    assert (entry["shards"], entry["default_row"], entry["resident"]) == (4, Z // 4 - 1, len(frozen.ids))
+    assert (entry["shards"], entry["default_row"], entry["resident"]) == (
+        4,
+        Z // 4 - 1,
+        len(frozen.ids),
+    )
     predictor = hybrid.serving.load(path)
     torch.testing.assert_close(predictor(dense, sparse), want, rtol=1e-6, atol=1e-6)
     table = model.table_weights()["users"]
     pooled = predictor.pooled({"user": [[int(i)] for i in unseen[:8]], "item": [[1]] * 8})
-    torch.testing.assert_close(pooled[:, :DIM], table[torch.from_numpy(owner[:8] * (Z // 4) + Z // 4 - 1)])
+    torch.testing.assert_close(
+        pooled[:, :DIM], table[torch.from_numpy(owner[:8] * (Z // 4) + Z // 4 - 1)]
+    )
     manifest_path = path / "manifest.json"
     bad = manifest_path.read_text().replace('"shards": 4', '"shards": 3')
     manifest_path.write_text(bad)
-    with pytest.raises(hybrid.serving.ArtifactError, match=r"table 'users''s id map names 3 shard\(s\) with default "
-                                                           r"row 3, which does not split its 16 rows"):
+    with pytest.raises(
+        hybrid.serving.ArtifactError,
+        match=r"table 'users''s id map names 3 shard\(s\) with default "
+        r"row 3, which does not split its 16 rows",
+    ):
         hybrid.serving.load(path)
 
 
-@pytest.mark.parametrize("plan", [None, {"users": "row_wise", "items": "table_wise"}], ids=["one_device", "row_wise"])
+@pytest.mark.parametrize(
+    "plan", [None, {"users": "row_wise", "items": "table_wise"}], ids=["one_device", "row_wise"]
+)
 def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan):
     from tests.host_reads import count_host_reads
 
     model, opt = _model(plan)
-    batches = [(dense, _kjt(users, items, [int(i) for b in users for i in b]), labels)
-               for users, items, dense, labels in _batches(14, seed=5)]
+    batches = [
+        (dense, _kjt(users, items, [int(i) for b in users for i in b]), labels)
+        for users, items, dense, labels in _batches(14, seed=5)
+    ]
     loss_fn = lambda logits, labels: torch.nn.functional.binary_cross_entropy_with_logits(  # noqa: E731
-        logits.squeeze(-1), labels)
-    for dense, sparse, labels in batches[:4]:  # warm-up: compiles, capacities reach their high-water marks
+        logits.squeeze(-1), labels
+    )
+    for dense, sparse, labels in batches[
+        :4
+    ]:  # warm-up: compiles, capacities reach their high-water marks
         _step(model, opt, sparse, dense, labels)
     warm = hybrid.TrainPipeline(model, opt, loss_fn)  # its guarded update is a program of its own
     it = iter(batches[12:])
@@ -225,14 +305,19 @@ def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan
             pipeline.progress(it)
         with pytest.raises(StopIteration):
             pipeline.progress(it)
-    assert reads.sites == [], f"device values read on the host in steady managed steps: {reads.sites}"
+    assert reads.sites == [], (
+        f"device values read on the host in steady managed steps: {reads.sites}"
+    )
     assert model.sparse_module.prepare_count - before == 8
     model.wait_for_sparse_update()
     assert model.compile_counts() == counts
 
 
-@pytest.mark.parametrize("plan", [{"users": "row_wise", "items": "row_wise"},
-                                  {"users": "table_wise", "items": "row_wise"}], ids=["per_shard", "one_map"])
+@pytest.mark.parametrize(
+    "plan",
+    [{"users": "row_wise", "items": "row_wise"}, {"users": "table_wise", "items": "row_wise"}],
+    ids=["per_shard", "one_map"],
+)
 def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
     """Each id of a table managed per shard is routed to the shard its hash names, counted
     exactly on the host. The ids are skewed so that an id counted at the wrong shard would
@@ -241,15 +326,23 @@ def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
     models = []
     for input_dist in ("all_gather", "all_to_all"):
         torch.manual_seed(0)
-        model = hybrid.Model(_tables(), dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]), mesh=hybrid.make_mesh(MESH),
-                             plan=plan, input_dist=input_dist, seed=0,
-                             managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=256)})
+        model = hybrid.Model(
+            _tables(),
+            dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
+            mesh=hybrid.make_mesh(MESH),
+            plan=plan,
+            input_dist=input_dist,
+            seed=0,
+            managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=256)},
+        )
         models.append((model, torch.optim.SGD(model.dense_parameters(), lr=0.2)))
     rng = np.random.default_rng(6)
     pool = rng.integers(-(2**62), 2**62, size=400)
     pool = pool[host_hashed_slots(pool, 4) == 1][:40]
     for step in range(12):  # 8 samples a device: 16 user ids and 8 items, all sent to shard 1
-        users = [pool[rng.integers(2 * step, 2 * step + 8, 2)] for _ in range(64)]  # the ids drift: evictions
+        users = [
+            pool[rng.integers(2 * step, 2 * step + 8, 2)] for _ in range(64)
+        ]  # the ids drift: evictions
         items = rng.integers(ITEMS // 4, 2 * ITEMS // 4, 64)  # shard 1's rows
         dense = torch.from_numpy(rng.normal(size=(64, 3)).astype(np.float32))
         labels = torch.from_numpy(rng.integers(0, 2, 64).astype(np.float32))
@@ -258,7 +351,9 @@ def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     (gather, _), (routed, _) = models
     for name, w in gather.table_weights().items():
-        np.testing.assert_allclose(routed.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            routed.table_weights()[name].numpy(), w.numpy(), rtol=1e-5, atol=1e-6
+        )
     assert np.asarray(routed.managed_collision_stats()["users"])[2] > 0
     local = routed.prepare(_kjt(users, items, [int(i) for b in users for i in b])).inner
     # per shard: 16 user ids and 8 items from one device to shard 1; one map: the user ids go
@@ -267,10 +362,24 @@ def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
 
 
 def test_a_managed_table_over_unequal_row_blocks_is_refused_with_all_to_all():
-    tables = [EmbeddingBagConfig(name="users", num_embeddings=18, embedding_dim=DIM, feature_names=["user"]),
-              _tables()[1]]
-    with pytest.raises(ValueError, match=r"^managed table 'users' splits its rows into blocks .* without an id map "
-                                         r"per block .* input_dist='all_gather'$"):
-        hybrid.Model(tables, dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]), mesh=hybrid.make_mesh(MESH),
-                     plan={"users": "row_wise", "items": "row_wise"}, input_dist="all_to_all",
-                     managed_collision_modules={"users": MCHManagedCollisionModule(18, history_capacity=256)})
+    tables = [
+        EmbeddingBagConfig(
+            name="users", num_embeddings=18, embedding_dim=DIM, feature_names=["user"]
+        ),
+        _tables()[1],
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"^managed table 'users' splits its rows into blocks .* without an id map "
+        r"per block .* input_dist='all_gather'$",
+    ):
+        hybrid.Model(
+            tables,
+            dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
+            mesh=hybrid.make_mesh(MESH),
+            plan={"users": "row_wise", "items": "row_wise"},
+            input_dist="all_to_all",
+            managed_collision_modules={
+                "users": MCHManagedCollisionModule(18, history_capacity=256)
+            },
+        )

@@ -67,7 +67,9 @@ def test_binary_auc_equals_the_pairwise_count(seed):
     scores = torch.randint(0, 1 + seed % 7, (n,), generator=g).to(torch.float32) / 3
     labels = torch.randint(0, 2, (n,), generator=g)
     labels[0], labels[1] = 0, 1
-    assert binary_auc(scores, labels) == pytest.approx(_pairwise_auc(scores.tolist(), labels.tolist()), abs=1e-12)
+    assert binary_auc(scores, labels) == pytest.approx(
+        _pairwise_auc(scores.tolist(), labels.tolist()), abs=1e-12
+    )
 
 
 def test_binary_auc_of_one_class_is_nan():
@@ -85,4 +87,6 @@ def test_binary_auc_equals_torchmetrics():
         labels = torch.randint(0, 2, (n,), generator=g)
         labels[0], labels[1] = 0, 1
         want = float(tm.binary_auroc(logits, labels))
-        assert binary_auc(logits, labels) == pytest.approx(want, abs=1e-6)  # torchmetrics sums in fp32
+        assert binary_auc(logits, labels) == pytest.approx(
+            want, abs=1e-6
+        )  # torchmetrics sums in fp32

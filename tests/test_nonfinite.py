@@ -54,7 +54,9 @@ def test_make_update_skips_a_nonfinite_gradient_in_place(where, rule):
     assert (int(count), int(first)) == (3, 1)
     params, state = update(params, state, batch, good)
     assert int(state.count) == steps + 1  # skipped calls did not count as optimizer steps
-    assert not all(np.array_equal(a, b) for a, b in zip(before, _host_tree((params, state)), strict=True))
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(before, _host_tree((params, state)), strict=True)
+    )
 
 
 def _snapshot(model, opt):
@@ -134,7 +136,9 @@ def test_a_nonfinite_pooled_gradient_with_a_finite_loss_never_reaches_the_tables
     def poisoned(dense_features, embeddings):
         import dense_torch
 
-        kt = dense_torch.KeyedTensor(embeddings.keys(), embeddings.length_per_key(), _NanGrad.apply(embeddings.values()))
+        kt = dense_torch.KeyedTensor(
+            embeddings.keys(), embeddings.length_per_key(), _NanGrad.apply(embeddings.values())
+        )
         return original(dense_features, kt)
 
     monkeypatch.setattr(model.dense, "forward", poisoned)
@@ -149,10 +153,20 @@ def _train_config(tmp_path, **overrides):
     from hybrid.training import load_config
 
     sets = [
-        'data.source="synthetic"', "data.num_samples=512", "data.num_eval_samples=256", "data.num_sparse=3",
-        "data.num_dense=3", "data.num_embeddings=50", "train.batch_size=64", "train.eval_batch_size=256",
-        "train.steps=6", "log.every=2", f"checkpoint.dir='{tmp_path / 'ckpt'}'", "checkpoint.every=2",
-        "log.metrics_path=''", *[f"{k}={v}" for k, v in overrides.items()],
+        'data.source="synthetic"',
+        "data.num_samples=512",
+        "data.num_eval_samples=256",
+        "data.num_sparse=3",
+        "data.num_dense=3",
+        "data.num_embeddings=50",
+        "train.batch_size=64",
+        "train.eval_batch_size=256",
+        "train.steps=6",
+        "log.every=2",
+        f"checkpoint.dir='{tmp_path / 'ckpt'}'",
+        "checkpoint.every=2",
+        "log.metrics_path=''",
+        *[f"{k}={v}" for k, v in overrides.items()],
     ]
     return load_config(None, sets)
 
@@ -188,15 +202,19 @@ def test_training_with_skip_policy_skips_and_finishes(tmp_path, monkeypatch):
     _poison_step(monkeypatch, 2)
     result = run(_train_config(tmp_path, **{"train.nonfinite": '"skip"'}), echo=lambda *a: None)
     assert result["step"] == 6
-    assert math.isnan(result["losses"][3]) and all(math.isfinite(v) for k, v in result["losses"].items() if k != 3)
+    assert math.isnan(result["losses"][3]) and all(
+        math.isfinite(v) for k, v in result["losses"].items() if k != 3
+    )
     assert math.isfinite(result["eval"]["auc"])
 
 
 def test_a_diverging_learning_rate_stops_before_poisoning_anything(tmp_path):
     from hybrid.train import run
 
-    config = _train_config(tmp_path, **{"dense_optimizer.name": '"sgd"', "dense_optimizer.lr": "1e30",
-                                        "checkpoint.every": "1"})
+    config = _train_config(
+        tmp_path,
+        **{"dense_optimizer.name": '"sgd"', "dense_optimizer.lr": "1e30", "checkpoint.every": "1"},
+    )
     with pytest.raises(hybrid.NonFiniteError, match=r"step \d+ had a non-finite loss"):
         run(config, echo=lambda *a: None)
     from hybrid import latest_checkpoint, load_checkpoint

@@ -46,7 +46,9 @@ def _state_of_table(ebc, opt_state, table, key):
 @pytest.mark.parametrize(("weighted", "kernel"), [(False, "xla"), (True, "xla"), (True, "ffi")])
 def test_three_fused_steps_match_loops(rule, weighted, kernel):
     rng = np.random.default_rng(sum(map(ord, rule)) + weighted)
-    ebc = EmbeddingBagCollection(random_case(np.random.default_rng(1)).tables, is_weighted=weighted, kernel=kernel)
+    ebc = EmbeddingBagCollection(
+        random_case(np.random.default_rng(1)).tables, is_weighted=weighted, kernel=kernel
+    )
     params = ebc.init(jax.random.key(0))
     opt = getattr(optim, rule)(**RULES[rule])
     opt_state = opt.init(params)
@@ -55,21 +57,32 @@ def test_three_fused_steps_match_loops(rule, weighted, kernel):
     states: dict = {}
     for step in range(1, 4):
         # new bags each step, same tables; few hot rows -> duplicates within and across bags
-        case = random_case(np.random.default_rng(step), weighted=weighted, hot_rows=5, batch=4, shuffle_keys=False)
+        case = random_case(
+            np.random.default_rng(step), weighted=weighted, hot_rows=5, batch=4, shuffle_keys=False
+        )
         case.tables = list(ebc.tables)
         grad = rng.normal(size=(case.stride, sum(ebc.layout.output_dims))).astype(np.float32)
         params, opt_state = update(params, opt_state, case.kjt.pad(capacity=64), jnp.asarray(grad))
-        row_grads = reference.row_gradients(case.features, case.bag_ids, _grad_blocks(case, grad), case.bag_weights)
+        row_grads = reference.row_gradients(
+            case.features, case.bag_ids, _grad_blocks(case, grad), case.bag_weights
+        )
         reference.fused_step(rule, RULES[rule], weights, states, row_grads, step)
     assert int(opt_state.count) == 3
     got = ebc.table_weights(params)
     for table, w in weights.items():
-        np.testing.assert_allclose(np.asarray(got[table]), w, rtol=1e-5, atol=1e-6, err_msg=f"table {table}")
+        np.testing.assert_allclose(
+            np.asarray(got[table]), w, rtol=1e-5, atol=1e-6, err_msg=f"table {table}"
+        )
         for key in reference.initial_row_state(rule, 1):
             expected = np.array(
-                [states.get(table, {}).get(i, reference.initial_row_state(rule, w.shape[1]))[key] for i in range(w.shape[0])]
+                [
+                    states.get(table, {}).get(i, reference.initial_row_state(rule, w.shape[1]))[key]
+                    for i in range(w.shape[0])
+                ]
             )
-            np.testing.assert_allclose(_state_of_table(ebc, opt_state, table, key), expected, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(
+                _state_of_table(ebc, opt_state, table, key), expected, rtol=1e-5, atol=1e-7
+            )
 
 
 def test_untouched_rows_and_state_never_change():
@@ -89,7 +102,12 @@ def test_untouched_rows_and_state_never_change():
 
 
 def test_update_is_in_place_and_compiles_once():
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=1000, embedding_dim=16, feature_names=[f"f{i}"]) for i in range(2)]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=1000, embedding_dim=16, feature_names=[f"f{i}"]
+        )
+        for i in range(2)
+    ]
     ebc = EmbeddingBagCollection(tables)
     params = ebc.init(jax.random.key(0))
     opt = optim.rowwise_adagrad(lr=0.1)
@@ -100,9 +118,13 @@ def test_update_is_in_place_and_compiles_once():
     state_pointer = opt_state.tables["fp32_d16"]["momentum1"].unsafe_buffer_pointer()
     for _ in range(5):
         lengths = rng.integers(0, 4, size=2 * 8)
-        kjt = KeyedJaggedTensor(["f0", "f1"], rng.integers(0, 1000, size=lengths.sum()), lengths=lengths)
+        kjt = KeyedJaggedTensor(
+            ["f0", "f1"], rng.integers(0, 1000, size=lengths.sum()), lengths=lengths
+        )
         old = params["fp32_d16"]
-        params, opt_state = update(params, opt_state, kjt.pad(capacity=64), jnp.ones((8, 32), jnp.float32))
+        params, opt_state = update(
+            params, opt_state, kjt.pad(capacity=64), jnp.ones((8, 32), jnp.float32)
+        )
         assert old.is_deleted()  # donated ...
         assert params["fp32_d16"].unsafe_buffer_pointer() == pointer  # ... and written in place
         assert opt_state.tables["fp32_d16"]["momentum1"].unsafe_buffer_pointer() == state_pointer
@@ -114,9 +136,14 @@ def test_from_optax_adam_equals_builtin_adam_and_sgd():
     rng = np.random.default_rng(5)
     case = random_case(rng, weighted=True, hot_rows=4)
     ebc = EmbeddingBagCollection(case.tables, is_weighted=True)
-    grad = jnp.asarray(rng.normal(size=(case.stride, sum(ebc.layout.output_dims))).astype(np.float32))
+    grad = jnp.asarray(
+        rng.normal(size=(case.stride, sum(ebc.layout.output_dims))).astype(np.float32)
+    )
     kjt = case.kjt.pad(capacity=128)
-    pairs = [(optim.adam(lr=0.05, eps=1e-8), optim.from_optax(optax.adam(0.05, eps=1e-8))), (optim.sgd(lr=0.3), optim.from_optax(optax.sgd(0.3)))]
+    pairs = [
+        (optim.adam(lr=0.05, eps=1e-8), optim.from_optax(optax.adam(0.05, eps=1e-8))),
+        (optim.sgd(lr=0.3), optim.from_optax(optax.sgd(0.3))),
+    ]
     for ours, theirs in pairs:
         _assert_same_three_steps(ebc, ours, theirs, kjt, grad)
 
@@ -130,11 +157,15 @@ def _assert_same_three_steps(ebc, ours, theirs, kjt, grad):
         dtypes = [x.dtype for x in jax.tree_util.tree_leaves(state)]
         for _ in range(3):
             params, state = update(params, state, kjt, grad)
-        assert [x.dtype for x in jax.tree_util.tree_leaves(state)] == dtypes, rule.name  # optax's int32 count too
+        assert [x.dtype for x in jax.tree_util.tree_leaves(state)] == dtypes, (
+            rule.name
+        )  # optax's int32 count too
         assert update.compile_count() == 1, rule.name
         results.append(params)
     for g in results[0]:
-        np.testing.assert_allclose(np.asarray(results[0][g]), np.asarray(results[1][g]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(results[0][g]), np.asarray(results[1][g]), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_bad_optimizer_arguments():
@@ -148,8 +179,13 @@ def test_bad_optimizer_arguments():
     ebc = EmbeddingBagCollection([t])
     params = ebc.init(jax.random.key(0))
     kjt = KeyedJaggedTensor(["f"], np.array([1]), lengths=np.array([1])).pad(capacity=8)
-    with pytest.raises(ValueError, match=r"pooled_grad has shape \(1, 4\); expected \[batch, sum of dims\] = \[1, 3\]"):
-        make_update(ebc, optim.sgd())(params, optim.sgd().init(params), kjt, jnp.ones((1, 4), jnp.float32))
+    with pytest.raises(
+        ValueError,
+        match=r"pooled_grad has shape \(1, 4\); expected \[batch, sum of dims\] = \[1, 3\]",
+    ):
+        make_update(ebc, optim.sgd())(
+            params, optim.sgd().init(params), kjt, jnp.ones((1, 4), jnp.float32)
+        )
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -168,18 +204,31 @@ def test_three_fused_steps_on_fp16_tables_match_loops(rule):
     weights = {k: np.asarray(v, np.float64) for k, v in ebc.table_weights(params).items()}
     states: dict = {}
     for step in range(1, 4):
-        c = random_case(np.random.default_rng(step), hot_rows=5, batch=4, shuffle_keys=False, data_type="FP16")
+        c = random_case(
+            np.random.default_rng(step), hot_rows=5, batch=4, shuffle_keys=False, data_type="FP16"
+        )
         c.tables = list(ebc.tables)
         grad = rng.normal(size=(c.stride, sum(ebc.layout.output_dims))).astype(np.float32)
         params, opt_state = update(params, opt_state, c.kjt.pad(capacity=64), jnp.asarray(grad))
-        reference.fused_step(rule, RULES[rule], weights, states,
-                             reference.row_gradients(c.features, c.bag_ids, _grad_blocks(c, grad), c.bag_weights), step)
+        reference.fused_step(
+            rule,
+            RULES[rule],
+            weights,
+            states,
+            reference.row_gradients(c.features, c.bag_ids, _grad_blocks(c, grad), c.bag_weights),
+            step,
+        )
         weights = {k: w.astype(np.float16).astype(np.float64) for k, w in weights.items()}
     got = ebc.table_weights(params)
     for table, w in weights.items():
         ulp = np.spacing(np.abs(w).astype(np.float16)).astype(np.float64)
-        np.testing.assert_array_less(np.abs(np.asarray(got[table], np.float64) - w), ulp * 1.001, err_msg=f"table {table}")
-        assert not np.allclose(np.asarray(got[table], np.float64), np.asarray(ebc.table_weights(ebc.init(jax.random.key(0)))[table], np.float64))
+        np.testing.assert_array_less(
+            np.abs(np.asarray(got[table], np.float64) - w), ulp * 1.001, err_msg=f"table {table}"
+        )
+        assert not np.allclose(
+            np.asarray(got[table], np.float64),
+            np.asarray(ebc.table_weights(ebc.init(jax.random.key(0)))[table], np.float64),
+        )
 
 
 def test_rules_carry_their_names_and_documented_defaults():
@@ -188,8 +237,10 @@ def test_rules_carry_their_names_and_documented_defaults():
         rule = getattr(optim, name)()
         assert (rule.name, rule.hyperparams) == (name, {"lr": 0.01, "eps": 1e-8})
     adam = optim.adam()
-    assert (adam.name, adam.hyperparams) == ("adam", {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
-                                                      "weight_decay": 0.0})
+    assert (adam.name, adam.hyperparams) == (
+        "adam",
+        {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+    )
     tx = optim.from_optax(optax.sgd(0.1))
     assert (tx.name, tx.hyperparams) == ("optax", {})
     assert optim.from_optax(optax.sgd(0.1), name="my_sgd").name == "my_sgd"
@@ -212,14 +263,24 @@ def test_refusals_name_the_optimizer_and_the_value():
             return ()
 
     for bad in (OnlyInit(), object()):
-        with pytest.raises(ValueError, match=re.escape(f"from_optax: expected an optax.GradientTransformation, got {type(bad).__name__}")):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"from_optax: expected an optax.GradientTransformation, got {type(bad).__name__}"
+            ),
+        ):
             optim.from_optax(bad)
 
 
 def test_state_is_fp32_even_with_x64_on():
     with jax.enable_x64(True):
         params = {"t": jnp.zeros((5, 3), jnp.float32)}
-        for rule in (optim.adagrad(), optim.rowwise_adagrad(), optim.adam(), optim.from_optax(optax.adam(0.1))):
+        for rule in (
+            optim.adagrad(),
+            optim.rowwise_adagrad(),
+            optim.adam(),
+            optim.from_optax(optax.adam(0.1)),
+        ):
             leaves = [x for x in jax.tree_util.tree_leaves(rule.init(params).tables) if x.ndim]
             assert leaves and all(x.dtype == jnp.float32 for x in leaves), rule.name
 
@@ -229,10 +290,17 @@ def test_from_optax_adamw_equals_builtin_adam_with_weight_decay():
     rng = np.random.default_rng(11)
     case = random_case(rng, hot_rows=4)
     ebc = EmbeddingBagCollection(case.tables, kernel="xla")
-    grad = jnp.asarray(rng.normal(size=(case.stride, sum(ebc.layout.output_dims))).astype(np.float32))
+    grad = jnp.asarray(
+        rng.normal(size=(case.stride, sum(ebc.layout.output_dims))).astype(np.float32)
+    )
     kjt = case.kjt.pad(capacity=128)
-    _assert_same_three_steps(ebc, optim.adam(lr=0.05, beta1=0.7, beta2=0.9, eps=0.2, weight_decay=0.3),
-                             optim.from_optax(optax.adamw(0.05, b1=0.7, b2=0.9, eps=0.2, weight_decay=0.3)), kjt, grad)
+    _assert_same_three_steps(
+        ebc,
+        optim.adam(lr=0.05, beta1=0.7, beta2=0.9, eps=0.2, weight_decay=0.3),
+        optim.from_optax(optax.adamw(0.05, b1=0.7, b2=0.9, eps=0.2, weight_decay=0.3)),
+        kjt,
+        grad,
+    )
 
 
 def test_dedup_of_an_empty_and_a_one_id_stream():
@@ -242,8 +310,13 @@ def test_dedup_of_an_empty_and_a_one_id_stream():
     empty = jnp.zeros(0, jnp.int32)
     unique, grads = dedup_row_grads(empty, empty, jnp.zeros(0, jnp.float32), bag_grads, num_rows=4)
     assert unique.shape == (0,) and grads.shape == (0, 5) and grads.dtype == jnp.float32
-    unique, grads = dedup_row_grads(jnp.array([2], jnp.int32), jnp.array([1], jnp.int32),
-                                    jnp.array([0.5], jnp.float32), bag_grads, num_rows=4)
+    unique, grads = dedup_row_grads(
+        jnp.array([2], jnp.int32),
+        jnp.array([1], jnp.int32),
+        jnp.array([0.5], jnp.float32),
+        bag_grads,
+        num_rows=4,
+    )
     assert unique.tolist() == [2]
     np.testing.assert_array_equal(np.asarray(grads), [[2.5, 3.0, 3.5, 4.0, 4.5]])
 
@@ -280,13 +353,21 @@ def test_state_is_placed_like_its_table(spec):
         leaves = jax.tree_util.tree_leaves(state.tables["t"])
         assert len(leaves) == len(jax.tree_util.tree_leaves(rule.init_table(table))) >= 1
         for leaf in leaves:
-            rows = spec[0] if spec else None  # full rank, as the update returns it (one jit cache key)
+            rows = (
+                spec[0] if spec else None
+            )  # full rank, as the update returns it (one jit cache key)
             want = P(rows, *[None] * (leaf.ndim - 1)) if leaf.ndim and leaf.shape[0] == 16 else P()
-            assert leaf.sharding == NamedSharding(mesh, want), (rule.name, leaf.shape, leaf.sharding)
+            assert leaf.sharding == NamedSharding(mesh, want), (
+                rule.name,
+                leaf.shape,
+                leaf.sharding,
+            )
             assert not np.asarray(leaf).any()
     one = optim.adam().init({"t": jnp.zeros((4, 2), jnp.float32)})
     assert all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(one))
-    host = optim.rowwise_adagrad().init({"t": np.zeros((4, 2), np.float32)})  # host tables (e.g. pretrained)
+    host = optim.rowwise_adagrad().init(
+        {"t": np.zeros((4, 2), np.float32)}
+    )  # host tables (e.g. pretrained)
     assert host.tables["t"]["momentum1"].shape == (4,)
 
 
@@ -311,11 +392,24 @@ def test_the_id_stream_update_on_the_cpu_kernel_equals_xla(rule):
         state = r.init_table(table)
         if rule != "sgd":
             state = {"momentum1": state["momentum1"] + 0.25}  # a state that is not all zero
-        out[kernel] = apply_row_rule(r, table, state, jnp.int32(1), rows, bag, scale, bag_grads, kernel=kernel)
-        text = jax.jit(lambda t, s, r=r, k=kernel: apply_row_rule(r, t, s, jnp.int32(1), rows, bag, scale, bag_grads,
-                                                                   kernel=k)).lower(table, state).as_text()
+        out[kernel] = apply_row_rule(
+            r, table, state, jnp.int32(1), rows, bag, scale, bag_grads, kernel=kernel
+        )
+        text = (
+            jax.jit(
+                lambda t, s, r=r, k=kernel: apply_row_rule(
+                    r, t, s, jnp.int32(1), rows, bag, scale, bag_grads, kernel=k
+                )
+            )
+            .lower(table, state)
+            .as_text()
+        )
         assert ("custom_call @HybridrecFusedUpdate" in text) == (kernel == "auto")
-    for a, b in zip(jax.tree_util.tree_leaves(out["auto"]), jax.tree_util.tree_leaves(out["xla"]), strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(out["auto"]), jax.tree_util.tree_leaves(out["xla"]), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     assert len(jax.tree_util.tree_leaves(out["auto"])) == (1 if rule == "sgd" else 2)
-    assert jax.tree_util.tree_structure(out["auto"]) == jax.tree_util.tree_structure(out["xla"])  # same state keys
+    assert jax.tree_util.tree_structure(out["auto"]) == jax.tree_util.tree_structure(
+        out["xla"]
+    )  # same state keys

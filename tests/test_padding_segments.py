@@ -28,7 +28,9 @@ from tests.test_optim import RULES  # the same rules and hyperparameters
 # 100; 5 in b (MEAN still divides by the bag's full length); 6 in c.
 TABLES = [
     EmbeddingBagConfig(name="a", num_embeddings=7, embedding_dim=4, feature_names=["fa0", "fa1"]),
-    EmbeddingBagConfig(name="b", num_embeddings=5, embedding_dim=4, feature_names=["fb"], pooling="MEAN"),
+    EmbeddingBagConfig(
+        name="b", num_embeddings=5, embedding_dim=4, feature_names=["fb"], pooling="MEAN"
+    ),
     EmbeddingBagConfig(name="c", num_embeddings=6, embedding_dim=8, feature_names=["fc"]),
 ]
 FEATURES = [("fa0", "a", "SUM"), ("fa1", "a", "SUM"), ("fb", "b", "MEAN"), ("fc", "c", "SUM")]
@@ -107,7 +109,11 @@ def test_dedup_gives_out_of_range_rows_no_slot():
     scale = np.where(inside, rng.uniform(0.5, 1.5, size=rows.size), 0.0).astype(np.float32)
     bag_grads = rng.normal(size=(nb, dim)).astype(np.float32)
     unique, summed = jax.jit(dedup_row_grads, static_argnames="num_rows")(
-        jnp.asarray(rows), jnp.asarray(bag), jnp.asarray(scale), jnp.asarray(bag_grads), num_rows=num_rows
+        jnp.asarray(rows),
+        jnp.asarray(bag),
+        jnp.asarray(scale),
+        jnp.asarray(bag_grads),
+        num_rows=num_rows,
     )
     unique, summed = np.asarray(unique), np.asarray(summed)
     assert unique.shape == rows.shape and summed.shape == (rows.size, dim)
@@ -120,7 +126,9 @@ def test_dedup_gives_out_of_range_rows_no_slot():
     expected: dict = {}
     for r, b, s in zip(rows, bag, scale, strict=True):
         if 0 <= r < num_rows:
-            expected[int(r)] = expected.get(int(r), 0.0) + float(s) * bag_grads[b].astype(np.float64)
+            expected[int(r)] = expected.get(int(r), 0.0) + float(s) * bag_grads[b].astype(
+                np.float64
+            )
     for slot, u in enumerate(unique):
         if u != -1:
             np.testing.assert_allclose(summed[slot], expected[int(u)], rtol=1e-6, atol=1e-6)
@@ -128,8 +136,13 @@ def test_dedup_gives_out_of_range_rows_no_slot():
 
 def test_dedup_of_a_stream_of_only_padding_holds_no_row():
     rows = jnp.full(8, 4, jnp.int32)
-    unique, summed = dedup_row_grads(rows, jnp.full(8, 2, jnp.int32), jnp.zeros(8, jnp.float32),
-                                     jnp.ones((2, 3), jnp.float32), num_rows=4)
+    unique, summed = dedup_row_grads(
+        rows,
+        jnp.full(8, 2, jnp.int32),
+        jnp.zeros(8, jnp.float32),
+        jnp.ones((2, 3), jnp.float32),
+        num_rows=4,
+    )
     np.testing.assert_array_equal(np.asarray(unique), -1)
     np.testing.assert_array_equal(np.asarray(summed), 0.0)
 
@@ -145,7 +158,10 @@ def test_id_stream_routes_padding_and_skipped_ids_out_of_range(bounds_check):
     for group, (total_rows, _) in layout.groups.items():
         members = [s for s in layout.features if s.group == group]
         nb = len(members) * B
-        rows, bag, scale = (np.asarray(x) for x in id_stream(kjt, layout, group, weighted=False, bounds_check=bounds_check))
+        rows, bag, scale = (
+            np.asarray(x)
+            for x in id_stream(kjt, layout, group, weighted=False, bounds_check=bounds_check)
+        )
         assert rows.shape == bag.shape == scale.shape == (CAPACITY,)
         expected_rows, expected_bag = [], []
         for k, bags in BAGS.items():
@@ -180,16 +196,25 @@ def test_lookup_with_padding_and_skipped_ids_matches_loops(kernel, weighted):
     params = ebc.init(jax.random.key(3))
     kjt, weights = _kjt(weighted)
     expected = reference.pooled_lookup(
-        _extended(ebc, params), FEATURES, _oracle_bags(), _bag_weights(weights) if weighted else None
+        _extended(ebc, params),
+        FEATURES,
+        _oracle_bags(),
+        _bag_weights(weights) if weighted else None,
     )
-    np.testing.assert_allclose(np.asarray(ebc.apply(params, kjt).values()), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(ebc.apply(params, kjt).values()), expected, rtol=1e-5, atol=1e-6
+    )
     traced = jax.jit(ebc.apply)(params, kjt).values()
     np.testing.assert_allclose(np.asarray(traced), expected, rtol=1e-5, atol=1e-6)
     if kernel == "reference":
-        blocks = jax.jit(lambda p, k: pooled_segment_sum(p, k, ebc.layout, weighted=weighted, bounds_check="skip"))(
-            params, kjt
+        blocks = jax.jit(
+            lambda p, k: pooled_segment_sum(
+                p, k, ebc.layout, weighted=weighted, bounds_check="skip"
+            )
+        )(params, kjt)
+        np.testing.assert_allclose(
+            np.concatenate([np.asarray(x) for x in blocks], axis=1), expected, rtol=1e-5, atol=1e-6
         )
-        np.testing.assert_allclose(np.concatenate([np.asarray(x) for x in blocks], axis=1), expected, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- (d) fused update
@@ -197,7 +222,9 @@ def test_lookup_with_padding_and_skipped_ids_matches_loops(kernel, weighted):
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize(("weighted", "kernel"), [(False, "xla"), (True, "xla"), (True, "ffi")])
-def test_update_with_padding_and_skipped_ids_matches_loops_and_spares_other_rows(rule, weighted, kernel):
+def test_update_with_padding_and_skipped_ids_matches_loops_and_spares_other_rows(
+    rule, weighted, kernel
+):
     ebc = EmbeddingBagCollection(TABLES, is_weighted=weighted, kernel=kernel, bounds_check="skip")
     params = ebc.init(jax.random.key(4))
     before = {g: np.asarray(p).copy() for g, p in params.items()}
@@ -211,24 +238,36 @@ def test_update_with_padding_and_skipped_ids_matches_loops_and_spares_other_rows
     for step in (1, 2):
         grad = rng.normal(size=(B, sum(ebc.layout.output_dims))).astype(np.float32)
         params, opt_state = update(params, opt_state, kjt, jnp.asarray(grad))
-        row_grads = reference.row_gradients(FEATURES, _oracle_bags(), _grad_blocks(grad), bag_weights)
+        row_grads = reference.row_gradients(
+            FEATURES, _oracle_bags(), _grad_blocks(grad), bag_weights
+        )
         reference.fused_step(rule, RULES[rule], oracle, states, row_grads, step)
     got = ebc.table_weights(params)
     for table, w in oracle.items():  # the extra zero row (skipped ids) is the oracle's own
-        np.testing.assert_allclose(np.asarray(got[table]), w[:-1], rtol=1e-5, atol=1e-6, err_msg=f"table {table}")
+        np.testing.assert_allclose(
+            np.asarray(got[table]), w[:-1], rtol=1e-5, atol=1e-6, err_msg=f"table {table}"
+        )
         group, off = ebc.layout.table_group[table]
         for key in reference.initial_row_state(rule, 1):
             fresh = reference.initial_row_state(rule, w.shape[1])[key]
-            expected = np.array([states.get(table, {}).get(i, {key: fresh})[key] for i in range(NUM_ROWS[table])])
+            expected = np.array(
+                [states.get(table, {}).get(i, {key: fresh})[key] for i in range(NUM_ROWS[table])]
+            )
             leaf = np.asarray(opt_state.tables[group][key])[off : off + NUM_ROWS[table]]
-            np.testing.assert_allclose(leaf, expected, rtol=1e-5, atol=1e-7, err_msg=f"table {table} {key}")
+            np.testing.assert_allclose(
+                leaf, expected, rtol=1e-5, atol=1e-7, err_msg=f"table {table} {key}"
+            )
     touched = {g: set() for g in params}
     for feature, table, _ in FEATURES:
         group, off = ebc.layout.table_group[table]
-        touched[group] |= {off + i for bag in BAGS[feature] for i in bag if 0 <= i < NUM_ROWS[table]}
+        touched[group] |= {
+            off + i for bag in BAGS[feature] for i in bag if 0 <= i < NUM_ROWS[table]
+        }
     for group, p in params.items():
         spared = sorted(set(range(p.shape[0])) - touched[group])
         assert spared, group
         np.testing.assert_array_equal(np.asarray(p)[spared], before[group][spared], err_msg=group)
-        for leaf in jax.tree_util.tree_leaves(opt_state.tables[group]):  # per-row state (none for sgd)
+        for leaf in jax.tree_util.tree_leaves(
+            opt_state.tables[group]
+        ):  # per-row state (none for sgd)
             assert not np.asarray(leaf)[spared].any(), group

@@ -32,8 +32,10 @@ def _bags(rng, n_bags, E, *, zipf=False, edge=False, long_bag=0):
     return lengths, ids
 
 
-@pytest.mark.parametrize("dtype,dim,bounds", [("fp32", 4, "skip"), ("fp32", 32, "clamp"), ("fp16", 32, "skip"),
-                                              ("bf16", 4, "clamp")])  # each dtype, dim and bounds mode
+@pytest.mark.parametrize(
+    "dtype,dim,bounds",
+    [("fp32", 4, "skip"), ("fp32", 32, "clamp"), ("fp16", 32, "skip"), ("bf16", 4, "clamp")],
+)  # each dtype, dim and bounds mode
 def test_jagged_pooled_sum_equals_the_loops(dtype, dim, bounds):
     rng = np.random.default_rng(dim + len(dtype) + len(bounds))
     E, B = 20, 5
@@ -44,22 +46,38 @@ def test_jagged_pooled_sum_equals_the_loops(dtype, dim, bounds):
     table = rng.normal(size=(2 * E, dim)).astype(NP_DTYPES[dtype])
     for weighted in (False, True):
         out = _pallas.jagged_pooled_sum(
-            jnp.asarray(table), jnp.asarray(ids.astype(np.int32)), jnp.asarray(offsets),
-            jnp.asarray(weights) if weighted else None, stride=B, keys=[0, 1, 2], row_offsets=[0, E, E],
-            num_rows=[E, E, E], mean=[False, False, True], clamp=bounds == "clamp", interpret=True)
+            jnp.asarray(table),
+            jnp.asarray(ids.astype(np.int32)),
+            jnp.asarray(offsets),
+            jnp.asarray(weights) if weighted else None,
+            stride=B,
+            keys=[0, 1, 2],
+            row_offsets=[0, E, E],
+            num_rows=[E, E, E],
+            mean=[False, False, True],
+            clamp=bounds == "clamp",
+            interpret=True,
+        )
         bag_ids, bag_w = {}, {}
         for k, key in enumerate(keys):
             bag_ids[key], bag_w[key] = [], []
             for b in range(B):
                 a, z = offsets[k * B + b], offsets[k * B + b + 1]
-                kept = [(int(i), float(w)) for i, w in zip(ids[a:z], weights[a:z], strict=True)
-                        if bounds == "clamp" or 0 <= i < E]
+                kept = [
+                    (int(i), float(w))
+                    for i, w in zip(ids[a:z], weights[a:z], strict=True)
+                    if bounds == "clamp" or 0 <= i < E
+                ]
                 bag_ids[key].append([min(max(i, 0), E - 1) + (E if k else 0) for i, _ in kept])
                 # MEAN divides by the bag's true length, skipped ids included
                 scale = 1.0 if k < 2 or z == a else len(kept) / (z - a)
                 bag_w[key].append([(w if weighted else 1.0) * scale for _, w in kept])
-        want = reference.pooled_lookup({"t": table.astype(np.float64)},
-                                       [("a", "t", "SUM"), ("b", "t", "SUM"), ("c", "t", "MEAN")], bag_ids, bag_w)
+        want = reference.pooled_lookup(
+            {"t": table.astype(np.float64)},
+            [("a", "t", "SUM"), ("b", "t", "SUM"), ("c", "t", "MEAN")],
+            bag_ids,
+            bag_w,
+        )
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
 
 
@@ -70,8 +88,15 @@ def test_pooled_positions_equals_the_loops():
     w = rng.uniform(size=(7, 5)).astype(np.float32)
     w[2, 3:] = 0  # padding positions
     w[4] = 0  # an empty bag
-    out = _pallas.pooled_positions(jnp.asarray(table), jnp.asarray(rows), jnp.asarray(w), interpret=True)
-    want = np.array([[sum(w[b, p] * table[rows[b, p]].astype(np.float64) for p in range(5))][0] for b in range(7)])
+    out = _pallas.pooled_positions(
+        jnp.asarray(table), jnp.asarray(rows), jnp.asarray(w), interpret=True
+    )
+    want = np.array(
+        [
+            [sum(w[b, p] * table[rows[b, p]].astype(np.float64) for p in range(5))][0]
+            for b in range(7)
+        ]
+    )
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
 
 
@@ -99,8 +124,16 @@ def _stream(rng, n, E, n_bags, zipf):
     return rows, bag, scale
 
 
-@pytest.mark.parametrize("rule,zipf", [("sgd", False), ("adagrad", True), ("rowwise_adagrad", False),
-                                       ("rowwise_adagrad", True), ("adam", True)])
+@pytest.mark.parametrize(
+    "rule,zipf",
+    [
+        ("sgd", False),
+        ("adagrad", True),
+        ("rowwise_adagrad", False),
+        ("rowwise_adagrad", True),
+        ("adam", True),
+    ],
+)
 def test_sorted_run_update_equals_the_loops(rule, zipf):
     rng = np.random.default_rng(len(rule) + zipf)
     E, D, n, n_bags, step = 24, 8, 64, 10, 3
@@ -111,18 +144,29 @@ def test_sorted_run_update_equals_the_loops(rule, zipf):
     state = r.init_table(jnp.asarray(table))
     if rule != "sgd":  # a state that is not all zero
         state = jax.tree_util.tree_map(lambda x: x + 0.25, state)
-    new_t, new_s = update_rows(r, jnp.asarray(table), state, jnp.int32(step), jnp.asarray(rows), jnp.asarray(bag),
-                               jnp.asarray(scale), jnp.asarray(bag_grads), kernel="pallas")
+    new_t, new_s = update_rows(
+        r,
+        jnp.asarray(table),
+        state,
+        jnp.int32(step),
+        jnp.asarray(rows),
+        jnp.asarray(bag),
+        jnp.asarray(scale),
+        jnp.asarray(bag_grads),
+        kernel="pallas",
+    )
     grads = {}
     for i, b, s in zip(rows, bag, scale, strict=True):
         if 0 <= i < E and b < n_bags:
             grads[int(i)] = grads.get(int(i), 0.0) + float(s) * bag_grads[b].astype(np.float64)
     weights = {"t": table.astype(np.float64)}
-    host = {k: np.asarray(v, np.float64) for k, v in (state.items() if isinstance(state, dict) else [])}
+    host = {
+        k: np.asarray(v, np.float64) for k, v in (state.items() if isinstance(state, dict) else [])
+    }
     states = {"t": {i: {k: v[i] for k, v in host.items()} for i in grads}}
     reference.fused_step(rule, r.hyperparams, weights, states, {"t": grads}, step)
     np.testing.assert_allclose(np.asarray(new_t), weights["t"], rtol=1e-5, atol=1e-6)
-    for k, leaf in (new_s.items() if isinstance(new_s, dict) else []):
+    for k, leaf in new_s.items() if isinstance(new_s, dict) else []:
         want = host[k].copy()
         for i in grads:
             want[i] = states["t"][i][k]
@@ -139,15 +183,22 @@ def test_sorted_run_update_of_narrow_tables_rounds_as_the_xla_form(dtype, stocha
     rows, bag, scale = _stream(rng, n, E, 6, True)
     table = jnp.asarray(rng.normal(size=(E, D)).astype(NP_DTYPES[dtype]))
     r = optim.rowwise_adagrad(lr=0.3, stochastic_rounding=stochastic, seed=7)
-    args = (jnp.int32(2), jnp.asarray(rows), jnp.asarray(bag), jnp.asarray(scale),
-            jnp.asarray(rng.normal(size=(6, D)).astype(np.float32)))
+    args = (
+        jnp.int32(2),
+        jnp.asarray(rows),
+        jnp.asarray(bag),
+        jnp.asarray(scale),
+        jnp.asarray(rng.normal(size=(6, D)).astype(np.float32)),
+    )
     a, sa = update_rows(r, table, r.init_table(table), *args, kernel="pallas")
     b, sb = update_rows(r, table, r.init_table(table), *args, kernel="xla")
     assert a.dtype == table.dtype
     same = np.asarray(a).view(np.uint16) == np.asarray(b).view(np.uint16)
     assert same.mean() > 0.95, same.mean()
     ulp = 2.0**-10 if dtype == "fp16" else 2.0**-7
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2 * ulp, atol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2 * ulp, atol=1e-3
+    )
     assert not np.array_equal(np.asarray(a).view(np.uint16), np.asarray(table).view(np.uint16))
     np.testing.assert_allclose(np.asarray(sa["momentum1"]), np.asarray(sb["momentum1"]), rtol=1e-6)
 
@@ -159,13 +210,18 @@ def test_a_skipped_step_writes_nothing_and_the_update_is_reproducible():
     r = optim.adam(lr=0.1)
     runs = (*_pallas.sorted_runs(jnp.asarray(rows), 12), jnp.asarray(bag), jnp.asarray(scale))
     g = jnp.asarray(rng.normal(size=(5, 8)).astype(np.float32)).at[2, 3].set(jnp.nan)
-    kept, kept_state = _pallas.sorted_run_update(r, table, r.init_table(table), jnp.int32(1), *runs, g,
-                                                 jnp.zeros((), bool), interpret=True)
+    kept, kept_state = _pallas.sorted_run_update(
+        r, table, r.init_table(table), jnp.int32(1), *runs, g, jnp.zeros((), bool), interpret=True
+    )
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(table))
     assert not any(np.asarray(x).any() for x in jax.tree_util.tree_leaves(kept_state))
     g = g.at[2, 3].set(1.0)
-    once = _pallas.sorted_run_update(r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True)
-    again = _pallas.sorted_run_update(r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True)
+    once = _pallas.sorted_run_update(
+        r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True
+    )
+    again = _pallas.sorted_run_update(
+        r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True
+    )
     for x, y in zip(jax.tree_util.tree_leaves(once), jax.tree_util.tree_leaves(again), strict=True):
         assert np.array_equal(np.asarray(x), np.asarray(y))  # no atomics: bitwise the same
     assert not np.array_equal(np.asarray(once[0]), np.asarray(table))
@@ -174,16 +230,33 @@ def test_a_skipped_step_writes_nothing_and_the_update_is_reproducible():
 def test_pallas_refuses_what_it_cannot_run_and_names_the_way_out():
     table = jnp.zeros((8, 12), jnp.float32)  # 12: not a power of two
     with pytest.raises(ValueError, match="power-of-two"):
-        update_rows(optim.sgd(lr=0.1), table, (), jnp.int32(1), jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32),
-                    jnp.ones(4, jnp.float32), jnp.zeros((1, 12), jnp.float32), kernel="pallas")
+        update_rows(
+            optim.sgd(lr=0.1),
+            table,
+            (),
+            jnp.int32(1),
+            jnp.zeros(4, jnp.int32),
+            jnp.zeros(4, jnp.int32),
+            jnp.ones(4, jnp.float32),
+            jnp.zeros((1, 12), jnp.float32),
+            kernel="pallas",
+        )
     import optax
 
     custom = optim.from_optax(optax.sgd(0.1), name="sgd")  # named like SGD, but not declared native
     assert custom.native is None
     with pytest.raises(ValueError, match="native rule"):
-        update_rows(custom, jnp.zeros((8, 8), jnp.float32), custom.init_table(jnp.zeros((8, 8))), jnp.int32(1),
-                    jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32), jnp.ones(4, jnp.float32),
-                    jnp.zeros((1, 8), jnp.float32), kernel="pallas")
+        update_rows(
+            custom,
+            jnp.zeros((8, 8), jnp.float32),
+            custom.init_table(jnp.zeros((8, 8))),
+            jnp.int32(1),
+            jnp.zeros(4, jnp.int32),
+            jnp.zeros(4, jnp.int32),
+            jnp.ones(4, jnp.float32),
+            jnp.zeros((1, 8), jnp.float32),
+            kernel="pallas",
+        )
 
 
 def test_unrolled_loops_sum_in_the_bags_order():
@@ -194,15 +267,37 @@ def test_unrolled_loops_sum_in_the_bags_order():
     offsets = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     ids = jnp.asarray(rng.integers(0, 40, int(lengths.sum())).astype(np.int32))
     table = jnp.asarray(rng.normal(size=(40, 8)).astype(np.float32))
-    outs = [np.asarray(_pallas.jagged_pooled_sum(table, ids, offsets, None, stride=6, keys=[0, 1], row_offsets=[0, 0],
-                                                 num_rows=[40, 40], mean=[False, True], clamp=False,
-                                                 interpret=True, unroll=u)) for u in (1, 3, 4)]
+    outs = [
+        np.asarray(
+            _pallas.jagged_pooled_sum(
+                table,
+                ids,
+                offsets,
+                None,
+                stride=6,
+                keys=[0, 1],
+                row_offsets=[0, 0],
+                num_rows=[40, 40],
+                mean=[False, True],
+                clamp=False,
+                interpret=True,
+                unroll=u,
+            )
+        )
+        for u in (1, 3, 4)
+    ]
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     rows, bag, scale = _stream(rng, 90, 16, 7, True)
     runs = (*_pallas.sorted_runs(jnp.asarray(rows), 16), jnp.asarray(bag), jnp.asarray(scale))
     g = jnp.asarray(rng.normal(size=(7, 8)).astype(np.float32))
     r = optim.rowwise_adagrad(lr=0.1)
     table = table[:16]
-    ups = [np.asarray(_pallas.sorted_run_update(r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True,
-                                                unroll=u)[0]) for u in (1, 4)]
+    ups = [
+        np.asarray(
+            _pallas.sorted_run_update(
+                r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True, unroll=u
+            )[0]
+        )
+        for u in (1, 4)
+    ]
     assert np.array_equal(ups[0], ups[1])

@@ -333,7 +333,9 @@ def _steps_on_both(spec, weighted, tbes, ebc, params, rule):
         grad = _pooled_grad(spec, seed=20 + step)
         for tbe in tbes:
             _tbe_step(tbe, bags, grad)
-        params, state = update(params, state, _our_kjt(bags, _features(spec)[::-1], capacity=CAPACITY), grad)
+        params, state = update(
+            params, state, _our_kjt(bags, _features(spec)[::-1], capacity=CAPACITY), grad
+        )
     return params, state, update
 
 
@@ -387,7 +389,9 @@ def test_fp16_tables_round_to_nearest_match_fbgemm_fp16_tbe(case):
     rule, fb_opt, fb_hp, weighted = OPT_CASES[case]
     rule = dataclasses.replace(rule, stochastic_rounding=False)
     spec = _pooled(SEVERAL, SUM) if weighted else SEVERAL
-    weights = {n: w.astype(np.float16).astype(np.float32) for n, w in _weights(spec, seed=5).items()}
+    weights = {
+        n: w.astype(np.float16).astype(np.float32) for n, w in _weights(spec, seed=5).items()
+    }
     tbes = _tbes(spec, weights, fb_opt, SparseType.FP16, stochastic_rounding=False, **fb_hp)
     ebc, params = _ours(spec, weights, weighted=weighted, data_type="FP16")
     params, _, _ = _steps_on_both(spec, weighted, tbes, ebc, params, rule)
@@ -396,8 +400,12 @@ def test_fp16_tables_round_to_nearest_match_fbgemm_fp16_tbe(case):
         for i, t in enumerate(tbe.tables):
             fb = tbe.module.split_embedding_weights()[i].numpy()
             assert fb.dtype == np.float16 and np.asarray(ours[t.name]).dtype == np.float16
-            assert not np.array_equal(fb.astype(np.float32), weights[t.name]), f"{t.name}: no row moved"
-            np.testing.assert_array_equal(np.asarray(ours[t.name]), fb, err_msg=f"weights of {t.name}")
+            assert not np.array_equal(fb.astype(np.float32), weights[t.name]), (
+                f"{t.name}: no row moved"
+            )
+            np.testing.assert_array_equal(
+                np.asarray(ours[t.name]), fb, err_msg=f"weights of {t.name}"
+            )
 
 
 # A batch with no ids at all (capacity 0): FBGEMM takes the step and nothing moves.

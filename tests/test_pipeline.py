@@ -39,8 +39,15 @@ def _tables():
 
 def _model(mesh=None, plan=None, input_dist="all_gather"):
     torch.manual_seed(0)
-    return hybrid.Model(_tables(), Tower(), mesh=mesh, plan=plan, input_dist=input_dist,
-                        sparse_optimizer=rowwise_adagrad(lr=0.1), seed=3)
+    return hybrid.Model(
+        _tables(),
+        Tower(),
+        mesh=mesh,
+        plan=plan,
+        input_dist=input_dist,
+        sparse_optimizer=rowwise_adagrad(lr=0.1),
+        seed=3,
+    )
 
 
 def _batches(count, *, batch=16, seed=0, max_len=5):
@@ -205,7 +212,9 @@ def test_a_failing_batch_surfaces_from_progress_naming_its_index():
 def test_a_malformed_item_names_the_expected_form():
     model = _model()
     pipeline = hybrid.TrainPipeline(model, torch.optim.SGD(model.dense_parameters(), lr=0.1), _loss)
-    with pytest.raises(hybrid.BatchPreparationError, match=r"batch 0 .*\(dense_features, sparse, labels\)"):
+    with pytest.raises(
+        hybrid.BatchPreparationError, match=r"batch 0 .*\(dense_features, sparse, labels\)"
+    ):
         pipeline.progress(iter([("only", "two")]))
 
 
@@ -234,8 +243,15 @@ def test_the_read_counter_sees_every_kind_of_host_read():
     from sparse_jax import KeyedJaggedTensor
 
     x = jnp.arange(4.0) + 1
-    readers = [lambda a: np.asarray(a), lambda a: np.array(a), lambda a: float(a[0]), lambda a: a.tolist(), lambda a: int(a[1]),
-               lambda a: __import__("jax").device_get(a), lambda a: a[0].item()]
+    readers = [
+        lambda a: np.asarray(a),
+        lambda a: np.array(a),
+        lambda a: float(a[0]),
+        lambda a: a.tolist(),
+        lambda a: int(a[1]),
+        lambda a: __import__("jax").device_get(a),
+        lambda a: a[0].item(),
+    ]
     for read in readers:
         with count_host_reads() as reads:
             read(x)
@@ -269,8 +285,9 @@ def test_the_dense_grad_hook_runs_only_after_the_sparse_update_finished():
         seen.append(all(x.is_ready() for x in leaves))
 
     model = _model()
-    pipeline = hybrid.TrainPipeline(model, torch.optim.SGD(model.dense_parameters(), lr=0.1), _loss,
-                                    dense_grad_hook=hook)
+    pipeline = hybrid.TrainPipeline(
+        model, torch.optim.SGD(model.dense_parameters(), lr=0.1), _loss, dense_grad_hook=hook
+    )
     it = iter(_batches(3))
     for _ in range(3):
         pipeline.progress(it)

@@ -18,23 +18,43 @@ RULES = {
     "rowwise_adagrad": dict(lr=0.3, eps=0.05),
     "adam": dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
 }
-KINDS = ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "grid_shard"]
-CASES = [(k, m) for k in KINDS for m in (["2x4"] if k in TWO_LEVEL or k == "data_parallel" else ["8", "2x4"])]
+KINDS = [
+    "data_parallel",
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "table_column_wise",
+    "grid_shard",
+]
+CASES = [
+    (k, m)
+    for k in KINDS
+    for m in (["2x4"] if k in TWO_LEVEL or k == "data_parallel" else ["8", "2x4"])
+]
 COLUMN_SPLITS = {"column_wise", "table_column_wise", "grid_shard"}
 
 
 def _state_leaves(rule_name):
-    return {"sgd": [], "adagrad": ["momentum1"], "rowwise_adagrad": ["momentum1"],
-            "adam": ["momentum1", "momentum2"]}[rule_name]
+    return {
+        "sgd": [],
+        "adagrad": ["momentum1"],
+        "rowwise_adagrad": ["momentum1"],
+        "adam": ["momentum1", "momentum2"],
+    }[rule_name]
 
 
 @pytest.mark.parametrize("rule_name", sorted(RULES))
 @pytest.mark.parametrize(("kind", "mesh_name"), CASES)
 def test_every_plan_trains_the_unsharded_model(kind, mesh_name, rule_name):
     rule = getattr(optim, rule_name)(**RULES[rule_name])
-    ebc, sharded, params, state, sparams, sstate, _ = _run({f"t{i}": kind for i in range(4)}, mesh_name, rule, seed=5)
+    ebc, sharded, params, state, sparams, sstate, _ = _run(
+        {f"t{i}": kind for i in range(4)}, mesh_name, rule, seed=5
+    )
     if kind in COLUMN_SPLITS:
-        assert any(s.col_size < t.embedding_dim for t in ebc.tables for s in sharded.plan[t.name].shards)
+        assert any(
+            s.col_size < t.embedding_dim for t in ebc.tables for s in sharded.plan[t.name].shards
+        )
     _check_tables(ebc, sharded, params, sparams)
     _check_replicas_identical(sparams)
     for key in _state_leaves(rule_name):
@@ -44,7 +64,9 @@ def test_every_plan_trains_the_unsharded_model(kind, mesh_name, rule_name):
             want = np.asarray(state.tables[group][key])[off : off + t.num_embeddings]
             blocks = got[t.name].values() if isinstance(got[t.name], dict) else [got[t.name]]
             for block in blocks:  # row-wise state: every column block holds the whole row's value
-                np.testing.assert_allclose(block, want, rtol=1e-5, atol=1e-7, err_msg=f"{key} of {t.name}")
+                np.testing.assert_allclose(
+                    block, want, rtol=1e-5, atol=1e-7, err_msg=f"{key} of {t.name}"
+                )
 
 
 def test_column_split_rowwise_state_equals_the_loop_oracle():
@@ -53,11 +75,19 @@ def test_column_split_rowwise_state_equals_the_loop_oracle():
     from tests.test_sharding import _mesh
 
     rule = optim.rowwise_adagrad(**RULES["rowwise_adagrad"])
-    ebc, sharded, _, _, _, sstate, _ = _run({f"t{i}": "column_wise" for i in range(4)}, "8", rule,
-                                           seed=5, steps=1)
+    ebc, sharded, _, _, _, sstate, _ = _run(
+        {f"t{i}": "column_wise" for i in range(4)}, "8", rule, seed=5, steps=1
+    )
     n = _mesh("8").size
-    case = random_case(np.random.default_rng(100), dims=[8, 8, 4, 16], batch=2 * n, weighted=True,
-                       rows=(20, 60), hot_rows=20, shuffle_keys=False)
+    case = random_case(
+        np.random.default_rng(100),
+        dims=[8, 8, 4, 16],
+        batch=2 * n,
+        weighted=True,
+        rows=(20, 60),
+        hot_rows=20,
+        shuffle_keys=False,
+    )
     rng = np.random.default_rng(5)  # as `_run` draws it: its first case, then the step's gradient
     random_case(rng, dims=[8, 8, 4, 16], batch=2 * n, weighted=True, rows=(20, 60), hot_rows=None)
     grad = rng.normal(size=(2 * n, sum(ebc.layout.output_dims))).astype(np.float32)

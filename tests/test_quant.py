@@ -149,9 +149,13 @@ def fbgemm():
         # the op wants dim * bits to be a multiple of 16 bits: copies of a row's own values
         # leave its min and max, and so the bytes of its first `dim` values, unchanged
         extra = (-dim) % (16 // bits)
-        fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(torch.cat([t, t[:, :extra]], 1), bits)
+        fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(
+            torch.cat([t, t[:, :extra]], 1), bits
+        )
         # the op puts fp16 scale and bias at the END of a row; the TBE keeps them in front
-        module.assign_embedding_weights([(fused[:, : dim * bits // 8].contiguous(), fused[:, -4:].contiguous())])
+        module.assign_embedding_weights(
+            [(fused[:, : dim * bits // 8].contiguous(), fused[:, -4:].contiguous())]
+        )
         return stored_rows(module).numpy()
 
     def tbe(packed, weight_type, dim, pooling="SUM", row_alignment=1):
@@ -163,19 +167,29 @@ def fbgemm():
     def forward(module, ids, offsets, weights=None):
         n = int(offsets[-1])
         w = None if weights is None else torch.from_numpy(weights[:n])
-        return module(torch.from_numpy(ids[:n].astype(np.int64)), torch.from_numpy(offsets.astype(np.int64)), w).numpy()
+        return module(
+            torch.from_numpy(ids[:n].astype(np.int64)),
+            torch.from_numpy(offsets.astype(np.int64)),
+            w,
+        ).numpy()
 
     def dequantize_op(packed, weight_type, dim):
         """FBGEMM's dequantization op (it reads scale and bias at the END of a row; its
         scale_bias_last=False form ignores the flag on AVX2 machines, so rows are rotated)."""
         if weight_type == "fp16":
-            return torch.from_numpy(np.array(packed[:, : 2 * dim])).view(torch.float16).float().numpy()
+            return (
+                torch.from_numpy(np.array(packed[:, : 2 * dim])).view(torch.float16).float().numpy()
+            )
         bits = BITS[weight_type]
         front = packed[:, : 4 + dim * bits // 8]
         last = np.ascontiguousarray(np.concatenate([front[:, 4:], front[:, :4]], axis=1))
-        return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(torch.from_numpy(last), bits).numpy()
+        return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(
+            torch.from_numpy(last), bits
+        ).numpy()
 
-    return SimpleNamespace(torchrec_rows=torchrec_rows, tbe=tbe, forward=forward, dequantize_op=dequantize_op)
+    return SimpleNamespace(
+        torchrec_rows=torchrec_rows, tbe=tbe, forward=forward, dequantize_op=dequantize_op
+    )
 
 
 @pytest.mark.parity
@@ -216,14 +230,24 @@ def test_pooled_lookup_is_fbgemm_tbe_forward(fbgemm, weight_type, dim, kernel):
     for pooling in ("SUM", "MEAN"):
         module = fbgemm.tbe(np.asarray(packed), weight_type, dim, pooling)
         want = fbgemm.forward(module, ids, offsets)
-        got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, kernel=kernel))
+        got = np.asarray(
+            quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, kernel=kernel)
+        )
         np.testing.assert_array_equal(got, want, err_msg=f"{pooling}, unweighted")
         assert not got[[1, 4]].any()  # the empty bags
         want = fbgemm.forward(module, ids, offsets, weights)
-        got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, weights,
-                                                 kernel=kernel))
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=_tolerance(packed, weight_type, dim, offsets, weights),
-                                   err_msg=f"{pooling}, weighted")
+        got = np.asarray(
+            quantized_pooled_lookup(
+                packed, weight_type, dim, ids, offsets, pooling, weights, kernel=kernel
+            )
+        )
+        np.testing.assert_allclose(
+            got,
+            want,
+            rtol=1e-6,
+            atol=_tolerance(packed, weight_type, dim, offsets, weights),
+            err_msg=f"{pooling}, weighted",
+        )
 
 
 @pytest.mark.parity
@@ -238,7 +262,9 @@ def test_pooled_lookup_reads_rows_padded_for_the_gpu_tbe(fbgemm, weight_type, ke
     assert packed.shape[1] == (32 if weight_type == "fp16" else 16)
     ids, offsets, weights = _bags(rng)
     module = fbgemm.tbe(np.asarray(packed), weight_type, 12, "MEAN", row_alignment=16)
-    got = np.asarray(quantized_pooled_lookup(packed, weight_type, 12, ids, offsets, "MEAN", kernel=kernel))
+    got = np.asarray(
+        quantized_pooled_lookup(packed, weight_type, 12, ids, offsets, "MEAN", kernel=kernel)
+    )
     np.testing.assert_array_equal(got, fbgemm.forward(module, ids, offsets))
 
 
@@ -250,7 +276,9 @@ def test_quantize_and_dequantize_equal_loops(weight_type, dim):
     table = _table(np.random.default_rng([dim, TYPES.index(weight_type)]), dim)
     for row_alignment in (1, 16):
         packed = np.asarray(quantize_rows(table, weight_type, row_alignment=row_alignment))
-        np.testing.assert_array_equal(packed, reference.quantize_rows_loop(table, weight_type, row_alignment))
+        np.testing.assert_array_equal(
+            packed, reference.quantize_rows_loop(table, weight_type, row_alignment)
+        )
     got = np.asarray(dequantize_rows(packed, weight_type, dim))
     np.testing.assert_array_equal(got, reference.dequantize_rows_loop(packed, weight_type, dim))
 
@@ -276,7 +304,9 @@ def test_rounding_cases_by_hand(weight_type):
     row, want = BY_HAND[weight_type]
     packed = np.asarray(quantize_rows(np.tile(np.array(row, np.float32), (ROWS, 1)), weight_type))
     scale, bias = packed[0, :4].view(np.float16)
-    assert bias == 0.0 and scale == np.float16(np.float32(7.5) / np.float32(2 ** BITS[weight_type] - 1))
+    assert bias == 0.0 and scale == np.float16(
+        np.float32(7.5) / np.float32(2 ** BITS[weight_type] - 1)
+    )
     np.testing.assert_array_equal(packed[0, 4:], want)
 
 
@@ -288,10 +318,19 @@ def test_pooled_lookup_equals_loops(weight_type, dim):
     ids, offsets, weights = _bags(rng)
     for pooling in ("SUM", "MEAN"):
         for w in (None, weights):
-            want = reference.quantized_pooled_loop(np.asarray(packed), weight_type, dim, ids, offsets, pooling, w)
-            got = np.asarray(quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w))
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=_tolerance(packed, weight_type, dim, offsets, w),
-                                       err_msg=f"{pooling}, weights {w is not None}")
+            want = reference.quantized_pooled_loop(
+                np.asarray(packed), weight_type, dim, ids, offsets, pooling, w
+            )
+            got = np.asarray(
+                quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w)
+            )
+            np.testing.assert_allclose(
+                got,
+                want,
+                rtol=1e-6,
+                atol=_tolerance(packed, weight_type, dim, offsets, w),
+                err_msg=f"{pooling}, weights {w is not None}",
+            )
 
 
 def test_under_jit_results_match_eager_and_bad_ids_add_nothing():
@@ -312,11 +351,17 @@ def test_under_jit_results_match_eager_and_bad_ids_add_nothing():
 
 def test_empty_batches_and_empty_ids():
     packed = quantize_rows(np.ones((ROWS, 8), np.float32), "int8")
-    assert quantized_pooled_lookup(packed, "int8", 8, np.zeros(0, np.int32), np.zeros(1, np.int32)).shape == (0, 8)
-    out = quantized_pooled_lookup(packed, "int8", 8, np.zeros(0, np.int32), np.zeros(4, np.int32), "MEAN")
+    assert quantized_pooled_lookup(
+        packed, "int8", 8, np.zeros(0, np.int32), np.zeros(1, np.int32)
+    ).shape == (0, 8)
+    out = quantized_pooled_lookup(
+        packed, "int8", 8, np.zeros(0, np.int32), np.zeros(4, np.int32), "MEAN"
+    )
     np.testing.assert_array_equal(out, np.zeros((3, 8)))
     no_rows = np.zeros((0, 12), np.uint8)  # a table of 0 rows: only pruned ids can be asked for
-    out = quantized_pooled_lookup(no_rows, "int8", 8, np.array([-1, -1], np.int32), np.array([0, 2, 2], np.int32))
+    out = quantized_pooled_lookup(
+        no_rows, "int8", 8, np.array([-1, -1], np.int32), np.array([0, 2, 2], np.int32)
+    )
     np.testing.assert_array_equal(out, np.zeros((2, 8)))
 
 
@@ -350,8 +395,10 @@ def test_kernel_equals_the_xla_form_bit_for_bit_and_the_loops(weight_type, dim, 
     bad[offsets[0]] = ROWS  # just past the table
     bad[offsets[7] + 2] = -5
     bad[offsets[7] + 4] = 1 << 30
-    lookup = jax.jit(quantized_pooled_lookup,
-                     static_argnames=("weight_type", "dim", "pooling", "max_length", "bounds_check", "kernel"))
+    lookup = jax.jit(
+        quantized_pooled_lookup,
+        static_argnames=("weight_type", "dim", "pooling", "max_length", "bounds_check", "kernel"),
+    )
     for pooling in ("SUM", "MEAN"):
         for w in (None, weights):
             for bounds_check in ("skip", "clamp"):
@@ -360,24 +407,55 @@ def test_kernel_equals_the_xla_form_bit_for_bit_and_the_loops(weight_type, dim, 
                     opts = dict(max_length=max_length, bounds_check=bounds_check)
                     got = np.asarray(lookup(*args, **opts, kernel="ffi"))
                     what = f"{pooling}, weighted {w is not None}, {bounds_check}, max_length {max_length}"
-                    np.testing.assert_array_equal(got, lookup(*args, **opts, kernel="xla"), err_msg=what)
+                    np.testing.assert_array_equal(
+                        got, lookup(*args, **opts, kernel="xla"), err_msg=what
+                    )
                 if bounds_check == "clamp":
                     oracle_ids = np.clip(bad, 0, ROWS - 1)
                 else:
                     oracle_ids = np.where((bad >= 0) & (bad < ROWS), bad, -1)
-                want = reference.quantized_pooled_loop(np.asarray(packed), weight_type, dim, oracle_ids, offsets,
-                                                       pooling, w)
-                np.testing.assert_allclose(got, want, rtol=1e-6, atol=_tolerance(packed, weight_type, dim, offsets, w),
-                                           err_msg=what)
+                want = reference.quantized_pooled_loop(
+                    np.asarray(packed), weight_type, dim, oracle_ids, offsets, pooling, w
+                )
+                np.testing.assert_allclose(
+                    got,
+                    want,
+                    rtol=1e-6,
+                    atol=_tolerance(packed, weight_type, dim, offsets, w),
+                    err_msg=what,
+                )
                 assert not got[[1, 4]].any()  # the empty bags
             # eager: the ids are checked (skip) or clamped, the result is the jitted one
             np.testing.assert_array_equal(
-                quantized_pooled_lookup(packed, weight_type, dim, bad, offsets, pooling, w, bounds_check="clamp",
-                                        kernel="ffi"),
-                lookup(packed, weight_type, dim, bad, offsets, pooling, w, bounds_check="clamp", kernel="xla"))
+                quantized_pooled_lookup(
+                    packed,
+                    weight_type,
+                    dim,
+                    bad,
+                    offsets,
+                    pooling,
+                    w,
+                    bounds_check="clamp",
+                    kernel="ffi",
+                ),
+                lookup(
+                    packed,
+                    weight_type,
+                    dim,
+                    bad,
+                    offsets,
+                    pooling,
+                    w,
+                    bounds_check="clamp",
+                    kernel="xla",
+                ),
+            )
             np.testing.assert_array_equal(
                 quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w),
-                quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w, kernel="xla"))
+                quantized_pooled_lookup(
+                    packed, weight_type, dim, ids, offsets, pooling, w, kernel="xla"
+                ),
+            )
 
 
 def test_kernel_on_batches_of_every_size_and_on_a_table_of_no_rows():
@@ -390,14 +468,27 @@ def test_kernel_on_batches_of_every_size_and_on_a_table_of_no_rows():
         lengths = rng.integers(0, 6, bags)
         offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
         ids = rng.integers(0, ROWS, offsets[-1] + 3).astype(np.int32)
-        np.testing.assert_array_equal(quantized_pooled_lookup(packed, "int4", 16, ids, offsets, "MEAN", kernel="ffi"),
-                                      quantized_pooled_lookup(packed, "int4", 16, ids, offsets, "MEAN", kernel="xla"))
-    zeros = quantized_pooled_lookup(packed, "int4", 16, np.zeros(3, np.int32), np.zeros(5, np.int32), kernel="ffi")
+        np.testing.assert_array_equal(
+            quantized_pooled_lookup(packed, "int4", 16, ids, offsets, "MEAN", kernel="ffi"),
+            quantized_pooled_lookup(packed, "int4", 16, ids, offsets, "MEAN", kernel="xla"),
+        )
+    zeros = quantized_pooled_lookup(
+        packed, "int4", 16, np.zeros(3, np.int32), np.zeros(5, np.int32), kernel="ffi"
+    )
     np.testing.assert_array_equal(zeros, np.zeros((4, 16)))
     lookup = jax.jit(quantized_pooled_lookup, static_argnames=("weight_type", "dim", "kernel"))
     no_rows = np.zeros((0, 12), np.uint8)
-    np.testing.assert_array_equal(lookup(no_rows, "int8", 8, np.array([-1, 4], np.int32), np.array([0, 2, 2], np.int32),
-                                         kernel="ffi"), np.zeros((2, 8)))
+    np.testing.assert_array_equal(
+        lookup(
+            no_rows,
+            "int8",
+            8,
+            np.array([-1, 4], np.int32),
+            np.array([0, 2, 2], np.int32),
+            kernel="ffi",
+        ),
+        np.zeros((2, 8)),
+    )
 
 
 def _lowered(kernel: str, platform: str = "cpu", weighted: bool = False) -> str:
@@ -433,17 +524,22 @@ def test_the_quantized_collection_takes_the_kernel_on_cpu():
         QuantEmbeddingBagCollection,
     )
 
-    kjt = KeyedJaggedTensor(["f"], np.array([1, 2, 3, ROWS + 2], np.int32), lengths=np.array([3, 1]))
+    kjt = KeyedJaggedTensor(
+        ["f"], np.array([1, 2, 3, ROWS + 2], np.int32), lengths=np.array([3, 1])
+    )
     for bounds_check in ("skip", "clamp"):
-        ebc = EmbeddingBagCollection([EmbeddingBagConfig(ROWS, 16, "t", feature_names=["f"])],
-                                     bounds_check=bounds_check)
+        ebc = EmbeddingBagCollection(
+            [EmbeddingBagConfig(ROWS, 16, "t", feature_names=["f"])], bounds_check=bounds_check
+        )
         params = ebc.init(jax.random.key(0))
         qebc = QuantEmbeddingBagCollection.from_float(ebc, params, weight_type="int4")
         batch = qebc.prepare(kjt)
         text = jax.jit(qebc._apply).lower(qebc.packed_tables, batch.kjt).as_text()
         assert "custom_call @HybridrecQuantPooled" in text
     rows = np.asarray(qebc.dequantized_weights()["t"])
-    np.testing.assert_array_equal(np.asarray(qebc.apply(kjt).values())[1], rows[ROWS - 1])  # clamped
+    np.testing.assert_array_equal(
+        np.asarray(qebc.apply(kjt).values())[1], rows[ROWS - 1]
+    )  # clamped
 
 
 def test_ffi_refuses_to_fall_back(monkeypatch):
@@ -451,11 +547,19 @@ def test_ffi_refuses_to_fall_back(monkeypatch):
 
     monkeypatch.setattr(_kernels, "available", lambda: False)
     packed = quantize_rows(np.ones((ROWS, 8), np.float32), "int8")
-    with pytest.raises(ValueError, match="^" + re.escape("kernel='ffi' was asked for but the CPU kernels are "
-                                                         "unavailable here (see the log); use kernel='auto' or 'xla'")):
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
+            "kernel='ffi' was asked for but the CPU kernels are "
+            "unavailable here (see the log); use kernel='auto' or 'xla'"
+        ),
+    ):
         quantized_pooled_lookup(packed, "int8", 8, [0], [0, 1], kernel="ffi")
-    for bad, message in (({"kernel": "pallas"}, "kernel='pallas' is not one of ('auto', 'ffi', 'xla')"),
-                         ({"bounds_check": "error"}, "bounds_check='error' is not one of ('skip', 'clamp')")):
+    for bad, message in (
+        ({"kernel": "pallas"}, "kernel='pallas' is not one of ('auto', 'ffi', 'xla')"),
+        ({"bounds_check": "error"}, "bounds_check='error' is not one of ('skip', 'clamp')"),
+    ):
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             quantized_pooled_lookup(packed, "int8", 8, [0], [0, 1], **bad)
 
@@ -467,22 +571,46 @@ def test_ffi_refuses_to_fall_back(monkeypatch):
     "call, message",
     [
         (lambda: row_bytes("int3", 8), "is not one of ('fp16', 'int8', 'int4', 'int2')"),
-        (lambda: row_bytes("int4", 7), "dim must be a multiple of 2; got dim=7. Pad the table to 8"),
+        (
+            lambda: row_bytes("int4", 7),
+            "dim must be a multiple of 2; got dim=7. Pad the table to 8",
+        ),
         (lambda: row_bytes("int2", 6), "dim must be a multiple of 4; got dim=6"),
         (lambda: row_bytes("int8", 0), "dim must be an integer >= 1, got 0"),
         (lambda: row_bytes("int8", 8, 0), "row_alignment must be an integer >= 1"),
-        (lambda: quantize_rows(np.ones(8), "int8"), "table must be 2-D [rows, dim], got shape (8,)"),
-        (lambda: quantize_rows(np.array([[1.0, np.nan]]), "int8"), "table[0, 1] is nan: int8 row-wise"),
-        (lambda: dequantize_rows(np.zeros((2, 7), np.uint8), "int8", 4), "packed must be uint8 [rows, >= 8]"),
+        (
+            lambda: quantize_rows(np.ones(8), "int8"),
+            "table must be 2-D [rows, dim], got shape (8,)",
+        ),
+        (
+            lambda: quantize_rows(np.array([[1.0, np.nan]]), "int8"),
+            "table[0, 1] is nan: int8 row-wise",
+        ),
+        (
+            lambda: dequantize_rows(np.zeros((2, 7), np.uint8), "int8", 4),
+            "packed must be uint8 [rows, >= 8]",
+        ),
         (lambda: dequantize_rows(np.zeros((2, 8), np.int32), "int8", 4), "got int32 (2, 8)"),
-        (lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 2], [0, 2], "NONE"),
-         "pooling='NONE' is not 'SUM' or 'MEAN'"),
-        (lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 2], [0, 2]),
-         "id 2 at ids[1] (bag 0) is outside [0, 2)"),
-        (lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 1], [0, 3]),
-         "offsets must rise from >= 0 to at most len(ids)=2"),
-        (lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 1], [0, 2], "SUM", [1.0]),
-         "per_sample_weights has shape (1,), ids (2,)"),
+        (
+            lambda: quantized_pooled_lookup(
+                np.zeros((2, 8), np.uint8), "int8", 4, [0, 2], [0, 2], "NONE"
+            ),
+            "pooling='NONE' is not 'SUM' or 'MEAN'",
+        ),
+        (
+            lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 2], [0, 2]),
+            "id 2 at ids[1] (bag 0) is outside [0, 2)",
+        ),
+        (
+            lambda: quantized_pooled_lookup(np.zeros((2, 8), np.uint8), "int8", 4, [0, 1], [0, 3]),
+            "offsets must rise from >= 0 to at most len(ids)=2",
+        ),
+        (
+            lambda: quantized_pooled_lookup(
+                np.zeros((2, 8), np.uint8), "int8", 4, [0, 1], [0, 2], "SUM", [1.0]
+            ),
+            "per_sample_weights has shape (1,), ids (2,)",
+        ),
     ],
 )
 def test_errors_name_the_value_and_the_fix(call, message):
@@ -491,7 +619,9 @@ def test_errors_name_the_value_and_the_fix(call, message):
     assert message in str(err.value)
 
 
-@pytest.mark.parametrize("weight_type, dim", [("int8", 12), ("int4", 12), ("int4", 16), ("fp16", 6), ("int2", 16)])
+@pytest.mark.parametrize(
+    "weight_type, dim", [("int8", 12), ("int4", 12), ("int4", 16), ("fp16", 6), ("int2", 16)]
+)
 def test_a_static_length_bound_gives_the_same_sums_and_is_checked(weight_type, dim):
     """`max_length` (a padded KJT's length cap) unrolls a static loop: bit for bit the
     data-dependent loop's result, on rows read as words (int4 x 16, fp16 x 6, int2 x 16) and
@@ -501,19 +631,33 @@ def test_a_static_length_bound_gives_the_same_sums_and_is_checked(weight_type, d
     ids, offsets, weights = _bags(rng)
     free = quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, "MEAN", weights)
     for bound in (8, 9, 16):
-        got = quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, "MEAN", weights, max_length=bound)
+        got = quantized_pooled_lookup(
+            packed, weight_type, dim, ids, offsets, "MEAN", weights, max_length=bound
+        )
         np.testing.assert_array_equal(got, free)
-    jitted = jax.jit(quantized_pooled_lookup, static_argnames=("weight_type", "dim", "pooling", "max_length"))
-    np.testing.assert_array_equal(jitted(packed, weight_type, dim, ids, offsets, "MEAN", weights, max_length=8), free)
-    with pytest.raises(ValueError, match="^" + re.escape(
-            "max_length=7 but a bag holds 8 ids: pass a bound >= 8, or None to loop to the longest bag") + "$"):
+    jitted = jax.jit(
+        quantized_pooled_lookup, static_argnames=("weight_type", "dim", "pooling", "max_length")
+    )
+    np.testing.assert_array_equal(
+        jitted(packed, weight_type, dim, ids, offsets, "MEAN", weights, max_length=8), free
+    )
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
+            "max_length=7 but a bag holds 8 ids: pass a bound >= 8, or None to loop to the longest bag"
+        )
+        + "$",
+    ):
         quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, max_length=7)
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match=re.escape(f"max_length={bad!r} must be an int >= 0")):
             quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, max_length=bad)
     empty = np.zeros(4, np.int32)  # 3 empty bags: a bound of 0 runs no position
-    np.testing.assert_array_equal(quantized_pooled_lookup(packed, weight_type, dim, ids, empty, max_length=0),
-                                  np.zeros((3, dim)))
+    np.testing.assert_array_equal(
+        quantized_pooled_lookup(packed, weight_type, dim, ids, empty, max_length=0),
+        np.zeros((3, dim)),
+    )
 
 
 @pytest.mark.parametrize("weight_type", ["int8", "fp16"])
@@ -525,6 +669,14 @@ def test_the_lookup_never_copies_the_table(weight_type):
     packed = jnp.zeros((50_000, row_bytes(weight_type, 64)), jnp.uint8)
     ids, offsets = jnp.zeros(400, jnp.int32), jnp.arange(0, 401, 20, dtype=jnp.int32)
     for max_length in (None, 20):
-        compiled = _quant._pooled.lower(packed, ids, offsets, jnp.ones(400, jnp.float32), weight_type, 64,
-                                        jnp.bool_(False), max_length).compile()
+        compiled = _quant._pooled.lower(
+            packed,
+            ids,
+            offsets,
+            jnp.ones(400, jnp.float32),
+            weight_type,
+            64,
+            jnp.bool_(False),
+            max_length,
+        ).compile()
         assert compiled.memory_analysis().temp_size_in_bytes < packed.nbytes // 10

@@ -44,7 +44,13 @@ from tests.test_train import SMALL  # its small synthetic job
 
 SPEC = [  # t_a and t_d share the float collection's fp32_d8 buffer (t_d from row 13)
     EmbeddingBagConfig(name="t_a", num_embeddings=13, embedding_dim=8, feature_names=["a"]),
-    EmbeddingBagConfig(name="t_shared", num_embeddings=11, embedding_dim=4, feature_names=["b", "c"], pooling="MEAN"),
+    EmbeddingBagConfig(
+        name="t_shared",
+        num_embeddings=11,
+        embedding_dim=4,
+        feature_names=["b", "c"],
+        pooling="MEAN",
+    ),
     EmbeddingBagConfig(name="t_d", num_embeddings=9, embedding_dim=8, feature_names=["d"]),
 ]
 KEYS = ["d", "c", "a", "b"]  # the KJT's order, not the output order (a, b, c, d)
@@ -57,7 +63,9 @@ def _float_weights(spec, seed=0):
     rng = np.random.default_rng(seed)
     out = {}
     for t in spec:
-        w = rng.normal(size=(t.num_embeddings, t.embedding_dim)) * 10.0 ** rng.uniform(-2, 2, (t.num_embeddings, 1))
+        w = rng.normal(size=(t.num_embeddings, t.embedding_dim)) * 10.0 ** rng.uniform(
+            -2, 2, (t.num_embeddings, 1)
+        )
         w[1] = 0.75
         out[t.name] = w.astype(np.float32)
     return out
@@ -87,8 +95,13 @@ def _bags(spec, seed, *, weighted=False, empty=False, bad_id=None):
     if bad_id is not None:
         out["a"][4] = np.array([2, bad_id, 5])
     return {
-        f: [(np.asarray(ids, np.int64), rng.uniform(-2, 2, len(ids)).astype(np.float32) if weighted else None)
-            for ids in bags]
+        f: [
+            (
+                np.asarray(ids, np.int64),
+                rng.uniform(-2, 2, len(ids)).astype(np.float32) if weighted else None,
+            )
+            for ids in bags
+        ]
         for f, bags in out.items()
     }
 
@@ -112,7 +125,10 @@ def _row_sizes(packed, weight_type, dim):
     rows = reference.dequantize_rows_loop(packed, weight_type, dim).astype(np.float64)
     if weight_type == "fp16":
         return np.abs(rows)
-    bias = np.array([np.uint16(r[2] | (r[3] << 8)).view(np.float16) for r in packed.astype(np.uint16)], np.float64)
+    bias = np.array(
+        [np.uint16(r[2] | (r[3] << 8)).view(np.float16) for r in packed.astype(np.uint16)],
+        np.float64,
+    )
     return np.abs(bias)[:, None] + np.abs(rows - bias[:, None])
 
 
@@ -128,9 +144,16 @@ def _loop_oracle(qebc, spec, bags):
             ids = np.concatenate([i for i, _ in bags[f]])
             offsets = np.r_[0, np.cumsum([len(i) for i, _ in bags[f]])]
             weights = None if bags[f][0][1] is None else np.concatenate([w for _, w in bags[f]])
-            pooled = reference.quantized_pooled_loop(packed, wt, t.embedding_dim, ids, offsets, t.pooling.value, weights)
+            pooled = reference.quantized_pooled_loop(
+                packed, wt, t.embedding_dim, ids, offsets, t.pooling.value, weights
+            )
             w = np.ones(len(ids)) if weights is None else np.abs(weights)
-            size = np.array([(w[a:b, None] * rows[ids[a:b]]).sum(0) for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
+            size = np.array(
+                [
+                    (w[a:b, None] * rows[ids[a:b]]).sum(0)
+                    for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+                ]
+            )
             out[f] = (pooled, size.reshape(len(offsets) - 1, t.embedding_dim))
     return out
 
@@ -140,8 +163,10 @@ def _assert_close(got, want, size, what=""):
     with cancellation, differ by that much), elementwise."""
     err = np.abs(np.asarray(got, np.float64) - want)
     bad = np.argwhere(err > 1e-6 * size + 1e-30)
-    assert bad.size == 0, f"{what}: {len(bad)} values off, first at {bad[0]}: {np.asarray(got)[tuple(bad[0])]} vs " \
-                          f"{want[tuple(bad[0])]} (allowed {1e-6 * size[tuple(bad[0])]:.3g})"
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} values off, first at {bad[0]}: {np.asarray(got)[tuple(bad[0])]} vs "
+        f"{want[tuple(bad[0])]} (allowed {1e-6 * size[tuple(bad[0])]:.3g})"
+    )
 
 
 # ------------------------------------------------------------------ the collection vs loops
@@ -160,16 +185,24 @@ def test_collection_equals_loops_and_float_collection_on_dequantized_tables(case
     weight_type, per_table, weighted = CASES[case]
     weights = _float_weights(SPEC)
     ebc, params = _float_ebc(SPEC, weights, is_weighted=weighted)
-    qebc = QuantEmbeddingBagCollection.from_float(ebc, params, weight_type, per_table_weight_type=per_table)
+    qebc = QuantEmbeddingBagCollection.from_float(
+        ebc, params, weight_type, per_table_weight_type=per_table
+    )
 
     types = {t.name: (per_table or {}).get(t.name, weight_type) for t in SPEC}
     assert qebc.weight_types == types
     for t in SPEC:  # each table's own rows (t_d sits behind t_a in the float buffer)
         want = reference.quantize_rows_loop(weights[t.name], types[t.name])
         np.testing.assert_array_equal(np.asarray(qebc.packed_tables[t.name]), want)
-    assert qebc.table_bytes() == {t.name: t.num_embeddings * (
-        2 * t.embedding_dim if types[t.name] == "fp16" else 4 + t.embedding_dim * int(types[t.name][3:]) // 8
-    ) for t in SPEC}
+    assert qebc.table_bytes() == {
+        t.name: t.num_embeddings
+        * (
+            2 * t.embedding_dim
+            if types[t.name] == "fp16"
+            else 4 + t.embedding_dim * int(types[t.name][3:]) // 8
+        )
+        for t in SPEC
+    }
     assert qebc.nbytes == sum(qebc.table_bytes().values())
 
     dequantized = ebc.with_table_weights(params, qebc.dequantized_weights())
@@ -182,10 +215,14 @@ def test_collection_equals_loops_and_float_collection_on_dequantized_tables(case
         assert got.values().dtype == np.float32
         oracle = _loop_oracle(qebc, SPEC, bags)
         size = np.concatenate([oracle[k][1] for k in got.keys()], axis=1)
-        _assert_close(got.values(), np.asarray(want.values(), np.float64), size, "vs the float collection")
+        _assert_close(
+            got.values(), np.asarray(want.values(), np.float64), size, "vs the float collection"
+        )
         for name, block in got.to_dict().items():
             _assert_close(block, *oracle[name], f"feature {name} vs the loops")
-        assert not np.array_equal(np.asarray(got.values()), np.asarray(ebc.apply(params, _kjt(bags)).values()))
+        assert not np.array_equal(
+            np.asarray(got.values()), np.asarray(ebc.apply(params, _kjt(bags)).values())
+        )
     assert qebc.lookup_compile_count() == 1
 
 
@@ -217,10 +254,15 @@ def test_out_of_range_ids_follow_the_float_collections_bounds_check(bounds_check
     assert qebc.bounds_check == bounds_check
     bags = _bags(SPEC, 5, bad_id=40)
     got = qebc(_kjt(bags)).to_dict()["a"]
-    want = ebc.apply(ebc.with_table_weights(params, qebc.dequantized_weights()), _kjt(bags)).to_dict()["a"]
+    want = ebc.apply(
+        ebc.with_table_weights(params, qebc.dequantized_weights()), _kjt(bags)
+    ).to_dict()["a"]
     # the oracle on the ids as the bounds check leaves them (t_a pools by SUM, so a skipped
     # id may simply be dropped)
-    fixed = [(np.clip(ids, 0, 12) if bounds_check == "clamp" else ids[ids < 13], None) for ids, _ in bags["a"]]
+    fixed = [
+        (np.clip(ids, 0, 12) if bounds_check == "clamp" else ids[ids < 13], None)
+        for ids, _ in bags["a"]
+    ]
     pooled, size = _loop_oracle(qebc, SPEC, {**bags, "a": fixed})["a"]
     _assert_close(got, pooled, size, "feature a vs the loops")
     _assert_close(got, np.asarray(want, np.float64), size, "feature a vs the float collection")
@@ -230,18 +272,34 @@ def test_errors_name_the_table_feature_and_value():
     weights = _float_weights(SPEC)
     ebc, params = _float_ebc(SPEC, weights)
     qebc = QuantEmbeddingBagCollection.from_float(ebc, params, "int8")
-    with pytest.raises(ValueError, match=r"feature 'a' \(table 't_a', num_embeddings=13\): id 40 at batch position 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'a' \(table 't_a', num_embeddings=13\): id 40 at batch position 4",
+    ):
         qebc(_kjt(_bags(SPEC, 5, bad_id=40)))
     values, lengths, _ = _flat(_bags(SPEC, 6))
-    with pytest.raises(ValueError, match=r"feature\(s\) \['d'\] of tables \['t_d'\] are not in the KeyedJaggedTensor"):
-        qebc(KeyedJaggedTensor(["a", "b", "c"], values[:0].astype(np.int32), lengths=np.zeros(3 * BATCH, np.int32)))
+    with pytest.raises(
+        ValueError,
+        match=r"feature\(s\) \['d'\] of tables \['t_d'\] are not in the KeyedJaggedTensor",
+    ):
+        qebc(
+            KeyedJaggedTensor(
+                ["a", "b", "c"], values[:0].astype(np.int32), lengths=np.zeros(3 * BATCH, np.int32)
+            )
+        )
     wtd, wparams = _float_ebc(SPEC, weights, is_weighted=True)
-    with pytest.raises(ValueError, match=r"is weighted \(is_weighted=True\) but the KJT has no weights"):
+    with pytest.raises(
+        ValueError, match=r"is weighted \(is_weighted=True\) but the KJT has no weights"
+    ):
         QuantEmbeddingBagCollection.from_float(wtd, wparams, "fp16")(_kjt(_bags(SPEC, 6)))
     with pytest.raises(ValueError, match=r"table 't_a': weight_type='int3' is not one of"):
         QuantEmbeddingBagCollection.from_float(ebc, params, "int3")
-    with pytest.raises(ValueError, match=r"per_table_weight_type names tables \['t_nope'\] that do not exist"):
-        QuantEmbeddingBagCollection.from_float(ebc, params, per_table_weight_type={"t_nope": "int4"})
+    with pytest.raises(
+        ValueError, match=r"per_table_weight_type names tables \['t_nope'\] that do not exist"
+    ):
+        QuantEmbeddingBagCollection.from_float(
+            ebc, params, per_table_weight_type={"t_nope": "int4"}
+        )
     odd = [EmbeddingBagConfig(name="t_odd", num_embeddings=3, embedding_dim=5, feature_names=["a"])]
     oebc, oparams = _float_ebc(odd, {"t_odd": np.ones((3, 5), np.float32)})
     with pytest.raises(ValueError, match=r"table 't_odd' \(dim 5\): .*dim must be a multiple of 2"):
@@ -251,11 +309,16 @@ def test_errors_name_the_table_feature_and_value():
     nebc, nparams = _float_ebc(SPEC, nan)
     with pytest.raises(ValueError, match=r"table 't_d' \(dim 8\): table\[2, 3\] is nan"):
         QuantEmbeddingBagCollection.from_float(nebc, nparams, "int8")
-    ec = EmbeddingCollection([EmbeddingConfig(name="t_seq", num_embeddings=4, embedding_dim=4, feature_names=["s"])])
+    ec = EmbeddingCollection(
+        [EmbeddingConfig(name="t_seq", num_embeddings=4, embedding_dim=4, feature_names=["s"])]
+    )
     with pytest.raises(ValueError, match=r"quantizes pooled tables; 't_seq' is a EmbeddingConfig"):
         QuantEmbeddingBagCollection.from_float(ec, ec.init(jax.random.key(0)))
     packed = dict(qebc.packed_tables, t_a=quantize_rows(weights["t_a"], "int8", row_alignment=16))
-    with pytest.raises(ValueError, match=r"table 't_a': packed rows must be uint8 \[13, 12\] .* got uint8 \(13, 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"table 't_a': packed rows must be uint8 \[13, 12\] .* got uint8 \(13, 16\)",
+    ):
         QuantEmbeddingBagCollection(SPEC, packed, qebc.weight_types)
 
 
@@ -279,14 +342,19 @@ def torchrec_quant():
         ebc = TorchRecEBC(
             tables=[
                 tr_configs.EmbeddingBagConfig(
-                    name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                    feature_names=list(t.feature_names), pooling=tr_configs.PoolingType[t.pooling.name],
+                    name=t.name,
+                    num_embeddings=t.num_embeddings,
+                    embedding_dim=t.embedding_dim,
+                    feature_names=list(t.feature_names),
+                    pooling=tr_configs.PoolingType[t.pooling.name],
                 )
                 for t in SPEC
             ],
             is_weighted=weighted,
         )
-        ebc.load_state_dict({f"embedding_bags.{n}.weight": torch.from_numpy(w) for n, w in weights.items()})
+        ebc.load_state_dict(
+            {f"embedding_bags.{n}.weight": torch.from_numpy(w) for n, w in weights.items()}
+        )
         ebc.qconfig = quantization.QConfig(
             activation=quantization.PlaceholderObserver.with_args(dtype=torch.float),
             weight=quantization.PlaceholderObserver.with_args(dtype=TORCH_DTYPES[weight_type]),
@@ -300,12 +368,18 @@ def _torchrec_kjt(bags):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchRecKJT
 
     values, lengths, weights = _flat(bags)
-    return TorchRecKJT(keys=KEYS, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths),
-                       weights=None if weights is None else torch.from_numpy(weights))
+    return TorchRecKJT(
+        keys=KEYS,
+        values=torch.from_numpy(values),
+        lengths=torch.from_numpy(lengths),
+        weights=None if weights is None else torch.from_numpy(weights),
+    )
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize(("weight_type", "weighted"), [("int8", False), ("int4", False), ("int4", True)])
+@pytest.mark.parametrize(
+    ("weight_type", "weighted"), [("int8", False), ("int4", False), ("int4", True)]
+)
 def test_equals_torchrec_quantized_ebc_output_and_bytes(torchrec_quant, weight_type, weighted):
     weights = _float_weights(SPEC, seed=7)
     theirs = torchrec_quant(weights, weight_type, weighted)
@@ -315,14 +389,20 @@ def test_equals_torchrec_quantized_ebc_output_and_bytes(torchrec_quant, weight_t
     # the bytes: TorchRec pads rows to 16 bytes (its default row_alignment)
     for t in SPEC:
         stored = theirs.state_dict()[f"embedding_bags.{t.name}.weight"].view(torch.uint8).numpy()
-        np.testing.assert_array_equal(np.asarray(ours.packed_tables[t.name]), stored, err_msg=t.name)
-    compact = QuantEmbeddingBagCollection.from_float(ebc, params, weight_type)  # FBGEMM's CPU rows: no padding
+        np.testing.assert_array_equal(
+            np.asarray(ours.packed_tables[t.name]), stored, err_msg=t.name
+        )
+    compact = QuantEmbeddingBagCollection.from_float(
+        ebc, params, weight_type
+    )  # FBGEMM's CPU rows: no padding
     for t in SPEC:
         width = row_bytes(weight_type, t.embedding_dim)
         assert ours.table_bytes()[t.name] == 16 * t.num_embeddings
         assert compact.table_bytes()[t.name] == width * t.num_embeddings
-        np.testing.assert_array_equal(np.asarray(compact.packed_tables[t.name]),
-                                      np.asarray(ours.packed_tables[t.name])[:, :width])
+        np.testing.assert_array_equal(
+            np.asarray(compact.packed_tables[t.name]),
+            np.asarray(ours.packed_tables[t.name])[:, :width],
+        )
 
     bags = _bags(SPEC, 8, weighted=weighted)
     want = theirs(_torchrec_kjt(bags)).to_dict()
@@ -333,15 +413,21 @@ def test_equals_torchrec_quantized_ebc_output_and_bytes(torchrec_quant, weight_t
         theirs_block = want[key].detach().numpy()
         assert block.dtype == theirs_block.dtype == np.float32
         if weighted:  # one product per id may round differently (XLA does not always fuse the fma)
-            np.testing.assert_allclose(np.asarray(block), theirs_block, rtol=1e-6,
-                                       atol=1e-6 * np.abs(theirs_block).max(), err_msg=f"feature {key}")
+            np.testing.assert_allclose(
+                np.asarray(block),
+                theirs_block,
+                rtol=1e-6,
+                atol=1e-6 * np.abs(theirs_block).max(),
+                err_msg=f"feature {key}",
+            )
         else:  # FBGEMM's order of additions, bit for bit
             np.testing.assert_array_equal(np.asarray(block), theirs_block, err_msg=f"feature {key}")
-    np.testing.assert_allclose(np.asarray(got["a"]), np.asarray(compact(_kjt(bags)).to_dict()["a"]), rtol=0, atol=0)
+    np.testing.assert_allclose(
+        np.asarray(got["a"]), np.asarray(compact(_kjt(bags)).to_dict()["a"]), rtol=0, atol=0
+    )
 
 
 # ------------------------------------------------------------------------- hybrid.quantize
-
 
 
 def _bce(logits, labels):
@@ -374,20 +460,35 @@ def test_quantized_model_predicts_as_the_model_on_dequantized_tables(trained):
     sparse_module = qmodel.sparse_module
     assert sparse_module.weight_types == {t.name: "int4" for t in model.sparse_module.tables}
     for name, w in model.table_weights().items():  # read before the tables are replaced below
-        np.testing.assert_array_equal(np.asarray(sparse_module.packed_tables[name]),
-                                      reference.quantize_rows_loop(w.numpy(), "int4"))
-    assert sparse_module.nbytes == sum(t.num_embeddings * (4 + t.embedding_dim // 2) for t in model.sparse_module.tables)
+        np.testing.assert_array_equal(
+            np.asarray(sparse_module.packed_tables[name]),
+            reference.quantize_rows_loop(w.numpy(), "int4"),
+        )
+    assert sparse_module.nbytes == sum(
+        t.num_embeddings * (4 + t.embedding_dim // 2) for t in model.sparse_module.tables
+    )
 
-    dequantized = {f"embedding_bags.{n}.weight": torch.from_numpy(np.array(w))
-                   for n, w in sparse_module.dequantized_weights().items()}
+    dequantized = {
+        f"embedding_bags.{n}.weight": torch.from_numpy(np.array(w))
+        for n, w in sparse_module.dequantized_weights().items()
+    }
     model.load_state_dict(dequantized, strict=False)
     with torch.no_grad():
         want = model(dense, sparse)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
-    assert not torch.equal(got, float_logits)  # int4 moved the predictions: the check above can fail
-    assert torch.equal(qmodel(dense, sparse), got)  # the quantized model does not share the model's tables
-    metrics = train.evaluate(qmodel, eval_data, 512)  # the training script's evaluation takes it as it is
-    assert metrics["count"] == 1024 and abs(metrics["auc"] - train.evaluate(model, eval_data, 512)["auc"]) < 1e-6
+    assert not torch.equal(
+        got, float_logits
+    )  # int4 moved the predictions: the check above can fail
+    assert torch.equal(
+        qmodel(dense, sparse), got
+    )  # the quantized model does not share the model's tables
+    metrics = train.evaluate(
+        qmodel, eval_data, 512
+    )  # the training script's evaluation takes it as it is
+    assert (
+        metrics["count"] == 1024
+        and abs(metrics["auc"] - train.evaluate(model, eval_data, 512)["auc"]) < 1e-6
+    )
     model.train()
 
 
@@ -396,7 +497,9 @@ def test_dense_tower_is_a_frozen_copy_with_the_same_outputs(trained):
     assert model.training
     qmodel = hybrid.quantize(model, "int8")
     assert type(qmodel.dense) is type(model.dense) and qmodel.dense is not model.dense
-    assert not qmodel.training and not qmodel.dense.training and model.dense.training  # the model is untouched
+    assert (
+        not qmodel.training and not qmodel.dense.training and model.dense.training
+    )  # the model is untouched
     theirs = model.dense.state_dict()
     assert list(qmodel.state_dict()) == [f"dense.{k}" for k in theirs]
     for key, value in qmodel.dense.state_dict().items():
@@ -405,8 +508,11 @@ def test_dense_tower_is_a_frozen_copy_with_the_same_outputs(trained):
     assert all(p.requires_grad for p in model.dense_parameters())
 
     module = model.sparse_module
-    embeddings = dense_torch.KeyedTensor(module.feature_names, module.output_dims,
-                                         torch.randn(8, sum(module.output_dims), generator=torch.Generator().manual_seed(0)))
+    embeddings = dense_torch.KeyedTensor(
+        module.feature_names,
+        module.output_dims,
+        torch.randn(8, sum(module.output_dims), generator=torch.Generator().manual_seed(0)),
+    )
     dense = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
     model.dense.eval()
     try:
@@ -424,7 +530,9 @@ def test_quantized_model_refuses_training(trained):
     assert not qmodel.dense.training  # the tower stays in eval mode
     with pytest.raises(RuntimeError, match=refusal):
         qmodel(dense, sparse)
-    pipeline = hybrid.TrainPipeline(qmodel, torch.optim.SGD(qmodel.dense_parameters(), lr=0.1), _bce)
+    pipeline = hybrid.TrainPipeline(
+        qmodel, torch.optim.SGD(qmodel.dense_parameters(), lr=0.1), _bce
+    )
     try:
         with pytest.raises(RuntimeError, match=refusal):
             pipeline.progress(iter([(dense, sparse, labels)]))
@@ -433,33 +541,54 @@ def test_quantized_model_refuses_training(trained):
     with torch.no_grad():  # in training mode without grad nothing could train: it predicts
         logits = qmodel(dense, sparse)
     assert torch.equal(qmodel.eval()(dense, sparse), logits)
-    with pytest.raises(TypeError, match="hybrid.quantize takes a trained hybrid.Model, got QuantizedModel"):
+    with pytest.raises(
+        TypeError, match="hybrid.quantize takes a trained hybrid.Model, got QuantizedModel"
+    ):
         hybrid.quantize(qmodel)
 
 
 def test_sharded_model_tables_come_to_one_device():
     tables = [
         EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=8, feature_names=["a"]),
-        EmbeddingBagConfig(name="t1", num_embeddings=24, embedding_dim=8, feature_names=["b"], pooling="MEAN"),
+        EmbeddingBagConfig(
+            name="t1", num_embeddings=24, embedding_dim=8, feature_names=["b"], pooling="MEAN"
+        ),
     ]
-    dense = dense_torch.DLRM(embedding_dim=8, num_sparse_features=2, dense_in_features=3,
-                             dense_arch_layer_sizes=[8], over_arch_layer_sizes=[4, 1], feature_names=["a", "b"])
-    model = hybrid.Model(tables, dense, mesh=hybrid.make_mesh("data=2,model=4"),
-                         plan={"t0": "row_wise", "t1": "column_wise"})
+    dense = dense_torch.DLRM(
+        embedding_dim=8,
+        num_sparse_features=2,
+        dense_in_features=3,
+        dense_arch_layer_sizes=[8],
+        over_arch_layer_sizes=[4, 1],
+        feature_names=["a", "b"],
+    )
+    model = hybrid.Model(
+        tables,
+        dense,
+        mesh=hybrid.make_mesh("data=2,model=4"),
+        plan={"t0": "row_wise", "t1": "column_wise"},
+    )
     assert model.sparse_module.plan is not None
     device = jax.devices()[5]
     qmodel = hybrid.quantize(model, "int8", device=device)
     for name, w in model.table_weights().items():
         packed = qmodel.sparse_module.packed_tables[name]
         assert packed.devices() == {device}
-        np.testing.assert_array_equal(np.asarray(packed), reference.quantize_rows_loop(w.numpy(), "int8"))
-    sparse = {"a": (torch.tensor([1, 39, 7, 20]), torch.tensor([2, 0, 1, 1])),
-              "b": (torch.tensor([3, 23, 5]), torch.tensor([1, 2, 0, 0]))}
+        np.testing.assert_array_equal(
+            np.asarray(packed), reference.quantize_rows_loop(w.numpy(), "int8")
+        )
+    sparse = {
+        "a": (torch.tensor([1, 39, 7, 20]), torch.tensor([2, 0, 1, 1])),
+        "b": (torch.tensor([3, 23, 5]), torch.tensor([1, 2, 0, 0])),
+    }
     with torch.no_grad():
         logits = qmodel(torch.zeros(4, 3), sparse)
     assert logits.shape == (4, 1) and torch.isfinite(logits).all()
     with pytest.raises(ValueError, match=r"feature 'a' \(table 't0', num_embeddings=40\): id 40"):
-        qmodel(torch.zeros(4, 3), {**sparse, "a": (torch.tensor([1, 40, 7, 20]), torch.tensor([2, 0, 1, 1]))})
+        qmodel(
+            torch.zeros(4, 3),
+            {**sparse, "a": (torch.tensor([1, 40, 7, 20]), torch.tensor([2, 0, 1, 1]))},
+        )
 
 
 @pytest.mark.slow
@@ -467,15 +596,24 @@ def test_movielens_quantized_tables_keep_the_fp32_auc(tmp_path):
     """Issue #14's bar for quantized inference: on MovieLens-100K, eval AUC of int8 tables
     within 0.001 of the fp32 model's, int4 within 0.005. The trained model comes back from
     the run's final checkpoint (`train.run` returns metrics, not the model)."""
-    config = load_config("configs/movielens.toml", [f"log.metrics_path='{tmp_path / 'm.jsonl'}'",
-                                                    f"checkpoint.dir='{tmp_path / 'ckpt'}'"])
+    config = load_config(
+        "configs/movielens.toml",
+        [f"log.metrics_path='{tmp_path / 'm.jsonl'}'", f"checkpoint.dir='{tmp_path / 'ckpt'}'"],
+    )
     result = train.run(config)
     model, dense_opt, _, evaluation, _ = train.build(config)
-    hybrid.load_checkpoint(hybrid.latest_checkpoint(tmp_path / "ckpt"), model=model, dense_optimizer=dense_opt)
+    hybrid.load_checkpoint(
+        hybrid.latest_checkpoint(tmp_path / "ckpt"), model=model, dense_optimizer=dense_opt
+    )
     batch = config.train.eval_batch_size
     auc = {"fp32": train.evaluate(model, evaluation, batch)["auc"]}
     assert auc["fp32"] == result["eval"]["auc"]  # the restored model is the trained one
     for weight_type in ("int8", "int4"):
-        auc[weight_type] = train.evaluate(hybrid.quantize(model, weight_type), evaluation, batch)["auc"]
-    print("MovieLens-100K eval AUC by table weights: " + ", ".join(f"{k} {v:.5f}" for k, v in auc.items()))
+        auc[weight_type] = train.evaluate(hybrid.quantize(model, weight_type), evaluation, batch)[
+            "auc"
+        ]
+    print(
+        "MovieLens-100K eval AUC by table weights: "
+        + ", ".join(f"{k} {v:.5f}" for k, v in auc.items())
+    )
     assert auc["fp32"] - auc["int8"] <= 0.001 and auc["fp32"] - auc["int4"] <= 0.005, auc

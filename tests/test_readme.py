@@ -19,18 +19,28 @@ def blocks(kind: str) -> list[tuple[int, str]]:
     """(line number, code) of every fenced block of `kind` in the README."""
     with open(README) as f:
         text = f.read()
-    return [(text[: m.start()].count("\n") + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1) == kind]
+    return [
+        (text[: m.start()].count("\n") + 1, m.group(2))
+        for m in FENCE.finditer(text)
+        if m.group(1) == kind
+    ]
 
 
 def test_every_python_block_runs_in_order():
     code = "\n".join(
-        f"print('README block at line {line}', flush=True)\n{body}" for line, body in blocks("python")
+        f"print('README block at line {line}', flush=True)\n{body}"
+        for line, body in blocks("python")
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the README's own lines must set it
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        k: v for k, v in os.environ.items() if k != "XLA_FLAGS"
+    }  # the README's own lines must set it
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     started = [ln for ln in done.stdout.splitlines() if ln.startswith("README block at line")]
-    assert done.returncode == 0, f"{started[-1] if started else 'before the first block'} failed:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (
+        f"{started[-1] if started else 'before the first block'} failed:\n{done.stderr[-3000:]}"
+    )
     assert len(started) == len(blocks("python")) >= 6
 
 
@@ -62,8 +72,13 @@ def test_every_command_names_a_module_and_flags_that_exist(command):
         if parsed.config:
             assert os.path.exists(os.path.join(ROOT, parsed.config)), parsed.config
         return
-    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -81,7 +96,9 @@ def test_every_make_command_names_a_target_and_variables_the_makefile_has():
             seen += 1
             for word in words[1:]:
                 if "=" in word:
-                    assert word.split("=", 1)[0] in variables, f"README: `{line}` sets a variable the Makefile lacks"
+                    assert word.split("=", 1)[0] in variables, (
+                        f"README: `{line}` sets a variable the Makefile lacks"
+                    )
                 else:
                     assert word in targets, f"README: `{line}` names a target the Makefile lacks"
     assert seen >= 3
@@ -92,9 +109,20 @@ def test_the_first_screen_says_what_it_is_how_to_run_it_how_long_and_how_to_run_
     outputs, a quick test subset; the install and GPU details come later."""
     with open(README) as f:
         first = "\n".join(f.read().splitlines()[:45])
-    for must in ("TorchRec-style", "JAX", "PyTorch", "zero-copy", "make train", "make test", "4 minutes",
-                 "15 minutes", "metrics: data_cache/runs/movielens/metrics.jsonl", "--overwrite",
-                 "python -m pytest -q tests/test_jagged.py", " -k "):
+    for must in (
+        "TorchRec-style",
+        "JAX",
+        "PyTorch",
+        "zero-copy",
+        "make train",
+        "make test",
+        "4 minutes",
+        "15 minutes",
+        "metrics: data_cache/runs/movielens/metrics.jsonl",
+        "--overwrite",
+        "python -m pytest -q tests/test_jagged.py",
+        " -k ",
+    ):
         assert must in first, must
     for later in ("jaxlib", "PTX", "nvptx", "CUDA"):
         assert later not in first, later

@@ -44,7 +44,16 @@ def test_stochastic_rounding_equals_the_loop_and_lands_on_a_neighbour(name):
     rng = np.random.default_rng(3)
     x = _values(rng, 12, 7)
     rows = rng.permutation(1000)[:12].astype(np.int32)
-    got = np.asarray(round_rows(jnp.asarray(x), dtype, stochastic=True, seed=11, step=jnp.int32(5), rows=jnp.asarray(rows)))
+    got = np.asarray(
+        round_rows(
+            jnp.asarray(x),
+            dtype,
+            stochastic=True,
+            seed=11,
+            step=jnp.int32(5),
+            rows=jnp.asarray(rows),
+        )
+    )
     want = reference.stochastic_round_loop(x, dtype, 11, 5, rows)
     assert got.dtype == dtype
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
@@ -63,10 +72,16 @@ def test_round_to_nearest_is_astype_and_fp32_tables_are_untouched(name):
     x = _values(np.random.default_rng(4), 6, 5)
     rows = jnp.arange(6, dtype=jnp.int32)
     for stochastic in (False, True):
-        got = round_rows(jnp.asarray(x), jnp.float32, stochastic=stochastic, seed=0, step=jnp.int32(1), rows=rows)
+        got = round_rows(
+            jnp.asarray(x), jnp.float32, stochastic=stochastic, seed=0, step=jnp.int32(1), rows=rows
+        )
         np.testing.assert_array_equal(np.asarray(got), x)
-    got = round_rows(jnp.asarray(x), NARROW[name], stochastic=False, seed=0, step=jnp.int32(1), rows=rows)
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), x.astype(NARROW[name]).view(np.uint16))
+    got = round_rows(
+        jnp.asarray(x), NARROW[name], stochastic=False, seed=0, step=jnp.int32(1), rows=rows
+    )
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint16), x.astype(NARROW[name]).view(np.uint16)
+    )
 
 
 @pytest.mark.parametrize("name", sorted(NARROW))
@@ -84,7 +99,14 @@ def test_stochastic_rounding_is_unbiased(name, fraction):
     rows = jnp.arange(n_rows, dtype=jnp.int32)
     ups = []
     for step in range(n_steps):
-        got = round_rows(jnp.full((n_rows, dim), x), dtype, stochastic=True, seed=9, step=jnp.int32(step), rows=rows)
+        got = round_rows(
+            jnp.full((n_rows, dim), x),
+            dtype,
+            stochastic=True,
+            seed=9,
+            step=jnp.int32(step),
+            rows=rows,
+        )
         ups.append(np.asarray(got, np.float64) == float(hi))
     share = np.mean(ups)
     se = np.sqrt(fraction * (1 - fraction) / (n_rows * n_steps * dim))
@@ -97,9 +119,14 @@ def test_the_draw_is_a_function_of_seed_step_row_and_column():
     rows = jnp.array([3, 17, 400, 9], jnp.int32)
     a = np.asarray(uniform_bits(1, jnp.int32(2), rows, 6))
     np.testing.assert_array_equal(a, np.asarray(uniform_bits(1, jnp.int32(2), rows, 6)))
-    np.testing.assert_array_equal(a[::-1], np.asarray(uniform_bits(1, jnp.int32(2), rows[::-1], 6)))  # per row, not position
-    for other in (uniform_bits(2, jnp.int32(2), rows, 6), uniform_bits(1, jnp.int32(3), rows, 6),
-                  uniform_bits(1, jnp.int32(2), rows + 1, 6)):
+    np.testing.assert_array_equal(
+        a[::-1], np.asarray(uniform_bits(1, jnp.int32(2), rows[::-1], 6))
+    )  # per row, not position
+    for other in (
+        uniform_bits(2, jnp.int32(2), rows, 6),
+        uniform_bits(1, jnp.int32(3), rows, 6),
+        uniform_bits(1, jnp.int32(2), rows + 1, 6),
+    ):
         assert (np.asarray(other) != a).mean() > 0.9
     assert len(np.unique(a)) == a.size  # columns and rows draw distinct bits
     bits = np.asarray(uniform_bits(0, jnp.int32(1), jnp.arange(4096, dtype=jnp.int32), 16)) >> 8
@@ -107,7 +134,9 @@ def test_the_draw_is_a_function_of_seed_step_row_and_column():
 
 
 def _one_table(data_type):
-    return EmbeddingBagCollection([EmbeddingBagConfig(8, 4, "t", feature_names=["f"], data_type=data_type)], kernel="xla")
+    return EmbeddingBagCollection(
+        [EmbeddingBagConfig(8, 4, "t", feature_names=["f"], data_type=data_type)], kernel="xla"
+    )
 
 
 def _run(rule, data_type, steps):
@@ -116,7 +145,9 @@ def _run(rule, data_type, steps):
     ebc = _one_table(data_type)
     params = {g: jnp.ones_like(v) for g, v in ebc.init(jax.random.key(0)).items()}
     state, update = rule.init(params), make_update(ebc, rule)
-    kjt = KeyedJaggedTensor(["f"], np.array([1, 5], np.int32), lengths=np.array([1, 1])).pad(capacity=4)
+    kjt = KeyedJaggedTensor(["f"], np.array([1, 5], np.int32), lengths=np.array([1, 1])).pad(
+        capacity=4
+    )
     for _ in range(steps):
         params, state = update(params, state, kjt, jnp.full((2, 4), 1e-3, jnp.float32))
     return np.asarray(ebc.table_weights(params)["t"], np.float64)
@@ -134,7 +165,9 @@ def test_fp16_sgd_keeps_updates_below_half_an_ulp_only_with_stochastic_rounding(
     # sqrt(200 * 0.2 * 0.8) * 2^-11 = 2.8e-3, and the 8 touched elements' mean has sd 1e-3
     np.testing.assert_allclose(sr[[1, 5]], fp32[[1, 5]], atol=0.014)  # 5 sd
     assert abs(sr[[1, 5]].mean() - fp32[[1, 5]].mean()) < 0.005  # 5 sd
-    np.testing.assert_array_equal(sr, _run(optim.sgd(lr=0.1, seed=4), DataType.FP16, steps))  # same seed, same bits
+    np.testing.assert_array_equal(
+        sr, _run(optim.sgd(lr=0.1, seed=4), DataType.FP16, steps)
+    )  # same seed, same bits
     assert not np.array_equal(sr, _run(optim.sgd(lr=0.1, seed=5), DataType.FP16, steps))
 
 
@@ -143,16 +176,29 @@ def test_rounding_settings_are_checked_and_carried():
     assert (rule.stochastic_rounding, rule.seed) == (False, 3)
     assert optim.adam().stochastic_rounding is True and optim.adam().seed == 0
     tx = __import__("optax").sgd(0.1)
-    for factory in (optim.sgd, optim.adagrad, optim.rowwise_adagrad, optim.adam, lambda **kw: optim.from_optax(tx, **kw)):
-        assert factory(seed=7).seed == 7 and factory(stochastic_rounding=False).stochastic_rounding is False
+    for factory in (
+        optim.sgd,
+        optim.adagrad,
+        optim.rowwise_adagrad,
+        optim.adam,
+        lambda **kw: optim.from_optax(tx, **kw),
+    ):
+        assert (
+            factory(seed=7).seed == 7
+            and factory(stochastic_rounding=False).stochastic_rounding is False
+        )
         assert (factory().stochastic_rounding, factory().seed) == (True, 0)  # FBGEMM's default
         assert factory(seed=2**32 - 1).seed == 2**32 - 1
     assert optim.from_optax(tx, seed=2).seed == 2
     assert optim.sgd().init({"t": jnp.zeros((4, 2), jnp.float32)}).count.dtype == jnp.int32
-    with pytest.raises(ValueError, match=re.escape("sgd: stochastic_rounding='yes' must be True or False")):
+    with pytest.raises(
+        ValueError, match=re.escape("sgd: stochastic_rounding='yes' must be True or False")
+    ):
         optim.sgd(stochastic_rounding="yes")
     for seed in (-1, 2**32, 1.5, True):
-        with pytest.raises(ValueError, match=re.escape(f"adagrad: seed={seed!r} must be an int in [0, 2**32)")):
+        with pytest.raises(
+            ValueError, match=re.escape(f"adagrad: seed={seed!r} must be an int in [0, 2**32)")
+        ):
             optim.adagrad(seed=seed)
 
 

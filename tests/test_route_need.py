@@ -41,14 +41,28 @@ def _plain_need(buffers, layout, parts, clamp):
     return best
 
 
-@pytest.mark.parametrize("plan", [{"a": "row_wise", "b": "table_wise"}, {"a": "table_row_wise", "b": "column_wise"},
-                                  {"a": "grid_shard", "b": "row_wise"}])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"a": "row_wise", "b": "table_wise"},
+        {"a": "table_row_wise", "b": "column_wise"},
+        {"a": "grid_shard", "b": "row_wise"},
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_route_need_equals_a_plain_count(plan, seed):
-    tables = [EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["fa"]),
-              EmbeddingBagConfig(name="b", num_embeddings=24, embedding_dim=8, feature_names=["fb", "fc"])]
-    sharded = shard(EmbeddingBagCollection(tables), jax.make_mesh((2, 4), ("data", "model")), plan,
-                    input_dist="all_to_all")
+    tables = [
+        EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["fa"]),
+        EmbeddingBagConfig(
+            name="b", num_embeddings=24, embedding_dim=8, feature_names=["fb", "fc"]
+        ),
+    ]
+    sharded = shard(
+        EmbeddingBagCollection(tables),
+        jax.make_mesh((2, 4), ("data", "model")),
+        plan,
+        input_dist="all_to_all",
+    )
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 6, size=3 * 16)
     # ids at every shard boundary (row offsets and their neighbours) and in between
@@ -62,7 +76,9 @@ def test_route_need_equals_a_plain_count(plan, seed):
 
 
 def test_length_caps_only_grow():
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])])
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])]
+    )
     long = KeyedJaggedTensor(["f"], np.zeros(9, np.int32), lengths=np.array([9, 0]))
     short = KeyedJaggedTensor(["f"], np.zeros(2, np.int32), lengths=np.array([1, 1]))
     assert ebc.prepare(short).kjt.length_caps() == (1,)

@@ -226,7 +226,9 @@ def test_concurrent_requests_share_predictor_calls(server, artifacts):
         buckets = _histogram(server.metrics(), "hybridrec_serving_batch_requests")
         if buckets["+Inf"] > buckets["1.0"]:
             break
-    assert buckets["+Inf"] > buckets["1.0"], f"no predictor call took more than one request: {buckets}"
+    assert buckets["+Inf"] > buckets["1.0"], (
+        f"no predictor call took more than one request: {buckets}"
+    )
     sizes = _histogram(server.metrics(), "hybridrec_serving_batch_size")
     assert sizes["+Inf"] > sizes["1.0"] and sizes["8.0"] == sizes["+Inf"]  # never over 8
 
@@ -273,7 +275,13 @@ def test_every_bad_request_gets_its_4xx_and_the_server_stays_up(server, artifact
     status, answer = server.predict(good)
     assert status == 200, answer
     metrics = server.metrics()
-    for kind in ("unknown_feature", "id_out_of_range", "dense_shape", "malformed_json", "oversize_batch"):
+    for kind in (
+        "unknown_feature",
+        "id_out_of_range",
+        "dense_shape",
+        "malformed_json",
+        "oversize_batch",
+    ):
         assert f'hybridrec_serving_errors_total{{kind="{kind}"}}' in metrics, kind
 
 
@@ -291,11 +299,16 @@ def test_a_corrupted_artifact_is_refused_and_the_old_model_answers(server, artif
         "POST", server.url("/admin/reload"), {"artifact": str(_corrupt(artifacts, tmp_path))}
     )
     assert status == 422, answer
-    assert answer["error"] == "artifact_refused" and "tables/00_t0.npy hash mismatch" in answer["detail"]
+    assert (
+        answer["error"] == "artifact_refused"
+        and "tables/00_t0.npy hash mismatch" in answer["detail"]
+    )
     assert answer["model"] == {"artifact": str(artifacts["fp32"]), "generation": 1}
     status, answer = server.predict(_sample(artifacts, 2))
     assert status == 200 and answer["model"]["generation"] == 1, answer
-    np.testing.assert_allclose(answer["logits"], _expected(artifacts, "fp32")[2:3], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        answer["logits"], _expected(artifacts, "fp32")[2:3], rtol=1e-5, atol=1e-6
+    )
     assert _http("GET", server.url("/readyz"))[0] == 200
     assert 'hybridrec_serving_reloads_total{outcome="refused"} 1.0' in server.metrics()
 
@@ -330,7 +343,9 @@ def test_a_reload_under_load_fails_nothing_and_later_requests_use_the_new_model(
     try:
         while len(log) < 6 and time.monotonic() < deadline and not errors:
             time.sleep(0.05)
-        status, answer = _http("POST", server.url("/admin/reload"), {"artifact": str(artifacts["int8"])})
+        status, answer = _http(
+            "POST", server.url("/admin/reload"), {"artifact": str(artifacts["int8"])}
+        )
         reloaded_at[0] = time.monotonic()
         assert status == 200, answer
         assert answer["model"] == {"artifact": str(artifacts["int8"]), "generation": 2}
@@ -372,7 +387,12 @@ def test_the_batcher_never_mixes_models_and_keeps_the_sample_and_id_limits():
         return [(model, p) for p in payloads]
 
     old, new = _FakeModel(), _FakeModel()
-    queued = [(old, i, 2) for i in range(4)] + [(new, 10, 2), (new, 11, 2), (old, 20, 6), (old, 21, 6)]
+    queued = [(old, i, 2) for i in range(4)] + [
+        (new, 10, 2),
+        (new, 11, 2),
+        (old, 20, 6),
+        (old, 21, 6),
+    ]
 
     async def serve():
         batcher = Batcher(run, max_batch_size=3, max_wait_s=60.0)
@@ -438,5 +458,9 @@ def test_sigterm_scores_the_queued_requests_and_exits_0(artifacts, tmp_path):
         np.testing.assert_allclose(answer["logits"], want[i : i + 1], rtol=1e-5, atol=1e-6)
     loaded = set(json.loads(modules.read_text()))
     assert {"fastapi", "uvicorn", "prometheus_client", "hybrid.serving._server"} <= loaded
-    ours = {m for m in loaded if m.split(".")[0] in ("hybrid", "sparse_jax", "dense_torch", "optax")}
-    assert ours <= {"hybrid", "hybrid._files"} | {m for m in ours if m.startswith("hybrid.serving")}, ours
+    ours = {
+        m for m in loaded if m.split(".")[0] in ("hybrid", "sparse_jax", "dense_torch", "optax")
+    }
+    assert ours <= {"hybrid", "hybrid._files"} | {
+        m for m in ours if m.startswith("hybrid.serving")
+    }, ours

@@ -25,10 +25,29 @@ def run_workers(tmp_path, workload: str = "plain"):
     """Two worker processes of tests/mp_sharded_worker.py running `workload`: process 0's
     results (an npz)."""
     port, out = _free_port(), tmp_path / "mp.npz"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+    )
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.mp_sharded_worker", str(i), "2", str(port), str(out), workload],
-                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.mp_sharded_worker",
+                str(i),
+                "2",
+                str(port),
+                str(out),
+                workload,
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for i in range(2)
     ]
     logs = []

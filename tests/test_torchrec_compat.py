@@ -27,7 +27,10 @@ CLASSES = {  # TorchRec class -> ours (the doc's section that covers it)
     tr.JaggedTensor: ([sj.JaggedTensor], "JaggedTensor"),
     tr.KeyedJaggedTensor: ([sj.KeyedJaggedTensor], "KeyedJaggedTensor"),
     tr.KeyedTensor: ([sj.KeyedTensor, dense_torch.KeyedTensor], "KeyedTensor"),
-    tr_configs.EmbeddingBagConfig: ([sj.EmbeddingBagConfig], "EmbeddingBagConfig and EmbeddingConfig"),
+    tr_configs.EmbeddingBagConfig: (
+        [sj.EmbeddingBagConfig],
+        "EmbeddingBagConfig and EmbeddingConfig",
+    ),
     tr_configs.EmbeddingConfig: ([sj.EmbeddingConfig], "EmbeddingBagConfig and EmbeddingConfig"),
     tr_modules.EmbeddingBagCollection: ([sj.EmbeddingBagCollection], "EmbeddingBagCollection"),
     tr_modules.EmbeddingCollection: ([sj.EmbeddingCollection], "EmbeddingCollection"),
@@ -69,15 +72,21 @@ def test_every_torchrec_name_is_in_the_table_and_exists_unless_not_applicable():
         names = torchrec_public_names(cls)
         assert len(names) >= 4, (cls, names)  # the introspection found the class's API
         missing = sorted(names - set(table))
-        assert not missing, f"docs/torchrec_compat.md, section {section!r}, lacks TorchRec names {missing}"
+        assert not missing, (
+            f"docs/torchrec_compat.md, section {section!r}, lacks TorchRec names {missing}"
+        )
         for name in sorted(names):
             if table[name] in ("same", "different"):
-                has = [hasattr(o, name) or name in getattr(o, "__dataclass_fields__", {}) for o in ours]
+                has = [
+                    hasattr(o, name) or name in getattr(o, "__dataclass_fields__", {}) for o in ours
+                ]
                 if cls is tr.KeyedTensor and name == "record_stream":
                     has = has[1:]  # only the torch KeyedTensor has it (documented)
                 assert all(has), f"{section}.{name} is marked {table[name]} but missing from {ours}"
             else:
-                assert not any(hasattr(o, name) for o in ours), f"{name} is marked n/a but {ours} has it"
+                assert not any(hasattr(o, name) for o in ours), (
+                    f"{name} is marked n/a but {ours} has it"
+                )
 
 
 def test_the_table_lists_no_name_torchrec_lacks():

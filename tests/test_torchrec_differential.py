@@ -63,8 +63,17 @@ def random_kjt_case(i: int, *, variable: bool | None = None, kind: str | None = 
     inverse = None
     if variable and num_keys:
         inverse = np.stack([rng.integers(0, max(s, 1), batch) for s in strides]).astype(np.int64)
-    return dict(keys=[f"f{k}" for k in range(num_keys)], values=_values(rng, n, kind), lengths=lengths,
-                weights=weights, strides=strides, variable=variable, inverse=inverse, batch=batch, kind=kind)
+    return dict(
+        keys=[f"f{k}" for k in range(num_keys)],
+        values=_values(rng, n, kind),
+        lengths=lengths,
+        weights=weights,
+        strides=strides,
+        variable=variable,
+        inverse=inverse,
+        batch=batch,
+        kind=kind,
+    )
 
 
 def tr_kjt(c: dict) -> tr.KeyedJaggedTensor:
@@ -76,8 +85,12 @@ def tr_kjt(c: dict) -> tr.KeyedJaggedTensor:
     else:
         kw["stride"] = c["batch"] if c["keys"] else 0
     return tr.KeyedJaggedTensor(
-        keys=c["keys"], values=torch.from_numpy(c["values"]), lengths=torch.from_numpy(c["lengths"]),
-        weights=None if c["weights"] is None else torch.from_numpy(c["weights"]), **kw)
+        keys=c["keys"],
+        values=torch.from_numpy(c["values"]),
+        lengths=torch.from_numpy(c["lengths"]),
+        weights=None if c["weights"] is None else torch.from_numpy(c["weights"]),
+        **kw,
+    )
 
 
 def sj_kjt(c: dict) -> sj.KeyedJaggedTensor:
@@ -88,7 +101,9 @@ def sj_kjt(c: dict) -> sj.KeyedJaggedTensor:
             kw["inverse_indices"] = (c["keys"], c["inverse"])
     else:
         kw["stride"] = c["batch"] if c["keys"] else 0
-    return sj.KeyedJaggedTensor(keys=c["keys"], values=c["values"], lengths=c["lengths"], weights=c["weights"], **kw)
+    return sj.KeyedJaggedTensor(
+        keys=c["keys"], values=c["values"], lengths=c["lengths"], weights=c["weights"], **kw
+    )
 
 
 def random_jt_case(i: int) -> dict:
@@ -124,7 +139,9 @@ def same(ours, theirs, what: str) -> None:
     elif isinstance(theirs, tr.KeyedJaggedTensor):
         assert isinstance(ours, sj.KeyedJaggedTensor), f"{what}: {type(ours)}"
         assert ours.keys() == theirs.keys(), f"{what}.keys"
-        assert ours.stride() == theirs.stride(), f"{what}.stride {ours.stride()} vs {theirs.stride()}"
+        assert ours.stride() == theirs.stride(), (
+            f"{what}.stride {ours.stride()} vs {theirs.stride()}"
+        )
         assert ours.variable_stride_per_key() == theirs.variable_stride_per_key(), what
         assert ours.stride_per_key() == theirs.stride_per_key(), f"{what}.stride_per_key"
         same(ours.values(), theirs.values(), what + ".values")
@@ -168,10 +185,27 @@ def _each_kjt(method_check, *, where=lambda c: True, at_least=CASES, **kw):
 
 
 # -- KeyedJaggedTensor -------------------------------------------------------------------------------
-KJT_ACCESSORS = ["keys", "values", "weights_or_none", "lengths", "offsets", "stride", "stride_per_key",
-                 "stride_per_key_per_rank", "variable_stride_per_key", "length_per_key", "offset_per_key",
-                 "lengths_offset_per_key", "index_per_key", "inverse_indices_or_none", "size_in_bytes",
-                 "lengths_or_none", "offsets_or_none", "length_per_key_or_none", "offset_per_key_or_none"]
+KJT_ACCESSORS = [
+    "keys",
+    "values",
+    "weights_or_none",
+    "lengths",
+    "offsets",
+    "stride",
+    "stride_per_key",
+    "stride_per_key_per_rank",
+    "variable_stride_per_key",
+    "length_per_key",
+    "offset_per_key",
+    "lengths_offset_per_key",
+    "index_per_key",
+    "inverse_indices_or_none",
+    "size_in_bytes",
+    "lengths_or_none",
+    "offsets_or_none",
+    "length_per_key_or_none",
+    "offset_per_key_or_none",
+]
 
 
 def _materialized(theirs):
@@ -194,7 +228,9 @@ def test_kjt_accessors(method):
 
 def test_kjt_getitem_and_to_dict():
     def check(c, theirs, ours, what):
-        if c["batch"] == 0:  # TorchRec's to_dict raises IndexError on a zero-sample batch; ours: empty bags
+        if (
+            c["batch"] == 0
+        ):  # TorchRec's to_dict raises IndexError on a zero-sample batch; ours: empty bags
             assert all(int(ours[k].lengths().shape[0]) == 0 for k in c["keys"])
             return
         same(ours.to_dict(), theirs.to_dict(), f"{what} to_dict")
@@ -245,13 +281,20 @@ def test_kjt_concat():
         rng = np.random.default_rng(len(what))
         d["lengths"] = rng.integers(0, 3, len(d["keys"]) * c["batch"]).astype(c["lengths"].dtype)
         d["values"] = _values(rng, int(d["lengths"].sum()), c["kind"])
-        d["weights"] = None if c["weights"] is None else rng.random(d["values"].shape[0]).astype(np.float32)
+        d["weights"] = (
+            None if c["weights"] is None else rng.random(d["values"].shape[0]).astype(np.float32)
+        )
         d["strides"] = [c["batch"]] * len(d["keys"])
-        if not d["keys"]:  # TorchRec asserts the keyless KJT's stride 0 equals the other's; ours: it adds nothing
+        if not d[
+            "keys"
+        ]:  # TorchRec asserts the keyless KJT's stride 0 equals the other's; ours: it adds nothing
             assert sj.kjt_is_equal(sj.KeyedJaggedTensor.concat([ours, sj_kjt(d)]), ours)
             return
-        same(sj.KeyedJaggedTensor.concat([ours, sj_kjt(d)]), tr.KeyedJaggedTensor.concat([theirs, tr_kjt(d)]),
-             f"{what} concat")
+        same(
+            sj.KeyedJaggedTensor.concat([ours, sj_kjt(d)]),
+            tr.KeyedJaggedTensor.concat([theirs, tr_kjt(d)]),
+            f"{what} concat",
+        )
 
     _each_kjt(check, where=lambda c: not c["variable"] and c["keys"])
 
@@ -261,14 +304,28 @@ def test_kjt_sync_constructors(method):
     def check(c, theirs, ours, what):
         w = c["weights"]
         if method == "from_lengths_sync":
-            t = tr.KeyedJaggedTensor.from_lengths_sync(c["keys"], torch.from_numpy(c["values"]), torch.from_numpy(c["lengths"]),
-                                                       None if w is None else torch.from_numpy(w), stride=c["batch"])
-            o = sj.KeyedJaggedTensor.from_lengths_sync(c["keys"], c["values"], c["lengths"], w, stride=c["batch"])
+            t = tr.KeyedJaggedTensor.from_lengths_sync(
+                c["keys"],
+                torch.from_numpy(c["values"]),
+                torch.from_numpy(c["lengths"]),
+                None if w is None else torch.from_numpy(w),
+                stride=c["batch"],
+            )
+            o = sj.KeyedJaggedTensor.from_lengths_sync(
+                c["keys"], c["values"], c["lengths"], w, stride=c["batch"]
+            )
         else:
             offsets = np.concatenate([[0], np.cumsum(c["lengths"])]).astype(c["lengths"].dtype)
-            t = tr.KeyedJaggedTensor.from_offsets_sync(c["keys"], torch.from_numpy(c["values"]), torch.from_numpy(offsets),
-                                                       None if w is None else torch.from_numpy(w), stride=c["batch"])
-            o = sj.KeyedJaggedTensor.from_offsets_sync(c["keys"], c["values"], offsets, w, stride=c["batch"])
+            t = tr.KeyedJaggedTensor.from_offsets_sync(
+                c["keys"],
+                torch.from_numpy(c["values"]),
+                torch.from_numpy(offsets),
+                None if w is None else torch.from_numpy(w),
+                stride=c["batch"],
+            )
+            o = sj.KeyedJaggedTensor.from_offsets_sync(
+                c["keys"], c["values"], offsets, w, stride=c["batch"]
+            )
         same(o, t, f"{what} {method}")
 
     # TorchRec's from_offsets_sync fails on a zero-sample batch (reshape of 0 elements)
@@ -277,8 +334,11 @@ def test_kjt_sync_constructors(method):
 
 def test_kjt_from_jt_dict():
     def check(c, theirs, ours, what):
-        same(sj.KeyedJaggedTensor.from_jt_dict(ours.to_dict()), tr.KeyedJaggedTensor.from_jt_dict(theirs.to_dict()),
-             f"{what} from_jt_dict")
+        same(
+            sj.KeyedJaggedTensor.from_jt_dict(ours.to_dict()),
+            tr.KeyedJaggedTensor.from_jt_dict(theirs.to_dict()),
+            f"{what} from_jt_dict",
+        )
 
     # TorchRec's from_jt_dict makes no variable-batch KJT (it needs equal strides); its
     # to_dict fails on a zero-sample batch
@@ -287,11 +347,23 @@ def test_kjt_from_jt_dict():
 
 def test_kjt_empty_and_empty_like():
     def check(c, theirs, ours, what):
-        same(sj.KeyedJaggedTensor.empty_like(ours), tr.KeyedJaggedTensor.empty_like(theirs), f"{what} empty_like")
+        same(
+            sj.KeyedJaggedTensor.empty_like(ours),
+            tr.KeyedJaggedTensor.empty_like(theirs),
+            f"{what} empty_like",
+        )
         w = c["weights"] is not None
-        same(sj.KeyedJaggedTensor.empty(is_weighted=w, values_dtype=c["values"].dtype, lengths_dtype=c["lengths"].dtype),
-             tr.KeyedJaggedTensor.empty(is_weighted=w, values_dtype=torch.from_numpy(c["values"]).dtype,
-                                        lengths_dtype=torch.from_numpy(c["lengths"]).dtype), f"{what} empty")
+        same(
+            sj.KeyedJaggedTensor.empty(
+                is_weighted=w, values_dtype=c["values"].dtype, lengths_dtype=c["lengths"].dtype
+            ),
+            tr.KeyedJaggedTensor.empty(
+                is_weighted=w,
+                values_dtype=torch.from_numpy(c["values"]).dtype,
+                lengths_dtype=torch.from_numpy(c["lengths"]).dtype,
+            ),
+            f"{what} empty",
+        )
 
     # TorchRec's empty_like keeps a variable-batch KJT's strides with no lengths (not a valid KJT here)
     _each_kjt(check, where=lambda c: not c["variable"] and c["kind"] != "rows")
@@ -299,7 +371,9 @@ def test_kjt_empty_and_empty_like():
 
 def test_kjt_flatten_lengths_and_sync():
     def check(c, theirs, ours, what):
-        if c["variable"]:  # TorchRec's flatten_lengths drops the inverse indices (and so the stride); ours keeps
+        if c[
+            "variable"
+        ]:  # TorchRec's flatten_lengths drops the inverse indices (and so the stride); ours keeps
             assert sj.kjt_is_equal(ours.flatten_lengths(), ours)
         else:
             same(ours.flatten_lengths(), theirs.flatten_lengths(), f"{what} flatten_lengths")
@@ -327,14 +401,29 @@ def _each_jt(check, at_least=CASES):
     for i in range(at_least):
         c = random_jt_case(i)
         w = c["weights"]
-        theirs = tr.JaggedTensor(values=torch.from_numpy(c["values"]), lengths=torch.from_numpy(c["lengths"]),
-                                 weights=None if w is None else torch.from_numpy(w))
+        theirs = tr.JaggedTensor(
+            values=torch.from_numpy(c["values"]),
+            lengths=torch.from_numpy(c["lengths"]),
+            weights=None if w is None else torch.from_numpy(w),
+        )
         ours = sj.JaggedTensor(c["values"], w, lengths=c["lengths"])
         check(c, theirs, ours, f"case {i}")
 
 
-@pytest.mark.parametrize("method", ["values", "lengths", "offsets", "weights_or_none", "lengths_or_none",
-                                    "offsets_or_none", "to_dense", "to_dense_weights", "size_in_bytes"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "values",
+        "lengths",
+        "offsets",
+        "weights_or_none",
+        "lengths_or_none",
+        "offsets_or_none",
+        "to_dense",
+        "to_dense_weights",
+        "size_in_bytes",
+    ],
+)
 def test_jt_accessors(method):
     def check(c, theirs, ours, what):
         theirs.offsets()  # computed lazily by TorchRec (offsets_or_none is None before); held by ours
@@ -347,15 +436,26 @@ def test_jt_to_padded_dense():
     def check(c, theirs, ours, what):
         rng = c["rng"]
         desired = None if rng.random() < 0.3 else int(rng.integers(0, 5))
-        if c["kind"] == "rows":  # TorchRec pads 1-D values only (fbgemm's 1-D jagged_to_padded_dense)
+        if (
+            c["kind"] == "rows"
+        ):  # TorchRec pads 1-D values only (fbgemm's 1-D jagged_to_padded_dense)
             return
-        if desired is None and c["lengths"].size == 0:  # TorchRec: max() of no lengths raises; ours: [0, 0]
+        if (
+            desired is None and c["lengths"].size == 0
+        ):  # TorchRec: max() of no lengths raises; ours: [0, 0]
             assert ours.to_padded_dense().shape == (0, 0)
             return
         pad = c["values"].dtype.type(rng.integers(-3, 3))
-        same(ours.to_padded_dense(desired, pad), theirs.to_padded_dense(desired, pad), f"{what} to_padded_dense")
-        same(ours.to_padded_dense_weights(desired, 0.5), theirs.to_padded_dense_weights(desired, 0.5),
-             f"{what} to_padded_dense_weights")
+        same(
+            ours.to_padded_dense(desired, pad),
+            theirs.to_padded_dense(desired, pad),
+            f"{what} to_padded_dense",
+        )
+        same(
+            ours.to_padded_dense_weights(desired, 0.5),
+            theirs.to_padded_dense_weights(desired, 0.5),
+            f"{what} to_padded_dense_weights",
+        )
 
     _each_jt(check)
 
@@ -367,20 +467,29 @@ def test_jt_from_dense_and_from_dense_lengths():
             assert sj.JaggedTensor.from_dense([]).lengths().shape == (0,)
             return
         dw = ours.to_dense_weights()
-        same(sj.JaggedTensor.from_dense(dense, None if dw is None else [np.asarray(x) for x in dw]),
-             tr.JaggedTensor.from_dense([torch.from_numpy(x) for x in dense],
-                                        None if dw is None else [torch.from_numpy(np.array(x)) for x in dw]),
-             f"{what} from_dense")
+        same(
+            sj.JaggedTensor.from_dense(dense, None if dw is None else [np.asarray(x) for x in dw]),
+            tr.JaggedTensor.from_dense(
+                [torch.from_numpy(x) for x in dense],
+                None if dw is None else [torch.from_numpy(np.array(x)) for x in dw],
+            ),
+            f"{what} from_dense",
+        )
         if c["kind"] == "rows" or not len(dense):
             return
         width = int(max((len(x) for x in dense), default=0)) + 1
         padded = np.asarray(theirs.to_padded_dense(width).numpy())
         lengths = c["lengths"]
         pw = None if c["weights"] is None else theirs.to_padded_dense_weights(width).numpy()
-        same(sj.JaggedTensor.from_dense_lengths(padded, lengths, pw),
-             tr.JaggedTensor.from_dense_lengths(torch.from_numpy(padded), torch.from_numpy(lengths),
-                                                None if pw is None else torch.from_numpy(pw)),
-             f"{what} from_dense_lengths")
+        same(
+            sj.JaggedTensor.from_dense_lengths(padded, lengths, pw),
+            tr.JaggedTensor.from_dense_lengths(
+                torch.from_numpy(padded),
+                torch.from_numpy(lengths),
+                None if pw is None else torch.from_numpy(pw),
+            ),
+            f"{what} from_dense_lengths",
+        )
 
     _each_jt(check)
 
@@ -388,10 +497,20 @@ def test_jt_from_dense_and_from_dense_lengths():
 def test_jt_empty_and_equality():
     def check(c, theirs, ours, what):
         w = c["weights"] is not None
-        same(sj.JaggedTensor.empty(w, values_dtype=c["values"].dtype, lengths_dtype=c["lengths"].dtype),
-             tr.JaggedTensor.empty(w, values_dtype=torch.from_numpy(c["values"]).dtype,
-                                   lengths_dtype=torch.from_numpy(c["lengths"]).dtype), f"{what} empty")
-        assert sj.jt_is_equal(ours, sj.JaggedTensor(c["values"], c["weights"], lengths=c["lengths"]))
+        same(
+            sj.JaggedTensor.empty(
+                w, values_dtype=c["values"].dtype, lengths_dtype=c["lengths"].dtype
+            ),
+            tr.JaggedTensor.empty(
+                w,
+                values_dtype=torch.from_numpy(c["values"]).dtype,
+                lengths_dtype=torch.from_numpy(c["lengths"]).dtype,
+            ),
+            f"{what} empty",
+        )
+        assert sj.jt_is_equal(
+            ours, sj.JaggedTensor(c["values"], c["weights"], lengths=c["lengths"])
+        )
         assert tr.jt_is_equal(theirs, theirs)
 
     _each_jt(check)
@@ -407,7 +526,9 @@ def test_keyed_tensor_methods():
         keys = [f"k{j}" for j in range(k)]
         blocks = [rng.standard_normal((batch, d)).astype(np.float32) for d in dims]
         cat_dim = 1
-        t = tr.KeyedTensor.from_tensor_list(keys, [torch.from_numpy(b) for b in blocks], key_dim=1, cat_dim=cat_dim)
+        t = tr.KeyedTensor.from_tensor_list(
+            keys, [torch.from_numpy(b) for b in blocks], key_dim=1, cat_dim=cat_dim
+        )
         o = sj.KeyedTensor.from_tensor_list(keys, blocks, key_dim=1, cat_dim=cat_dim)
         what = f"case {i}"
         same(o, t, what)
@@ -418,16 +539,29 @@ def test_keyed_tensor_methods():
             same(o[key], t[key], f"{what} [{key!r}]")
         # a second KeyedTensor and random groups over both
         keys2 = [f"m{j}" for j in range(int(rng.integers(1, 3)))]
-        blocks2 = [rng.standard_normal((batch, int(rng.integers(1, 3)))).astype(np.float32) for _ in keys2]
+        blocks2 = [
+            rng.standard_normal((batch, int(rng.integers(1, 3)))).astype(np.float32) for _ in keys2
+        ]
         t2 = tr.KeyedTensor.from_tensor_list(keys2, [torch.from_numpy(b) for b in blocks2])
         o2 = sj.KeyedTensor.from_tensor_list(keys2, blocks2)
         everything = keys + keys2
-        groups = [rng.choice(everything, int(rng.integers(1, len(everything) + 1)), replace=False).tolist()
-                  for _ in range(int(rng.integers(1, 4)))]
-        same(sj.KeyedTensor.regroup([o, o2], groups), tr.KeyedTensor.regroup([t, t2], groups), f"{what} regroup")
+        groups = [
+            rng.choice(
+                everything, int(rng.integers(1, len(everything) + 1)), replace=False
+            ).tolist()
+            for _ in range(int(rng.integers(1, 4)))
+        ]
+        same(
+            sj.KeyedTensor.regroup([o, o2], groups),
+            tr.KeyedTensor.regroup([t, t2], groups),
+            f"{what} regroup",
+        )
         names = [f"g{j}" for j in range(len(groups))]
-        same(sj.KeyedTensor.regroup_as_dict([o, o2], groups, names),
-             tr.KeyedTensor.regroup_as_dict([t, t2], groups, names), f"{what} regroup_as_dict")
+        same(
+            sj.KeyedTensor.regroup_as_dict([o, o2], groups, names),
+            tr.KeyedTensor.regroup_as_dict([t, t2], groups, names),
+            f"{what} regroup_as_dict",
+        )
 
 
 # -- the collections -------------------------------------------------------------------------------------
@@ -438,13 +572,27 @@ def _tables(rng, pooled: bool):
     specs = [("t0", 11, 4, ["a", "s"]), ("t1", 7, 4, ["s", "b"]), ("t2", 5, 4, ["c"])]
     extra = {}
     if pooled:
-        extra = [dict(pooling=tr_configs.PoolingType.SUM), dict(pooling=tr_configs.PoolingType.MEAN),
-                 dict(pooling=tr_configs.PoolingType.SUM)]
+        extra = [
+            dict(pooling=tr_configs.PoolingType.SUM),
+            dict(pooling=tr_configs.PoolingType.MEAN),
+            dict(pooling=tr_configs.PoolingType.SUM),
+        ]
     else:
         extra = [{}, {}, {}]
-    t = [make(name=n, num_embeddings=r, embedding_dim=d, feature_names=f, **e) for (n, r, d, f), e in zip(specs, extra, strict=True)]
-    o = [ours(name=n, num_embeddings=r, embedding_dim=d, feature_names=f,
-              **({"pooling": e["pooling"].value} if e else {})) for (n, r, d, f), e in zip(specs, extra, strict=True)]
+    t = [
+        make(name=n, num_embeddings=r, embedding_dim=d, feature_names=f, **e)
+        for (n, r, d, f), e in zip(specs, extra, strict=True)
+    ]
+    o = [
+        ours(
+            name=n,
+            num_embeddings=r,
+            embedding_dim=d,
+            feature_names=f,
+            **({"pooling": e["pooling"].value} if e else {}),
+        )
+        for (n, r, d, f), e in zip(specs, extra, strict=True)
+    ]
     return t, o, specs
 
 
@@ -461,9 +609,22 @@ def _module_case(i: int, rows: dict, weighted: bool):
         values.append(rng.integers(0, rows[table_of[k]], int(lengths[s0:s1].sum())))
     values = np.concatenate(values).astype(np.int64)
     weights = rng.random(values.shape[0]).astype(np.float32) if weighted else None
-    inverse = np.stack([rng.integers(0, s, batch) for s in strides]).astype(np.int64) if variable else None
-    return dict(keys=keys, values=values, lengths=lengths, weights=weights, strides=strides, variable=variable,
-                inverse=inverse, batch=batch, kind="int64")
+    inverse = (
+        np.stack([rng.integers(0, s, batch) for s in strides]).astype(np.int64)
+        if variable
+        else None
+    )
+    return dict(
+        keys=keys,
+        values=values,
+        lengths=lengths,
+        weights=weights,
+        strides=strides,
+        variable=variable,
+        inverse=inverse,
+        batch=batch,
+        kind="int64",
+    )
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -471,10 +632,24 @@ def test_embedding_bag_collection_forward(weighted):
     rng = np.random.default_rng(3)
     t_tables, o_tables, specs = _tables(rng, pooled=True)
     if weighted:  # TorchRec's weighted EBC pools with SUM only
-        t_tables = [tr_configs.EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                                                  feature_names=t.feature_names) for t in t_tables]
-        o_tables = [sj.EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                                          feature_names=list(t.feature_names)) for t in o_tables]
+        t_tables = [
+            tr_configs.EmbeddingBagConfig(
+                name=t.name,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                feature_names=t.feature_names,
+            )
+            for t in t_tables
+        ]
+        o_tables = [
+            sj.EmbeddingBagConfig(
+                name=t.name,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                feature_names=list(t.feature_names),
+            )
+            for t in o_tables
+        ]
     theirs = tr_modules.EmbeddingBagCollection(tables=t_tables, is_weighted=weighted)
     ours = sj.EmbeddingBagCollection(o_tables, is_weighted=weighted, ladder=(64, 128))
     params = ours.init(jax.random.key(0))
@@ -488,8 +663,13 @@ def test_embedding_bag_collection_forward(weighted):
         t = theirs(tr_kjt(c))
         o = ours.apply(params, sj_kjt(c))
         assert o.keys() == t.keys() == ["a", "s@t0", "s@t1", "b", "c"]
-        np.testing.assert_allclose(np.asarray(o.values()), t.values().detach().numpy(), rtol=1e-6, atol=1e-6,
-                                   err_msg=f"case {i}")
+        np.testing.assert_allclose(
+            np.asarray(o.values()),
+            t.values().detach().numpy(),
+            rtol=1e-6,
+            atol=1e-6,
+            err_msg=f"case {i}",
+        )
 
 
 def test_embedding_collection_forward_need_indices():
@@ -502,7 +682,10 @@ def test_embedding_collection_forward_need_indices():
         for name, w in ours.table_weights(params).items():
             theirs.embeddings[name].weight.copy_(torch.from_numpy(np.array(w)))
     assert ours.embedding_names_by_table() == theirs.embedding_names_by_table()
-    assert ours.embedding_dim() == theirs.embedding_dim() and ours.need_indices() == theirs.need_indices()
+    assert (
+        ours.embedding_dim() == theirs.embedding_dim()
+        and ours.need_indices() == theirs.need_indices()
+    )
     rows = {n: r for n, r, _, _ in specs}
     for i in range(CASES // 5):  # eager per feature on both sides: slower per case
         c = _module_case(i, rows, weighted=False)
@@ -510,8 +693,12 @@ def test_embedding_collection_forward_need_indices():
         o = ours.apply(params, sj_kjt(c))
         assert list(o) == list(t), f"case {i}"
         for k in t:
-            np.testing.assert_allclose(np.asarray(o[k].values()), t[k].values().detach().numpy(), rtol=1e-6,
-                                       err_msg=f"case {i} {k}")
+            np.testing.assert_allclose(
+                np.asarray(o[k].values()),
+                t[k].values().detach().numpy(),
+                rtol=1e-6,
+                err_msg=f"case {i} {k}",
+            )
             same(o[k].lengths(), t[k].lengths().to(torch.int32), f"case {i} {k} lengths")
             same(o[k].weights(), t[k].weights(), f"case {i} {k} indices")
 
@@ -523,7 +710,11 @@ def test_dtypes_without_x64():
         for i in range(100):
             c = random_kjt_case(i)
             theirs = tr_kjt(c)
-            if c["kind"] == "int64" and c["values"].size and np.abs(c["values"]).max() > np.iinfo(np.int32).max:
+            if (
+                c["kind"] == "int64"
+                and c["values"].size
+                and np.abs(c["values"]).max() > np.iinfo(np.int32).max
+            ):
                 with pytest.raises(ValueError, match="does not fit in int32 and jax x64 is off"):
                     sj_kjt(c)
                 continue

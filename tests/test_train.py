@@ -43,8 +43,11 @@ def test_no_config_is_a_usage_error_naming_the_config_files(capsys):
 
 
 def test_the_help_examples_parse_and_the_resume_example_names_a_checkpoint_dir():
-    examples = [shlex.split(line)[3:] for line in train.__doc__.splitlines()
-                if line.strip().startswith("python -m hybrid.train")]
+    examples = [
+        shlex.split(line)[3:]
+        for line in train.__doc__.splitlines()
+        if line.strip().startswith("python -m hybrid.train")
+    ]
     assert len(examples) >= 3 and any("--resume" in e for e in examples)
     for argv in examples:
         args = train._parser().parse_args(argv)
@@ -121,9 +124,10 @@ def test_synthetic_run_learns_and_writes_metrics(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "ShardingPlan" in out and "eval @ step 32: AUC" in out
-    assert out.splitlines()[-2:] == [f"metrics: {metrics}",  # the run ends saying where its outputs are
-                                     "checkpoints: none written (checkpoint.dir is empty; --set checkpoint.dir=... "
-                                     "writes them)"]
+    assert out.splitlines()[-2:] == [
+        f"metrics: {metrics}",  # the run ends saying where its outputs are
+        "checkpoints: none written (checkpoint.dir is empty; --set checkpoint.dir=... writes them)",
+    ]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     trains = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in trains] == [4, 8, 12, 16, 20, 24, 28, 32]
@@ -132,13 +136,27 @@ def test_synthetic_run_learns_and_writes_metrics(tmp_path, capsys):
     assert final["auc"] > 0.6 and final["count"] == 1024
 
 
-def test_a_second_run_refuses_to_replace_metrics_a_resume_appends_and_overwrite_replaces(tmp_path, capsys):
+def test_a_second_run_refuses_to_replace_metrics_a_resume_appends_and_overwrite_replaces(
+    tmp_path, capsys
+):
     metrics, ckpt = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "ckpt"
-    argv = ["--config", "configs/synthetic.toml", "--steps", "4", *(f"--set={s}" for s in SMALL),
-            f"--set=log.metrics_path='{metrics}'", f"--set=checkpoint.dir='{ckpt}'", "--set=checkpoint.every=4"]
+    argv = [
+        "--config",
+        "configs/synthetic.toml",
+        "--steps",
+        "4",
+        *(f"--set={s}" for s in SMALL),
+        f"--set=log.metrics_path='{metrics}'",
+        f"--set=checkpoint.dir='{ckpt}'",
+        "--set=checkpoint.every=4",
+    ]
 
     def train_steps():
-        return [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
+        return [
+            r["step"]
+            for r in map(json.loads, metrics.read_text().splitlines())
+            if r["kind"] == "train"
+        ]
 
     assert train.main(argv) == 0
     out = capsys.readouterr().out.splitlines()
@@ -148,15 +166,24 @@ def test_a_second_run_refuses_to_replace_metrics_a_resume_appends_and_overwrite_
     assert train.main(argv) == 2  # the same command again: refused before any data is read
     err = capsys.readouterr().err
     assert f"log.metrics_path {metrics} already holds 2 metrics line(s) of an earlier run" in err
-    for way_out in ("--overwrite", "--resume", "another run directory: --set log.metrics_path=", "checkpoint.dir"):
+    for way_out in (
+        "--overwrite",
+        "--resume",
+        "another run directory: --set log.metrics_path=",
+        "checkpoint.dir",
+    ):
         assert way_out in err, err
     assert metrics.read_text() == first
 
     assert train.main([*argv, "--steps", "8", "--resume"]) == 0  # its own metrics: appended
     assert train_steps() == [4, 8] and metrics.read_text().startswith(first)
-    assert capsys.readouterr().out.splitlines()[-1] == f"checkpoints: {ckpt} (newest: step_00000008)"
+    assert (
+        capsys.readouterr().out.splitlines()[-1] == f"checkpoints: {ckpt} (newest: step_00000008)"
+    )
 
-    assert train.main([*argv, "--overwrite"]) == 0  # a fresh run: metrics replaced, checkpoints moved aside
+    assert (
+        train.main([*argv, "--overwrite"]) == 0
+    )  # a fresh run: metrics replaced, checkpoints moved aside
     assert train_steps() == [4]
     assert "checkpoint.overwrite: moved the checkpoints" in capsys.readouterr().out
 
@@ -250,13 +277,22 @@ def test_criteo_bad_row_reaches_the_cli_with_file_and_line(tmp_path):
 
 
 def test_table_precision_and_rounding_come_from_the_config():
-    model, *_ = train.build(load_config(None, SMALL + ["model.data_type='BF16'", "sparse_optimizer.stochastic_rounding=false",
-                                                       "seed=5"]))
+    model, *_ = train.build(
+        load_config(
+            None,
+            SMALL
+            + ["model.data_type='BF16'", "sparse_optimizer.stochastic_rounding=false", "seed=5"],
+        )
+    )
     assert {str(v.dtype) for v in model.sparse_params.values()} == {"bfloat16"}
-    rule = train._sparse_rule(load_config(None, SMALL + ["sparse_optimizer.stochastic_rounding=false", "seed=5"]))
+    rule = train._sparse_rule(
+        load_config(None, SMALL + ["sparse_optimizer.stochastic_rounding=false", "seed=5"])
+    )
     assert (rule.stochastic_rounding, rule.seed) == (False, 5)
     assert train._sparse_rule(load_config(None, SMALL)).stochastic_rounding is True
-    with pytest.raises(ConfigError, match=r"model.data_type = 'INT8'; choose one of \['FP32', 'FP16', 'BF16'\]"):
+    with pytest.raises(
+        ConfigError, match=r"model.data_type = 'INT8'; choose one of \['FP32', 'FP16', 'BF16'\]"
+    ):
         load_config(None, ["model.data_type='INT8'"])
 
 
@@ -274,8 +310,10 @@ def test_movielens_fp16_and_bf16_tables_reach_the_fp32_auc(tmp_path, movielens_f
     eval AUC of fp32 tables on MovieLens-100K (same seed, same data order)."""
     auc = {"FP32": movielens_fp32[0]["auc"]}
     for data_type in ("FP16", "BF16"):
-        config = load_config("configs/movielens.toml", [f"model.data_type='{data_type}'",
-                                                        f"log.metrics_path='{tmp_path / data_type}.jsonl'"])
+        config = load_config(
+            "configs/movielens.toml",
+            [f"model.data_type='{data_type}'", f"log.metrics_path='{tmp_path / data_type}.jsonl'"],
+        )
         auc[data_type] = train.run(config)["eval"]["auc"]
     print(f"MovieLens-100K eval AUC by table precision: {auc}")
     assert abs(auc["FP16"] - auc["FP32"]) <= 0.002 and abs(auc["BF16"] - auc["FP32"]) <= 0.002, auc
@@ -284,7 +322,9 @@ def test_movielens_fp16_and_bf16_tables_reach_the_fp32_auc(tmp_path, movielens_f
 def _raw_criteo_tsv(path, rows=640, seed=0):
     """Criteo lines whose categories are 16-digit hex (raw 64-bit ids); the label follows C1."""
     rng = np.random.default_rng(seed)
-    pool = [f"{int(v) * 2 + 1:016x}" for v in rng.integers(0, 2**63 - 1, 60, dtype=np.int64)]  # above 2**63 too
+    pool = [
+        f"{int(v) * 2 + 1:016x}" for v in rng.integers(0, 2**63 - 1, 60, dtype=np.int64)
+    ]  # above 2**63 too
     lines = []
     for _ in range(rows):
         picks = rng.integers(0, 60, 26)
@@ -297,41 +337,84 @@ def _raw_criteo_tsv(path, rows=640, seed=0):
 def test_criteo_raw_hex_ids_train_through_managed_tables_and_log_their_counters(tmp_path, capsys):
     path = _raw_criteo_tsv(tmp_path / "day_0.tsv")
     metrics = tmp_path / "m.jsonl"
-    every = load_config("configs/criteo.toml", [f"data.paths=['{path}']", "data.raw_ids=['*']",
-                                                  "managed_collision.tables={t_cat_0 = 48}", "train.batch_size=64"])
-    with pytest.raises(ConfigError, match=r"data.raw_ids: tables \['t_cat_1', 't_cat_2', .*'t_cat_25'\] get raw "
-                                          r"64-bit ids but have no managed-collision module"):
+    every = load_config(
+        "configs/criteo.toml",
+        [
+            f"data.paths=['{path}']",
+            "data.raw_ids=['*']",
+            "managed_collision.tables={t_cat_0 = 48}",
+            "train.batch_size=64",
+        ],
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"data.raw_ids: tables \['t_cat_1', 't_cat_2', .*'t_cat_25'\] get raw "
+        r"64-bit ids but have no managed-collision module",
+    ):
         train.build(every)  # "*": all 26 features raw
     tables = "{" + ", ".join(f"t_cat_{i} = 48" for i in range(3)) + "}"  # 60 ids seen, 47 rows each
-    code = train.main(["--config", "configs/criteo.toml", "--steps", "24", f"--set=data.paths=['{path}']",
-                       "--set=data.raw_ids=['cat_0', 'cat_1', 'cat_2']", f"--set=managed_collision.tables={tables}",
-                       "--set=data.num_embeddings=64",
-                       "--set=train.batch_size=64", "--set=train.eval_batch_size=64", "--set=train.eval_every=0",
-                       "--set=checkpoint.dir=''", f"--set=log.metrics_path='{metrics}'", "--set=log.every=8",
-                       "--set=train.mesh=''",
-                       "--set=sparse_optimizer.lr=0.2", "--set=dense_optimizer.lr=0.01"])
+    code = train.main(
+        [
+            "--config",
+            "configs/criteo.toml",
+            "--steps",
+            "24",
+            f"--set=data.paths=['{path}']",
+            "--set=data.raw_ids=['cat_0', 'cat_1', 'cat_2']",
+            f"--set=managed_collision.tables={tables}",
+            "--set=data.num_embeddings=64",
+            "--set=train.batch_size=64",
+            "--set=train.eval_batch_size=64",
+            "--set=train.eval_every=0",
+            "--set=checkpoint.dir=''",
+            f"--set=log.metrics_path='{metrics}'",
+            "--set=log.every=8",
+            "--set=train.mesh=''",
+            "--set=sparse_optimizer.lr=0.2",
+            "--set=dense_optimizer.lr=0.01",
+        ]
+    )
     assert code == 0, capsys.readouterr()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     trains = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in trains] == [8, 16, 24]
     counters = [r["managed_collision"]["t_cat_0"] for r in trains]
-    assert [c["occupancy"] for c in counters] == [47, 47, 47]  # every row but the default one in use
+    assert [c["occupancy"] for c in counters] == [
+        47,
+        47,
+        47,
+    ]  # every row but the default one in use
     assert 0 < counters[0]["evictions"] < counters[-1]["evictions"] < counters[-1]["admissions"]
     assert set(trains[0]["managed_collision"]) == {"t_cat_0", "t_cat_1", "t_cat_2"}
     assert records[-1]["kind"] == "eval" and records[-1]["auc"] > 0.6
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["data.raw_ids=['user']"], r"data.raw_ids: tables \['t_user'\] get raw 64-bit ids but have no managed-collision "
-                                r"module; give each its rows in \[managed_collision\] tables \(e.g. t_user = 1024\)"),
-    (["data.raw_ids=['users']"], r"data.raw_ids names \['users'\], not MovieLens features"),
-    (["managed_collision.tables={t_nope=8}"], r"managed_collision.tables names \['t_nope'\], not tables of this "
-                                              r"dataset"),
-    (["managed_collision.tables={t_user=1}"], r"\[managed_collision\]: MCHManagedCollisionModule: zch_size=1 must be "
-                                              r"an int >= 2"),
-    (["managed_collision.eviction_policy='fifo'"], r"managed_collision.eviction_policy = 'fifo'; choose one of "
-                                                   r"\['lru', 'lfu'\]"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["data.raw_ids=['user']"],
+            r"data.raw_ids: tables \['t_user'\] get raw 64-bit ids but have no managed-collision "
+            r"module; give each its rows in \[managed_collision\] tables \(e.g. t_user = 1024\)",
+        ),
+        (["data.raw_ids=['users']"], r"data.raw_ids names \['users'\], not MovieLens features"),
+        (
+            ["managed_collision.tables={t_nope=8}"],
+            r"managed_collision.tables names \['t_nope'\], not tables of this "
+            r"dataset",
+        ),
+        (
+            ["managed_collision.tables={t_user=1}"],
+            r"\[managed_collision\]: MCHManagedCollisionModule: zch_size=1 must be "
+            r"an int >= 2",
+        ),
+        (
+            ["managed_collision.eviction_policy='fifo'"],
+            r"managed_collision.eviction_policy = 'fifo'; choose one of "
+            r"\['lru', 'lfu'\]",
+        ),
+    ],
+)
 def test_managed_collision_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         train.build(load_config("configs/movielens.toml", overrides))
@@ -343,7 +426,9 @@ def test_synthetic_data_has_no_raw_ids():
 
 
 @pytest.mark.slow
-def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_auc(tmp_path, movielens_fp32):
+def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_auc(
+    tmp_path, movielens_fp32
+):
     """Issue #16's comparison: user, item and zip as raw 64-bit ids in managed tables of
     about half their vocabularies (LRU) against the same model on vocabulary rows."""
     auc = {"movielens": movielens_fp32[0]["auc"]}
@@ -351,10 +436,13 @@ def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_au
     metrics = tmp_path / "raw.jsonl"
     config = load_config("configs/movielens_raw_ids.toml", [f"log.metrics_path='{metrics}'"])
     auc["movielens_raw_ids"] = train.run(config)["eval"]["auc"]
-    stats["movielens_raw_ids"] = [json.loads(line) for line in metrics.read_text().splitlines()][-2].get(
-        "managed_collision")
-    print(f"MovieLens-100K eval AUC: vocabulary tables {auc['movielens']:.4f}, raw ids in managed tables "
-          f"{auc['movielens_raw_ids']:.4f}; {stats['movielens_raw_ids']}")
+    stats["movielens_raw_ids"] = [json.loads(line) for line in metrics.read_text().splitlines()][
+        -2
+    ].get("managed_collision")
+    print(
+        f"MovieLens-100K eval AUC: vocabulary tables {auc['movielens']:.4f}, raw ids in managed tables "
+        f"{auc['movielens_raw_ids']:.4f}; {stats['movielens_raw_ids']}"
+    )
     assert stats["movielens"] is None and stats["movielens_raw_ids"]["t_user"]["evictions"] > 1000
     assert auc["movielens_raw_ids"] > auc["movielens"] - 0.03
 
@@ -362,16 +450,36 @@ def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_au
 def test_a_row_wise_managed_table_trains_on_a_mesh_from_the_training_script(tmp_path, capsys):
     path = _raw_criteo_tsv(tmp_path / "day_0.tsv")
     metrics = tmp_path / "m.jsonl"
-    code = train.main(["--config", "configs/criteo.toml", "--steps", "16", "--mesh", "data=2,model=4",
-                       f"--set=data.paths=['{path}']", "--set=data.raw_ids=['cat_0']",
-                       "--set=managed_collision.tables={t_cat_0 = 48}", "--set=train.sharding={t_cat_0 = 'row_wise'}",
-                       "--set=data.num_embeddings=64", "--set=train.batch_size=64", "--set=train.eval_batch_size=64",
-                       "--set=train.eval_every=0", "--set=checkpoint.dir=''", f"--set=log.metrics_path='{metrics}'",
-                       "--set=log.every=8", "--set=sparse_optimizer.lr=0.2", "--set=dense_optimizer.lr=0.01"])
+    code = train.main(
+        [
+            "--config",
+            "configs/criteo.toml",
+            "--steps",
+            "16",
+            "--mesh",
+            "data=2,model=4",
+            f"--set=data.paths=['{path}']",
+            "--set=data.raw_ids=['cat_0']",
+            "--set=managed_collision.tables={t_cat_0 = 48}",
+            "--set=train.sharding={t_cat_0 = 'row_wise'}",
+            "--set=data.num_embeddings=64",
+            "--set=train.batch_size=64",
+            "--set=train.eval_batch_size=64",
+            "--set=train.eval_every=0",
+            "--set=checkpoint.dir=''",
+            f"--set=log.metrics_path='{metrics}'",
+            "--set=log.every=8",
+            "--set=sparse_optimizer.lr=0.2",
+            "--set=dense_optimizer.lr=0.01",
+        ]
+    )
     assert code == 0, capsys.readouterr()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     counters = [r["managed_collision"]["t_cat_0"] for r in records if r["kind"] == "train"]
-    assert [c["occupancy"] for c in counters] == [44, 44]  # 4 shards of 12 rows, one default row each
+    assert [c["occupancy"] for c in counters] == [
+        44,
+        44,
+    ]  # 4 shards of 12 rows, one default row each
     assert counters[-1]["evictions"] > 0 and records[-1]["auc"] > 0.6
 
 
@@ -389,11 +497,25 @@ def _criteo_tsv(path, rows=320, seed=0):
 
 
 def _criteo_stream_argv(paths, steps, metrics, ckpt="", every=0):
-    return ["--config", "configs/criteo.toml", "--stream", "--steps", str(steps), f"--set=data.paths={paths}",
-            "--set=data.num_embeddings=64", "--set=train.batch_size=64", "--set=train.eval_batch_size=64",
-            "--set=train.eval_every=0", "--set=train.mesh=''", f"--set=checkpoint.dir='{ckpt}'",
-            f"--set=checkpoint.every={every}", f"--set=log.metrics_path='{metrics}'", "--set=log.every=1",
-            "--set=sparse_optimizer.lr=0.2", "--set=dense_optimizer.lr=0.01"]
+    return [
+        "--config",
+        "configs/criteo.toml",
+        "--stream",
+        "--steps",
+        str(steps),
+        f"--set=data.paths={paths}",
+        "--set=data.num_embeddings=64",
+        "--set=train.batch_size=64",
+        "--set=train.eval_batch_size=64",
+        "--set=train.eval_every=0",
+        "--set=train.mesh=''",
+        f"--set=checkpoint.dir='{ckpt}'",
+        f"--set=checkpoint.every={every}",
+        f"--set=log.metrics_path='{metrics}'",
+        "--set=log.every=1",
+        "--set=sparse_optimizer.lr=0.2",
+        "--set=dense_optimizer.lr=0.01",
+    ]
 
 
 def test_criteo_stream_trains_and_resumes_where_the_stream_stood(tmp_path, capsys):
@@ -408,7 +530,11 @@ def test_criteo_stream_trains_and_resumes_where_the_stream_stood(tmp_path, capsy
     reference = [json.loads(line) for line in (tmp_path / "ref.jsonl").read_text().splitlines()]
     assert reference[-1]["kind"] == "eval" and reference[-1]["auc"] > 0.7
     progress = [r["data"] for r in reference if r["kind"] == "train"][-1]  # the reader's place
-    assert progress["epoch"] >= 1 and progress["files"] == 2 and progress["file"] in ("day_0.tsv", "day_1.tsv")
+    assert (
+        progress["epoch"] >= 1
+        and progress["files"] == 2
+        and progress["file"] in ("day_0.tsv", "day_1.tsv")
+    )
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     assert train.main(_criteo_stream_argv(paths, 8, metrics, ckpt, every=3)) == 0
@@ -420,24 +546,47 @@ def test_criteo_stream_trains_and_resumes_where_the_stream_stood(tmp_path, capsy
     meta = json.loads((ckpt / "step_00000006" / "meta.json").read_text())
     assert meta["data_stream"] == stream.state()
     stream.close()
-    with pytest.raises(ConfigError, match=r"written by a run with --stream; resume it with --stream"):
+    with pytest.raises(
+        ConfigError, match=r"written by a run with --stream; resume it with --stream"
+    ):
         argv = [a for a in _criteo_stream_argv(paths, 12, metrics, ckpt) if a != "--stream"]
-        train.run(load_config("configs/criteo.toml", [a[6:] for a in argv if a.startswith("--set=")] +
-                              ["train.steps=12"]), resume=True, echo=lambda *_: None)
+        train.run(
+            load_config(
+                "configs/criteo.toml",
+                [a[6:] for a in argv if a.startswith("--set=")] + ["train.steps=12"],
+            ),
+            resume=True,
+            echo=lambda *_: None,
+        )
     assert train.main([*_criteo_stream_argv(paths, 12, metrics, ckpt), "--resume"]) == 0
     assert "resumed from" in capsys.readouterr().out
-    resumed = {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"}
+    resumed = {
+        r["step"]: r["loss"]
+        for r in map(json.loads, metrics.read_text().splitlines())
+        if r["kind"] == "train"
+    }
     expect = {r["step"]: r["loss"] for r in reference if r["kind"] == "train"}
     assert sorted(resumed) == list(range(1, 13))
-    np.testing.assert_array_equal([resumed[s] for s in range(1, 13)], [expect[s] for s in range(1, 13)])
+    np.testing.assert_array_equal(
+        [resumed[s] for s in range(1, 13)], [expect[s] for s in range(1, 13)]
+    )
 
 
-@pytest.mark.parametrize(("paths", "steps", "message"), [
-    (1, 8, r"--stream: data.paths needs at least two files"),
-    (2, 0, r"--stream: the stream's length is not known before it is read, so give train.steps"),
-])
+@pytest.mark.parametrize(
+    ("paths", "steps", "message"),
+    [
+        (1, 8, r"--stream: data.paths needs at least two files"),
+        (
+            2,
+            0,
+            r"--stream: the stream's length is not known before it is read, so give train.steps",
+        ),
+    ],
+)
 def test_criteo_stream_config_errors(tmp_path, paths, steps, message):
     files = [_criteo_tsv(tmp_path / f"day_{i}.tsv", rows=8) for i in range(paths)]
-    config = load_config("configs/criteo.toml", [f"data.paths={files}", f"train.steps={steps}", "checkpoint.dir=''"])
+    config = load_config(
+        "configs/criteo.toml", [f"data.paths={files}", f"train.steps={steps}", "checkpoint.dir=''"]
+    )
     with pytest.raises(ConfigError, match=message):
         train.build(config, stream=True)

@@ -20,15 +20,27 @@ from sparse_jax import (
 )
 from sparse_jax._update import all_finite
 
-TABLES = [EmbeddingBagConfig(16, 4, "t", feature_names=["f"]), EmbeddingBagConfig(8, 4, "u", feature_names=["g"])]
+TABLES = [
+    EmbeddingBagConfig(16, 4, "t", feature_names=["f"]),
+    EmbeddingBagConfig(8, 4, "u", feature_names=["g"]),
+]
 
 
 def _setup(kernel="xla", rule=None, skip_nonfinite=False):
     ebc = EmbeddingBagCollection(TABLES, kernel=kernel)
     rule = rule or optim.rowwise_adagrad(lr=0.1)
     params = ebc.init(jax.random.key(0))
-    kjt = KeyedJaggedTensor(["f", "g"], np.array([1, 2, 15, 0, 7, 3], np.int32), lengths=np.array([2, 1, 1, 2]))
-    return ebc, rule, params, rule.init(params), ebc.prepare(kjt), make_update(ebc, rule, skip_nonfinite=skip_nonfinite)
+    kjt = KeyedJaggedTensor(
+        ["f", "g"], np.array([1, 2, 15, 0, 7, 3], np.int32), lengths=np.array([2, 1, 1, 2])
+    )
+    return (
+        ebc,
+        rule,
+        params,
+        rule.init(params),
+        ebc.prepare(kjt),
+        make_update(ebc, rule, skip_nonfinite=skip_nonfinite),
+    )
 
 
 def _grad(value=1.0):
@@ -84,7 +96,9 @@ def test_the_update_donates_tables_and_state_and_compiles_once(skip_nonfinite):
         old_table, old_state = params["t_u" if "t_u" in params else next(iter(params))], state
         params, state = update(params, state, batch, _grad())
         assert old_table.is_deleted(), "the tables were not donated"
-        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(old_state.tables)), "the state was not donated"
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(old_state.tables)), (
+            "the state was not donated"
+        )
     assert update.compile_count() == 1
 
 
@@ -102,19 +116,27 @@ def test_skip_counters_start_empty_and_keep_the_first_skipped_call():
 
 def test_refusals_name_what_to_do():
     ebc, rule, params, state, batch, update = _setup("xla")
-    with pytest.raises(ValueError, match="^" + re.escape("make_update needs a sparse_jax.optim row rule, got str") + "$"):
+    with pytest.raises(
+        ValueError,
+        match="^" + re.escape("make_update needs a sparse_jax.optim row rule, got str") + "$",
+    ):
         make_update(ebc, "sgd")
-    with pytest.raises(ValueError, match="^" + re.escape("ok= needs make_update(..., skip_nonfinite=True)") + "$"):
+    with pytest.raises(
+        ValueError, match="^" + re.escape("ok= needs make_update(..., skip_nonfinite=True)") + "$"
+    ):
         update(params, state, batch, _grad(), ok=jnp.ones((), bool))
     for plain in (update, make_update(ebc, rule)):  # skip_nonfinite is off unless asked for
-        with pytest.raises(ValueError, match="^" + re.escape("this update was made without skip_nonfinite=True") + "$"):
+        with pytest.raises(
+            ValueError,
+            match="^" + re.escape("this update was made without skip_nonfinite=True") + "$",
+        ):
             plain.nonfinite()
 
 
 def test_all_finite_reads_only_floating_leaves():
     for tree, want in [
         ({}, True),
-        ({"ids": jnp.array([1, 2 ** 31 - 1], jnp.int32)}, True),
+        ({"ids": jnp.array([1, 2**31 - 1], jnp.int32)}, True),
         ((jnp.array([1.0, 2.0]), jnp.array([3], jnp.int32)), True),
         ((jnp.array([1.0, np.nan]), jnp.array([3], jnp.int32)), False),
         ([jnp.zeros(3, jnp.bfloat16), jnp.array([-np.inf], jnp.float32)], False),
@@ -145,7 +167,9 @@ def test_a_guarded_sharded_update_compiles_once_with_and_without_ok():
     params = sharded.init(jax.random.key(0))
     state = rule.init(params)
     update = make_update(sharded, rule, skip_nonfinite=True)
-    kjt = KeyedJaggedTensor(["f", "g"], np.arange(16, dtype=np.int32) % 8, lengths=np.ones(16, np.int32))
+    kjt = KeyedJaggedTensor(
+        ["f", "g"], np.arange(16, dtype=np.int32) % 8, lengths=np.ones(16, np.int32)
+    )
     for ok in (None, jnp.ones((), bool), None, jnp.zeros((), bool)):
         params, state = update(params, state, kjt, jnp.ones((8, 8), jnp.float32), ok=ok)
     assert int(update.nonfinite()[0]) == 1 and update.compile_count() == 1

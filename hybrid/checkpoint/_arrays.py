@@ -104,7 +104,9 @@ def _row_values(arrays, table: str, leaf: str, c0: int, cn: int, where: str) -> 
 def _restore_sparse(model, arrays, where: str) -> None:
     module, opt_state = model.sparse_module, model.sparse_opt_state
     check_mc_tables(model, arrays, where)  # other managed tables: refused before anything changes
-    arrays = reshard_mc_arrays(model, arrays, where)  # id maps saved with another split, their rows with them
+    arrays = reshard_mc_arrays(
+        model, arrays, where
+    )  # id maps saved with another split, their rows with them
     weights = {}
     for t in module.tables:
         key = f"weight/{t.name}"
@@ -171,7 +173,11 @@ def saved_table_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
                 continue
             with z.open(info) as f:
                 version = np.lib.format.read_magic(f)
-                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                read = (
+                    np.lib.format.read_array_header_1_0
+                    if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0
+                )
                 out[name[len("weight/") : -len(".npy")]] = list(read(f)[0])
     return out
 
@@ -180,7 +186,10 @@ def estimate_bytes(model) -> int:
     """About one checkpoint's size: tables, sparse optimizer state, dense tower and its
     optimizer (three times the dense parameters: weights and two Adam moments; before the
     first step a torch optimizer holds no state to measure)."""
-    tables = sum(t.num_embeddings * t.embedding_dim * t.data_type.itemsize for t in model.sparse_module.tables)
+    tables = sum(
+        t.num_embeddings * t.embedding_dim * t.data_type.itemsize
+        for t in model.sparse_module.tables
+    )
     state = sum(
         int(leaf.nbytes)
         for b in model.sparse_opt_state.tables

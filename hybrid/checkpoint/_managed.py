@@ -33,7 +33,9 @@ def mc_state_arrays(model) -> dict[str, np.ndarray]:
     module = _managed(model)
     if module is None:
         return {}
-    states, counters, key = module.host_state()  # gathered from every process on a multi-process mesh
+    states, counters, key = (
+        module.host_state()
+    )  # gathered from every process on a multi-process mesh
     out = {}
     for table, state in states.items():
         for field, leaf in zip(MCH_STATE_FIELDS, state, strict=True):
@@ -51,8 +53,10 @@ def check_mc_tables(model, arrays, where: str) -> None:
     saved = sorted({k.split("/")[1] for k in arrays if k.startswith("mc/")})
     wanted = [] if module is None else module.managed_tables
     if saved != wanted:
-        raise ValueError(f"{where}: the checkpoint holds id maps of managed-collision tables {saved}, this model "
-                         f"manages {wanted}; load it with the same [managed_collision] tables")
+        raise ValueError(
+            f"{where}: the checkpoint holds id maps of managed-collision tables {saved}, this model "
+            f"manages {wanted}; load it with the same [managed_collision] tables"
+        )
 
 
 def reshard_mc_arrays(model, arrays, where: str):
@@ -77,8 +81,12 @@ def reshard_mc_arrays(model, arrays, where: str):
         if saved[0].ndim == 1:
             saved = [leaf[None] for leaf in saved]
         try:
-            moved = reshard_id_maps(MCHState(*saved[:-1]), saved[-1], module.mc.modules[table],
-                                    live.shape[0] if stacked else 1)
+            moved = reshard_id_maps(
+                MCHState(*saved[:-1]),
+                saved[-1],
+                module.mc.modules[table],
+                live.shape[0] if stacked else 1,
+            )
         except ValueError as e:
             raise ValueError(f"{where}: table {table!r}: {e}") from None
         for key, leaf in zip(keys, (*moved.state, moved.counters), strict=True):
@@ -87,9 +95,11 @@ def reshard_mc_arrays(model, arrays, where: str):
             if key == f"weight/{table}" or key.startswith(f"state/{table}/"):
                 out[key] = np.asarray(arrays[key])[moved.row_source]
         if moved.dropped:
-            warnings.warn(f"{where}: table {table!r}: {moved.dropped} resident id(s) found no slot in their new shard "
-                          "(ids do not split evenly under the hash) and were dropped, as an eviction drops them",
-                          stacklevel=2)
+            warnings.warn(
+                f"{where}: table {table!r}: {moved.dropped} resident id(s) found no slot in their new shard "
+                "(ids do not split evenly under the hash) and were dropped, as an eviction drops them",
+                stacklevel=2,
+            )
     return out
 
 
@@ -109,6 +119,8 @@ def restore_mc_state(model, arrays, where: str) -> None:
         states[table] = MCHState(*(arrays[f"mc/{table}/{f}"] for f in MCH_STATE_FIELDS))
         counters[table] = arrays[f"mc/{table}/counters"]
     if "mc_key" not in arrays:
-        raise ValueError(f"{where}: the checkpoint has id maps but no mc_key (the draw key of evicted rows)")
+        raise ValueError(
+            f"{where}: the checkpoint has id maps but no mc_key (the draw key of evicted rows)"
+        )
     key = jax.random.wrap_key_data(np.asarray(arrays["mc_key"]))
     module.load_mc_state(states, counters, key)

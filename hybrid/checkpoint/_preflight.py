@@ -80,12 +80,24 @@ def _claim(root: pathlib.Path, run_id: str | None, config) -> str:
 # -- preflight for the training script ----------------------------------------------------
 
 # config keys whose change makes the resumed run differ from an uninterrupted one
-_RESUME_KEYS = ("seed", "train.batch_size", "data.", "model.data_type", "sparse_optimizer.stochastic_rounding",
-                "managed_collision.")
+_RESUME_KEYS = (
+    "seed",
+    "train.batch_size",
+    "data.",
+    "model.data_type",
+    "sparse_optimizer.stochastic_rounding",
+    "managed_collision.",
+)
 # keys added after checkpoints were first written: a stored config without them had these values
-_ADDED_DEFAULTS = {"model.data_type": "FP32", "sparse_optimizer.stochastic_rounding": True, "data.raw_ids": [],
-                   "managed_collision.eviction_policy": "lru", "managed_collision.eviction_interval": 1,
-                   "managed_collision.threshold": 1, "managed_collision.history_capacity": 0}
+_ADDED_DEFAULTS = {
+    "model.data_type": "FP32",
+    "sparse_optimizer.stochastic_rounding": True,
+    "data.raw_ids": [],
+    "managed_collision.eviction_policy": "lru",
+    "managed_collision.eviction_interval": 1,
+    "managed_collision.threshold": 1,
+    "managed_collision.history_capacity": 0,
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,9 @@ class ClickData:
                 raise ValueError(f"ClickData: feature {key!r} lengths do not sum to its id count")
             if self.num_embeddings[f] == 0:  # raw ids
                 if self.values[f].size and self.values[f].max() == np.iinfo(np.int64).max:
-                    raise ValueError(f"ClickData: feature {key!r} holds the raw id 2**63 - 1, which is reserved")
+                    raise ValueError(
+                        f"ClickData: feature {key!r} holds the raw id 2**63 - 1, which is reserved"
+                    )
             elif self.values[f].size and (
                 self.values[f].min() < 0 or self.values[f].max() >= self.num_embeddings[f]
             ):

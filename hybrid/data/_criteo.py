@@ -106,7 +106,9 @@ def _lines(path: str | os.PathLike, f, start: int = 0) -> Iterator[tuple[int, by
 
 
 _INT64_MAX = (1 << 63) - 1
-_MISSING = _INT64_MAX  # a raw feature's missing value in `_parse` (refused as a value): an empty bag
+_MISSING = (
+    _INT64_MAX  # a raw feature's missing value in `_parse` (refused as a value): an empty bag
+)
 
 
 def _sizes(num_embeddings: int | Sequence[int]) -> tuple[int, ...]:
@@ -168,7 +170,9 @@ def _parse(line: str, where: str, sizes: tuple[int, ...]):
 def _chunk(labels, dense, ids, sizes) -> ClickData:
     n = len(labels)
     id_matrix = np.array(ids, np.int64).reshape(n, NUM_SPARSE)
-    present = (id_matrix != _MISSING) | (np.array(sizes) > 0)  # a raw feature's missing value: no id
+    present = (id_matrix != _MISSING) | (
+        np.array(sizes) > 0
+    )  # a raw feature's missing value: no id
     return ClickData(
         CRITEO_KEYS,
         np.array(dense, np.float32).reshape(n, NUM_DENSE),

@@ -247,8 +247,9 @@ def _read_cache(prepared: pathlib.Path) -> dict[str, np.ndarray] | None:
     return None
 
 
-def load_movielens(cache_dir: str | os.PathLike | None = None, *,
-                   raw_ids: Sequence[str] = ()) -> tuple[ClickData, ClickData]:
+def load_movielens(
+    cache_dir: str | os.PathLike | None = None, *, raw_ids: Sequence[str] = ()
+) -> tuple[ClickData, ClickData]:
     """`(train, eval)` MovieLens-100K click data (see the module docstring).
 
     `raw_ids`: features (e.g. `["user", "item"]`) whose ids come as raw 64-bit ids instead
@@ -257,20 +258,26 @@ def load_movielens(cache_dir: str | os.PathLike | None = None, *,
     value), so nothing tells the model how many users or items there are."""
     unknown = sorted(set(raw_ids) - set(MOVIELENS_FEATURES))
     if unknown:
-        raise ValueError(f"load_movielens: raw_ids names {unknown}, not MovieLens features {list(MOVIELENS_FEATURES)}")
+        raise ValueError(
+            f"load_movielens: raw_ids names {unknown}, not MovieLens features {list(MOVIELENS_FEATURES)}"
+        )
     cache = pathlib.Path(cache_dir) if cache_dir else data_cache_dir()
     prepared = cache / _CACHE_NAME
     arrays = _read_cache(prepared)
     if arrays is None:
         arrays = _prepare(_wheel(cache))
         _write_cache(prepared, arrays)
-    return tuple(_with_raw_ids(ClickData.from_arrays(arrays, part), raw_ids) for part in ("train_", "eval_"))
+    return tuple(
+        _with_raw_ids(ClickData.from_arrays(arrays, part), raw_ids) for part in ("train_", "eval_")
+    )
 
 
 def raw_id(feature: str, index: np.ndarray) -> np.ndarray:
     """The raw 64-bit id of `feature`'s vocabulary `index`es: splitmix64 of a per-feature
     salt plus the index, as int64 (never `2**63 - 1`, reserved by managed collision)."""
-    salt = np.uint64(int.from_bytes(hashlib.blake2b(feature.encode(), digest_size=8).digest(), "little"))
+    salt = np.uint64(
+        int.from_bytes(hashlib.blake2b(feature.encode(), digest_size=8).digest(), "little")
+    )
     with np.errstate(over="ignore"):
         x = np.asarray(index, np.uint64) + salt
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -283,6 +290,10 @@ def raw_id(feature: str, index: np.ndarray) -> np.ndarray:
 def _with_raw_ids(data: ClickData, raw_ids: Sequence[str]) -> ClickData:
     if not raw_ids:
         return data
-    values = tuple(raw_id(k, v) if k in raw_ids else v for k, v in zip(data.keys, data.values, strict=True))
-    sizes = tuple(0 if k in raw_ids else n for k, n in zip(data.keys, data.num_embeddings, strict=True))
+    values = tuple(
+        raw_id(k, v) if k in raw_ids else v for k, v in zip(data.keys, data.values, strict=True)
+    )
+    sizes = tuple(
+        0 if k in raw_ids else n for k, n in zip(data.keys, data.num_embeddings, strict=True)
+    )
     return ClickData(data.keys, data.dense, values, data.lengths, data.labels, sizes)

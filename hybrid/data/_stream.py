@@ -231,8 +231,12 @@ class CriteoStream:
             )
         self.num_embeddings = _sizes(num_embeddings)
         self._share = _share(
-            [os.fspath(p) for p in paths], process_index, process_count, block_rows,
-            self.num_embeddings, num_epochs,
+            [os.fspath(p) for p in paths],
+            process_index,
+            process_count,
+            block_rows,
+            self.num_embeddings,
+            num_epochs,
         )
         self._settings = {
             "files": [os.path.basename(os.fspath(p)) for p in paths],
@@ -280,13 +284,18 @@ class CriteoStream:
     # -- position --------------------------------------------------------------------------
     def state(self) -> dict:
         """The position after the last batch handed out, as a small JSON-able dict."""
-        return {"format": _FORMAT, **copy.deepcopy(self._settings),
-                "position": copy.deepcopy(self._it.get_state())}
+        return {
+            "format": _FORMAT,
+            **copy.deepcopy(self._settings),
+            "position": copy.deepcopy(self._it.get_state()),
+        }
 
     def restore(self, state: dict) -> None:
         """Continue from `state()` of a stream with the same files and settings."""
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
-            raise ValueError(f"CriteoStream.restore: not a stream position ({_FORMAT}): {state!r:.200}")
+            raise ValueError(
+                f"CriteoStream.restore: not a stream position ({_FORMAT}): {state!r:.200}"
+            )
         for key, mine in self._settings.items():
             if state.get(key) != mine:
                 raise ValueError(

@@ -177,7 +177,11 @@ def _spec(
     tables_of: dict[str, list] = {f: [] for f in features}
     for o in source.outputs:
         tables_of[o.feature].append((o.table.name, o.table.num_embeddings))
-    id_maps = {o.feature: source.id_maps[o.table.name] for o in source.outputs if o.table.name in source.id_maps}
+    id_maps = {
+        o.feature: source.id_maps[o.table.name]
+        for o in source.outputs
+        if o.table.name in source.id_maps
+    }
     return RequestSpec(
         tuple(features),
         {f: tuple(v) for f, v in tables_of.items()},
@@ -213,9 +217,14 @@ def _table_entry(i: int, table: _Table, outputs: list[_Output], id_map=None) -> 
         "pooling": t.pooling.value,
         "features": [o.feature for o in outputs if o.table.name == t.name],
         "file": table_file(i, t.name),
-        "managed_collision": None if id_map is None else {
-            "file": id_map_file(i, t.name), "resident": int(len(id_map.ids)), "default_row": int(id_map.default_row),
-            "shards": int(id_map.shards)},
+        "managed_collision": None
+        if id_map is None
+        else {
+            "file": id_map_file(i, t.name),
+            "resident": int(len(id_map.ids)),
+            "default_row": int(id_map.default_row),
+            "shards": int(id_map.shards),
+        },
     }
 
 
@@ -275,8 +284,10 @@ def _manifest(
             }
             for o in source.outputs
         ],
-        "tables": [_table_entry(i, t, source.outputs, source.id_maps.get(t.config.name))
-                   for i, t in enumerate(source.tables)],
+        "tables": [
+            _table_entry(i, t, source.outputs, source.id_maps.get(t.config.name))
+            for i, t in enumerate(source.tables)
+        ],
         "is_weighted": source.is_weighted,
         "bounds_check": source.bounds_check,
         "dense": dense,

@@ -42,8 +42,13 @@ def _own_storage(module: nn.Module) -> nn.Module:
             if t.untyped_storage().nbytes() == t.numel() * t.element_size():
                 continue
             # assigning to an existing name keeps its kind (buffer, persistence; parameter)
-            setattr(m, name, nn.Parameter(t.detach().clone(), t.requires_grad) if isinstance(t, nn.Parameter)
-                    else t.clone())
+            setattr(
+                m,
+                name,
+                nn.Parameter(t.detach().clone(), t.requires_grad)
+                if isinstance(t, nn.Parameter)
+                else t.clone(),
+            )
     return module
 
 

@@ -106,7 +106,13 @@ def lookup_program(
             # only a process with sparse_jax's kernels registered can run (not the server)
             blocks.append(
                 quantized_pooled_lookup(
-                    table, s.packed_type, s.dim, rows, bags, "MEAN" if s.mean else "SUM", weights,
+                    table,
+                    s.packed_type,
+                    s.dim,
+                    rows,
+                    bags,
+                    "MEAN" if s.mean else "SUM",
+                    weights,
                     kernel="xla",
                 )
             )

@@ -57,12 +57,21 @@ class QuantizedModel(nn.Module):
     `sparse_jax.FrozenIdMap`}, empty without managed tables).
     """
 
-    def __init__(self, sparse_module: QuantEmbeddingBagCollection, dense: nn.Module,
-                 managed: ManagedCollisionCollection | None = None, id_maps: Mapping[str, FrozenIdMap] | None = None):
+    def __init__(
+        self,
+        sparse_module: QuantEmbeddingBagCollection,
+        dense: nn.Module,
+        managed: ManagedCollisionCollection | None = None,
+        id_maps: Mapping[str, FrozenIdMap] | None = None,
+    ):
         super().__init__()
-        if (managed is None) != (not id_maps) or (managed is not None and set(id_maps) != set(managed.modules)):
-            raise ValueError("QuantizedModel: give the managed-collision collection and one frozen id map per managed "
-                             "table together (hybrid.quantize does)")
+        if (managed is None) != (not id_maps) or (
+            managed is not None and set(id_maps) != set(managed.modules)
+        ):
+            raise ValueError(
+                "QuantizedModel: give the managed-collision collection and one frozen id map per managed "
+                "table together (hybrid.quantize does)"
+            )
         self.sparse_module = sparse_module
         self.dense = dense.eval().requires_grad_(False)
         self.training = False
@@ -95,8 +104,13 @@ class QuantizedModel(nn.Module):
         for table, id_map in self.id_maps.items():
             mine = owner == table
             values[mine] = frozen_rows(id_map, raw[mine])
-        return KeyedJaggedTensor(ids.keys(), values.astype(np.int32), weights=ids.weights_or_none(),
-                                 lengths=ids.lengths(), stride=ids.stride())
+        return KeyedJaggedTensor(
+            ids.keys(),
+            values.astype(np.int32),
+            weights=ids.weights_or_none(),
+            lengths=ids.lengths(),
+            stride=ids.stride(),
+        )
 
     def forward(self, dense_features: torch.Tensor, sparse) -> torch.Tensor:
         """`dense(dense_features, pooled embeddings of the quantized tables)`."""
@@ -107,7 +121,9 @@ class QuantizedModel(nn.Module):
                 "train the float hybrid.Model and quantize it again"
             )
         pooled = self.sparse_module.apply(self.prepare(sparse))
-        embeddings = dense_torch.KeyedTensor(pooled.keys(), pooled.length_per_key(), jax_to_torch(pooled.values()))
+        embeddings = dense_torch.KeyedTensor(
+            pooled.keys(), pooled.length_per_key(), jax_to_torch(pooled.values())
+        )
         return self.dense(dense_features, embeddings)
 
     def extra_repr(self) -> str:

@@ -100,12 +100,16 @@ def jax_to_torch(array: jax.Array) -> torch.Tensor:
     if len(shards) == 1:  # replicated over the local devices: any one shard is the block
         _STATS.zero_copy += 1
         return torch.from_dlpack(next(iter(shards.values())))
-    out = _join([(box, torch.from_dlpack(data)) for box, data in shards.items()], shape, array.sharding)
+    out = _join(
+        [(box, torch.from_dlpack(data)) for box, data in shards.items()], shape, array.sharding
+    )
     _STATS.copies["joined_shards"] += 1
     return out
 
 
-def _join(parts: list[tuple[tuple[tuple[int, int], ...], torch.Tensor]], shape, sharding) -> torch.Tensor:
+def _join(
+    parts: list[tuple[tuple[tuple[int, int], ...], torch.Tensor]], shape, sharding
+) -> torch.Tensor:
     """One new tensor holding the `(box, tensor)` parts (a box per dim: `(start, stop)` in the
     global array), which must tile one block; its origin is the smallest start per dim."""
     lo = tuple(min(box[d][0] for box, _ in parts) for d in range(len(shape)))
@@ -118,7 +122,9 @@ def _join(parts: list[tuple[tuple[tuple[int, int], ...], torch.Tensor]], shape, 
             "batch dimension so each process holds one contiguous block"
         )
     first = parts[0][1]
-    out = torch.empty([b - a for a, b in zip(lo, hi, strict=True)], dtype=first.dtype, device=first.device)
+    out = torch.empty(
+        [b - a for a, b in zip(lo, hi, strict=True)], dtype=first.dtype, device=first.device
+    )
     for box, part in parts:
         out[tuple(slice(a - l0, b - l0) for (a, b), l0 in zip(box, lo, strict=True))].copy_(part)
     return out

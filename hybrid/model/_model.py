@@ -103,8 +103,13 @@ class Model(nn.Module):
             )
         self.capacity_ladder = tuple(DEFAULT_LADDER if capacity_ladder is None else capacity_ladder)
         module = build_sparse(
-            tables, is_weighted=is_weighted, mesh=mesh, plan=plan, ladder=self.capacity_ladder,
-            input_dist=input_dist, managed_collision_modules=managed_collision_modules,
+            tables,
+            is_weighted=is_weighted,
+            mesh=mesh,
+            plan=plan,
+            ladder=self.capacity_ladder,
+            input_dist=input_dist,
+            managed_collision_modules=managed_collision_modules,
         )
         rule = DEFAULT_SPARSE_OPTIMIZER if sparse_optimizer is None else sparse_optimizer
         self._tables = SparseTables(module, rule, jax.random.key(seed), device=mesh_device(mesh))

@@ -126,16 +126,29 @@ def build_sparse(
     ladder = None if ladder is None else tuple(ladder)
     if managed_collision_modules:  # a module per model (it holds the id maps): never shared
         if mesh is None or (mesh.devices.size == 1 and plan is None):
-            ebc = EmbeddingBagCollection(tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check,
-                                         ladder=ladder)
-            return ManagedCollisionSparseModule(ManagedCollisionEmbeddingBagCollection(ebc, managed_collision_modules))
-        ebc = EmbeddingBagCollection(tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check)
-        sharded = shard(ebc, mesh, plan, ladder=_per_device(ladder, mesh.devices.size), input_dist=input_dist)
+            ebc = EmbeddingBagCollection(
+                tables,
+                is_weighted=is_weighted,
+                kernel=kernel,
+                bounds_check=bounds_check,
+                ladder=ladder,
+            )
+            return ManagedCollisionSparseModule(
+                ManagedCollisionEmbeddingBagCollection(ebc, managed_collision_modules)
+            )
+        ebc = EmbeddingBagCollection(
+            tables, is_weighted=is_weighted, kernel=kernel, bounds_check=bounds_check
+        )
+        sharded = shard(
+            ebc, mesh, plan, ladder=_per_device(ladder, mesh.devices.size), input_dist=input_dist
+        )
         return ShardedManagedCollisionModule(sharded, managed_collision_modules)
     if mesh is None or (mesh.devices.size == 1 and plan is None):
         return _collection(tables, is_weighted, kernel, bounds_check, ladder)
     ebc = _collection(tables, is_weighted, kernel, bounds_check)
-    return shard(ebc, mesh, plan, ladder=_per_device(ladder, mesh.devices.size), input_dist=input_dist)
+    return shard(
+        ebc, mesh, plan, ladder=_per_device(ladder, mesh.devices.size), input_dist=input_dist
+    )
 
 
 def _per_device(ladder: tuple[int, ...] | None, devices: int) -> tuple[int, ...] | None:
@@ -192,7 +205,9 @@ class SparseTables:
     `opt_state` and the update step. It uses the module through the contract only: a managed
     module is reached through `module.managed()`."""
 
-    def __init__(self, module: SparseModule, rule: RowRule, key: jax.Array, device: jax.Device | None = None):
+    def __init__(
+        self, module: SparseModule, rule: RowRule, key: jax.Array, device: jax.Device | None = None
+    ):
         if not isinstance(rule, RowRule):
             raise TypeError(
                 f"sparse_optimizer must be a sparse_jax.optim row rule (sgd, adagrad, rowwise_adagrad, "
@@ -203,7 +218,9 @@ class SparseTables:
         self.pending = None  # the SparseStep whose backward runs next (set by its forward)
         params = module.init(key)
         if self.managed is not None:
-            self.managed.place_maps(device)  # beside the tables, before any checkpoint loads into them
+            self.managed.place_maps(
+                device
+            )  # beside the tables, before any checkpoint loads into them
         # committed to one device from the start: the update returns committed arrays, and
         # jit keys its cache on commitment, so uncommitted first-step inputs would compile twice
         self._params = _committed(params, device)
@@ -230,7 +247,10 @@ class SparseTables:
             )
         for new, old in zip(jax.tree.leaves(state), jax.tree.leaves(current), strict=True):
             if tuple(np.shape(new)) != tuple(old.shape):
-                raise ValueError(f"optimizer state leaf has shape {tuple(np.shape(new))}, expected {tuple(old.shape)}")
+                raise ValueError(
+                    f"optimizer state leaf has shape {tuple(np.shape(new))}, expected {tuple(old.shape)}"
+                )
+
         def place(new, old):
             host = np.asarray(new, old.dtype)
             return jax.make_array_from_callback(old.shape, old.sharding, lambda index: host[index])
@@ -241,14 +261,18 @@ class SparseTables:
         """The batch checked, padded, split and placed on the tables' devices, once."""
         return self.module.prepare(kjt, device=self.device)
 
-    def lookup(self, batch: PreparedBatch, *, training: bool = False) -> tuple[KeyedTensor, PreparedBatch]:
+    def lookup(
+        self, batch: PreparedBatch, *, training: bool = False
+    ) -> tuple[KeyedTensor, PreparedBatch]:
         """(pooled embeddings (JAX KeyedTensor), the batch the update takes). A
         managed-collision batch is remapped first: in training its id maps advance and the
         rows they gave to new ids are reset (donated tables and state), in eval it is only
         read; the update then takes the slot ids."""
         if self.managed is not None and self.managed.needs_remap(batch):
             if training:
-                self._params, self._opt_state, batch = self.managed.remap(self._params, self._opt_state, batch)
+                self._params, self._opt_state, batch = self.managed.remap(
+                    self._params, self._opt_state, batch
+                )
             else:
                 batch = self.managed.remap_eval(batch)
         return self.module.apply(self._params, batch), batch
@@ -268,7 +292,10 @@ class SparseTables:
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled so far by the lookup and the update (for recompilation checks;
         shared with other models built from the same tables and optimizer)."""
-        counts = {"lookup": self.module.lookup_compile_count(), "update": self._update.compile_count()}
+        counts = {
+            "lookup": self.module.lookup_compile_count(),
+            "update": self._update.compile_count(),
+        }
         if self.managed is not None:
             counts["remap"] = self.managed.remap_compile_count()
         return counts
@@ -291,6 +318,7 @@ class SparseTables:
 
 
 # -- the step as torch sees it ---------------------------------------------------------------
+
 
 class SparseStep:
     """One forward's sparse facts: the tables, the prepared batch, the pooled layout, and

@@ -58,9 +58,7 @@ class EmbeddingBagsState(nn.Module):
     def __init__(self, tables: SparseTables):
         super().__init__()
         self._tables = tables
-        self._shapes = {
-            t.name: (t.num_embeddings, t.embedding_dim) for t in tables.module.tables
-        }
+        self._shapes = {t.name: (t.num_embeddings, t.embedding_dim) for t in tables.module.tables}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, weight in self._tables.table_weights_torch().items():

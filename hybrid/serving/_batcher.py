@@ -126,7 +126,11 @@ class Batcher:
         max_samples = min(self.max_batch_size, model.max_batch_size)
         batch, samples, ids = [], 0, 0
         for p in self._queue:
-            fits = p.model is model and samples + p.samples <= max_samples and ids + p.ids <= model.max_ids
+            fits = (
+                p.model is model
+                and samples + p.samples <= max_samples
+                and ids + p.ids <= model.max_ids
+            )
             if batch and not fits:
                 return batch  # full: the next request does not fit or needs another model
             batch.append(p)

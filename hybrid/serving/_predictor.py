@@ -42,19 +42,33 @@ def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, tuple]:
             with np.load(path / mc["file"], allow_pickle=False) as z:
                 ids, rows = z["ids"], z["rows"]
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            raise ArtifactError(f"{where}: {mc['file']} is unreadable ({type(e).__name__}: {e}); re-export the "
-                                "model") from None
+            raise ArtifactError(
+                f"{where}: {mc['file']} is unreadable ({type(e).__name__}: {e}); re-export the "
+                "model"
+            ) from None
         rows_ok = rows.size == 0 or (rows.min() >= 0 and rows.max() < int(entry["num_embeddings"]))
-        shards = int(mc.get("shards", 1))  # absent in artifacts written before sharded maps: one map
+        shards = int(
+            mc.get("shards", 1)
+        )  # absent in artifacts written before sharded maps: one map
         if shards < 1 or shards * (int(mc["default_row"]) + 1) != int(entry["num_embeddings"]):
-            raise ArtifactError(f"{where}: table {entry['name']!r}'s id map names {shards} shard(s) with default row "
-                                f"{mc['default_row']}, which does not split its {entry['num_embeddings']} rows; "
-                                "re-export the model")
-        if (ids.dtype != np.int64 or rows.dtype != np.int32 or ids.shape != rows.shape
-                or ids.shape != (int(mc["resident"]),) or not rows_ok or (np.diff(ids) <= 0).any()):
-            raise ArtifactError(f"{where}: {mc['file']} is not the id map the manifest describes for table "
-                                f"{entry['name']!r} ({mc['resident']} ascending int64 ids with int32 rows in "
-                                f"[0, {entry['num_embeddings']})); re-export the model")
+            raise ArtifactError(
+                f"{where}: table {entry['name']!r}'s id map names {shards} shard(s) with default row "
+                f"{mc['default_row']}, which does not split its {entry['num_embeddings']} rows; "
+                "re-export the model"
+            )
+        if (
+            ids.dtype != np.int64
+            or rows.dtype != np.int32
+            or ids.shape != rows.shape
+            or ids.shape != (int(mc["resident"]),)
+            or not rows_ok
+            or (np.diff(ids) <= 0).any()
+        ):
+            raise ArtifactError(
+                f"{where}: {mc['file']} is not the id map the manifest describes for table "
+                f"{entry['name']!r} ({mc['resident']} ascending int64 ids with int32 rows in "
+                f"[0, {entry['num_embeddings']})); re-export the model"
+            )
         for feature in entry["features"]:
             maps[feature] = (ids, rows, int(mc["default_row"]), shards)
     return maps

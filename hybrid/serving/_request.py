@@ -106,7 +106,7 @@ def _per_sample(feature: str, entry) -> _Column:
         if "ids" not in entry:
             raise RequestError(
                 "malformed",
-                f"feature {feature!r}: a dict entry is {{'ids': [[...], ...], 'weights': [[...], ...]}}"
+                f"feature {feature!r}: a dict entry is {{'ids': [[...], ...], 'weights': [[...], ...]}}",
             )
         bags_w = entry.get("weights")
         entry = entry["ids"]
@@ -119,14 +119,14 @@ def _per_sample(feature: str, entry) -> _Column:
     if isinstance(entry, str | bytes) or not isinstance(entry, Sequence):
         raise RequestError(
             "malformed",
-            f"feature {feature!r}: expected one list of ids per sample (e.g. [[1, 2], [3]]), got {type(entry).__name__}"
+            f"feature {feature!r}: expected one list of ids per sample (e.g. [[1, 2], [3]]), got {type(entry).__name__}",
         )
     bags = []
     for b, bag in enumerate(entry):
         if isinstance(bag, str | bytes) or not isinstance(bag, Sequence | np.ndarray):
             raise RequestError(
                 "malformed",
-                f"feature {feature!r}: sample {b} is {bag!r}; give a list of ids per sample (e.g. [[1, 2], [3]])"
+                f"feature {feature!r}: sample {b} is {bag!r}; give a list of ids per sample (e.g. [[1, 2], [3]])",
             )
         bags.append(bag)
     lengths = np.array([len(bag) for bag in bags], np.int64)
@@ -143,7 +143,7 @@ def _per_sample(feature: str, entry) -> _Column:
         if [len(w) for w in weights] != lengths.tolist():
             raise RequestError(
                 "weights",
-                f"feature {feature!r}: 'weights' must hold one weight per id, sample by sample"
+                f"feature {feature!r}: 'weights' must hold one weight per id, sample by sample",
             )
         try:
             weights = np.asarray(list(itertools.chain.from_iterable(weights)), np.float32)
@@ -168,9 +168,7 @@ def _flat(feature: str, entry) -> _Column:
 def _from_mapping(sparse: Mapping) -> dict[str, _Column]:
     out = {}
     for feature, entry in sparse.items():
-        is_flat = (
-            isinstance(entry, tuple | list) and len(entry) in (2, 3) and _is_array(entry[0])
-        )
+        is_flat = isinstance(entry, tuple | list) and len(entry) in (2, 3) and _is_array(entry[0])
         out[feature] = _flat(feature, entry) if is_flat else _per_sample(feature, entry)
     return out
 
@@ -184,14 +182,14 @@ def _from_keyed(keys, values, lengths, weights) -> dict[str, _Column]:
         raise RequestError(
             "malformed",
             f"the KJT has {len(keys)} keys and {lengths.shape[0]} lengths; give one length per key and sample "
-            "(key-major, the same batch size for every key)"
+            "(key-major, the same batch size for every key)",
         )
     stride = lengths.shape[0] // len(keys)
     ends = np.concatenate([[0], np.cumsum(lengths)])
     if ends[-1] > values.shape[0]:
         raise RequestError(
             "malformed",
-            f"the KJT's lengths add up to {ends[-1]} but it has {values.shape[0]} values"
+            f"the KJT's lengths add up to {ends[-1]} but it has {values.shape[0]} values",
         )
     out = {}
     for k, key in enumerate(keys):
@@ -234,7 +232,7 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
             bad = values.reshape(-1)[0]
             raise RequestError(
                 "ids_not_integer",
-                f"feature {feature!r}: ids must be integers, got {values.dtype} values (e.g. {bad!r})"
+                f"feature {feature!r}: ids must be integers, got {values.dtype} values (e.g. {bad!r})",
             )
     values = values.astype(np.int64)
     id_map = (spec.id_maps or {}).get(feature)
@@ -256,7 +254,7 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
             raise RequestError(
                 "id_out_of_range",
                 f"feature {feature!r} ({what}): id {int(values[i])} at sample {sample}, position "
-                f"{i - int(ends[sample])} in its bag, is outside [{low}, {high}) ({bad.size} such ids); fix the ids"
+                f"{i - int(ends[sample])} in its bag, is outside [{low}, {high}) ({bad.size} such ids); fix the ids",
             )
     return values
 
@@ -268,7 +266,7 @@ def _capacity(n: int, spec: RequestSpec) -> int:
     raise RequestError(
         "too_many_ids",
         f"the request holds {n} ids, more than this artifact's largest id capacity {spec.id_capacities[-1]}; "
-        f"split the request, or re-export with hybrid.export(..., id_capacities=[..., {n}])"
+        f"split the request, or re-export with hybrid.export(..., id_capacities=[..., {n}])",
     )
 
 
@@ -280,14 +278,14 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
         raise RequestError(
             "missing_feature",
             f"the request lacks features {missing}; the artifact reads {list(spec.features)} "
-            "(give an empty list for a sample without ids)"
+            "(give an empty list for a sample without ids)",
         )
     sizes = {f: int(columns[f].lengths.shape[0]) for f in spec.features}
     batch = sizes[spec.features[0]]
     if len(set(sizes.values())) > 1:
         raise RequestError(
             "batch_size",
-            f"features have different batch sizes {sizes}; every feature needs one bag per sample"
+            f"features have different batch sizes {sizes}; every feature needs one bag per sample",
         )
     if batch < 1:
         raise RequestError("batch_size", "the request has no samples")
@@ -295,7 +293,7 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
         raise RequestError(
             "oversize_batch",
             f"the request has {batch} samples, more than this artifact's max_batch_size {spec.max_batch_size}; "
-            f"split the request, or re-export with hybrid.export(..., max_batch_size={batch})"
+            f"split the request, or re-export with hybrid.export(..., max_batch_size={batch})",
         )
     values, lengths, weights = [], [], []
     for f in spec.features:
@@ -304,13 +302,13 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
             b = int(np.flatnonzero(col.lengths < 0)[0])
             raise RequestError(
                 "malformed",
-                f"feature {f!r}: sample {b} has length {int(col.lengths[b])}; lengths must be >= 0"
+                f"feature {f!r}: sample {b} has length {int(col.lengths[b])}; lengths must be >= 0",
             )
         if int(col.lengths.sum()) != col.values.shape[0]:
             raise RequestError(
                 "malformed",
                 f"feature {f!r}: lengths add up to {int(col.lengths.sum())} but there are "
-                f"{col.values.shape[0]} ids"
+                f"{col.values.shape[0]} ids",
             )
         values.append(_check_ids(f, col, spec))
         lengths.append(np.pad(col.lengths, (0, spec.max_batch_size - batch)))
@@ -318,7 +316,7 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
             if col.weights is None:
                 raise RequestError(
                     "weights",
-                    f"feature {f!r} has no weights, but the model is weighted: give one weight per id"
+                    f"feature {f!r} has no weights, but the model is weighted: give one weight per id",
                 )
             weights.append(np.asarray(col.weights, np.float32))
     ids = np.concatenate(values)
@@ -347,7 +345,5 @@ def read_dense(dense_features, n_dense: int, batch_size: int, dtype: torch.dtype
             "dense_shape", f"dense_features is not a numeric array ({e}); {need}"
         ) from None
     if dense.ndim != 2 or dense.shape[1] != n_dense or dense.shape[0] != batch_size:
-        raise RequestError(
-            "dense_shape", f"dense_features has shape {tuple(dense.shape)}; {need}"
-        )
+        raise RequestError("dense_shape", f"dense_features has shape {tuple(dense.shape)}; {need}")
     return dense.cpu().contiguous()

@@ -307,7 +307,9 @@ def create_app(
         sighup = getattr(signal, "SIGHUP", None)  # absent on Windows
         if sighup is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                state.loop.add_signal_handler(sighup, lambda: asyncio.ensure_future(_reload_quietly(state)))
+                state.loop.add_signal_handler(
+                    sighup, lambda: asyncio.ensure_future(_reload_quietly(state))
+                )
         try:
             yield
         finally:
@@ -421,7 +423,9 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:

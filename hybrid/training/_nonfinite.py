@@ -34,7 +34,12 @@ class DenseGuard:
         self.first: torch.Tensor | None = None  # device int: index of the first skipped step, -1
 
     def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return [
+            p
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
 
     def step(self, ok: torch.Tensor, index: int) -> torch.Tensor:
         """`optimizer.step()` kept only if `ok` and all gradients are finite; returns the
@@ -44,7 +49,11 @@ class DenseGuard:
             ok = ok & torch.isfinite(p.grad).all()
         saved_params = [p.detach().clone() for p in params]
         saved_state = {
-            id(p): {k: v.detach().clone() for k, v in self.optimizer.state[p].items() if torch.is_tensor(v)}
+            id(p): {
+                k: v.detach().clone()
+                for k, v in self.optimizer.state[p].items()
+                if torch.is_tensor(v)
+            }
             for p in params
         }
         self.optimizer.step()
@@ -61,6 +70,8 @@ class DenseGuard:
         if self.skipped is None:
             self.skipped = torch.zeros((), dtype=torch.int64, device=bad.device)
             self.first = torch.full((), -1, dtype=torch.int64, device=bad.device)
-        self.first = torch.where((bad > 0) & (self.first < 0), torch.full_like(self.first, index), self.first)
+        self.first = torch.where(
+            (bad > 0) & (self.first < 0), torch.full_like(self.first, index), self.first
+        )
         self.skipped = self.skipped + bad
         return ok

@@ -56,7 +56,9 @@ class BatchPreparationError(RuntimeError):
     """Preparing batch `batch_index` (0-based, in iterator order) failed; `__cause__` is why."""
 
     def __init__(self, batch_index: int, cause: BaseException):
-        super().__init__(f"TrainPipeline: preparing batch {batch_index} failed: {type(cause).__name__}: {cause}")
+        super().__init__(
+            f"TrainPipeline: preparing batch {batch_index} failed: {type(cause).__name__}: {cause}"
+        )
         self.batch_index = batch_index
 
 

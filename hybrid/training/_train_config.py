@@ -154,7 +154,9 @@ class TrainConfig:
     )
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
-    managed_collision: ManagedCollisionSection = dataclasses.field(default_factory=ManagedCollisionSection)
+    managed_collision: ManagedCollisionSection = dataclasses.field(
+        default_factory=ManagedCollisionSection
+    )
     log: LogSection = dataclasses.field(default_factory=LogSection)
 
     def to_dict(self) -> dict:

@@ -16,5 +16,13 @@ from sparse_jax._kernels._ffi import (
     quant_pooled,
 )
 
-__all__ = ["RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "last_update_phases",
-           "pooled_sum", "quant_pooled"]
+__all__ = [
+    "RULES",
+    "available",
+    "fused_update",
+    "jagged_fused_update",
+    "jagged_pooled_sum",
+    "last_update_phases",
+    "pooled_sum",
+    "quant_pooled",
+]

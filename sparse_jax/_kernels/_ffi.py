@@ -11,8 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "RULES", "available", "fused_update", "jagged_fused_update", "jagged_pooled_sum", "last_update_phases",
-    "pooled_sum", "quant_pooled",
+    "RULES",
+    "available",
+    "fused_update",
+    "jagged_fused_update",
+    "jagged_pooled_sum",
+    "last_update_phases",
+    "pooled_sum",
+    "quant_pooled",
 ]
 
 log = logging.getLogger("hybridrec.kernels")
@@ -34,8 +40,13 @@ def _register() -> str | None:
     except (RuntimeError, OSError) as err:
         return f"hybridrec CPU kernels unavailable, using the XLA path: {err}"
     _LIB.append(lib)
-    for name in ("HybridrecPooledSum", "HybridrecJaggedPooledSum", "HybridrecFusedUpdate",
-                 "HybridrecJaggedFusedUpdate", "HybridrecQuantPooled"):
+    for name in (
+        "HybridrecPooledSum",
+        "HybridrecJaggedPooledSum",
+        "HybridrecFusedUpdate",
+        "HybridrecJaggedFusedUpdate",
+        "HybridrecQuantPooled",
+    ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None
 
@@ -66,11 +77,14 @@ def pooled_sum(table: jax.Array, rows: jax.Array, weights: jax.Array) -> jax.Arr
     """`[bags, dim]` fp32: `sum_l weights[b, l] * table[rows[b, l]]` (zero weights skip)."""
     _register()
     out = jax.ShapeDtypeStruct((rows.shape[0], table.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call("HybridrecPooledSum", out)(table, rows.astype(jnp.int32), weights.astype(jnp.float32))
+    return jax.ffi.ffi_call("HybridrecPooledSum", out)(
+        table, rows.astype(jnp.int32), weights.astype(jnp.float32)
+    )
 
 
-def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row_offsets, num_rows, mean,
-                      clamp: bool) -> jax.Array:
+def jagged_pooled_sum(
+    table, values, offsets, weights, *, stride: int, keys, row_offsets, num_rows, mean, clamp: bool
+) -> jax.Array:
     """`[stride, len(keys) * dim]` pooled bags read straight from a KJT's values/offsets,
     feature f in columns `f * dim : (f + 1) * dim` (the KeyedTensor layout).
 
@@ -83,16 +97,32 @@ def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row
     weighted = weights is not None
     weights = weights.astype(jnp.float32) if weighted else jnp.zeros((1,), jnp.float32)
     return jax.ffi.ffi_call("HybridrecJaggedPooledSum", out)(
-        table, values.astype(jnp.int32), offsets.astype(jnp.int32), weights, *meta,
-        stride=np.int64(stride), clamp=np.int32(clamp), weighted=np.int32(weighted),
+        table,
+        values.astype(jnp.int32),
+        offsets.astype(jnp.int32),
+        weights,
+        *meta,
+        stride=np.int64(stride),
+        clamp=np.int32(clamp),
+        weighted=np.int32(weighted),
     )
 
 
 QUANT_KINDS = {"int8": 8, "int4": 4, "int2": 2, "fp16": 16}
 
 
-def quant_pooled(packed, ids, offsets, weights, *, weight_type: str, dim: int, mean: bool, clamp: bool,
-                 max_length: int | None) -> jax.Array:
+def quant_pooled(
+    packed,
+    ids,
+    offsets,
+    weights,
+    *,
+    weight_type: str,
+    dim: int,
+    mean: bool,
+    clamp: bool,
+    max_length: int | None,
+) -> jax.Array:
     """`[B, dim]` fp32 pooled bags of packed rows (`sparse_jax._quant`'s layout), dequantized
     in registers: bag b is `ids[offsets[b]:offsets[b + 1]]`, the rows `scale * q + bias` (or
     fp16), weighted by `weights` (per id, or None), MEAN (static) by `1 / len`. Ids outside
@@ -102,8 +132,14 @@ def quant_pooled(packed, ids, offsets, weights, *, weight_type: str, dim: int, m
     weighted = weights is not None
     weights = weights.astype(jnp.float32) if weighted else jnp.zeros((1,), jnp.float32)
     return jax.ffi.ffi_call("HybridrecQuantPooled", out)(
-        packed, ids.astype(jnp.int32), offsets.astype(jnp.int32), weights, kind=np.int32(QUANT_KINDS[weight_type]),
-        weighted=np.int32(weighted), clamp=np.int32(clamp), mean=np.int32(mean),
+        packed,
+        ids.astype(jnp.int32),
+        offsets.astype(jnp.int32),
+        weights,
+        kind=np.int32(QUANT_KINDS[weight_type]),
+        weighted=np.int32(weighted),
+        clamp=np.int32(clamp),
+        mean=np.int32(mean),
         max_length=np.int64(-1 if max_length is None else max_length),
     )
 
@@ -113,20 +149,51 @@ def _update_call(target: str, table, state):
     _register()
     if state is None or (hasattr(state, "size") and state.size == 0):
         state = jnp.zeros((1,), jnp.float32)
-    outs = (jax.ShapeDtypeStruct(table.shape, jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
+    outs = (
+        jax.ShapeDtypeStruct(table.shape, jnp.float32),
+        jax.ShapeDtypeStruct(state.shape, jnp.float32),
+    )
     return jax.ffi.ffi_call(target, outs, input_output_aliases={0: 0, 1: 1}), state
 
 
-def fused_update(rule: str, table, state, rows, bags, scale, bag_grads, *, lr: float, eps: float = 0.0):
+def fused_update(
+    rule: str, table, state, rows, bags, scale, bag_grads, *, lr: float, eps: float = 0.0
+):
     """One fused row-rule step in place from an id stream: per id its row, its bag (a row of
     `bag_grads`) and its scale; ids with a row or bag out of range, or scale 0, are dropped."""
     call, state = _update_call("HybridrecFusedUpdate", table, state)
-    return call(table, state, rows.astype(jnp.int32), bags.astype(jnp.int32), scale.astype(jnp.float32),
-                bag_grads.astype(jnp.float32), rule=np.int32(RULES[rule]), lr=np.float32(lr), eps=np.float32(eps))
+    return call(
+        table,
+        state,
+        rows.astype(jnp.int32),
+        bags.astype(jnp.int32),
+        scale.astype(jnp.float32),
+        bag_grads.astype(jnp.float32),
+        rule=np.int32(RULES[rule]),
+        lr=np.float32(lr),
+        eps=np.float32(eps),
+    )
 
 
-def jagged_fused_update(rule: str, table, state, values, offsets, weights, pooled_grad, *, stride: int, keys,
-                        row_offsets, num_rows, mean, grad_columns, clamp: bool, lr: float, eps: float = 0.0):
+def jagged_fused_update(
+    rule: str,
+    table,
+    state,
+    values,
+    offsets,
+    weights,
+    pooled_grad,
+    *,
+    stride: int,
+    keys,
+    row_offsets,
+    num_rows,
+    mean,
+    grad_columns,
+    clamp: bool,
+    lr: float,
+    eps: float = 0.0,
+):
     """One fused row-rule step in place, read straight from a KJT's values / offsets and the
     pooled gradient `[stride, total_dim]` (no id stream, no gradient copy).
 
@@ -134,9 +201,24 @@ def jagged_fused_update(rule: str, table, state, values, offsets, weights, poole
     key index, first row in `table`, table rows, MEAN flag and first column in `pooled_grad`
     (static). Ids outside their table are clamped (`clamp`) or dropped."""
     call, state = _update_call("HybridrecJaggedFusedUpdate", table, state)
-    meta = [jnp.asarray(np.asarray(x, np.int32)) for x in (keys, row_offsets, num_rows, mean, grad_columns)]
+    meta = [
+        jnp.asarray(np.asarray(x, np.int32))
+        for x in (keys, row_offsets, num_rows, mean, grad_columns)
+    ]
     weighted = weights is not None
     weights = weights.astype(jnp.float32) if weighted else jnp.zeros((1,), jnp.float32)
-    return call(table, state, values.astype(jnp.int32), offsets.astype(jnp.int32), weights, *meta,
-                pooled_grad.astype(jnp.float32), stride=np.int64(stride), clamp=np.int32(clamp),
-                weighted=np.int32(weighted), rule=np.int32(RULES[rule]), lr=np.float32(lr), eps=np.float32(eps))
+    return call(
+        table,
+        state,
+        values.astype(jnp.int32),
+        offsets.astype(jnp.int32),
+        weights,
+        *meta,
+        pooled_grad.astype(jnp.float32),
+        stride=np.int64(stride),
+        clamp=np.int32(clamp),
+        weighted=np.int32(weighted),
+        rule=np.int32(RULES[rule]),
+        lr=np.float32(lr),
+        eps=np.float32(eps),
+    )

@@ -32,8 +32,15 @@ from jax.experimental import pallas as pl
 
 UNROLL = 4  # ids read per loop step in the jagged kernels
 
-__all__ = ["UNROLL", "jagged_pooled_sum", "per_row_state", "pooled_positions", "sorted_run_update", "sorted_runs",
-           "supports_dim"]
+__all__ = [
+    "UNROLL",
+    "jagged_pooled_sum",
+    "per_row_state",
+    "pooled_positions",
+    "sorted_run_update",
+    "sorted_runs",
+    "supports_dim",
+]
 
 
 def supports_dim(dim: int) -> bool:
@@ -44,8 +51,13 @@ def supports_dim(dim: int) -> bool:
 def per_row_state(state, num_rows: int, dim: int) -> bool:
     """Whether every state leaf is per-row (`[rows]` or `[rows, dim]`): the kernel reads and
     writes them with the row; global leaves (an optax step count) need the XLA form."""
-    return all(hasattr(x, "ndim") and x.ndim in (1, 2) and x.shape[0] == num_rows and (x.ndim == 1 or x.shape[1] == dim)
-               for x in jax.tree_util.tree_leaves(state))
+    return all(
+        hasattr(x, "ndim")
+        and x.ndim in (1, 2)
+        and x.shape[0] == num_rows
+        and (x.ndim == 1 or x.shape[1] == dim)
+        for x in jax.tree_util.tree_leaves(state)
+    )
 
 
 def _compiler_params(num_warps: int):
@@ -58,8 +70,21 @@ def _warps(dim: int) -> int:
     return max(1, min(4, dim // 64))
 
 
-def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row_offsets, num_rows, mean, clamp: bool,
-                      interpret: bool = False, unroll: int = UNROLL):
+def jagged_pooled_sum(
+    table,
+    values,
+    offsets,
+    weights,
+    *,
+    stride: int,
+    keys,
+    row_offsets,
+    num_rows,
+    mean,
+    clamp: bool,
+    interpret: bool = False,
+    unroll: int = UNROLL,
+):
     """Pooled sums `[stride, len(keys) * dim]` fp32 of the KJT features `keys` (indices into
     the KJT's keys), each reading the table buffer at its `row_offsets` with `num_rows`
     rows; `mean` divides a feature's bags by their length; ids outside `[0, num_rows)` are
@@ -69,23 +94,36 @@ def jagged_pooled_sum(table, values, offsets, weights, *, stride: int, keys, row
     dim = table.shape[1]
     if not supports_dim(dim):
         raise ValueError(f"the Pallas lookup needs a power-of-two dim, got {dim}; use kernel='xla'")
-    static = jnp.asarray([list(keys), list(row_offsets), list(num_rows), [int(bool(m)) for m in mean]], jnp.int32)
+    static = jnp.asarray(
+        [list(keys), list(row_offsets), list(num_rows), [int(bool(m)) for m in mean]], jnp.int32
+    )
     weighted = weights is not None
     operands = [static, offsets.astype(jnp.int32), values.astype(jnp.int32)]
     if weighted:
         operands.append(weights.astype(jnp.float32))
     operands.append(table)
-    kernel = functools.partial(_pooled_kernel, stride=stride, dim=dim, clamp=clamp, weighted=weighted,
-                               unroll=max(1, int(unroll)))
+    kernel = functools.partial(
+        _pooled_kernel,
+        stride=stride,
+        dim=dim,
+        clamp=clamp,
+        weighted=weighted,
+        unroll=max(1, int(unroll)),
+    )
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((stride, n_feat * dim), jnp.float32), grid=(n_feat, stride),
-        interpret=interpret, compiler_params=_compiler_params(_warps(dim)), name="hybridrec_jagged_pooled_sum",
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((stride, n_feat * dim), jnp.float32),
+        grid=(n_feat, stride),
+        interpret=interpret,
+        compiler_params=_compiler_params(_warps(dim)),
+        name="hybridrec_jagged_pooled_sum",
     )(*operands)
 
 
 def _in_steps(start, end, unroll: int, body, init):
     """`body(i, in_range, acc)` for i in [start, end), `unroll` positions per loop step (the
     positions past `end` of the last step are masked); the calls run in order."""
+
     def step(g, acc):
         for u in range(unroll):
             i = start + g * unroll + u
@@ -133,8 +171,12 @@ def pooled_positions(table, rows, w, *, interpret: bool = False):
     bags, cap = rows.shape
     kernel = functools.partial(_positions_kernel, cap=cap, dim=dim)
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((bags, dim), jnp.float32), grid=(max(bags, 1),),
-        interpret=interpret, compiler_params=_compiler_params(_warps(dim)), name="hybridrec_pooled_positions",
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((bags, dim), jnp.float32),
+        grid=(max(bags, 1),),
+        interpret=interpret,
+        compiler_params=_compiler_params(_warps(dim)),
+        name="hybridrec_pooled_positions",
     )(rows.astype(jnp.int32), w.astype(jnp.float32), table)
 
 
@@ -162,8 +204,21 @@ def sorted_runs(rows, num_rows: int):
     return rows_s, perm
 
 
-def sorted_run_update(rule, table, state, step, rows_s, perm, bag, scale, bag_grads, good=None, *,
-                      interpret: bool = False, unroll: int = UNROLL):
+def sorted_run_update(
+    rule,
+    table,
+    state,
+    step,
+    rows_s,
+    perm,
+    bag,
+    scale,
+    bag_grads,
+    good=None,
+    *,
+    interpret: bool = False,
+    unroll: int = UNROLL,
+):
     """One fused update of one buffer from `sorted_runs`' output: `(new table, new state)`.
 
     `bag`, `scale`: the stream's (unsorted) per-id bag and scale; `state`: the rule's per-row
@@ -179,29 +234,69 @@ def sorted_run_update(rule, table, state, step, rows_s, perm, bag, scale, bag_gr
         raise ValueError(f"the Pallas update needs a power-of-two dim, got {dim}; use kernel='xla'")
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if not per_row_state(state, num_rows, dim):
-        raise ValueError(f"{rule.name}: the Pallas update needs per-row state leaves ([rows] or [rows, dim]), got "
-                         f"{[getattr(x, 'shape', x) for x in leaves]}; use kernel='xla'")
+        raise ValueError(
+            f"{rule.name}: the Pallas update needs per-row state leaves ([rows] or [rows, dim]), got "
+            f"{[getattr(x, 'shape', x) for x in leaves]}; use kernel='xla'"
+        )
     n = rows_s.shape[0]
     good = jnp.ones((), bool) if good is None else good
-    flags = jnp.stack([jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())])
-    operands = [flags, rows_s, perm, bag.astype(jnp.int32), scale.astype(jnp.float32), bag_grads, table, *leaves]
+    flags = jnp.stack(
+        [jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())]
+    )
+    operands = [
+        flags,
+        rows_s,
+        perm,
+        bag.astype(jnp.int32),
+        scale.astype(jnp.float32),
+        bag_grads,
+        table,
+        *leaves,
+    ]
     first_buffer = 6
-    kernel = functools.partial(_update_kernel, rule=rule, treedef=treedef, num_rows=num_rows,
-                               num_bags=bag_grads.shape[0], n=n, dim=dim, unroll=max(1, int(unroll)))
+    kernel = functools.partial(
+        _update_kernel,
+        rule=rule,
+        treedef=treedef,
+        num_rows=num_rows,
+        num_bags=bag_grads.shape[0],
+        n=n,
+        dim=dim,
+        unroll=max(1, int(unroll)),
+    )
     outs = pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)],
-        grid=(max(n, 1),), input_output_aliases={first_buffer + i: i for i in range(1 + len(leaves))},
-        interpret=interpret, compiler_params=_compiler_params(_warps(dim)), name="hybridrec_sorted_run_update",
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)],
+        grid=(max(n, 1),),
+        input_output_aliases={first_buffer + i: i for i in range(1 + len(leaves))},
+        interpret=interpret,
+        compiler_params=_compiler_params(_warps(dim)),
+        name="hybridrec_sorted_run_update",
     )(*operands)
     return outs[0], jax.tree_util.tree_unflatten(treedef, outs[1:])
 
 
-def _update_kernel(flags_ref, rows_ref, perm_ref, bag_ref, scale_ref, g_ref, t_in, *refs, rule, treedef, num_rows,
-                   num_bags, n, dim, unroll):
+def _update_kernel(
+    flags_ref,
+    rows_ref,
+    perm_ref,
+    bag_ref,
+    scale_ref,
+    g_ref,
+    t_in,
+    *refs,
+    rule,
+    treedef,
+    num_rows,
+    num_bags,
+    n,
+    dim,
+    unroll,
+):
     from sparse_jax.optim._rounding import round_rows
 
     k_leaves = treedef.num_leaves
-    s_in, t_out, s_out = refs[:k_leaves], refs[k_leaves], refs[k_leaves + 1:]
+    s_in, t_out, s_out = refs[:k_leaves], refs[k_leaves], refs[k_leaves + 1 :]
     k = pl.program_id(0)
     row = rows_ref[k]
     prev = rows_ref[jnp.maximum(k - 1, 0)]
@@ -223,15 +318,25 @@ def _update_kernel(flags_ref, rows_ref, perm_ref, bag_ref, scale_ref, g_ref, t_i
             b = bag_ref[at]
             keep = in_run & (b >= 0) & (b < num_bags)
             s = jnp.where(keep, scale_ref[at], jnp.float32(0))
-            return jnp.where(keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc)
+            return jnp.where(
+                keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc
+            )
 
         grad = _in_steps(k, end, unroll, add, jnp.zeros((dim,), jnp.float32))
         w = t_in[row, :].astype(jnp.float32)
         rows_state = jax.tree_util.tree_unflatten(
-            treedef, [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in])
+            treedef,
+            [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in],
+        )
         new_w, new_state = rule.update_rows(w[None, :], rows_state, grad[None, :], step)
-        new_w = round_rows(new_w, t_out.dtype, stochastic=rule.stochastic_rounding, seed=rule.seed, step=step,
-                           rows=jnp.full((1,), row, jnp.int32))
+        new_w = round_rows(
+            new_w,
+            t_out.dtype,
+            stochastic=rule.stochastic_rounding,
+            seed=rule.seed,
+            step=step,
+            rows=jnp.full((1,), row, jnp.int32),
+        )
         t_out[row, :] = new_w[0].astype(t_out.dtype)
         for ref, value in zip(s_out, jax.tree_util.tree_leaves(new_state), strict=True):
             value = value.astype(ref.dtype)

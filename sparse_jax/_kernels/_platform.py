@@ -35,8 +35,13 @@ _by_platform_p = jex_core.Primitive("hybridrec_by_platform")
 _by_platform_p.multiple_results = True
 
 
-def by_platform(operands: Sequence, out_avals: Sequence[jax.ShapeDtypeStruct], *, default: Callable,
-                **impls: Callable | None) -> list:
+def by_platform(
+    operands: Sequence,
+    out_avals: Sequence[jax.ShapeDtypeStruct],
+    *,
+    default: Callable,
+    **impls: Callable | None,
+) -> list:
     """Bind the op. `impls`: platform name (one of `PLATFORMS`) -> implementation; a missing
     or None entry uses `default`."""
     unknown = set(impls) - set(PLATFORMS)
@@ -47,7 +52,9 @@ def by_platform(operands: Sequence, out_avals: Sequence[jax.ShapeDtypeStruct], *
     good = _guard.current()
     if good is not None:
         operands = (*operands, good)
-    return _by_platform_p.bind(*operands, out_avals=avals, default=default, impls=chosen, guarded=good is not None)
+    return _by_platform_p.bind(
+        *operands, out_avals=avals, default=default, impls=chosen, guarded=good is not None
+    )
 
 
 def _call(fn, operands, guarded: bool):
@@ -77,7 +84,9 @@ def _lowering(platform: str):
     def lower(ctx, *operands, out_avals, default, impls, guarded):
         del out_avals
         fn = dict(impls).get(platform, default)
-        return mlir.lower_fun(lambda *xs: _call(fn, xs, guarded), multiple_results=True)(ctx, *operands)
+        return mlir.lower_fun(lambda *xs: _call(fn, xs, guarded), multiple_results=True)(
+            ctx, *operands
+        )
 
     return lower
 

@@ -30,7 +30,16 @@ __all__ = ["build", "library_path", "record_path"]
 log = logging.getLogger("hybridrec.kernels")
 
 SOURCE = pathlib.Path(__file__).with_name("embedding_cpu.cc")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-w"]
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c++17",
+    "-w",
+]
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -38,13 +47,17 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("HYBRIDREC_CACHE", pathlib.Path.home() / ".cache" / "hybridrec"))
+    return pathlib.Path(
+        os.environ.get("HYBRIDREC_CACHE", pathlib.Path.home() / ".cache" / "hybridrec")
+    )
 
 
 def library_path() -> pathlib.Path:
     import jaxlib
 
-    key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + jaxlib.__version__.encode() + " ".join(FLAGS).encode()
+    ).hexdigest()[:16]
     return cache_dir() / f"libhybridrec_cpu_{key}.so"
 
 
@@ -61,7 +74,12 @@ def _expected(compiler: str | None) -> dict:
     """What the record of a library built from the current inputs must say (less its hash)."""
     import jaxlib
 
-    return {"source_sha256": _sha256(SOURCE), "compiler": compiler, "flags": FLAGS, "jaxlib": jaxlib.__version__}
+    return {
+        "source_sha256": _sha256(SOURCE),
+        "compiler": compiler,
+        "flags": FLAGS,
+        "jaxlib": jaxlib.__version__,
+    }
 
 
 def _stale(target: pathlib.Path, compiler: str | None) -> str | None:
@@ -91,7 +109,9 @@ def _compile(compiler: str, out: pathlib.Path) -> None:
     cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"building hybridrec's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+        raise RuntimeError(
+            f"building hybridrec's CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}"
+        )
 
 
 def build(verbose: bool = False) -> pathlib.Path:

@@ -53,7 +53,9 @@ class ManagedModuleBase(LayoutFacts):
         self.mc, self.inner = mc, inner
         self.layout = inner.layout
         self.prepare_count = 0
-        self._table_caps = {name: 0 for name in mc.modules}  # per managed table: id capacity, never shrinks
+        self._table_caps = {
+            name: 0 for name in mc.modules
+        }  # per managed table: id capacity, never shrinks
         self.mc_state, self.mc_counters = self._fresh_maps()
         self._key = self._place_key(jax.random.key(0))
 
@@ -81,8 +83,9 @@ class ManagedModuleBase(LayoutFacts):
         """Commit the id maps, counters and draw key to `device` (where the tables are), so a
         map loaded before the first step lands there too."""
         if device is not None:
-            self.mc_state, self.mc_counters, self._key = jax.device_put((self.mc_state, self.mc_counters, self._key),
-                                                                        device)
+            self.mc_state, self.mc_counters, self._key = jax.device_put(
+                (self.mc_state, self.mc_counters, self._key), device
+            )
 
     @property
     def draw_key(self) -> jax.Array:
@@ -119,8 +122,10 @@ class ManagedModuleBase(LayoutFacts):
 
     def update_operands(self, batch, grad):
         if self.needs_remap(batch):
-            raise TypeError("the fused update of a managed-collision module runs on the table rows its training "
-                            "remap returned, not on the prepared batch")
+            raise TypeError(
+                "the fused update of a managed-collision module runs on the table rows its training "
+                "remap returned, not on the prepared batch"
+            )
         return self.inner.update_operands(batch, grad)
 
     def update_step(self, rule):
@@ -149,28 +154,46 @@ class ManagedModuleBase(LayoutFacts):
     def managed_tables(self) -> list[str]:
         return sorted(self.mc.modules)
 
-    def load_mc_state(self, state: Mapping[str, MCHState], counters: Mapping | None = None,
-                      key: jax.Array | None = None) -> None:
+    def load_mc_state(
+        self,
+        state: Mapping[str, MCHState],
+        counters: Mapping | None = None,
+        key: jax.Array | None = None,
+    ) -> None:
         """Replace the id maps (e.g. from a checkpoint): same tables, shapes and dtypes,
         placed as the current ones."""
         if set(state) != set(self.mc.modules):
-            raise ValueError(f"managed-collision state names tables {sorted(state)}; this model manages "
-                             f"{self.managed_tables}")
+            raise ValueError(
+                f"managed-collision state names tables {sorted(state)}; this model manages "
+                f"{self.managed_tables}"
+            )
 
         def placed(name, what, leaf, old):
             leaf = np.asarray(leaf)
             if leaf.shape != old.shape or leaf.dtype != old.dtype:
-                raise ValueError(f"table {name!r}: managed-collision {what} has {leaf.dtype}{list(leaf.shape)}, "
-                                 f"expected {old.dtype}{list(old.shape)} (zch_size, history_capacity or the "
-                                 "table's sharding changed?)")
-            return jax.make_array_from_callback(leaf.shape, old.sharding, lambda index: leaf[index])  # any process
+                raise ValueError(
+                    f"table {name!r}: managed-collision {what} has {leaf.dtype}{list(leaf.shape)}, "
+                    f"expected {old.dtype}{list(old.shape)} (zch_size, history_capacity or the "
+                    "table's sharding changed?)"
+                )
+            return jax.make_array_from_callback(
+                leaf.shape, old.sharding, lambda index: leaf[index]
+            )  # any process
 
-        new = {name: MCHState(*(placed(name, f, leaf, old) for f, leaf, old in
-                                zip(MCHState._fields, s, self.mc_state[name], strict=True)))
-               for name, s in state.items()}
+        new = {
+            name: MCHState(
+                *(
+                    placed(name, f, leaf, old)
+                    for f, leaf, old in zip(MCHState._fields, s, self.mc_state[name], strict=True)
+                )
+            )
+            for name, s in state.items()
+        }
         if counters is not None:
-            self.mc_counters = {name: placed(name, "counters", counters[name], self.mc_counters[name])
-                                for name in self.managed_tables}
+            self.mc_counters = {
+                name: placed(name, "counters", counters[name], self.mc_counters[name])
+                for name in self.managed_tables
+            }
         self.mc_state = new
         if key is not None:
             self._key = self._place_key(key)

@@ -44,10 +44,14 @@ def _raw_ids(values: np.ndarray) -> np.ndarray:
         return (values[:, 0].astype(np.int64) << 32) | values[:, 1].view(np.uint32).astype(np.int64)
     if values.ndim == 1 and values.dtype.kind in "iu":
         if values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
-            raise ValueError("a managed-collision batch: uint64 ids above 2**63 - 1 do not fit int64")
+            raise ValueError(
+                "a managed-collision batch: uint64 ids above 2**63 - 1 do not fit int64"
+            )
         return values.astype(np.int64)
-    raise ValueError(f"a managed-collision batch carries raw ids as [N] integers (int64 ids, as TorchRec) or [N, 2] "
-                     f"int32 words (RawIds.words()), got {values.dtype} values of shape {tuple(values.shape)}")
+    raise ValueError(
+        f"a managed-collision batch carries raw ids as [N] integers (int64 ids, as TorchRec) or [N, 2] "
+        f"int32 words (RawIds.words()), got {values.dtype} values of shape {tuple(values.shape)}"
+    )
 
 
 def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionCollection):
@@ -56,30 +60,48 @@ def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionCollection):
     raw int64 id of every position; the managed table of every position, "" if none)."""
     host = host_kjt(kjt)
     if host.variable_stride_per_key():
-        raise ValueError("a managed-collision batch needs one stride for every key; expand the KJT first "
-                         "(KeyedJaggedTensor.expand_to_batch)")
+        raise ValueError(
+            "a managed-collision batch needs one stride for every key; expand the KJT first "
+            "(KeyedJaggedTensor.expand_to_batch)"
+        )
     raw = _raw_ids(np.asarray(host.values()))
     keys, stride = host.keys(), host.stride()
-    lengths = np.asarray(host.lengths(), np.int64).reshape(len(keys), stride) if keys else np.zeros((0, stride))
+    lengths = (
+        np.asarray(host.lengths(), np.int64).reshape(len(keys), stride)
+        if keys
+        else np.zeros((0, stride))
+    )
     per_key = lengths.sum(axis=1)
     n = int(per_key.sum())
-    tables = np.array([mc._feature_table.get(k, "") if mc._feature_table.get(k) in mc.modules else ""
-                       for k in keys] + [""], dtype=object)
+    tables = np.array(
+        [
+            mc._feature_table.get(k, "") if mc._feature_table.get(k) in mc.modules else ""
+            for k in keys
+        ]
+        + [""],
+        dtype=object,
+    )
     owner = tables[np.repeat(np.arange(len(keys)), per_key)]
     raw = raw[:n]
     reserved = (owner != "") & (raw == np.iinfo(np.int64).max)
     if reserved.any():
-        where = _validate.locate(int(np.flatnonzero(reserved)[0]), np.asarray(host.lengths()), keys, stride)
-        raise ValueError(f"id 2**63 - 1 at {where} is reserved (it marks an empty slot of a managed-collision "
-                         "table); map it to another id")
+        where = _validate.locate(
+            int(np.flatnonzero(reserved)[0]), np.asarray(host.lengths()), keys, stride
+        )
+        raise ValueError(
+            f"id 2**63 - 1 at {where} is reserved (it marks an empty slot of a managed-collision "
+            "table); map it to another id"
+        )
     plain = np.where(owner != "", 0, raw)
     wide = (plain < np.iinfo(np.int32).min) | (plain > np.iinfo(np.int32).max)
     if wide.any():
         bad = int(np.flatnonzero(wide)[0])
         where = _validate.locate(bad, np.asarray(host.lengths()), keys, stride)
-        raise ValueError(f"id {int(raw[bad])} at {where} is a raw 64-bit id but its table has no managed-collision "
-                         "module; give the table one (managed_collision_modules) or map its ids into the table's "
-                         "rows")
+        raise ValueError(
+            f"id {int(raw[bad])} at {where} is a raw 64-bit id but its table has no managed-collision "
+            "module; give the table one (managed_collision_modules) or map its ids into the table's "
+            "rows"
+        )
     return host._replace(values=plain.astype(np.int32)), raw, owner
 
 

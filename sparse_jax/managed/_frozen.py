@@ -31,7 +31,11 @@ def frozen_map(states: MCHState) -> FrozenIdMap:
     table) or id maps stacked one per shard (`[shards, rows]`: shard s owns table rows
     `s * rows` on). Each id is resident in one shard at most."""
     shard_rows = np.shape(states.sorted_hi)[-1]  # a map holds one entry per slot of its shard
-    raw = RawIds(np.asarray(states.sorted_hi), np.asarray(states.sorted_lo)).to_int64().reshape(-1, shard_rows)
+    raw = (
+        RawIds(np.asarray(states.sorted_hi), np.asarray(states.sorted_lo))
+        .to_int64()
+        .reshape(-1, shard_rows)
+    )
     slots = np.asarray(states.slots, np.int64).reshape(-1, shard_rows)
     rows = slots + np.arange(raw.shape[0])[:, None] * shard_rows
     resident = raw != np.iinfo(np.int64).max

@@ -45,7 +45,14 @@ import numpy as np
 from sparse_jax._kernels._platform import by_platform
 from sparse_jax.optim._rounding import _mix  # murmur3's finalizer, as the rounding draw
 
-__all__ = ["MCH_STATE_FIELDS", "MCHManagedCollisionModule", "MCHState", "RawIds", "hashed_slots", "host_hashed_slots"]
+__all__ = [
+    "MCH_STATE_FIELDS",
+    "MCHManagedCollisionModule",
+    "MCHState",
+    "RawIds",
+    "hashed_slots",
+    "host_hashed_slots",
+]
 
 _HI_MAX = np.int32(np.iinfo(np.int32).max)
 _LO_MAX = np.uint32(np.iinfo(np.uint32).max)  # (_HI_MAX, _LO_MAX) is INT64_MAX: an empty slot
@@ -68,7 +75,9 @@ class RawIds(NamedTuple):
             raise ValueError("RawIds.from_int64: uint64 ids above 2**63 - 1 do not fit int64")
         if (wide == np.iinfo(np.int64).max).any():
             at = int(np.flatnonzero(wide == np.iinfo(np.int64).max)[0])
-            raise ValueError(f"RawIds.from_int64: id 2**63 - 1 at position {at} is reserved (it marks an empty slot)")
+            raise ValueError(
+                f"RawIds.from_int64: id 2**63 - 1 at position {at} is reserved (it marks an empty slot)"
+            )
         return _split_int64(wide)
 
     def to_int64(self) -> np.ndarray:
@@ -76,13 +85,17 @@ class RawIds(NamedTuple):
 
     def words(self) -> np.ndarray:
         """`[N, 2]` int32: the high word, then the low word's bits (KJT values for raw ids)."""
-        return np.stack([np.asarray(self.hi, np.int32), np.asarray(self.lo, np.uint32).view(np.int32)], axis=1)
+        return np.stack(
+            [np.asarray(self.hi, np.int32), np.asarray(self.lo, np.uint32).view(np.int32)], axis=1
+        )
 
     @staticmethod
     def from_words(words) -> RawIds:
         """The inverse of `words` (numpy or JAX arrays, traced too)."""
         words = jnp.asarray(words)
-        return RawIds(words[:, 0].astype(jnp.int32), jax.lax.bitcast_convert_type(words[:, 1], jnp.uint32))
+        return RawIds(
+            words[:, 0].astype(jnp.int32), jax.lax.bitcast_convert_type(words[:, 1], jnp.uint32)
+        )
 
 
 def _split_int64(wide: np.ndarray) -> RawIds:
@@ -107,7 +120,9 @@ class MCHState(NamedTuple):
     last_eviction: jax.Array  # int32: the step of the last eviction
 
 
-MCH_STATE_FIELDS: tuple[str, ...] = MCHState._fields  # the state's fields in order (checkpoints name them)
+MCH_STATE_FIELDS: tuple[str, ...] = (
+    MCHState._fields
+)  # the state's fields in order (checkpoints name them)
 
 
 def _less(ahi, alo, bhi, blo):
@@ -125,15 +140,24 @@ def _search(sorted_hi, sorted_lo, hi, lo):
     gather a step, cheaper on XLA CPU than two 4-byte ones), then the entries of its block."""
     n = sorted_hi.shape[0] - 1
     blocks = n // _BLOCK
-    fence = jnp.stack([sorted_hi[_BLOCK - 1:blocks * _BLOCK:_BLOCK],
-                       jax.lax.bitcast_convert_type(sorted_lo[_BLOCK - 1:blocks * _BLOCK:_BLOCK], jnp.int32)], axis=1)
+    fence = jnp.stack(
+        [
+            sorted_hi[_BLOCK - 1 : blocks * _BLOCK : _BLOCK],
+            jax.lax.bitcast_convert_type(
+                sorted_lo[_BLOCK - 1 : blocks * _BLOCK : _BLOCK], jnp.int32
+            ),
+        ],
+        axis=1,
+    )
 
     def fence_at(at):
         rows = fence[at]
         return rows[:, 0], jax.lax.bitcast_convert_type(rows[:, 1], jnp.uint32)
 
     block = _count_below(fence_at, blocks, jnp.zeros(hi.shape, jnp.int32), hi, lo)
-    return _count_below(lambda at: (sorted_hi[at], sorted_lo[at]), n, block * _BLOCK, hi, lo, _BLOCK - 1)
+    return _count_below(
+        lambda at: (sorted_hi[at], sorted_lo[at]), n, block * _BLOCK, hi, lo, _BLOCK - 1
+    )
 
 
 def _count_below(ids_at, n, start, hi, lo, most=None):
@@ -172,7 +196,9 @@ def _radix_pass(perm, word, shift):
     return perm[(jax.lax.sort(keys) & np.uint32((1 << b) - 1)).astype(jnp.int32)]
 
 
-_STATIC_LOOPS: contextvars.ContextVar = contextvars.ContextVar("hybridrec_static_loops", default=False)
+_STATIC_LOOPS: contextvars.ContextVar = contextvars.ContextVar(
+    "hybridrec_static_loops", default=False
+)
 
 
 @contextlib.contextmanager
@@ -199,9 +225,11 @@ def _radix_order(words, widths, n):
             for shift in range(0, 32, step):
                 perm = jnp.where(shift < width, _radix_pass(perm, word, np.uint32(shift)), perm)
         else:  # as many passes as the traced width needs
-            perm, _ = jax.lax.while_loop(lambda c, w=width: c[1] < w,
-                                         lambda c, w=word: (_radix_pass(c[0], w, c[1].astype(jnp.uint32)), c[1] + step),
-                                         (perm, jnp.int32(0)))
+            perm, _ = jax.lax.while_loop(
+                lambda c, w=width: c[1] < w,
+                lambda c, w=word: (_radix_pass(c[0], w, c[1].astype(jnp.uint32)), c[1] + step),
+                (perm, jnp.int32(0)),
+            )
     return perm
 
 
@@ -244,11 +272,17 @@ class MCHManagedCollisionModule:
         name = "MCHManagedCollisionModule"
         for field in ("zch_size", "history_capacity", "eviction_interval", "threshold"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (2 if field == "zch_size" else 1):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < (2 if field == "zch_size" else 1)
+            ):
                 low = "2 (one row is the default row)" if field == "zch_size" else "1"
                 raise ValueError(f"{name}: {field}={value!r} must be an int >= {low}")
         if self.eviction_policy not in _POLICIES:
-            raise ValueError(f"{name}: eviction_policy={self.eviction_policy!r}; choose one of {list(_POLICIES)}")
+            raise ValueError(
+                f"{name}: eviction_policy={self.eviction_policy!r}; choose one of {list(_POLICIES)}"
+            )
 
     @property
     def default_slot(self) -> int:
@@ -258,11 +292,16 @@ class MCHManagedCollisionModule:
     def init(self) -> MCHState:
         z, h = self.zch_size, self.history_capacity
         return MCHState(
-            sorted_hi=jnp.full(z, _HI_MAX, jnp.int32), sorted_lo=jnp.full(z, _LO_MAX, jnp.uint32),
-            slots=jnp.arange(z, dtype=jnp.int32), counts=jnp.zeros(z, jnp.int32),
-            last_access=jnp.zeros(z, jnp.int32), window_hi=jnp.zeros(h, jnp.int32),
-            window_lo=jnp.zeros(h, jnp.uint32), window_step=jnp.zeros(h, jnp.int32),
-            window_used=jnp.zeros((), jnp.int32), step=jnp.zeros((), jnp.int32),
+            sorted_hi=jnp.full(z, _HI_MAX, jnp.int32),
+            sorted_lo=jnp.full(z, _LO_MAX, jnp.uint32),
+            slots=jnp.arange(z, dtype=jnp.int32),
+            counts=jnp.zeros(z, jnp.int32),
+            last_access=jnp.zeros(z, jnp.int32),
+            window_hi=jnp.zeros(h, jnp.int32),
+            window_lo=jnp.zeros(h, jnp.uint32),
+            window_step=jnp.zeros(h, jnp.int32),
+            window_used=jnp.zeros((), jnp.int32),
+            step=jnp.zeros((), jnp.int32),
             last_eviction=jnp.zeros((), jnp.int32),
         )
 
@@ -272,17 +311,21 @@ class MCHManagedCollisionModule:
         hit = (state.sorted_hi[pos] == ids.hi) & (state.sorted_lo[pos] == ids.lo)
         return jnp.where(hit, state.slots[pos], self.default_slot)
 
-    def profile(self, state: MCHState, ids: RawIds, valid: jax.Array | None = None) -> tuple[MCHState, jax.Array]:
+    def profile(
+        self, state: MCHState, ids: RawIds, valid: jax.Array | None = None
+    ) -> tuple[MCHState, jax.Array]:
         """Record a training batch (`valid` masks padding) and evict when due.
 
         Returns the new state and a bool[zch_size] mask of the slots given to new ids this
         call (reset their rows and optimizer state)."""
         n = ids.hi.shape[0]
         if n * self.eviction_interval > self.history_capacity:
-            raise ValueError(f"MCHManagedCollisionModule: {self.eviction_interval} batches of {n} id positions (padding "
-                             f"to the capacity rung included) may exceed history_capacity={self.history_capacity}; "
-                             "give history_capacity >= positions per batch * eviction_interval (nothing a window "
-                             "holds is ever dropped)")
+            raise ValueError(
+                f"MCHManagedCollisionModule: {self.eviction_interval} batches of {n} id positions (padding "
+                f"to the capacity rung included) may exceed history_capacity={self.history_capacity}; "
+                "give history_capacity >= positions per batch * eviction_interval (nothing a window "
+                "holds is ever dropped)"
+            )
         valid = jnp.ones(n, bool) if valid is None else valid
         leaves, tree = jax.tree_util.tree_flatten((state, ids, valid))
         out = jax.eval_shape(self._profile, state, ids, valid)
@@ -291,14 +334,18 @@ class MCHManagedCollisionModule:
         def form(static: bool):
             def run(*ops):
                 with _static_loops(static):
-                    return jax.tree_util.tree_leaves(self._profile(*jax.tree_util.tree_unflatten(tree, ops)))
+                    return jax.tree_util.tree_leaves(
+                        self._profile(*jax.tree_util.tree_unflatten(tree, ops))
+                    )
 
             return run
 
         got = by_platform(leaves, out_leaves, default=form(False), cuda=form(True), rocm=form(True))
         return jax.tree_util.tree_unflatten(out_tree, got)
 
-    def _profile(self, state: MCHState, ids: RawIds, valid: jax.Array) -> tuple[MCHState, jax.Array]:
+    def _profile(
+        self, state: MCHState, ids: RawIds, valid: jax.Array
+    ) -> tuple[MCHState, jax.Array]:
         """`profile`'s program (checked arguments)."""
         n = ids.hi.shape[0]
         step = state.step + 1
@@ -311,13 +358,20 @@ class MCHManagedCollisionModule:
             state.window_lo.at[at].set(ids.lo, mode="drop"),
             state.window_step.at[at].set(jnp.broadcast_to(step, (n,)), mode="drop"),
         )
-        state = state._replace(window_hi=window[0], window_lo=window[1], window_step=window[2],
-                               window_used=state.window_used + taken, step=step)
+        state = state._replace(
+            window_hi=window[0],
+            window_lo=window[1],
+            window_step=window[2],
+            window_used=state.window_used + taken,
+            step=step,
+        )
         due = step - state.last_eviction == self.eviction_interval
         evicted = jnp.zeros(self.zch_size, bool)
         if _STATIC_LOOPS.get():  # computed every call, kept when due: no conditional
             done = self._evict(state)
-            return jax.tree_util.tree_map(lambda new, old: jnp.where(due, new, old), done, (state, evicted))
+            return jax.tree_util.tree_map(
+                lambda new, old: jnp.where(due, new, old), done, (state, evicted)
+            )
         return jax.lax.cond(due, self._evict, lambda s: (s, evicted), state)
 
     def _evict(self, state: MCHState) -> tuple[MCHState, jax.Array]:
@@ -327,8 +381,12 @@ class MCHManagedCollisionModule:
         hit = real & (state.sorted_hi[pos] == uhi) & (state.sorted_lo[pos] == ulo)
         hit_at = jnp.where(hit, pos, z)
         int_max = jnp.iinfo(jnp.int32).max
-        added = jnp.zeros(z, jnp.int32).at[hit_at].add(count, mode="drop")  # one window id per resident entry
-        counts = jnp.where(state.counts > int_max - added, int_max, state.counts + added)  # saturates, never wraps
+        added = (
+            jnp.zeros(z, jnp.int32).at[hit_at].add(count, mode="drop")
+        )  # one window id per resident entry
+        counts = jnp.where(
+            state.counts > int_max - added, int_max, state.counts + added
+        )  # saturates, never wraps
         lasts = state.last_access.at[hit_at].set(last, mode="drop")
         counts, lasts = counts.at[z - 1].set(int_max), lasts.at[z - 1].set(state.step)
         new = real & ~hit
@@ -339,8 +397,10 @@ class MCHManagedCollisionModule:
             resident_score, new_score = lasts, last
             # last access descending (within the window: step - last < interval), then count
             # descending, then raw id
-            fields = [((state.step - last).astype(jnp.uint32), (self.eviction_interval - 1).bit_length()),
-                      ((h - count).astype(jnp.uint32), (h - 1).bit_length())]
+            fields = [
+                ((state.step - last).astype(jnp.uint32), (self.eviction_interval - 1).bit_length()),
+                ((h - count).astype(jnp.uint32), (h - 1).bit_length()),
+            ]
         winner, loser = _contest(new, new_score, fields, resident_score)
         loser_slot = state.slots[jnp.minimum(loser, z - 1)]
         evicted = jnp.zeros(z, bool).at[jnp.where(loser < z, loser_slot, z)].set(True, mode="drop")
@@ -348,16 +408,29 @@ class MCHManagedCollisionModule:
         won = jnp.zeros(h, bool).at[winner].set(True, mode="drop")
         won_slot = jnp.zeros(h, jnp.int32).at[winner].set(loser_slot, mode="drop")
         # where every entry lands once losers leave and winners join, still sorted by raw id
-        below = pos + _less(state.sorted_hi[pos], state.sorted_lo[pos], uhi, ulo).astype(jnp.int32)  # residents < id
+        below = pos + _less(state.sorted_hi[pos], state.sorted_lo[pos], uhi, ulo).astype(
+            jnp.int32
+        )  # residents < id
         stay_at, win_at = _merged_places(lost, won, below)
 
         def place(stayers, winners):
-            return jnp.zeros_like(stayers).at[stay_at].set(stayers, mode="drop").at[win_at].set(winners, mode="drop")
+            return (
+                jnp.zeros_like(stayers)
+                .at[stay_at]
+                .set(stayers, mode="drop")
+                .at[win_at]
+                .set(winners, mode="drop")
+            )
 
         state = state._replace(
-            sorted_hi=place(state.sorted_hi, uhi), sorted_lo=place(state.sorted_lo, ulo),
-            slots=place(state.slots, won_slot), counts=place(counts, count), last_access=place(lasts, last),
-            window_used=jnp.zeros((), jnp.int32), window_step=jnp.zeros(h, jnp.int32), last_eviction=state.step,
+            sorted_hi=place(state.sorted_hi, uhi),
+            sorted_lo=place(state.sorted_lo, ulo),
+            slots=place(state.slots, won_slot),
+            counts=place(counts, count),
+            last_access=place(lasts, last),
+            window_used=jnp.zeros((), jnp.int32),
+            window_step=jnp.zeros(h, jnp.int32),
+            last_eviction=state.step,
         )
         return state, evicted
 
@@ -368,11 +441,22 @@ def _window_ids(state: MCHState, threshold: int):
     h = state.window_hi.shape[0]
     used = jnp.arange(h) < state.window_used
     # unused entries (the window's tail) take the largest key: the stable sort leaves them last
-    key_hi = jnp.where(used, jax.lax.bitcast_convert_type(state.window_hi, jnp.uint32) ^ np.uint32(1 << 31), _LO_MAX)
+    key_hi = jnp.where(
+        used,
+        jax.lax.bitcast_convert_type(state.window_hi, jnp.uint32) ^ np.uint32(1 << 31),
+        _LO_MAX,
+    )
     key_lo = jnp.where(used, state.window_lo, _LO_MAX)
     order = _radix_order([key_hi, key_lo], [32, 32], h)
-    whi, wlo, wstep, wused = state.window_hi[order], state.window_lo[order], state.window_step[order], used[order]
-    first = wused & jnp.concatenate([jnp.ones(1, bool), (whi[1:] != whi[:-1]) | (wlo[1:] != wlo[:-1])])
+    whi, wlo, wstep, wused = (
+        state.window_hi[order],
+        state.window_lo[order],
+        state.window_step[order],
+        used[order],
+    )
+    first = wused & jnp.concatenate(
+        [jnp.ones(1, bool), (whi[1:] != whi[:-1]) | (wlo[1:] != wlo[:-1])]
+    )
     uid = jnp.where(wused, _prefix_sum(first.astype(jnp.int32)) - 1, h)
     count = jax.ops.segment_sum(wused.astype(jnp.int32), uid, h)
     last = jax.ops.segment_max(jnp.where(wused, wstep, 0), uid, h)
@@ -393,14 +477,16 @@ def _contest(new, new_score, fields, resident_score):
     # at most h new ids, so only the h weakest residents can lose; the last entry (the default
     # slot's, scored highest) never does
     k = min(h, z - 1)
-    weakest = _weakest_first(resident_score[:z - 1], k)
+    weakest = _weakest_first(resident_score[: z - 1], k)
     # the i-th best new id is in the top z iff it beats the i-th weakest resident
     i = jnp.arange(k, dtype=jnp.int32)
     best_score = jnp.where(i < jnp.sum(new.astype(jnp.int32)), new_score[best[:k]], -1)
     n_won = jnp.sum((best_score > resident_score[weakest]).astype(jnp.int32))
     # the best winner takes the best loser's (the n_won-th weakest) entry, and so on down
     moved = i < n_won
-    return jnp.where(moved, best[:k], h), jnp.where(moved, weakest[jnp.maximum(n_won - 1 - i, 0)], z)
+    return jnp.where(moved, best[:k], h), jnp.where(
+        moved, weakest[jnp.maximum(n_won - 1 - i, 0)], z
+    )
 
 
 def _best_new_first(new, fields):
@@ -410,8 +496,15 @@ def _best_new_first(new, fields):
     at = jnp.where(new, _prefix_sum(new.astype(jnp.int32)) - 1, n)
     index = jnp.zeros(n, jnp.int32).at[at].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     # the others, packed last, take the largest key: the stable sort leaves them last
-    fields = [(jnp.full(n, (1 << bits) - 1, jnp.uint32).at[at].set(value.astype(jnp.uint32), mode="drop"), bits)
-              for value, bits in fields]
+    fields = [
+        (
+            jnp.full(n, (1 << bits) - 1, jnp.uint32)
+            .at[at]
+            .set(value.astype(jnp.uint32), mode="drop"),
+            bits,
+        )
+        for value, bits in fields
+    ]
     words, widths = _pack(fields)
     return index[_radix_order(words, widths, n)]
 
@@ -426,8 +519,11 @@ def _weakest_first(score, k):
     tied_after = _prefix_sum(tied[::-1].astype(jnp.int32))[::-1]  # tied entries at positions >= p
     take = below | (tied & (tied_after <= k - jnp.sum(below.astype(jnp.int32))))
     at = _prefix_sum(take[::-1].astype(jnp.int32))[::-1] - 1  # latest position first
-    picked = jnp.zeros(k, jnp.int32).at[jnp.where(take, at, k)].set(
-        jnp.arange(score.shape[0], dtype=jnp.int32), mode="drop")
+    picked = (
+        jnp.zeros(k, jnp.int32)
+        .at[jnp.where(take, at, k)]
+        .set(jnp.arange(score.shape[0], dtype=jnp.int32), mode="drop")
+    )
     low = jnp.min(score)
     key = (score[picked] - low).astype(jnp.uint32)
     return picked[_radix_order([key], [_bit_length(t - low)], k)]
@@ -435,6 +531,7 @@ def _weakest_first(score, k):
 
 def _kth_smallest(score, k):
     """The `k`-th smallest of int32 `score` (>= 0), by bisection over values."""
+
     def count_at_most(t):
         return jnp.sum((score <= t).astype(jnp.int32))
 
@@ -447,8 +544,11 @@ def _kth_smallest(score, k):
     # count_at_most(lo) < k <= count_at_most(hi)
     bounds = (jnp.min(score) - 1, jnp.max(score))
     if _STATIC_LOOPS.get():  # an int32 range halves to one value in at most 32 steps
+
         def halve_open(_, b):
-            return tuple(jnp.where(b[0] < b[1] - 1, new, old) for new, old in zip(halve(b), b, strict=True))
+            return tuple(
+                jnp.where(b[0] < b[1] - 1, new, old) for new, old in zip(halve(b), b, strict=True)
+            )
 
         return jax.lax.fori_loop(0, 33, halve_open, bounds)[1]
     _, hi = jax.lax.while_loop(lambda b: b[0] < b[1] - 1, halve, bounds)
@@ -471,7 +571,11 @@ def _merged_places(lost, won, below):
 def hashed_slots(ids: RawIds, num_embeddings: int, seed: int = 0) -> jax.Array:
     """Plain hashed mode: int32 slot in [0, num_embeddings) per raw id (collisions accepted).
     A murmur3-style mix of both words, so ids that differ only in the high word spread too."""
-    if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 1:
+    if (
+        isinstance(num_embeddings, bool)
+        or not isinstance(num_embeddings, int)
+        or num_embeddings < 1
+    ):
         raise ValueError(f"hashed_slots: num_embeddings={num_embeddings!r} must be an int >= 1")
     x = ids.lo.astype(jnp.uint32) ^ jnp.uint32(seed & 0xFFFFFFFF)
     x = _mix(x ^ _mix(ids.hi.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
@@ -482,7 +586,10 @@ def host_hashed_slots(ids: np.ndarray, num_embeddings: int, seed: int = 0) -> np
     """`hashed_slots` of int64 `ids` on the host, with numpy (bit for bit the same slots):
     for host-side preparation, which must not run device work."""
     words = _split_int64(ids)
-    hi, lo = words.hi.astype(np.uint32), words.lo  # the high word's bits, as the device hash takes them
+    hi, lo = (
+        words.hi.astype(np.uint32),
+        words.lo,
+    )  # the high word's bits, as the device hash takes them
 
     def mix(h):
         h = h ^ (h >> np.uint32(16))

@@ -30,9 +30,16 @@ class RowBlock(NamedTuple):
     here: Any = True
 
 
-def reset_rows(params: Mapping[str, jax.Array], opt_tables: Mapping[str, Any], evicted: Mapping[str, jax.Array],
-               key: jax.Array, *, configs: Mapping[str, Any], limits: Mapping[str, int],
-               blocks: Mapping[str, Sequence[RowBlock]]):
+def reset_rows(
+    params: Mapping[str, jax.Array],
+    opt_tables: Mapping[str, Any],
+    evicted: Mapping[str, jax.Array],
+    key: jax.Array,
+    *,
+    configs: Mapping[str, Any],
+    limits: Mapping[str, int],
+    blocks: Mapping[str, Sequence[RowBlock]],
+):
     """(params, opt_tables) with every table row `evicted[table]` (bool over the table's
     rows) marks drawn afresh in each of `blocks[table]`, and its per-row optimizer state
     zeroed. `limits[table]`: at most that many rows are marked, and that many rows are drawn
@@ -40,17 +47,29 @@ def reset_rows(params: Mapping[str, jax.Array], opt_tables: Mapping[str, Any], e
     params, opt_tables = dict(params), dict(opt_tables)
     for i, name in enumerate(sorted(evicted)):
         config, k = configs[name], limits[name]
-        (rows,) = jnp.nonzero(evicted[name], size=k, fill_value=config.num_embeddings)  # fill: dropped
+        (rows,) = jnp.nonzero(
+            evicted[name], size=k, fill_value=config.num_embeddings
+        )  # fill: dropped
         fresh = config.initial_weights(jax.random.fold_in(key, i), rows=k)
         for block in blocks[name]:
             w = params[block.buffer]
             limit = w.shape[0]
-            inside = (rows >= block.row_offset) & (rows < block.row_offset + block.num_rows) & block.here
+            inside = (
+                (rows >= block.row_offset) & (rows < block.row_offset + block.num_rows) & block.here
+            )
             at = jnp.where(inside, block.buffer_row + rows - block.row_offset, limit)
             c0, cn = block.col_offset, block.num_cols
-            params[block.buffer] = w.at[at, :cn].set(fresh[:, c0:c0 + cn].astype(w.dtype), mode="drop")
+            params[block.buffer] = w.at[at, :cn].set(
+                fresh[:, c0 : c0 + cn].astype(w.dtype), mode="drop"
+            )
             leaves = opt_tables.get(block.buffer)
             if isinstance(leaves, Mapping):
-                opt_tables[block.buffer] = {n: (leaf.at[at].set(0, mode="drop") if leaf.ndim and leaf.shape[0] == limit
-                                                else leaf) for n, leaf in leaves.items()}
+                opt_tables[block.buffer] = {
+                    n: (
+                        leaf.at[at].set(0, mode="drop")
+                        if leaf.ndim and leaf.shape[0] == limit
+                        else leaf
+                    )
+                    for n, leaf in leaves.items()
+                }
     return params, opt_tables

@@ -41,7 +41,9 @@ _EMPTY = np.iinfo(np.int64).max
 
 class ReshardedIdMaps(NamedTuple):
     state: MCHState  # numpy leaves stacked one per new shard: [shards, ...]
-    counters: np.ndarray  # int32 [shards, 3]: occupancy, admissions, evictions (totals kept on shard 0)
+    counters: (
+        np.ndarray
+    )  # int32 [shards, 3]: occupancy, admissions, evictions (totals kept on shard 0)
     row_source: np.ndarray  # int64 [num_embeddings]: the saved table row each new row takes
     dropped: int  # resident ids no new shard had a slot for
 
@@ -52,8 +54,9 @@ def _owners(raw: np.ndarray, shards: int) -> np.ndarray:
     return np.asarray(hashed_slots(RawIds.from_int64(raw), shards), np.int64)
 
 
-def reshard_id_maps(state: MCHState, counters: np.ndarray, module: MCHManagedCollisionModule,
-                    shards: int) -> ReshardedIdMaps:
+def reshard_id_maps(
+    state: MCHState, counters: np.ndarray, module: MCHManagedCollisionModule, shards: int
+) -> ReshardedIdMaps:
     """The id maps `state` (numpy leaves stacked one per saved shard, `[S, ...]`; `module`
     is the whole table's, `zch_size` its rows) and their `counters` (`[S, 3]`) moved onto
     `shards` shards (module docstring)."""
@@ -61,17 +64,23 @@ def reshard_id_maps(state: MCHState, counters: np.ndarray, module: MCHManagedCol
     z = module.zch_size
     old = state.sorted_hi.shape[0]
     if z % old or z % shards or z // shards < 2:
-        raise ValueError(f"id maps of a table of {z} rows cannot move from {old} to {shards} shard(s): every shard "
-                         "needs the same number of rows, at least 2 (one is its default row)")
+        raise ValueError(
+            f"id maps of a table of {z} rows cannot move from {old} to {shards} shard(s): every shard "
+            "needs the same number of rows, at least 2 (one is its default row)"
+        )
     rows_old, rows_new = z // old, z // shards
     saved_rows, saved_window = old * state.sorted_hi.shape[1], state.window_hi.shape[1]
     if saved_rows != z or saved_window != module.history_capacity:
-        raise ValueError(f"the saved id maps hold {saved_rows} rows and windows of {saved_window} ids, this table "
-                         f"{z} rows and history_capacity={module.history_capacity}; load them with the saved "
-                         "zch_size and history_capacity (only the split may change)")
+        raise ValueError(
+            f"the saved id maps hold {saved_rows} rows and windows of {saved_window} ids, this table "
+            f"{z} rows and history_capacity={module.history_capacity}; load them with the saved "
+            "zch_size and history_capacity (only the split may change)"
+        )
     if len({int(x) for x in state.step}) != 1 or len({int(x) for x in state.last_eviction}) != 1:
-        raise ValueError("the saved id maps of one table disagree on their step or last eviction; the checkpoint "
-                         "is not of one run")
+        raise ValueError(
+            "the saved id maps of one table disagree on their step or last eviction; the checkpoint "
+            "is not of one run"
+        )
     raw = RawIds(state.sorted_hi, state.sorted_lo).to_int64()  # [old, rows_old]
     resident = raw != _EMPTY
     shard_of = np.repeat(np.arange(old), rows_old).reshape(old, rows_old)
@@ -82,26 +91,37 @@ def reshard_id_maps(state: MCHState, counters: np.ndarray, module: MCHManagedCol
     score = counts if module.eviction_policy == "lfu" else lasts
 
     out = {f: [] for f in MCHState._fields}
-    row_source = np.arange(z, dtype=np.int64)  # free rows: whatever they hold (reset when given to an id)
+    row_source = np.arange(
+        z, dtype=np.int64
+    )  # free rows: whatever they hold (reset when given to an id)
     window = _moved_window(state, shards, module.history_capacity)
     dropped = 0
     for s in range(shards):
         mine = np.flatnonzero(owner == s)
-        keep = mine[np.lexsort((ids[mine], -score[mine]))][: rows_new - 1]  # strongest, then smaller id
+        keep = mine[np.lexsort((ids[mine], -score[mine]))][
+            : rows_new - 1
+        ]  # strongest, then smaller id
         dropped += len(mine) - len(keep)
         keep = keep[np.argsort(ids[keep], kind="stable")]  # the map keeps its ids ascending
         k = len(keep)
         hi, lo = _split_int64(np.concatenate([ids[keep], np.full(rows_new - k, _EMPTY)]))
-        row_source[s * rows_new: s * rows_new + k] = source[keep]
-        row_source[s * rows_new + rows_new - 1] = (s % old) * rows_old + rows_old - 1  # the default row
+        row_source[s * rows_new : s * rows_new + k] = source[keep]
+        row_source[s * rows_new + rows_new - 1] = (
+            (s % old) * rows_old + rows_old - 1
+        )  # the default row
         tail = (s % old, -1)  # the default entry's metadata (always the last sorted entry)
         out["sorted_hi"].append(hi)
         out["sorted_lo"].append(lo)
         out["slots"].append(np.arange(rows_new, dtype=np.int32))
-        out["counts"].append(np.concatenate([counts[keep], np.zeros(rows_new - k - 1), [state.counts[tail]]]))
-        out["last_access"].append(np.concatenate([lasts[keep], np.zeros(rows_new - k - 1),
-                                                  [state.last_access[tail]]]))
-        for field, leaf in zip(("window_hi", "window_lo", "window_step", "window_used"), window[s], strict=True):
+        out["counts"].append(
+            np.concatenate([counts[keep], np.zeros(rows_new - k - 1), [state.counts[tail]]])
+        )
+        out["last_access"].append(
+            np.concatenate([lasts[keep], np.zeros(rows_new - k - 1), [state.last_access[tail]]])
+        )
+        for field, leaf in zip(
+            ("window_hi", "window_lo", "window_step", "window_used"), window[s], strict=True
+        ):
             out[field].append(leaf)
         out["step"].append(state.step[0])
         out["last_eviction"].append(state.last_eviction[0])
@@ -111,8 +131,9 @@ def reshard_id_maps(state: MCHState, counters: np.ndarray, module: MCHManagedCol
     new_counters = np.zeros((shards, 3), np.int64)
     new_counters[:, 0] = ((new.sorted_hi != _HI_MAX) | (new.sorted_lo != _LO_MAX)).sum(axis=1)
     new_counters[0, 1:] = totals[1:] + [0, dropped]
-    return ReshardedIdMaps(new, np.minimum(new_counters, np.iinfo(np.int32).max).astype(np.int32), row_source,
-                           dropped)
+    return ReshardedIdMaps(
+        new, np.minimum(new_counters, np.iinfo(np.int32).max).astype(np.int32), row_source, dropped
+    )
 
 
 def _moved_window(state: MCHState, shards: int, capacity: int) -> list[tuple]:
@@ -126,8 +147,10 @@ def _moved_window(state: MCHState, shards: int, capacity: int) -> list[tuple]:
     for s in range(shards):
         mine = np.flatnonzero(owner == s)
         if len(mine) > capacity:
-            raise ValueError(f"the saved eviction windows hold {len(mine)} ids for new shard {s}, more than its "
-                             f"history_capacity={capacity}; resume with the saved sharding until the next eviction")
+            raise ValueError(
+                f"the saved eviction windows hold {len(mine)} ids for new shard {s}, more than its "
+                f"history_capacity={capacity}; resume with the saved sharding until the next eviction"
+            )
         hi, lo = _split_int64(np.concatenate([raw[mine], np.zeros(capacity - len(mine), np.int64)]))
         step = np.concatenate([steps[mine], np.zeros(capacity - len(mine), steps.dtype)])
         out.append((hi, lo, step, np.int32(len(mine))))

@@ -75,7 +75,9 @@ def table_split(sharded: ShardedEmbeddingBagCollection, table) -> TableSplit:
     """Per shard maps for a table stored in equal full-width row blocks over a buffer's
     axes (one block per coordinate, in order); one replicated map otherwise."""
     for buf in sharded.buffers:
-        blocks = sorted((c, r0, rn, c0, cn) for name, c, _, r0, rn, c0, cn in buf.blocks if name == table.name)
+        blocks = sorted(
+            (c, r0, rn, c0, cn) for name, c, _, r0, rn, c0, cn in buf.blocks if name == table.name
+        )
         if not blocks:
             continue
         s = buf.group_size
@@ -86,7 +88,9 @@ def table_split(sharded: ShardedEmbeddingBagCollection, table) -> TableSplit:
     return TableSplit(1, (), table.num_embeddings)
 
 
-def _check_routable(sharded: ShardedEmbeddingBagCollection, configs, split: Mapping[str, TableSplit]) -> None:
+def _check_routable(
+    sharded: ShardedEmbeddingBagCollection, configs, split: Mapping[str, TableSplit]
+) -> None:
     """The all_to_all input dist counts each device's sends on the host, from the rows a
     batch reads, before a managed id has its row. A table managed per shard sends each id to
     the shard its hash names (its placeholder row is that shard's first: the count is
@@ -94,12 +98,19 @@ def _check_routable(sharded: ShardedEmbeddingBagCollection, configs, split: Mapp
     alike; a whole-table map over split rows would send an id where its row, unknown on the
     host, lives: refused."""
     for name, parts in split.items():
-        rows = {(r0, rn) for buf in sharded.buffers for table, _, _, r0, rn, _, _ in buf.blocks if table == name}
+        rows = {
+            (r0, rn)
+            for buf in sharded.buffers
+            for table, _, _, r0, rn, _, _ in buf.blocks
+            if table == name
+        }
         if parts.shards == 1 and rows != {(0, configs[name].num_embeddings)}:
-            raise ValueError(f"managed table {name!r} splits its rows into blocks {sorted(rows)} without an id map per "
-                             "block (that needs num_embeddings divisible by the shard count, at least 2 rows each); "
-                             "with input_dist='all_to_all' the host cannot count where its ids go. Use equal "
-                             "row-wise blocks, another placement, or input_dist='all_gather'")
+            raise ValueError(
+                f"managed table {name!r} splits its rows into blocks {sorted(rows)} without an id map per "
+                "block (that needs num_embeddings divisible by the shard count, at least 2 rows each); "
+                "with input_dist='all_to_all' the host cannot count where its ids go. Use equal "
+                "row-wise blocks, another placement, or input_dist='all_gather'"
+            )
 
 
 class ShardedManagedCollisionModule(ManagedModuleBase):
@@ -109,27 +120,37 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
     collection looks its ids up as one-id bags of the bag collection it keeps
     (`ShardedEmbeddingCollection.bags`), so its managed tables are that collection's."""
 
-    def __init__(self, sharded: ShardedEmbeddingBagCollection | ShardedEmbeddingCollection,
-                 managed_collision_modules: Mapping[str, MCHManagedCollisionModule]):
+    def __init__(
+        self,
+        sharded: ShardedEmbeddingBagCollection | ShardedEmbeddingCollection,
+        managed_collision_modules: Mapping[str, MCHManagedCollisionModule],
+    ):
         self.sequence = isinstance(sharded, ShardedEmbeddingCollection)
         if self.sequence:
             # the sequence collection's own checks (need_indices, features of their own) and
             # its feature names, for the raw batch; the bags' for the per-id batch
-            self._front_mc = ManagedCollisionEmbeddingCollection(sharded.ec, managed_collision_modules)
+            self._front_mc = ManagedCollisionEmbeddingCollection(
+                sharded.ec, managed_collision_modules
+            )
             front, sharded = sharded, sharded.bags
             if len(sharded._local_rows) < sharded.num_devices:
                 raise NotImplementedError(
                     "managed tables of a sharded EmbeddingCollection across several processes are not supported "
                     "(as the sharded EmbeddingCollection itself: each process's share of ids gives a different "
-                    "per-id batch); use one process, or an EmbeddingBagCollection")
+                    "per-id batch); use one process, or an EmbeddingBagCollection"
+                )
         if not isinstance(sharded, ShardedEmbeddingBagCollection):
-            raise TypeError(f"ShardedManagedCollisionModule wraps a ShardedEmbeddingBagCollection or a "
-                            f"ShardedEmbeddingCollection, got {type(sharded).__name__}")
+            raise TypeError(
+                f"ShardedManagedCollisionModule wraps a ShardedEmbeddingBagCollection or a "
+                f"ShardedEmbeddingCollection, got {type(sharded).__name__}"
+            )
         mc = ManagedCollisionEmbeddingBagCollection(sharded.ebc, managed_collision_modules)
         configs = {t.name: t for t in sharded.tables}
         self.split = {name: table_split(sharded, configs[name]) for name in mc.modules}
-        self.shard_modules = {name: dataclasses.replace(module, zch_size=self.split[name].rows)
-                              for name, module in mc.modules.items()}
+        self.shard_modules = {
+            name: dataclasses.replace(module, zch_size=self.split[name].rows)
+            for name, module in mc.modules.items()
+        }
         if sharded.input_dist == "all_to_all":
             _check_routable(sharded, configs, self.split)
         self.sharded, self.mesh = sharded, sharded.mesh
@@ -139,7 +160,9 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
             self.layout = front.layout
         self.plan = sharded.plan
         self._programs: dict = {}
-        self._agree = ProcessAgreement()  # id capacities agreed between processes (same order on each)
+        self._agree = (
+            ProcessAgreement()
+        )  # id capacities agreed between processes (same order on each)
 
     @property
     def mesh_axes(self):
@@ -149,8 +172,10 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
     def _place_key(self, key):
         """`key` replicated on the mesh (from its host value: every process holds the same)."""
         data = np.asarray(jax.random.key_data(key))
-        return jax.random.wrap_key_data(_placement._global_array(data, NamedSharding(self.mesh, P())),
-                                        impl=jax.random.key_impl(key))
+        return jax.random.wrap_key_data(
+            _placement._global_array(data, NamedSharding(self.mesh, P())),
+            impl=jax.random.key_impl(key),
+        )
 
     def _spec(self, name: str) -> NamedSharding:
         axes = self.split[name].axes
@@ -168,11 +193,15 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         def stacked(name):
             shards = self.split[name].shards
             state = self.shard_modules[name].init()
-            return jax.tree.map(lambda x: self._placed(name, jnp.broadcast_to(x, (shards, *x.shape))), state)
+            return jax.tree.map(
+                lambda x: self._placed(name, jnp.broadcast_to(x, (shards, *x.shape))), state
+            )
 
         states = {name: stacked(name) for name in self.managed_tables}
-        counters = {name: self._placed(name, jnp.zeros((self.split[name].shards, 3), jnp.int32))
-                    for name in self.managed_tables}
+        counters = {
+            name: self._placed(name, jnp.zeros((self.split[name].shards, 3), jnp.int32))
+            for name in self.managed_tables
+        }
         return states, counters
 
     def stats(self) -> dict[str, jax.Array]:
@@ -183,7 +212,10 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
     def host_state(self):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays, gathered
         from every process (a collective: every process calls it)."""
-        states = {name: MCHState(*(_placement._host(leaf) for leaf in state)) for name, state in self.mc_state.items()}
+        states = {
+            name: MCHState(*(_placement._host(leaf) for leaf in state))
+            for name, state in self.mc_state.items()
+        }
         counters = {name: _placement._host(c) for name, c in self.mc_counters.items()}
         return states, counters, _placement._host(jax.random.key_data(self._key))
 
@@ -216,8 +248,15 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         local = self.sharded.prepare(ids._replace(values=placeholder.astype(np.int32)))
         rows = self.sharded._local_rows
         capacity = local.values.shape[1]
-        index = ids._replace(values=np.arange(1, raw.shape[0] + 1, dtype=np.int32))  # where each id lands
-        where = split_batch(index, len(rows), (capacity,), min_capacity=capacity)["values"].astype(np.int64) - 1
+        index = ids._replace(
+            values=np.arange(1, raw.shape[0] + 1, dtype=np.int32)
+        )  # where each id lands
+        where = (
+            split_batch(index, len(rows), (capacity,), min_capacity=capacity)["values"].astype(
+                np.int64
+            )
+            - 1
+        )
         owner = np.append(owner, "")  # position -1 (padding) owns nothing
         tables = self.managed_tables
         mine = {name: owner[where] == name for name in tables}  # [local devices, capacity]
@@ -261,9 +300,15 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
                 opt_specs = (tree, tuple(leaves))
             configs = {t.name: t for t in self.tables}
             spec = ShardedRemapSpec(
-                training, self.mesh,
-                tuple((name, self.split[name], self.shard_modules[name], configs[name]) for name in self.managed_tables),
-                tuple(self.sharded.buffers), opt_specs)
+                training,
+                self.mesh,
+                tuple(
+                    (name, self.split[name], self.shard_modules[name], configs[name])
+                    for name in self.managed_tables
+                ),
+                tuple(self.sharded.buffers),
+                opt_specs,
+            )
             program = self._programs[key] = _PROGRAMS.get(spec)
         return program
 
@@ -278,9 +323,20 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
     def _remap_bags(self, params, opt_state, batch: ManagedBatch):
         program = self._program(True, opt_state).remap
         (params, tables, self.mc_state, self.mc_counters, self._key, values) = program(
-            params, opt_state.tables, self.mc_state, self.mc_counters, self._key, batch.inner.values, batch.words,
-            batch.positions)
-        return params, opt_state._replace(tables=tables), dataclasses.replace(batch.inner, values=values)
+            params,
+            opt_state.tables,
+            self.mc_state,
+            self.mc_counters,
+            self._key,
+            batch.inner.values,
+            batch.words,
+            batch.positions,
+        )
+        return (
+            params,
+            opt_state._replace(tables=tables),
+            dataclasses.replace(batch.inner, values=values),
+        )
 
     def remap_eval(self, batch):
         if self.sequence:
@@ -288,12 +344,16 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         return self._remap_eval_bags(batch)
 
     def _remap_eval_bags(self, batch: ManagedBatch) -> LocalBatches:
-        values = self._program(False).remap(self.mc_state, batch.inner.values, batch.words, batch.positions)
+        values = self._program(False).remap(
+            self.mc_state, batch.inner.values, batch.words, batch.positions
+        )
         return dataclasses.replace(batch.inner, values=values)
 
     def _bags_batch(self, batch) -> ManagedBatch:
         if not self.needs_remap(batch):
-            raise TypeError(f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}")
+            raise TypeError(
+                f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}"
+            )
         return batch.rows
 
 
@@ -328,7 +388,9 @@ def _map_local(spec: ShardedRemapSpec):
             ids = RawIds.from_words(jax.lax.all_gather(words[name][0], all_axes, tiled=True))
             pos = jax.lax.all_gather(positions[name][0], all_axes, tiled=True)
             s = jax.lax.axis_index(split.axes) if split.axes else 0
-            owned = (pos < values.shape[0]) & (hashed_slots(ids, split.shards) == s if split.shards > 1 else True)
+            owned = (pos < values.shape[0]) & (
+                hashed_slots(ids, split.shards) == s if split.shards > 1 else True
+            )
             st = MCHState(*(x[0] for x in state[name]))
             if training:
                 st, counted, ev = profile_counted(module, st, counters[name][0], ids, owned)
@@ -369,20 +431,31 @@ def _build(spec: ShardedRemapSpec) -> Program:
     eval: map only)."""
     mesh = spec.mesh
     all_axes = tuple(mesh.axis_names)
-    state_specs = {name: MCHState(*([_spec_of(mesh, split)] * len(MCHState._fields)))
-                   for name, split, _, _ in spec.tables}
+    state_specs = {
+        name: MCHState(*([_spec_of(mesh, split)] * len(MCHState._fields)))
+        for name, split, _, _ in spec.tables
+    }
     counter_specs = {name: _spec_of(mesh, split) for name, split, _, _ in spec.tables}
     batch = P(all_axes)
     words_specs = {name: batch for name, _, _, _ in spec.tables}
     body = _map_local(spec)
     if not spec.training:
+
         def remap_eval(state, values, words, positions):
             counters = {name: jnp.zeros((1, 3), jnp.int32) for name, _, _, _ in spec.tables}
             return body(state, counters, values, words, positions)[2]
 
-        return Program(remap=jax.jit(jax.shard_map(remap_eval, mesh=mesh,
-                                                   in_specs=(state_specs, batch, words_specs, words_specs),
-                                                   out_specs=batch, check_vma=False)))
+        return Program(
+            remap=jax.jit(
+                jax.shard_map(
+                    remap_eval,
+                    mesh=mesh,
+                    in_specs=(state_specs, batch, words_specs, words_specs),
+                    out_specs=batch,
+                    check_vma=False,
+                )
+            )
+        )
     param_specs = _placement.param_specs(spec.buffers)
     opt_specs = jax.tree.unflatten(*spec.opt_specs)
 
@@ -392,11 +465,27 @@ def _build(spec: ShardedRemapSpec) -> Program:
         params, opt_tables = _reset_local(spec, params, opt_tables, evicted, draw)
         return params, opt_tables, state, counters, key, values
 
-    return Program(remap=jax.jit(jax.shard_map(
-        remap_train, mesh=mesh,
-        in_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch, words_specs, words_specs),
-        out_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch), check_vma=False),
-        donate_argnums=(0, 1, 2, 3, 4)))
+    return Program(
+        remap=jax.jit(
+            jax.shard_map(
+                remap_train,
+                mesh=mesh,
+                in_specs=(
+                    param_specs,
+                    opt_specs,
+                    state_specs,
+                    counter_specs,
+                    P(),
+                    batch,
+                    words_specs,
+                    words_specs,
+                ),
+                out_specs=(param_specs, opt_specs, state_specs, counter_specs, P(), batch),
+                check_vma=False,
+            ),
+            donate_argnums=(0, 1, 2, 3, 4),
+        )
+    )
 
 
 _PROGRAMS = ProgramCache(_build)

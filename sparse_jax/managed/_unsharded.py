@@ -61,17 +61,25 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
 
     def __init__(self, mc: ManagedCollisionCollection):
         if not isinstance(mc, ManagedCollisionCollection):
-            raise TypeError(f"ManagedCollisionSparseModule wraps a ManagedCollisionEmbeddingBagCollection or a "
-                            f"ManagedCollisionEmbeddingCollection, got {type(mc).__name__}")
+            raise TypeError(
+                f"ManagedCollisionSparseModule wraps a ManagedCollisionEmbeddingBagCollection or a "
+                f"ManagedCollisionEmbeddingCollection, got {type(mc).__name__}"
+            )
         self.collection = mc.collection
         self.sequence = isinstance(mc, ManagedCollisionEmbeddingCollection)
         super().__init__(mc, mc.collection)
         # where each managed table's rows are written: (array of the prepared batch, row offset)
-        self._target = {name: mc.collection.layout.table_group[name] if self.sequence else ("", 0)
-                        for name in mc.modules}
+        self._target = {
+            name: mc.collection.layout.table_group[name] if self.sequence else ("", 0)
+            for name in mc.modules
+        }
         # the programs, shared by every module of this configuration (`_programs`)
-        spec = RemapSpec(tuple((name, self.mc.modules[name], *self._target[name]) for name in self.managed_tables),
-                         self.mc.reset_plan(self.managed_tables))
+        spec = RemapSpec(
+            tuple(
+                (name, self.mc.modules[name], *self._target[name]) for name in self.managed_tables
+            ),
+            self.mc.reset_plan(self.managed_tables),
+        )
         self._program = _PROGRAMS.get(spec)
 
     def _fresh_maps(self):
@@ -84,8 +92,11 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
 
     def host_state(self):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays."""
-        return (jax.tree.map(np.asarray, self.mc_state), jax.tree.map(np.asarray, self.mc_counters),
-                np.asarray(jax.random.key_data(self._key)))
+        return (
+            jax.tree.map(np.asarray, self.mc_state),
+            jax.tree.map(np.asarray, self.mc_counters),
+            np.asarray(jax.random.key_data(self._key)),
+        )
 
     # -- the batch ------------------------------------------------------------------------------
     def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> ManagedBatch:
@@ -100,7 +111,9 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         for name in self.managed_tables:
             mine = np.flatnonzero(owner == name)
             cap = self._capacity(name, len(mine), devices=1)
-            positions[name] = np.full(cap, arrays[self._target[name][0]].shape[0], np.int32)  # padding: dropped
+            positions[name] = np.full(
+                cap, arrays[self._target[name][0]].shape[0], np.int32
+            )  # padding: dropped
             positions[name][: len(mine)] = where[mine]
             words[name] = np.zeros((cap, 2), np.int32)
             words[name][: len(mine)] = RawIds.from_int64(raw[mine]).words()
@@ -114,7 +127,9 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         table, so its positions are its own."""
         where = np.zeros(np.asarray(host.values()).shape[0], np.int64)
         start = dict.fromkeys(self.layout.groups, 0)
-        for slot, ki in zip(self.layout.features, self.layout.key_indices(host.keys()), strict=True):
+        for slot, ki in zip(
+            self.layout.features, self.layout.key_indices(host.keys()), strict=True
+        ):
             a, b = host._key_slice(ki)
             where[a:b] = start[slot.group] + np.arange(b - a)
             start[slot.group] += b - a
@@ -139,9 +154,23 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         arrays = self._targets(batch.inner)
         limits = {name: np.int32(arrays[at].shape[0]) for name, (at, _) in self._target.items()}
         params, opt_state = self._committed_beside(params, opt_state)
-        (params, opt_state, self.mc_state, self.mc_counters, self._key, slots) = self._program.train(
-            params, opt_state, self.mc_state, self.mc_counters, self._key, batch.words, batch.positions, limits)
-        return params, opt_state, self._with_targets(batch.inner, self._program.scatter(arrays, batch.positions, slots))
+        (params, opt_state, self.mc_state, self.mc_counters, self._key, slots) = (
+            self._program.train(
+                params,
+                opt_state,
+                self.mc_state,
+                self.mc_counters,
+                self._key,
+                batch.words,
+                batch.positions,
+                limits,
+            )
+        )
+        return (
+            params,
+            opt_state,
+            self._with_targets(batch.inner, self._program.scatter(arrays, batch.positions, slots)),
+        )
 
     def remap_eval(self, batch: ManagedBatch):
         """An eval batch's slot ids (ids not resident read the default row); nothing changes."""
@@ -160,13 +189,16 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         if not all(leaf.committed for leaf in jax.tree.leaves(maps)):
             where = jax.tree.leaves(params)[0].sharding
             self.mc_state, self.mc_counters, self._key = jax.tree.map(
-                lambda x: x if x.committed else jax.device_put(x, where), maps)
+                lambda x: x if x.committed else jax.device_put(x, where), maps
+            )
         return params, opt_state
 
     @staticmethod
     def _check_batch(batch) -> None:
         if not isinstance(batch, ManagedBatch):
-            raise TypeError(f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}")
+            raise TypeError(
+                f"remap takes this module's prepared batch (prepare(kjt)), got {type(batch).__name__}"
+            )
 
     def stats(self) -> dict[str, jax.Array]:
         """{managed table: int32[3] device array (slots in use, ids admitted so far, resident
@@ -190,15 +222,18 @@ def _build(spec: RemapSpec) -> Program:
     collection's capacity ladder: a new length compiles only this small program)."""
 
     def remap_eval(state, words):
-        return {name: module.remap(state[name], RawIds.from_words(words[name])) + offset
-                for name, module, _, offset in spec.tables}
+        return {
+            name: module.remap(state[name], RawIds.from_words(words[name])) + offset
+            for name, module, _, offset in spec.tables
+        }
 
     def remap_train(params, opt_state, state, counters, key, words, positions, limits):
         state, counters, evicted, slots = dict(state), dict(counters), {}, {}
         for name, module, _, offset in spec.tables:
             ids, valid = RawIds.from_words(words[name]), positions[name] < limits[name]
-            state[name], counters[name], evicted[name] = profile_counted(module, state[name], counters[name], ids,
-                                                                         valid)
+            state[name], counters[name], evicted[name] = profile_counted(
+                module, state[name], counters[name], ids, valid
+            )
             slots[name] = module.remap(state[name], ids) + offset
         key, draw = jax.random.split(key)
         params, opt_state = reset_by_plan(spec.reset, params, opt_state, evicted, draw)
@@ -210,8 +245,11 @@ def _build(spec: RemapSpec) -> Program:
             arrays[at] = arrays[at].at[positions[name]].set(slots[name], mode="drop")
         return arrays
 
-    return Program(train=jax.jit(remap_train, donate_argnums=(0, 1, 2, 3, 4)), eval=jax.jit(remap_eval),
-                   scatter=jax.jit(scatter))
+    return Program(
+        train=jax.jit(remap_train, donate_argnums=(0, 1, 2, 3, 4)),
+        eval=jax.jit(remap_eval),
+        scatter=jax.jit(scatter),
+    )
 
 
 _PROGRAMS = ProgramCache(_build)

@@ -51,8 +51,19 @@ def dedup_row_grads(rows, bag, scale, bag_grads, *, num_rows: int):
     return jnp.where(first, rows_s, -1), summed
 
 
-def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, *, scatter_add: bool = True,
-                   good=None):
+def apply_row_rule(
+    rule: RowRule,
+    table,
+    state,
+    step,
+    rows,
+    bag,
+    scale,
+    bag_grads,
+    *,
+    scatter_add: bool = True,
+    good=None,
+):
     """One fused update of one buffer in XLA ops. Returns (new table, new state).
 
     `scatter_add`: SGD on an fp32 table may scatter-add every id's step without dedup (the
@@ -75,10 +86,20 @@ def apply_row_rule(rule: RowRule, table, state, step, rows, bag, scale, bag_grad
     unique, grads = dedup_row_grads(rows, bag, scale, bag_grads, num_rows=num_rows)
     unique = jnp.where(unique < 0, num_rows, unique)  # -1 would wrap to the last row
     w = table.at[unique].get(mode="fill", fill_value=0).astype(jnp.float32)
-    gather = lambda x: x.at[unique].get(mode="fill", fill_value=0) if is_row_leaf(x, num_rows) else x  # noqa: E731
+
+    def gather(x):
+        return x.at[unique].get(mode="fill", fill_value=0) if is_row_leaf(x, num_rows) else x
+
     state_rows = jax.tree_util.tree_map(gather, state)
     new_w, new_state_rows = rule.update_rows(w, state_rows, grads, step)
-    new_w = round_rows(new_w, table.dtype, stochastic=rule.stochastic_rounding, seed=rule.seed, step=step, rows=unique)
+    new_w = round_rows(
+        new_w,
+        table.dtype,
+        stochastic=rule.stochastic_rounding,
+        seed=rule.seed,
+        step=step,
+        rows=unique,
+    )
     table = table.at[unique].set(new_w, mode="drop", unique_indices=True)
 
     def scatter(old, new):

@@ -54,8 +54,14 @@ class RowRule:
 
     def __post_init__(self):
         if not isinstance(self.stochastic_rounding, bool):
-            raise ValueError(f"{self.name}: stochastic_rounding={self.stochastic_rounding!r} must be True or False")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(
+                f"{self.name}: stochastic_rounding={self.stochastic_rounding!r} must be True or False"
+            )
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**32
+        ):
             raise ValueError(f"{self.name}: seed={self.seed!r} must be an int in [0, 2**32)")
         if self.native not in NATIVE:
             raise ValueError(f"{self.name}: native={self.native!r} is not one of {NATIVE}")
@@ -63,9 +69,16 @@ class RowRule:
     def init(self, params: dict[str, jax.Array]) -> SparseOptState:
         """Fresh state for every buffer of `params`, placed like the buffers (mesh-sharded
         buffers get row-sharded per-row state and replicated global leaves)."""
-        tables = {g: jax.tree_util.tree_map(lambda x, t=t: _place_like(x, t), self.init_table(t)) for g, t in params.items()}
+        tables = {
+            g: jax.tree_util.tree_map(lambda x, t=t: _place_like(x, t), self.init_table(t))
+            for g, t in params.items()
+        }
         count = jnp.zeros((), jnp.int32)
-        meshes = [t.sharding for t in params.values() if isinstance(getattr(t, "sharding", None), NamedSharding)]
+        meshes = [
+            t.sharding
+            for t in params.values()
+            if isinstance(getattr(t, "sharding", None), NamedSharding)
+        ]
         if meshes:
             count = jax.device_put(count, NamedSharding(meshes[0].mesh, P()))
         return SparseOptState(count=count, tables=tables)
@@ -76,7 +89,9 @@ def _place_like(leaf, table):
     if not isinstance(sharding, NamedSharding):
         return leaf
     rows = sharding.spec[0] if len(sharding.spec) else None
-    spec = P(rows, *[None] * (leaf.ndim - 1)) if is_row_leaf(leaf, table.shape[0]) else P()  # full rank
+    spec = (
+        P(rows, *[None] * (leaf.ndim - 1)) if is_row_leaf(leaf, table.shape[0]) else P()
+    )  # full rank
     return jax.device_put(leaf, NamedSharding(sharding.mesh, spec))
 
 

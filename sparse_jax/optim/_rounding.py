@@ -40,7 +40,9 @@ def uniform_bits(seed: int, step, rows, dim: int):
     """`[len(rows), dim]` uint32 hash of (seed, step, row, column)."""
     row = rows.astype(jnp.uint32)[:, None] * jnp.uint32(_ROW)
     col = jnp.arange(dim, dtype=jnp.uint32)[None, :] * jnp.uint32(_COL)
-    key = _mix(jnp.uint32(seed & 0xFFFFFFFF) ^ (jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(_GOLDEN)))
+    key = _mix(
+        jnp.uint32(seed & 0xFFFFFFFF) ^ (jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(_GOLDEN))
+    )
     return _mix(_mix(key ^ row) ^ col)
 
 
@@ -53,10 +55,14 @@ def round_rows(x, dtype, *, stochastic: bool, seed: int, step, rows):
     x = x.astype(jnp.float32)
     near = x.astype(dtype)
     near32 = near.astype(jnp.float32)
-    other = jnp.nextafter(near, jnp.where(near32 > x, -jnp.inf, jnp.inf).astype(dtype)).astype(jnp.float32)
+    other = jnp.nextafter(near, jnp.where(near32 > x, -jnp.inf, jnp.inf).astype(dtype)).astype(
+        jnp.float32
+    )
     lo, hi = jnp.minimum(near32, other), jnp.maximum(near32, other)
     gap = hi - lo
-    u = (uniform_bits(seed, step, rows, x.shape[1]) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    u = (uniform_bits(seed, step, rows, x.shape[1]) >> 8).astype(jnp.float32) * jnp.float32(
+        2.0**-24
+    )
     up = u * gap < x - lo  # u < (x - lo) / gap, without the division
     picked = jnp.where(up, hi, lo).astype(dtype)
     return jnp.where(jnp.isfinite(gap), picked, near)

@@ -12,7 +12,9 @@ from sparse_jax.optim._base import RowRule, check_positive
 __all__ = ["adagrad"]
 
 
-def adagrad(lr: float = 0.01, eps: float = 1e-8, *, stochastic_rounding: bool = True, seed: int = 0) -> RowRule:
+def adagrad(
+    lr: float = 0.01, eps: float = 1e-8, *, stochastic_rounding: bool = True, seed: int = 0
+) -> RowRule:
     hp = check_positive("adagrad", lr=lr, eps=eps)
 
     def init_table(table):
@@ -22,5 +24,12 @@ def adagrad(lr: float = 0.01, eps: float = 1e-8, *, stochastic_rounding: bool = 
         s = state["momentum1"] + grads * grads
         return rows - hp["lr"] * grads / (jnp.sqrt(s) + hp["eps"]), {"momentum1": s}
 
-    return RowRule("adagrad", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed,
-                   native="adagrad")
+    return RowRule(
+        "adagrad",
+        init_table,
+        update_rows,
+        hp,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+        native="adagrad",
+    )

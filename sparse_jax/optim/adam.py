@@ -16,8 +16,14 @@ __all__ = ["adam"]
 
 
 def adam(
-    lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
-    *, stochastic_rounding: bool = True, seed: int = 0,
+    lr: float = 0.001,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    stochastic_rounding: bool = True,
+    seed: int = 0,
 ) -> RowRule:
     hp = check_positive("adam", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     for k in ("beta1", "beta2"):
@@ -26,7 +32,10 @@ def adam(
 
     def init_table(table):
         # two distinct buffers: both are donated to the update
-        return {"momentum1": jnp.zeros(table.shape, jnp.float32), "momentum2": jnp.zeros(table.shape, jnp.float32)}
+        return {
+            "momentum1": jnp.zeros(table.shape, jnp.float32),
+            "momentum2": jnp.zeros(table.shape, jnp.float32),
+        }
 
     def update_rows(rows, state, grads, step):
         b1, b2 = hp["beta1"], hp["beta2"]
@@ -38,5 +47,12 @@ def adam(
         new = rows - hp["lr"] * (m_hat / (jnp.sqrt(v_hat) + hp["eps"]) + hp["weight_decay"] * rows)
         return new, {"momentum1": m, "momentum2": v}
 
-    return RowRule("adam", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed,
-                   native="adam")
+    return RowRule(
+        "adam",
+        init_table,
+        update_rows,
+        hp,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+        native="adam",
+    )

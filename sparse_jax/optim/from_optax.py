@@ -20,10 +20,16 @@ __all__ = ["from_optax"]
 
 
 def from_optax(
-    tx: optax.GradientTransformation, name: str = "optax", *, stochastic_rounding: bool = True, seed: int = 0
+    tx: optax.GradientTransformation,
+    name: str = "optax",
+    *,
+    stochastic_rounding: bool = True,
+    seed: int = 0,
 ) -> RowRule:
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
-        raise ValueError(f"from_optax: expected an optax.GradientTransformation, got {type(tx).__name__}")
+        raise ValueError(
+            f"from_optax: expected an optax.GradientTransformation, got {type(tx).__name__}"
+        )
 
     # optax mixes python floats with int32 counts, which strict dtype promotion rejects
     def init_table(table):
@@ -35,5 +41,6 @@ def from_optax(
             updates, new_state = tx.update(grads, state, rows)
             return optax.apply_updates(rows, updates), new_state
 
-    return RowRule(name, init_table, update_rows, {}, stochastic_rounding=stochastic_rounding, seed=seed)
-
+    return RowRule(
+        name, init_table, update_rows, {}, stochastic_rounding=stochastic_rounding, seed=seed
+    )

@@ -13,7 +13,9 @@ from sparse_jax.optim._base import RowRule, check_positive
 __all__ = ["rowwise_adagrad"]
 
 
-def rowwise_adagrad(lr: float = 0.01, eps: float = 1e-8, *, stochastic_rounding: bool = True, seed: int = 0) -> RowRule:
+def rowwise_adagrad(
+    lr: float = 0.01, eps: float = 1e-8, *, stochastic_rounding: bool = True, seed: int = 0
+) -> RowRule:
     hp = check_positive("rowwise_adagrad", lr=lr, eps=eps)
 
     def init_table(table):
@@ -24,5 +26,12 @@ def rowwise_adagrad(lr: float = 0.01, eps: float = 1e-8, *, stochastic_rounding:
         scale = hp["lr"] / (jnp.sqrt(s) + hp["eps"])
         return rows - scale[:, None] * grads, {"momentum1": s}
 
-    return RowRule("rowwise_adagrad", init_table, update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed,
-                   native="rowwise_adagrad")
+    return RowRule(
+        "rowwise_adagrad",
+        init_table,
+        update_rows,
+        hp,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+        native="rowwise_adagrad",
+    )

@@ -13,5 +13,12 @@ def sgd(lr: float = 0.01, *, stochastic_rounding: bool = True, seed: int = 0) ->
     def update_rows(rows, state, grads, step):
         return rows - hp["lr"] * grads, state
 
-    return RowRule("sgd", lambda table: (), update_rows, hp, stochastic_rounding=stochastic_rounding, seed=seed,
-                   native="sgd")
+    return RowRule(
+        "sgd",
+        lambda table: (),
+        update_rows,
+        hp,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+        native="sgd",
+    )

@@ -39,7 +39,9 @@ class ProcessAgreement:
 
         client = distributed.global_state.client
         if client is None:
-            raise RuntimeError("several JAX processes but jax.distributed has no client; call jax.distributed.initialize")
+            raise RuntimeError(
+                "several JAX processes but jax.distributed has no client; call jax.distributed.initialize"
+            )
         me, n = jax.process_index(), jax.process_count()
         key = f"{self.tag}/{self._round}"
         client.key_value_set(f"{key}/{me}", json.dumps(values))

@@ -45,8 +45,9 @@ from sparse_jax.sharding._work import ShardedStatic
 __all__ = ["collective_bytes"]
 
 
-def collective_bytes(static: ShardedStatic, local: LocalBatches, optimizer: str | None = None
-                     ) -> dict[str, dict[str, int]]:
+def collective_bytes(
+    static: ShardedStatic, local: LocalBatches, optimizer: str | None = None
+) -> dict[str, dict[str, int]]:
     """Bytes each device receives through collectives per training step for `local`:
     `{buffer name: {"input_dist", "output_dist", "backward"}, ..., "total": {...}}`, and
     "row_stat" when `optimizer` is "rowwise_adagrad" and a table is column-split (formula
@@ -82,7 +83,8 @@ def collective_bytes(static: ShardedStatic, local: LocalBatches, optimizer: str 
             input_dist = (n_a - 1) * local.route_capacity * 12
         elif buf.axes:
             input_dist = sum(
-                gathered(("kjt", buf.axes, name), n_a, nbytes(x.shape[-1], dtype=x.dtype)) for name, x in kjt
+                gathered(("kjt", buf.axes, name), n_a, nbytes(x.shape[-1], dtype=x.dtype))
+                for name, x in kjt
             )
         if buf.axes:
             output_dist = (n_a - 1) * nbytes(m, b_l, w)
@@ -90,7 +92,11 @@ def collective_bytes(static: ShardedStatic, local: LocalBatches, optimizer: str 
         n_ids = math.prod(stream[:2]) if routed else math.prod(stream)
         items = tuple(sorted((k, v.tobytes()) for k, v in buf.item_table().items()))
         replicas = (
-            gathered(("rows", buf.axes, stream, buf.rows_per_device, items), n_r, nbytes(n_ids, dtype=np.int32))
+            gathered(
+                ("rows", buf.axes, stream, buf.rows_per_device, items),
+                n_r,
+                nbytes(n_ids, dtype=np.int32),
+            )
             + gathered(("bag", replica_axes, stream), n_r, nbytes(n_ids, dtype=np.int32))
             + gathered(("scale", buf.axes, stream, items), n_r, nbytes(n_ids))
             + gathered(("bag_grads", buf.name), n_r, nbytes(m * n_a * b_l, w))
@@ -100,8 +106,17 @@ def collective_bytes(static: ShardedStatic, local: LocalBatches, optimizer: str 
             "output_dist": output_dist,
             "backward": input_dist + output_dist + replicas,
         }
-    if optimizer == "rowwise_adagrad" and (space := row_space(static)).size and static.num_devices > 1:
-        out["row_stat"] = {"input_dist": 0, "output_dist": 0,
-                           "backward": (static.num_devices - 1) * nbytes(space.size)}
-    out["total"] = {k: sum(v[k] for v in out.values()) for k in ("input_dist", "output_dist", "backward")}
+    if (
+        optimizer == "rowwise_adagrad"
+        and (space := row_space(static)).size
+        and static.num_devices > 1
+    ):
+        out["row_stat"] = {
+            "input_dist": 0,
+            "output_dist": 0,
+            "backward": (static.num_devices - 1) * nbytes(space.size),
+        }
+    out["total"] = {
+        k: sum(v[k] for v in out.values()) for k in ("input_dist", "output_dist", "backward")
+    }
     return out

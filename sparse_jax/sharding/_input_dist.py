@@ -37,7 +37,9 @@ def positions(static: ShardedStatic, buf: ShardBuffer, local: LocalBatches):
     """Local rows and weights of my work items for the group batch: `[M, n_A, B_l, L]`."""
     values, lengths, weights = local.values[0], local.lengths[0], local.weights[0]
     if buf.axes:
-        values, lengths, weights = (jax.lax.all_gather(x, buf.axes) for x in (values, lengths, weights))
+        values, lengths, weights = (
+            jax.lax.all_gather(x, buf.axes) for x in (values, lengths, weights)
+        )
         c = jax.lax.axis_index(buf.axes)
     else:
         values, lengths, weights = values[None], lengths[None], weights[None]
@@ -48,7 +50,9 @@ def positions(static: ShardedStatic, buf: ShardBuffer, local: LocalBatches):
     n_a = values.shape[0]
     src = jnp.arange(n_a)[None, :, None]
     bag = key_of_feature[it["feature"]][:, None, None] * b_l + jnp.arange(b_l)[None, None, :]
-    offsets = jnp.concatenate([jnp.zeros((n_a, 1), lengths.dtype), jnp.cumsum(lengths, axis=1)], axis=1)
+    offsets = jnp.concatenate(
+        [jnp.zeros((n_a, 1), lengths.dtype), jnp.cumsum(lengths, axis=1)], axis=1
+    )
     start, length = offsets[src, bag], lengths[src, bag]  # [M, n_A, B_l]
     pos = jnp.arange(local.length_cap)
     idx = jnp.minimum(start[..., None] + pos, cap_l - 1)
@@ -89,7 +93,9 @@ def _send_positions(static: ShardedStatic, buf: ShardBuffer, local: LocalBatches
     start, length = offsets[seg], lengths[seg]
     pos = jnp.arange(local.length_cap)
     idx = jnp.minimum(start[..., None] + pos, cap_l - 1)
-    return _in_shard(static, it, values[idx], weights[idx] if static.is_weighted else None, length, pos)
+    return _in_shard(
+        static, it, values[idx], weights[idx] if static.is_weighted else None, length, pos
+    )
 
 
 def routed_stream(static: ShardedStatic, buf: ShardBuffer, local: LocalBatches):
@@ -98,14 +104,18 @@ def routed_stream(static: ShardedStatic, buf: ShardBuffer, local: LocalBatches):
     rows, w, valid = _send_positions(static, buf, local)
     n_a, b_l, cap = buf.group_size, local.local_batch, local.route_capacity
     per_dest = valid.reshape(n_a, -1)
-    slot = jnp.where(per_dest, jnp.cumsum(per_dest, axis=1) - 1, cap)  # cap: dropped (never, see batch)
+    slot = jnp.where(
+        per_dest, jnp.cumsum(per_dest, axis=1) - 1, cap
+    )  # cap: dropped (never, see batch)
     dest = jnp.arange(n_a)[:, None]
     item_bag = jnp.broadcast_to(
         jnp.arange(rows.shape[1] * b_l, dtype=jnp.int32).reshape(1, -1, b_l, 1), rows.shape
     ).reshape(n_a, -1)
 
     def pack(x, fill):
-        return jnp.full((n_a, cap + 1), fill, x.dtype).at[dest, slot].set(x.reshape(n_a, -1))[:, :cap]
+        return (
+            jnp.full((n_a, cap + 1), fill, x.dtype).at[dest, slot].set(x.reshape(n_a, -1))[:, :cap]
+        )
 
     # padding entries: an out-of-range row and bag (dropped by every scatter and segment sum)
     send = (pack(rows, buf.rows_per_device), pack(item_bag, rows.shape[1] * b_l), pack(w, 0.0))
@@ -122,7 +132,9 @@ def stream(static: ShardedStatic, buf: ShardBuffer, local: LocalBatches):
         return routed_stream(static, buf, local)
     rows, w = positions(static, buf, local)
     m, n_a, b_l = rows.shape[:3]
-    bag = jnp.broadcast_to(jnp.arange(m * n_a * b_l, dtype=jnp.int32).reshape(m, n_a, b_l, 1), rows.shape)
+    bag = jnp.broadcast_to(
+        jnp.arange(m * n_a * b_l, dtype=jnp.int32).reshape(m, n_a, b_l, 1), rows.shape
+    )
     return rows.reshape(-1), bag.reshape(-1), w.reshape(-1)
 
 
@@ -139,7 +151,9 @@ def route_need(buffers, layout, parts: dict, *, clamp: bool) -> int:
         offsets = np.concatenate([[0], np.cumsum(lengths[d])])
         sorted_ids = {}
         for k in range(num_keys):
-            sorted_ids[k] = np.sort(values[d, offsets[k * b_l] : offsets[(k + 1) * b_l]].astype(np.int64))
+            sorted_ids[k] = np.sort(
+                values[d, offsets[k * b_l] : offsets[(k + 1) * b_l]].astype(np.int64)
+            )
         for buf in buffers:
             if not buf.axes:
                 continue
@@ -169,5 +183,10 @@ def route_capacity(need: int, current: int, ladder, max_route_capacity: int | No
             f"{max_route_capacity}; raise it, use a smaller batch, or input_dist='all_gather'"
         )
     if current:
-        log.info("all_to_all input dist: %d ids to one peer exceed capacity %d; now %d", need, current, rung)
+        log.info(
+            "all_to_all input dist: %d ids to one peer exceed capacity %d; now %d",
+            need,
+            current,
+            rung,
+        )
     return rung

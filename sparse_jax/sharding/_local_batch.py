@@ -62,7 +62,9 @@ def split_batch(
     values = np.asarray(kjt.values())
     w = kjt.weights_or_none()
     weights = None if w is None else np.asarray(w)
-    per_dev = lengths.reshape(len(keys), num_devices, b_local).sum(axis=(0, 2))  # [devices], never empty
+    per_dev = lengths.reshape(len(keys), num_devices, b_local).sum(
+        axis=(0, 2)
+    )  # [devices], never empty
     cap = _capacity.capacity_for(max(int(per_dev.max()), min_capacity), ladder, what="local batch")
     out_v = np.zeros((num_devices, cap), values.dtype)
     out_w = np.zeros((num_devices, cap), np.float32)
@@ -77,10 +79,17 @@ def split_batch(
             out_l[d, k * b_local : (k + 1) * b_local] = lengths[k, d * b_local : (d + 1) * b_local]
             pos += b - a
     # one position matrix per buffer: the largest of the features' caps (the one cap rule)
-    cap_all = max(_capacity.length_caps(lengths, [min_length_cap] * len(keys)), default=min_length_cap)
-    return dict(values=out_v, lengths=out_l, weights=out_w, keys=tuple(keys), local_batch=b_local,
-                length_cap=cap_all)
-
+    cap_all = max(
+        _capacity.length_caps(lengths, [min_length_cap] * len(keys)), default=min_length_cap
+    )
+    return dict(
+        values=out_v,
+        lengths=out_l,
+        weights=out_w,
+        keys=tuple(keys),
+        local_batch=b_local,
+        length_cap=cap_all,
+    )
 
 
 def pad_parts(parts: dict, capacity: int, length_cap: int) -> dict:

@@ -47,7 +47,9 @@ def forward_local(static: ShardedStatic, params, local: LocalBatches):
         else:
             rows, w = positions(static, buf, local)
             flat_rows = jnp.minimum(rows, buf.rows_per_device - 1).reshape(-1, rows.shape[-1])
-            pooled = _lookup.sum_positions(params[buf.name], flat_rows, w.reshape(-1, w.shape[-1]), static.kernel)
+            pooled = _lookup.sum_positions(
+                params[buf.name], flat_rows, w.reshape(-1, w.shape[-1]), static.kernel
+            )
         pooled = pooled.reshape(m, n_a, b_l, buf.width)
         if buf.axes:
             pooled = jax.lax.all_to_all(pooled, buf.axes, 1, 1)
@@ -69,7 +71,8 @@ def _buffer_stream(static: ShardedStatic, buf: ShardBuffer, local: LocalBatches,
         [
             jnp.stack(
                 [
-                    grad[:, col : col + buf.width] if (col := _item_column(static, buf, j, k)) is not None
+                    grad[:, col : col + buf.width]
+                    if (col := _item_column(static, buf, j, k)) is not None
                     else jnp.zeros((b_l, buf.width), grad.dtype)
                     for j in range(buf.group_size)
                 ]
@@ -84,12 +87,16 @@ def _buffer_stream(static: ShardedStatic, buf: ShardBuffer, local: LocalBatches,
     if replica_axes:
         n_r = static.num_replicas(buf)
         rows, scale = (jax.lax.all_gather(x, replica_axes).reshape(-1) for x in (rows, scale))
-        bag = (jax.lax.all_gather(bag, replica_axes) + (jnp.arange(n_r, dtype=jnp.int32) * nb)[:, None]).reshape(-1)
+        bag = (
+            jax.lax.all_gather(bag, replica_axes) + (jnp.arange(n_r, dtype=jnp.int32) * nb)[:, None]
+        ).reshape(-1)
         bag_grads = jax.lax.all_gather(bag_grads, replica_axes).reshape(n_r * nb, buf.width)
     return rows, bag, scale, bag_grads, buf.rows_per_device
 
 
-def update_local(static: ShardedStatic, rule: RowRule, params, state, count, local: LocalBatches, grad):
+def update_local(
+    static: ShardedStatic, rule: RowRule, params, state, count, local: LocalBatches, grad
+):
     """The fused update of my shards from my samples' pooled gradient `grad` `[B_l, sum of
     dims]`: `(new params, new per-buffer state, step)`. Row-wise Adagrad on column-split
     tables takes each row's statistic over the whole table row (`_row_stat`)."""
@@ -102,15 +109,25 @@ def update_local(static: ShardedStatic, rule: RowRule, params, state, count, loc
         for buf in static.buffers:
             if space.splits(buf):
                 stat, split[buf.name] = _row_stat.partial_sums(
-                    space, static, buf, _buffer_stream(static, buf, local, grad), stat)
+                    space, static, buf, _buffer_stream(static, buf, local, grad), stat
+                )
         stat = jax.lax.psum(stat, static.all_axes)
     for buf in static.buffers:
         if buf.name in split:
             new_params[buf.name], new_states[buf.name] = _row_stat.apply_rowwise_split(
-                rule, params[buf.name], state[buf.name], split[buf.name], stat, step)
+                rule, params[buf.name], state[buf.name], split[buf.name], stat, step
+            )
             continue
         rows, bag, scale, bag_grads, _ = _buffer_stream(static, buf, local, grad)
         new_params[buf.name], new_states[buf.name] = update_rows(
-            rule, params[buf.name], state[buf.name], step, rows, bag, scale, bag_grads, kernel=static.kernel
+            rule,
+            params[buf.name],
+            state[buf.name],
+            step,
+            rows,
+            bag,
+            scale,
+            bag_grads,
+            kernel=static.kernel,
         )
     return new_params, new_states, _guard.next_count(count)

@@ -79,12 +79,16 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 
 # -- tables -------------------------------------------------------------------------------
-def place(mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], weights: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+def place(
+    mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], weights: Mapping[str, np.ndarray]
+) -> dict[str, jax.Array]:
     """`{table: [num_embeddings, dim]}` host weights cut into blocks and placed as the
     shard buffers (every table of every buffer must be in `weights`)."""
     out = {}
     for buf in buffers:
-        host = np.zeros((buf.group_size * buf.rows_per_device, buf.width), buf.data_type.numpy_dtype)
+        host = np.zeros(
+            (buf.group_size * buf.rows_per_device, buf.width), buf.data_type.numpy_dtype
+        )
         for _, table, start, r0, rn, c0, cn in buf.stored_blocks():
             host[start : start + rn] = np.asarray(weights[table])[r0 : r0 + rn, c0 : c0 + cn]
         # full rank, as the update's shard_map returns it: an equal but shorter spec is another
@@ -93,9 +97,14 @@ def place(mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], weights: Mapp
     return out
 
 
-def table_weights(buffers: Sequence[ShardBuffer], tables: Sequence, params) -> dict[str, np.ndarray]:
+def table_weights(
+    buffers: Sequence[ShardBuffer], tables: Sequence, params
+) -> dict[str, np.ndarray]:
     """Full `[num_embeddings, dim]` weights per table, assembled from the shards (host copies)."""
-    out = {t.name: np.zeros((t.num_embeddings, t.embedding_dim), t.data_type.numpy_dtype) for t in tables}
+    out = {
+        t.name: np.zeros((t.num_embeddings, t.embedding_dim), t.data_type.numpy_dtype)
+        for t in tables
+    }
     for buf in buffers:
         host = _host(params[buf.name])
         for _, table, start, r0, rn, c0, cn in buf.stored_blocks():
@@ -103,20 +112,31 @@ def table_weights(buffers: Sequence[ShardBuffer], tables: Sequence, params) -> d
     return out
 
 
-def with_table_weights(mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], tables: Sequence, params,
-                       weights: Mapping) -> dict[str, jax.Array]:
+def with_table_weights(
+    mesh: jax.sharding.Mesh,
+    buffers: Sequence[ShardBuffer],
+    tables: Sequence,
+    params,
+    weights: Mapping,
+) -> dict[str, jax.Array]:
     """New params with the named tables replaced; weights are resharded on load."""
     current = table_weights(buffers, tables, params)
     for name, w in weights.items():
         if name not in current:
-            raise ValueError(f"with_table_weights: no table named {name!r} (tables: {list(current)})")
+            raise ValueError(
+                f"with_table_weights: no table named {name!r} (tables: {list(current)})"
+            )
         if tuple(np.shape(w)) != current[name].shape:
-            raise ValueError(f"with_table_weights: table {name!r} is {list(current[name].shape)}, got {np.shape(w)}")
+            raise ValueError(
+                f"with_table_weights: table {name!r} is {list(current[name].shape)}, got {np.shape(w)}"
+            )
         current[name] = np.asarray(w)
     return place(mesh, buffers, current)
 
 
-def table_state(buffers: Sequence[ShardBuffer], tables: Sequence, opt_state: SparseOptState, key: str) -> dict:
+def table_state(
+    buffers: Sequence[ShardBuffer], tables: Sequence, opt_state: SparseOptState, key: str
+) -> dict:
     """One per-row state leaf (e.g. "momentum1") assembled per table: `[rows, dim]` for
     elementwise state; for one-value-per-row state `{(col_offset, col_size): [rows]}`
     (one entry per column block, a single entry unless the table is column-sharded)."""
@@ -145,7 +165,9 @@ def place_batch(
     return {k: place_rows(mesh, parts[k], rows) for k in ("values", "lengths", "weights")}
 
 
-def place_rows(mesh: jax.sharding.Mesh, host: np.ndarray, rows: Sequence[int] | None = None) -> jax.Array:
+def place_rows(
+    mesh: jax.sharding.Mesh, host: np.ndarray, rows: Sequence[int] | None = None
+) -> jax.Array:
     """`host` (`[len(rows), ...]`) placed batch-sharded: the device at mesh position
     `rows[i]` gets row i (`rows`: this process's positions; default every position, one
     process). Each process uploads only its rows."""

@@ -112,7 +112,14 @@ def apply_rowwise_split(rule: RowRule, table, state, deduped, stat, step):
     s = state["momentum1"].at[rows].get(mode="fill", fill_value=0) + full / dim.astype(jnp.float32)
     w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
     new_w = w - (rule.hyperparams["lr"] / (jnp.sqrt(s) + rule.hyperparams["eps"]))[:, None] * grads
-    new_w = round_rows(new_w, table.dtype, stochastic=rule.stochastic_rounding, seed=rule.seed, step=step, rows=rows)
+    new_w = round_rows(
+        new_w,
+        table.dtype,
+        stochastic=rule.stochastic_rounding,
+        seed=rule.seed,
+        step=step,
+        rows=rows,
+    )
     table = table.at[rows].set(new_w, mode="drop", unique_indices=True)
     momentum = state["momentum1"].at[rows].set(s, mode="drop", unique_indices=True)
     return table, {**state, "momentum1": momentum}

@@ -39,18 +39,27 @@ class ShardedEmbeddingCollection(LayoutFacts):
         self.layout = ec.layout
         bags = [
             EmbeddingBagConfig(
-                name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                name=t.name,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
                 # the per-id batch is keyed by output names (`feature@table` when shared)
-                feature_names=names, data_type=t.data_type,
-                weight_init_min=t.weight_init_min, weight_init_max=t.weight_init_max, init_fn=t.init_fn,
+                feature_names=names,
+                data_type=t.data_type,
+                weight_init_min=t.weight_init_min,
+                weight_init_max=t.weight_init_max,
+                init_fn=t.init_fn,
             )
             for t, names in zip(ec.tables, ec.layout.embedding_names_by_table(), strict=True)
         ]
         self.bags = ShardedEmbeddingBagCollection(
             # ids are checked once, by the sequence collection's prepare ("skip" computes what
             # "error" does on checked ids)
-            EmbeddingBagCollection(bags, bounds_check="skip" if ec.bounds_check == "error" else ec.bounds_check),
-            mesh, plan, **shard_kw
+            EmbeddingBagCollection(
+                bags, bounds_check="skip" if ec.bounds_check == "error" else ec.bounds_check
+            ),
+            mesh,
+            plan,
+            **shard_kw,
         )
         self.plan, self.mesh = self.bags.plan, mesh
         self.prepare_count = 0
@@ -94,11 +103,19 @@ class ShardedEmbeddingCollection(LayoutFacts):
         counts = [len(per_feature[f][0]) for f in features]
         n = self.bags.num_devices
         bags = max(n, -(-max(counts, default=0) // n) * n)
-        values = np.concatenate([per_feature[f][0] for f in features]) if features else np.zeros(0, np.int32)
-        lengths = np.concatenate([np.concatenate([np.ones(c, np.int32), np.zeros(bags - c, np.int32)]) for c in counts])
+        values = (
+            np.concatenate([per_feature[f][0] for f in features])
+            if features
+            else np.zeros(0, np.int32)
+        )
+        lengths = np.concatenate(
+            [np.concatenate([np.ones(c, np.int32), np.zeros(bags - c, np.int32)]) for c in counts]
+        )
         offsets = np.zeros(len(lengths) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
-        per_id = KeyedJaggedTensor.tree_unflatten((tuple(features), bags, None), (values, None, lengths, offsets))
+        per_id = KeyedJaggedTensor.tree_unflatten(
+            (tuple(features), bags, None), (values, None, lengths, offsets)
+        )
         return per_id, {f: per_feature[f][1] for f in features}
 
     def prepare(self, kjt: KeyedJaggedTensor, *, device=None) -> SequenceBatch:  # noqa: ARG002 (on the mesh)
@@ -114,22 +131,33 @@ class ShardedEmbeddingCollection(LayoutFacts):
         self.prepare_count += 1
         indices = None
         if self.ec.need_indices():
-            indices = {f: np.asarray(host.values())[slice(*host._key_slice(ki))]
-                       for f, ki in zip(self.layout.feature_names, self.layout.key_indices(host.keys()), strict=True)}
-        return SequenceBatch(rows=self.bags.prepare(per_id), lengths=lengths, stride=kjt.stride(), indices=indices)
+            indices = {
+                f: np.asarray(host.values())[slice(*host._key_slice(ki))]
+                for f, ki in zip(
+                    self.layout.feature_names, self.layout.key_indices(host.keys()), strict=True
+                )
+            }
+        return SequenceBatch(
+            rows=self.bags.prepare(per_id), lengths=lengths, stride=kjt.stride(), indices=indices
+        )
 
     def apply(self, params, batch) -> dict[str, JaggedTensor]:
         if not isinstance(batch, SequenceBatch):
             batch = self.prepare(batch)
         # replicated on the mesh (a device-side all-gather) so per-feature slices need no
         # output sharding, also on explicit-axis meshes
-        rows = jax.device_put(self.bags.apply(params, batch.rows).values(),
-                              jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        rows = jax.device_put(
+            self.bags.apply(params, batch.rows).values(),
+            jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()),
+        )
         out = {}
         for slot in self.layout.features:
             emb = rows[: batch.count(slot.name), slot.out_offset : slot.out_offset + slot.dim]
-            out[slot.name] = with_indices(JaggedTensor.from_values_and_lengths(emb, batch.lengths[slot.name]), batch,
-                                          slot.name)
+            out[slot.name] = with_indices(
+                JaggedTensor.from_values_and_lengths(emb, batch.lengths[slot.name]),
+                batch,
+                slot.name,
+            )
         return out
 
     # -- fused update (used by make_update) ----------------------------------------------------
@@ -137,7 +165,9 @@ class ShardedEmbeddingCollection(LayoutFacts):
         """The per-id gradients laid out as the bag batch's pooled gradient (device ops)."""
         missing = [s.name for s in self.layout.features if s.name not in grads]
         if missing:
-            raise ValueError(f"grads has no entry for feature(s) {missing}; give one [num_ids, dim] array per feature")
+            raise ValueError(
+                f"grads has no entry for feature(s) {missing}; give one [num_ids, dim] array per feature"
+            )
         pooled = jnp.zeros((batch.rows.stride, sum(self.layout.output_dims)), jnp.float32)
         for slot in self.layout.features:
             g = jnp.asarray(grads[slot.name], jnp.float32)

@@ -65,7 +65,9 @@ INPUT_DISTS = ("all_gather", "all_to_all")
 def _resolve_plan(plan, tables, mesh_axes) -> ShardingPlan:
     if isinstance(plan, ShardingPlan):
         if dict(plan.mesh_axes) != dict(mesh_axes):
-            raise ValueError(f"the plan was made for mesh {dict(plan.mesh_axes)} but the mesh is {dict(mesh_axes)}; re-plan")
+            raise ValueError(
+                f"the plan was made for mesh {dict(plan.mesh_axes)} but the mesh is {dict(mesh_axes)}; re-plan"
+            )
         plan.validate(tables)
         return plan
     if plan is None:
@@ -74,7 +76,9 @@ def _resolve_plan(plan, tables, mesh_axes) -> ShardingPlan:
         return Planner(Topology(axes=dict(mesh_axes))).plan(tables, batch_size=1024)
     if isinstance(plan, Mapping):
         return ShardingPlan.from_types(tables, mesh_axes, plan)
-    raise ValueError(f"plan must be a ShardingPlan, a {{table: sharding type}} dict or None, got {type(plan).__name__}")
+    raise ValueError(
+        f"plan must be a ShardingPlan, a {{table: sharding type}} dict or None, got {type(plan).__name__}"
+    )
 
 
 class ShardedEmbeddingBagCollection(LayoutFacts):
@@ -111,7 +115,9 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
         self._high_water = (0, 1)  # (capacity, length cap) seen so far: shapes only grow
         me = jax.process_index()
         # the mesh positions (rows of the batch arrays) whose devices this process drives
-        self._local_rows = tuple(i for i, d in enumerate(mesh.devices.flat) if d.process_index == me)
+        self._local_rows = tuple(
+            i for i, d in enumerate(mesh.devices.flat) if d.process_index == me
+        )
         self._agree = ProcessAgreement()  # constructed in the same order on every process
 
     # -- static facts (see `ShardedStatic`) ---------------------------------------------------
@@ -184,21 +190,37 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
         the ids (exact, so no id can overflow and no device value is read)."""
         host = self.ebc.check_host(kjt)
         rows = self._local_rows
-        parts = split_batch(host, len(rows), self.ladder, min_capacity=self._high_water[0],
-                            min_length_cap=self._high_water[1])
+        parts = split_batch(
+            host,
+            len(rows),
+            self.ladder,
+            min_capacity=self._high_water[0],
+            min_length_cap=self._high_water[1],
+        )
         routed = self.input_dist == "all_to_all" and any(b.axes for b in self.buffers)
-        need = route_need(self.buffers, self.layout, parts, clamp=self.bounds_check == "clamp") if routed else 0
+        need = (
+            route_need(self.buffers, self.layout, parts, clamp=self.bounds_check == "clamp")
+            if routed
+            else 0
+        )
         if len(rows) < self.num_devices:
             parts, need = self._agree_shapes(parts, need)
         self._high_water = (parts["values"].shape[1], parts["length_cap"])
         route = 0
         if routed:
-            self._route_high_water = route_capacity(need, self._route_high_water, self.ladder, self.max_route_capacity)
+            self._route_high_water = route_capacity(
+                need, self._route_high_water, self.ladder, self.max_route_capacity
+            )
             route = self._route_high_water
         arrays = _placement.place_batch(self.mesh, parts, rows)
         self.prepare_count += 1
-        return LocalBatches(**arrays, keys=parts["keys"], local_batch=parts["local_batch"],
-                            length_cap=parts["length_cap"], route_capacity=route)
+        return LocalBatches(
+            **arrays,
+            keys=parts["keys"],
+            local_batch=parts["local_batch"],
+            length_cap=parts["length_cap"],
+            route_capacity=route,
+        )
 
     def _agree_shapes(self, parts: dict, need: int) -> tuple[dict, int]:
         """Every process's parts padded to the largest capacity and length cap of any
@@ -215,7 +237,9 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
             )
         return pad_parts(parts, cap, length_cap), need
 
-    def collective_bytes(self, local: LocalBatches, optimizer: str | None = None) -> dict[str, dict[str, int]]:
+    def collective_bytes(
+        self, local: LocalBatches, optimizer: str | None = None
+    ) -> dict[str, dict[str, int]]:
         """Bytes each device receives through collectives per training step for `local`:
         `{buffer name: {"input_dist", "output_dist", "backward"}, ..., "total": {...}}`;
         with `optimizer="rowwise_adagrad"` and a column-split table, also "row_stat"
@@ -226,16 +250,24 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
     def _apply(self, params, local: LocalBatches):
         all_axes = self.static.all_axes
         specs = jax.tree_util.tree_map(lambda _: P(all_axes), local)
-        fn = jax.shard_map(functools.partial(forward_local, self.static), mesh=self.mesh,
-                           in_specs=(_placement.param_specs(self.buffers), specs),
-                           out_specs=P(all_axes), check_vma=False)
+        fn = jax.shard_map(
+            functools.partial(forward_local, self.static),
+            mesh=self.mesh,
+            in_specs=(_placement.param_specs(self.buffers), specs),
+            out_specs=P(all_axes),
+            check_vma=False,
+        )
         return fn(params, local)
 
     def apply(self, params, batch) -> KeyedTensor:
         """Pooled embeddings `[B, sum of dims]`, batch-sharded over every device. `batch`:
         `prepare(kjt)`'s result (or a KJT, prepared here)."""
         local = batch if isinstance(batch, LocalBatches) else self.prepare(batch)
-        values = self._apply_jit(params, local) if is_concrete(*jax.tree_util.tree_leaves(params)) else self._apply(params, local)
+        values = (
+            self._apply_jit(params, local)
+            if is_concrete(*jax.tree_util.tree_leaves(params))
+            else self._apply(params, local)
+        )
         return KeyedTensor(self.layout.feature_names, self.layout.output_dims, values)
 
     def update_operands(self, local: LocalBatches, grad):
@@ -244,7 +276,9 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
             grad = grad.values()
         want = (local.local_batch * self.num_devices, sum(self.layout.output_dims))
         if tuple(grad.shape) != want:
-            raise ValueError(f"pooled_grad has shape {tuple(grad.shape)}; expected [batch, sum of dims] = {list(want)}")
+            raise ValueError(
+                f"pooled_grad has shape {tuple(grad.shape)}; expected [batch, sum of dims] = {list(want)}"
+            )
         return local, _placement.batch_sharded(self.mesh, grad)
 
     def update_step(self, rule: RowRule):
@@ -259,11 +293,22 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
             state_specs = _placement.state_specs(static.buffers, opt_state)
             body, flag = _guard.through_shard_map(functools.partial(update_local, static, rule))
             fn = jax.shard_map(
-                body, mesh=mesh,
-                in_specs=(param_specs, state_specs.tables, P(), specs, P(all_axes), *[P()] * len(flag)),
-                out_specs=(param_specs, state_specs.tables, P()), check_vma=False,
+                body,
+                mesh=mesh,
+                in_specs=(
+                    param_specs,
+                    state_specs.tables,
+                    P(),
+                    specs,
+                    P(all_axes),
+                    *[P()] * len(flag),
+                ),
+                out_specs=(param_specs, state_specs.tables, P()),
+                check_vma=False,
             )
-            new_params, tables, count = fn(params, opt_state.tables, opt_state.count, local, grad, *flag)
+            new_params, tables, count = fn(
+                params, opt_state.tables, opt_state.count, local, grad, *flag
+            )
             return new_params, SparseOptState(count=count, tables=tables)
 
         return step

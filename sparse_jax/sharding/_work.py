@@ -126,15 +126,35 @@ def build_buffers(layout: TableLayout, plan, mesh_axes: dict[str, int]) -> list[
             if shard.row_size == 0:
                 continue
             key = (axes, shard.col_size, t.data_type)
-            buf = by_key.setdefault(key, {"used": [0] * n, "items": [[] for _ in range(n)], "blocks": []})
+            buf = by_key.setdefault(
+                key, {"used": [0] * n, "items": [[] for _ in range(n)], "blocks": []}
+            )
             c = _linear(tuple(shard.device), sizes)
             local = buf["used"][c]
             buf["used"][c] += shard.row_size
-            buf["blocks"].append((t.name, c, local, shard.row_offset, shard.row_size, shard.col_offset, shard.col_size))
+            buf["blocks"].append(
+                (
+                    t.name,
+                    c,
+                    local,
+                    shard.row_offset,
+                    shard.row_size,
+                    shard.col_offset,
+                    shard.col_size,
+                )
+            )
             for f in feats:
                 buf["items"][c].append(
-                    WorkItem(f, t.name, shard.row_offset, shard.row_size, shard.col_offset, local,
-                             t.num_embeddings, layout.features[f].pooling is PoolingType.MEAN)
+                    WorkItem(
+                        f,
+                        t.name,
+                        shard.row_offset,
+                        shard.row_size,
+                        shard.col_offset,
+                        local,
+                        t.num_embeddings,
+                        layout.features[f].pooling is PoolingType.MEAN,
+                    )
                 )
     out = []
     for i, ((axes, width, dtype), buf) in enumerate(by_key.items()):
