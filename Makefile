@@ -28,8 +28,10 @@ ARGS ?=
 train: $(STAMP)
 	$(PY) -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4 $(ARGS)
 
+# Two pytest workers (pytest-xdist), one test file each at a time (module fixtures stay in one
+# process): the suite is mostly single-threaded XLA compiles, so 2 cores run two at once.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The suite on the oldest supported torchmetrics (1.0.3, what torchrec 1.8 was released with),
 # overlaid on .venv; `make test` covers the newest.
