@@ -203,40 +203,21 @@ def _time_torch(fns: dict, rounds: int, reps: int) -> dict:
 def _update_fns(c: _Case, rule, interpret: bool):
     num_rows = c.table.shape[0]
 
-    def pallas(table, state, rows, bag, scale, bag_grads):
-        rows_s, perm = _pallas.sorted_runs(rows, num_rows)
-        return _pallas.sorted_run_update(
-            rule,
-            table,
-            state,
-            jnp.int32(1),
-            rows_s,
-            perm,
-            bag,
-            scale,
-            bag_grads,
-            interpret=interpret,
-        )
+    def pallas_form(unroll: int):
+        def run(table, state, rows, bag, scale, bag_grads):
+            rows_s, perm = _pallas.sorted_runs(rows, num_rows)
+            return _pallas.sorted_run_update(
+                rule, table, state, jnp.int32(1), rows_s, perm, bag, scale, bag_grads,
+                interpret=interpret, unroll=unroll,
+            )  # fmt: skip
+
+        return run
+
+    pallas, pallas1 = pallas_form(_pallas.UNROLL), pallas_form(1)
 
     def xla(table, state, rows, bag, scale, bag_grads):
         return apply_row_rule(
             rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads, scatter_add=not on_gpu()
-        )
-
-    def pallas1(table, state, rows, bag, scale, bag_grads):
-        rows_s, perm = _pallas.sorted_runs(rows, num_rows)
-        return _pallas.sorted_run_update(
-            rule,
-            table,
-            state,
-            jnp.int32(1),
-            rows_s,
-            perm,
-            bag,
-            scale,
-            bag_grads,
-            interpret=interpret,
-            unroll=1,
         )
 
     return {
