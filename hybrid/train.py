@@ -15,7 +15,7 @@ accuracy) every `train.eval_every` steps and at the end, writes metrics as JSON 
 (log.metrics_path) and checkpoints (checkpoint.dir), and ends by printing where they went.
 A fresh run never replaces an earlier run's metrics or checkpoints: it refuses, unless
 `--overwrite` (earlier checkpoints are moved aside, not deleted); `--resume` appends.
-`--stream` (Criteo): the training files are streamed, each process reading only its
+`--stream` or `data.stream = true` (Criteo): the training files are streamed, each process reading only its
 share, shuffled within a window of 65,536 samples, read ahead on a thread, in memory that
 stays flat however large the files (`hybrid.data.CriteoStream`); the last of data.paths
 is the held-out eval file, read whole (data.max_rows rows at most; data.eval_fraction is
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"train.mesh={json.dumps(args.mesh)}")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    if args.stream:  # the flag is the config key: one recorded setting, whichever was used
+        overrides.append("data.stream=true")
     if args.overwrite:
         overrides += ["log.overwrite=true", "checkpoint.overwrite=true"]
     try:
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             from hybrid.training._watchdog import start_watchdog
 
             watchdog = start_watchdog(env)  # a dead peer makes this process exit in seconds
-        run(config, resume=args.resume, stream=args.stream)
+        run(config, resume=args.resume, stream=config.data.stream)
         if env is not None and watchdog is not None:
             watchdog.finish()  # every rank finished: exiting peers are not failures
     except (ConfigError, CriteoFormatError) as e:

@@ -546,9 +546,8 @@ def test_criteo_stream_trains_and_resumes_where_the_stream_stood(tmp_path, capsy
     meta = json.loads((ckpt / "step_00000006" / "meta.json").read_text())
     assert meta["data_stream"] == stream.state()
     stream.close()
-    with pytest.raises(
-        ConfigError, match=r"written by a run with --stream; resume it with --stream"
-    ):
+    # a resume without the stream is refused: the checkpoint's config says data.stream = true
+    with pytest.raises(ConfigError, match=r"data\.stream: true -> false"):
         argv = [a for a in _criteo_stream_argv(paths, 12, metrics, ckpt) if a != "--stream"]
         train.run(
             load_config(
@@ -558,7 +557,12 @@ def test_criteo_stream_trains_and_resumes_where_the_stream_stood(tmp_path, capsy
             resume=True,
             echo=lambda *_: None,
         )
-    assert train.main([*_criteo_stream_argv(paths, 12, metrics, ckpt), "--resume"]) == 0
+    # resumed through the config key instead of the flag: the same stream
+    keyed = [
+        "--set=data.stream=true" if a == "--stream" else a
+        for a in _criteo_stream_argv(paths, 12, metrics, ckpt)
+    ]
+    assert train.main([*keyed, "--resume"]) == 0
     assert "resumed from" in capsys.readouterr().out
     resumed = {
         r["step"]: r["loss"]

@@ -70,6 +70,7 @@ class DataSection:
     num_sparse: int = 26
     num_dense: int = 13
     raw_ids: list[str] = dataclasses.field(default_factory=list)
+    stream: bool = False  # criteo: stream the training files per process (as `--stream`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
