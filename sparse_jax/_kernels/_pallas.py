@@ -293,7 +293,6 @@ def _update_kernel(
     dim,
     unroll,
 ):
-    from sparse_jax.optim._rounding import round_rows
 
     k_leaves = treedef.num_leaves
     s_in, t_out, s_out = refs[:k_leaves], refs[k_leaves], refs[k_leaves + 1 :]
@@ -329,14 +328,7 @@ def _update_kernel(
             [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in],
         )
         new_w, new_state = rule.update_rows(w[None, :], rows_state, grad[None, :], step)
-        new_w = round_rows(
-            new_w,
-            t_out.dtype,
-            stochastic=rule.stochastic_rounding,
-            seed=rule.seed,
-            step=step,
-            rows=jnp.full((1,), row, jnp.int32),
-        )
+        new_w = rule.write_back(new_w, t_out.dtype, step=step, at=jnp.full((1,), row, jnp.int32))
         t_out[row, :] = new_w[0].astype(t_out.dtype)
         for ref, value in zip(s_out, jax.tree_util.tree_leaves(new_state), strict=True):
             value = value.astype(ref.dtype)

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax.optim._base import RowRule, is_row_leaf
-from sparse_jax.optim._rounding import round_rows
 
 __all__ = ["apply_row_rule", "dedup_row_grads"]
 
@@ -92,14 +91,7 @@ def apply_row_rule(
 
     state_rows = jax.tree_util.tree_map(gather, state)
     new_w, new_state_rows = rule.update_rows(w, state_rows, grads, step)
-    new_w = round_rows(
-        new_w,
-        table.dtype,
-        stochastic=rule.stochastic_rounding,
-        seed=rule.seed,
-        step=step,
-        rows=unique,
-    )
+    new_w = rule.write_back(new_w, table.dtype, step=step, at=unique)
     table = table.at[unique].set(new_w, mode="drop", unique_indices=True)
 
     def scatter(old, new):

@@ -66,6 +66,17 @@ class RowRule:
         if self.native not in NATIVE:
             raise ValueError(f"{self.name}: native={self.native!r} is not one of {NATIVE}")
 
+    def write_back(self, rows, dtype, *, step, at):
+        """fp32 stepped `rows` `[U, dim]` as the table's `dtype`, rounded as this rule says
+        (`stochastic_rounding`, `seed`; `at`: the rows' indices in the table, the draw's
+        counter). Every update form (XLA, Pallas, the column-split rowwise form) writes back
+        through here."""
+        from sparse_jax.optim._rounding import round_rows
+
+        return round_rows(
+            rows, dtype, stochastic=self.stochastic_rounding, seed=self.seed, step=step, rows=at
+        )
+
     def init(self, params: dict[str, jax.Array]) -> SparseOptState:
         """Fresh state for every buffer of `params`, placed like the buffers (mesh-sharded
         buffers get row-sharded per-row state and replicated global leaves)."""

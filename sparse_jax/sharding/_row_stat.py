@@ -24,7 +24,6 @@ import numpy as np
 from sparse_jax import _guard
 from sparse_jax.optim._apply import dedup_row_grads
 from sparse_jax.optim._base import RowRule
-from sparse_jax.optim._rounding import round_rows
 from sparse_jax.sharding._work import ShardBuffer, ShardedStatic
 
 __all__ = ["RowSpace", "apply_rowwise_split", "partial_sums", "row_space"]
@@ -112,14 +111,7 @@ def apply_rowwise_split(rule: RowRule, table, state, deduped, stat, step):
     s = state["momentum1"].at[rows].get(mode="fill", fill_value=0) + full / dim.astype(jnp.float32)
     w = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
     new_w = w - (rule.hyperparams["lr"] / (jnp.sqrt(s) + rule.hyperparams["eps"]))[:, None] * grads
-    new_w = round_rows(
-        new_w,
-        table.dtype,
-        stochastic=rule.stochastic_rounding,
-        seed=rule.seed,
-        step=step,
-        rows=rows,
-    )
+    new_w = rule.write_back(new_w, table.dtype, step=step, at=rows)
     table = table.at[rows].set(new_w, mode="drop", unique_indices=True)
     momentum = state["momentum1"].at[rows].set(s, mode="drop", unique_indices=True)
     return table, {**state, "momentum1": momentum}
