@@ -132,6 +132,7 @@ def sum_positions(table, rows, w, kernel: str):
     """`sum_l w[:, l] * table[rows[:, l]]`, the kernel chosen when the program is lowered:
     the fused C++ kernel on CPU (fp32, "auto"/"ffi", built), the Pallas kernel on CUDA
     ("auto"/"pallas", power-of-two dims), else XLA (`_sum_positions`)."""
+    from sparse_jax import _kernels
     from sparse_jax._kernels import _pallas
     from sparse_jax._kernels._platform import by_platform
 
@@ -145,7 +146,7 @@ def sum_positions(table, rows, w, kernel: str):
     elif kernel in ("auto", "ffi"):
         cpu = None
         if use_ffi(kernel, table) or (kernel == "auto" and table.dtype == jnp.float32):
-            cpu = _when_built(lambda t, r, x: _ffi_pooled_sum(t, r, x), _sum_positions)
+            cpu = _kernels.when_built(_kernels.pooled_sum, _sum_positions)
         impls = dict(
             default=_sum_positions, cpu=cpu, cuda=_pallas.pooled_positions if pallas_ok else None
         )
@@ -157,23 +158,6 @@ def sum_positions(table, rows, w, kernel: str):
         **impls,
     )
     return out[0]
-
-
-def _ffi_pooled_sum(table, rows, w):
-    from sparse_jax import _kernels
-
-    return _kernels.pooled_sum(table, rows, w)
-
-
-def _when_built(ffi_fn, fallback):
-    """The C++ form when the CPU kernels are built, decided when the CPU program is lowered."""
-
-    def run(*ops):
-        from sparse_jax._kernels import _ffi
-
-        return ffi_fn(*ops) if _ffi._register() is None else fallback(*ops)
-
-    return run
 
 
 def _require_pallas(ok: bool, table) -> None:
@@ -336,7 +320,7 @@ def pooled_group(
         cpu = _jagged_kernel(_kernels.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check)
         impls = dict(
             default=xla,
-            cpu=_when_built(cpu, xla) if ffi else None,
+            cpu=_kernels.when_built(cpu, xla) if ffi else None,
             cuda=_jagged_kernel(
                 _pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check
             )

@@ -349,8 +349,8 @@ def _lookup(
     """The lookup, its implementation chosen when the program is lowered (`by_platform`):
     kernel "auto"/"ffi" takes the fused C++ kernel on CPU when it is built, the XLA form
     elsewhere (other platforms, an unbuilt kernel); "xla" always the XLA form."""
+    from sparse_jax._kernels import when_built
     from sparse_jax._kernels._platform import by_platform
-    from sparse_jax._lookup import _when_built
 
     operands = (packed, ids, offsets) if weights is None else (packed, ids, offsets, weights)
     form = (weight_type, dim, mean, clamp, max_length)
@@ -358,7 +358,7 @@ def _lookup(
     if kernel == "xla":
         return xla(*operands)[0]
     aval = jax.ShapeDtypeStruct((offsets.shape[0] - 1, dim), jnp.float32)
-    return by_platform(operands, [aval], default=xla, cpu=_when_built(_kernel_form(*form), xla))[0]
+    return by_platform(operands, [aval], default=xla, cpu=when_built(_kernel_form(*form), xla))[0]
 
 
 def quantized_pooled_lookup(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparse_jax import _guard
+from sparse_jax import _guard, _kernels
 from sparse_jax._kernels import _pallas
 from sparse_jax._kernels._platform import by_platform
 from sparse_jax._lookup import check_kernel, use_ffi
@@ -50,34 +50,18 @@ def pallas_rule(rule: RowRule, table, state) -> bool:
     )
 
 
-def _cpu_kernels_ready() -> bool:
-    from sparse_jax._kernels import _ffi
-
-    return _ffi._register() is None
-
-
 def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, *, kernel: str):
     """One fused update of one buffer: `(new table, new state)` (see the module's table)."""
     check_kernel(kernel)
-    good = _guard.current()
     leaves, treedef = jax.tree_util.tree_flatten(state)
     num_rows = table.shape[0]
-    flag = jnp.ones((), bool) if good is None else good
-    operands = (table, jnp.asarray(step, jnp.int32), rows, bag, scale, bag_grads, flag, *leaves)
-    guarded = good is not None
+    operands = (table, jnp.asarray(step, jnp.int32), rows, bag, scale, bag_grads, *leaves)
 
     def unpack(ops):
-        t, s, r, b, sc, g, ok, *lv = ops
-        return (
-            t,
-            jax.tree_util.tree_unflatten(treedef, lv),
-            s,
-            r,
-            b,
-            sc,
-            g,
-            (ok if guarded else None),
-        )
+        """The operands, and the guard's flag (`by_platform` sets it again around each
+        implementation when the program is lowered; None unguarded)."""
+        t, s, r, b, sc, g, *lv = ops
+        return t, jax.tree_util.tree_unflatten(treedef, lv), s, r, b, sc, g, _guard.current()
 
     def flat(out):
         return [out[0], *jax.tree_util.tree_leaves(out[1])]
@@ -104,10 +88,6 @@ def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, 
         return run
 
     def ffi(*ops):
-        if not _cpu_kernels_ready():  # decided when the CPU program is lowered
-            return xla(True)(*ops)
-        from sparse_jax import _kernels
-
         t, st, _, r, b, sc, g, ok = unpack(ops)
         if ok is not None:
             r = jnp.where(ok, r, num_rows)  # the kernel skips rows outside the buffer
@@ -138,7 +118,7 @@ def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, 
         use_cpu = ffi_rule(rule, table) and (kernel == "auto" or use_ffi(kernel, table))
         impls = dict(
             default=xla(True),
-            cpu=ffi if use_cpu else None,
+            cpu=_kernels.when_built(ffi, xla(True)) if use_cpu else None,
             cuda=pallas(False) if pallas_rule(rule, table, state) else xla(False),
         )
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)]

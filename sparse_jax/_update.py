@@ -129,11 +129,7 @@ def _group_update(
 
         return run
 
-    def cpu(table, state, step, kjt, pooled_grad):
-        from sparse_jax._kernels import _ffi
-
-        if _ffi._register() is not None:  # not built: decided when the CPU program is lowered
-            return stream(table, state, step, kjt, pooled_grad)
+    def jagged(table, state, step, kjt, pooled_grad):
         return _jagged_kernel_update(
             layout,
             group,
@@ -150,7 +146,8 @@ def _group_update(
     avals = [
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves((table, state))
     ]
-    out = by_platform(leaves, avals, default=unpacked(stream), cpu=unpacked(cpu))
+    cpu = _kernels.when_built(unpacked(jagged), unpacked(stream))  # built: decided at lowering
+    out = by_platform(leaves, avals, default=unpacked(stream), cpu=cpu)
     return jax.tree_util.tree_unflatten(out_tree, out)
 
 

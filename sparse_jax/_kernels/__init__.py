@@ -14,6 +14,7 @@ from sparse_jax._kernels._ffi import (
     last_update_phases,
     pooled_sum,
     quant_pooled,
+    when_built,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "last_update_phases",
     "pooled_sum",
     "quant_pooled",
+    "when_built",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "jagged_pooled_sum",
     "last_update_phases",
     "pooled_sum",
+    "when_built",
     "quant_pooled",
 ]
 
@@ -60,6 +61,16 @@ def available() -> bool:
         log.warning(problem)
         return False
     return True
+
+
+def when_built(ffi_fn, fallback):
+    """`ffi_fn` when the CPU kernels are built, else `fallback`: decided when it is called,
+    i.e. when the CPU program is lowered (`by_platform`), not where it was traced."""
+
+    def run(*ops):
+        return ffi_fn(*ops) if _register() is None else fallback(*ops)
+
+    return run
 
 
 def last_update_phases() -> dict[str, float]:
