@@ -21,7 +21,7 @@ import contextvars
 
 import jax.numpy as jnp
 
-__all__ = ["current", "next_count", "predicated", "through_shard_map", "where_good"]
+__all__ = ["current", "next_count", "predicated", "through_shard_map"]
 
 _GOOD: contextvars.ContextVar = contextvars.ContextVar("hybridrec_good", default=None)
 
@@ -45,12 +45,6 @@ def next_count(count):
     """The step counter after this step: `count + 1`, or `count` when the guard says skip."""
     good = current()
     return count + 1 if good is None else jnp.where(good, count + 1, count)
-
-
-def where_good(new, old):
-    """`new` when the step is kept, else `old` (global leaves: scalars, small arrays)."""
-    good = current()
-    return new if good is None else jnp.where(good, new, old)
 
 
 def through_shard_map(body):
