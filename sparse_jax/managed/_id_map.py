@@ -328,7 +328,9 @@ class MCHManagedCollisionModule:
             )
         valid = jnp.ones(n, bool) if valid is None else valid
         leaves, tree = jax.tree_util.tree_flatten((state, ids, valid))
-        out = jax.eval_shape(self._profile, state, ids, valid)
+        # the new state has the state's shapes, plus the bool[zch_size] evicted mask (no
+        # second trace of the eviction to find out)
+        out = (state, jax.ShapeDtypeStruct((self.zch_size,), jnp.bool_))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
 
         def form(static: bool):
