@@ -45,11 +45,14 @@ id maps), `_preflight` (run identity, the preflight), `_store` (save, rotation, 
 from hybrid.checkpoint._arrays import estimate_bytes, saved_table_shapes, sparse_state_arrays
 from hybrid.checkpoint._format import CheckpointError, scan_checkpoints, verify_checkpoint
 from hybrid.checkpoint._preflight import RunCheckpoints, config_changes, prepare_run, read_run
+from hybrid.checkpoint._sharded import AsyncCheckpointer, checkpoint_arrays
 from hybrid.checkpoint._store import latest_checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointError",
     "RunCheckpoints",
+    "checkpoint_arrays",
     "config_changes",
     "estimate_bytes",
     "latest_checkpoint",

@@ -123,6 +123,9 @@ class CheckpointSection:
     keep: int = 2
     overwrite: bool = False
     allow_config_change: bool = False
+    format: str = (
+        "auto"  # "npz" (one process), "orbax" (every process writes), "auto": by process count
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,6 +175,7 @@ _CHOICES = {
     "dense_optimizer.name": ("adam", "sgd"),
     "train.nonfinite": ("stop", "skip"),
     "managed_collision.eviction_policy": ("lru", "lfu"),
+    "checkpoint.format": ("auto", "npz", "orbax"),
 }
 _POSITIVE = {
     "model.embedding_dim",
