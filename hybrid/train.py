@@ -662,6 +662,7 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
         echo = _silent
         config = dataclasses.replace(config, log=dataclasses.replace(config.log, metrics_path=""))
     threads = torch.get_num_threads()
+    saver = None  # the asynchronous checkpointer of the "orbax" format
     torch.set_num_threads(config.train.torch_threads)
     try:
         _refuse_to_replace_metrics(config, resume)  # before any data is read
