@@ -211,6 +211,10 @@ class AsyncCheckpointer:
         self._commit.start()
         return final
 
+    def in_flight(self) -> bool:
+        """Whether a save is still being written or committed."""
+        return self._commit is not None and self._commit.is_alive()
+
     def wait(self) -> None:
         """Wait for the save in flight (if any) to commit; raise what it failed with."""
         if self._commit is not None:
