@@ -103,7 +103,9 @@ def _assert_same(got, want):
             torch.testing.assert_close(x[key], y[key], rtol=1e-5, atol=1e-6)
     ma, mb = (json.loads((p / "meta.json").read_text()) for p in (got, want))
     assert ma["step"] == mb["step"]
-    np.testing.assert_allclose(ma["loss_tracker"]["recent"], mb["loss_tracker"]["recent"], rtol=1e-5)
+    np.testing.assert_allclose(
+        ma["loss_tracker"]["recent"], mb["loss_tracker"]["recent"], rtol=1e-5
+    )
 
 
 def _copy_run(src, dst, *steps):
