@@ -26,7 +26,7 @@ import torch
 from hybrid import train
 from hybrid.checkpoint import CheckpointError, checkpoint_arrays, latest_checkpoint
 from hybrid.checkpoint import verify_checkpoint as verify
-from hybrid.training import load_config
+from hybrid.training import ConfigError, load_config
 from tests.test_train_multiprocess import _free_port_pair
 
 pytest.importorskip("orbax.checkpoint")
@@ -177,3 +177,18 @@ def test_killed_during_async_save_resumes_on_two_and_on_one_process(tmp_path, ca
 
 def meta_of(path):
     return json.loads((path / "meta.json").read_text())
+
+
+class _Stream:
+    """Stands for a `CriteoStream`: records the position it is restored to."""
+
+    def restore(self, state):
+        self.state = state
+
+
+def test_each_process_resumes_its_own_stream_position_and_only_on_as_many_processes():
+    stream = _Stream()
+    train._restore_stream(stream, {"data_streams": [{"rank": 0}]}, "step_00000004")
+    assert stream.state == {"rank": 0}  # process 0 of 1 takes the first position
+    with pytest.raises(ConfigError, match="written by 2 processes.*this run has 1.*on 2 processes"):
+        train._restore_stream(stream, {"data_streams": [{"rank": 0}, {"rank": 1}]}, "step_4")
