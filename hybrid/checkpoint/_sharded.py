@@ -147,23 +147,31 @@ class AsyncCheckpointer:
         step: int,
         model,
         dense_optimizer: torch.optim.Optimizer,
-        meta: dict,
-        run_id: str,
+        meta: dict | None = None,
+        run_id: str | None = None,
         keep: int = 2,
     ) -> pathlib.Path:
         """Start saving `directory/step_<step>/` (a collective: every process calls it);
         returns the path it will have once committed. Waits for the previous save first.
-        `run_id` must be the directory's run (see `_preflight._claim`, done by process 0)."""
+        `run_id`: the run this save belongs to, as `save_checkpoint`'s (process 0 claims the
+        directory for it); several processes must pass it (the same on every process)."""
         from hybrid.checkpoint._preflight import _claim
 
+        meta = dict(meta or {})
         self.wait()
         root = pathlib.Path(directory)
         rank = jax.process_index()
+        if run_id is None and jax.process_count() > 1:
+            raise ValueError(
+                "AsyncCheckpointer.save: several processes must pass run_id (the same on every "
+                "process, e.g. prepare_run's on process 0, broadcast), so they write one run"
+            )
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            run_id = _claim(root, run_id, meta.get("config"))
         final = root / f"step_{step:08d}"
         tmp = root / f".tmp-{final.name}-{run_id[:12]}"  # the same name on every process
         if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            _claim(root, run_id, meta.get("config"))
             shutil.rmtree(tmp, ignore_errors=True)  # a killed save of this step
             tmp.mkdir()
         _barrier(f"hybrid_checkpoint_mkdir_{step}")
