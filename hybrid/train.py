@@ -671,6 +671,11 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
         ckpt_run = (
             _prepare_checkpoints(config, model, resume, echo) if config.checkpoint.dir else None
         )
+        if config.checkpoint.dir and config.checkpoint.format == "npz" and procs.world > 1:
+            raise ConfigError(
+                f'checkpoint.format = "npz" is written by one process, but this run has {procs.world}; '
+                'use "orbax" (every process writes its own shards) or "auto" under torchrun'
+            )
         orbax = config.checkpoint.format == "orbax" or (
             config.checkpoint.format == "auto" and procs.world > 1
         )
