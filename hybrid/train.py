@@ -159,11 +159,6 @@ def main(argv: list[str] | None = None) -> int:
             configure_gpu_env()  # before JAX starts: torch and JAX share each GPU
         _ensure_cpu_devices(config.train.mesh, 1 if env is None else env.world_size)
         if env is not None:
-            if config.checkpoint.dir:
-                raise ConfigError(
-                    "checkpoint.dir is set but checkpoints are written by single-process runs "
-                    "only so far; unset it (--set checkpoint.dir='') under torchrun"
-                )
             import hybrid
 
             hybrid.init_distributed()
@@ -279,8 +274,19 @@ def _is_stream(train) -> bool:
 
 
 def _restore_stream(train, meta: dict, where) -> None:
-    """Put the stream where checkpoint `where` left it (its meta's "data_stream")."""
+    """Put the stream where checkpoint `where` left it (its meta's "data_stream"; a run of
+    several processes saved each one's as "data_streams")."""
     state = meta.get("data_stream")
+    if "data_streams" in meta:
+        procs = _Processes()
+        streams = meta["data_streams"]
+        if len(streams) != procs.world:
+            raise ConfigError(
+                f"--resume --stream: {where} was written by {len(streams)} processes, each reading its "
+                f"own share of the files; this run has {procs.world}. A stream position is exact only "
+                f"for the share it was read from: resume on {len(streams)} processes"
+            )
+        state = streams[procs.rank]
     if _is_stream(train) != (state is not None):
         raise ConfigError(
             f"--resume: {where} was written by a run {'with' if state is not None else 'without'} --stream; "
@@ -514,6 +520,22 @@ class _Processes:
                 if p.grad is not None:
                     self.dist.all_reduce(p.grad)
 
+    def gather_objects(self, value) -> list:
+        """`[value of process 0, value of process 1, ...]` (picklable values)."""
+        if not self.dist:
+            return [value]
+        out = [None] * self.world
+        self.dist.all_gather_object(out, value)
+        return out
+
+    def broadcast_object(self, value):
+        """Process 0's `value` on every process."""
+        if not self.dist:
+            return value
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def gather_rows(self, t):
         if not self.dist:
             return t
@@ -631,7 +653,7 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
     from tqdm import tqdm
 
     import hybrid
-    from hybrid.checkpoint import load_checkpoint, prepare_run, save_checkpoint
+    from hybrid.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
     from hybrid.data import BatchLoader
     from hybrid.training._metrics import LossTracker
 
@@ -640,23 +662,24 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
         echo = _silent
         config = dataclasses.replace(config, log=dataclasses.replace(config.log, metrics_path=""))
     threads = torch.get_num_threads()
+    saver = None  # the asynchronous checkpointer of the "orbax" format
     torch.set_num_threads(config.train.torch_threads)
     try:
         _refuse_to_replace_metrics(config, resume)  # before any data is read
         model, dense_opt, train, evaluation, num_devices = build(config, stream=stream)
-        ckpt_run = (  # preflight before any step: writable, room, checkpointable, run identity
-            prepare_run(
-                config.checkpoint.dir,
-                config=config.to_dict(),
-                model=model,
-                resume=resume,
-                overwrite=config.checkpoint.overwrite,
-                allow_config_change=config.checkpoint.allow_config_change,
-                echo=echo,
-            )
-            if config.checkpoint.dir
-            else None
+        # preflight before any step: writable, room, checkpointable, run identity
+        ckpt_run = (
+            _prepare_checkpoints(config, model, resume, echo) if config.checkpoint.dir else None
         )
+        if config.checkpoint.dir and config.checkpoint.format == "npz" and procs.world > 1:
+            raise ConfigError(
+                f'checkpoint.format = "npz" is written by one process, but this run has {procs.world}; '
+                'use "orbax" (every process writes its own shards) or "auto" under torchrun'
+            )
+        orbax = config.checkpoint.format == "orbax" or (
+            config.checkpoint.format == "auto" and procs.world > 1
+        )
+        saver = AsyncCheckpointer() if config.checkpoint.dir and orbax else None
         device = hybrid.torch_device()  # the torch device of this process's JAX device
         model.dense.to(device)
         loader = None if stream else BatchLoader(train, config.train.batch_size, seed=config.seed)
@@ -703,21 +726,32 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
         metrics: dict = {}
 
         def checkpoint(step: int):
-            if ckpt_dir:
-                return save_checkpoint(
+            if not ckpt_dir:
+                return None
+            meta = {"loss_tracker": tracker.state_dict(), "config": config.to_dict()}
+            if stream and procs.world > 1:  # each process's own position in its share
+                meta["data_streams"] = procs.gather_objects(stream_position(step))
+            elif stream:
+                meta["data_stream"] = stream_position(step)
+            if saver is not None:  # every process writes its shards; committed in the background
+                return saver.save(
                     ckpt_dir,
                     step=step,
                     model=model,
                     dense_optimizer=dense_opt,
                     keep=config.checkpoint.keep,
-                    meta={
-                        "loss_tracker": tracker.state_dict(),
-                        "config": config.to_dict(),
-                        **({"data_stream": stream_position(step)} if stream else {}),
-                    },
+                    meta=meta,
                     run_id=ckpt_run.run_id,
                 )
-            return None
+            return save_checkpoint(
+                ckpt_dir,
+                step=step,
+                model=model,
+                dense_optimizer=dense_opt,
+                keep=config.checkpoint.keep,
+                meta=meta,
+                run_id=ckpt_run.run_id,
+            )
 
         def run_eval(step: int) -> dict:
             result = evaluate(model, evaluation, config.train.eval_batch_size)
@@ -852,11 +886,43 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
             train.close()
         bar.close()
         metrics = run_eval(total)
-        for line in _where_outputs_went(config, checkpoint(total)):
+        newest = checkpoint(total)
+        if saver is not None:
+            saver.close()  # the last save committed
+            saver = None
+        for line in _where_outputs_went(config, newest):
             echo(line)
         return {"eval": metrics, "losses": losses, "step": total}
     finally:
+        if saver is not None:
+            saver.close()
         torch.set_num_threads(threads)
+
+
+def _prepare_checkpoints(config, model, resume: bool, echo):
+    """The checkpoint preflight (`hybrid.checkpoint.prepare_run`), run by process 0 alone (it
+    may move files aside); every process gets its decision, or its ConfigError."""
+    from hybrid.checkpoint import prepare_run
+
+    procs = _Processes()
+    result = None
+    if procs.rank == 0:
+        try:
+            result = prepare_run(
+                config.checkpoint.dir,
+                config=config.to_dict(),
+                model=model,
+                resume=resume,
+                overwrite=config.checkpoint.overwrite,
+                allow_config_change=config.checkpoint.allow_config_change,
+                echo=echo,
+            )
+        except ConfigError as e:
+            result = e
+    result = procs.broadcast_object(result)
+    if isinstance(result, ConfigError):
+        raise result
+    return result
 
 
 def _duration(seconds: float) -> str:

@@ -257,6 +257,31 @@ class SparseTables:
 
         self._opt_state = jax.tree.map(place, state, current)
 
+    def load_buffers(self, params: dict[str, jax.Array], opt_state: SparseOptState) -> None:
+        """Replace the stacked buffers and the optimizer state with device arrays already laid
+        out as the current ones (same structure, shapes, dtypes and shardings; e.g. restored
+        shard by shard from a checkpoint). Nothing goes through the host."""
+        for what, new, old in (
+            ("params", params, self._params),
+            ("optimizer state", opt_state, self._opt_state),
+        ):
+            if jax.tree.structure(new) != jax.tree.structure(old):
+                raise ValueError(
+                    f"load_buffers: {what} has structure {jax.tree.structure(new)}, expected "
+                    f"{jax.tree.structure(old)}"
+                )
+            for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
+                if (
+                    a.shape != b.shape
+                    or a.dtype != b.dtype
+                    or not a.sharding.is_equivalent_to(b.sharding, b.ndim)
+                ):
+                    raise ValueError(
+                        f"load_buffers: a {what} leaf is {a.dtype}{list(a.shape)} on {a.sharding}, "
+                        f"expected {b.dtype}{list(b.shape)} on {b.sharding}"
+                    )
+        self._params, self._opt_state = dict(params), opt_state
+
     def prepare(self, kjt: KeyedJaggedTensor) -> PreparedBatch:
         """The batch checked, padded, split and placed on the tables' devices, once."""
         return self.module.prepare(kjt, device=self.device)

@@ -30,7 +30,9 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              checkpoints of this run kept); overwrite (a fresh run into a directory holding
              another run's checkpoints moves them aside into <dir>/.replaced-*/ instead of
              refusing); allow_config_change (--resume with a changed seed,
-             train.batch_size or [data] instead of refusing: no longer exact)
+             train.batch_size or [data] instead of refusing: no longer exact); format
+             ("auto": "orbax" under torchrun, "npz" for one process; "orbax": every
+             process writes its own shards, asynchronously; "npz": one file, one writer)
     [managed_collision] tables ({t_user = 512}: these tables take their ids through a
              managed-collision module with that many rows: raw ids mapped to rows on the
              device, evicting by eviction_policy = "lru" | "lfu" every eviction_interval
@@ -123,6 +125,9 @@ class CheckpointSection:
     keep: int = 2
     overwrite: bool = False
     allow_config_change: bool = False
+    format: str = (
+        "auto"  # "npz" (one process), "orbax" (every process writes), "auto": by process count
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,6 +177,7 @@ _CHOICES = {
     "dense_optimizer.name": ("adam", "sgd"),
     "train.nonfinite": ("stop", "skip"),
     "managed_collision.eviction_policy": ("lru", "lfu"),
+    "checkpoint.format": ("auto", "npz", "orbax"),
 }
 _POSITIVE = {
     "model.embedding_dim",
