@@ -127,6 +127,7 @@ def _load_warm(path: str) -> Predictor:
     """`load(path)` (every file checked) and one call, so the first request after a swap
     finds the programs compiled and a model that cannot run is refused before it serves."""
     predictor = load(path)
+    predictor.warm()  # every batch rung at the smallest id capacity
     weighted = predictor.manifest["is_weighted"]
     empty = {"ids": [[]], "weights": [[]]} if weighted else [[]]
     try:
