@@ -465,4 +465,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
     sys.exit(main())

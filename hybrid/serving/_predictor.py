@@ -2,8 +2,9 @@
 
 The host path of a call is kept small: the request is checked and packed by vectorised
 numpy (`_request.read_sparse`) into the program's static shapes (ids padded to a rung of
-the artifact's id capacities, offsets `[features * max_batch_size + 1]`); the lookup runs as
-the program compiled ahead of time for that rung (compiled once, cached: `warm`), the dense
+the artifact's id capacities, bags to the smallest of its batch rungs that holds the
+request: offsets `[features x rung + 1]`); the lookup runs as that rung's program compiled
+ahead of time for that id capacity (once, cached; `warm` compiles ahead), the dense
 tower as the `torch.export` program's graph called directly (its own input-guard hook is
 skipped: `read_dense` has already checked what it checks). The lookup (JAX) and the dense
 tower (torch) stay two calls: the artifact holds one program of each runtime, and nothing in
