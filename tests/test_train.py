@@ -608,6 +608,7 @@ def test_a_run_exports_for_serving_and_a_checkpoint_exports_without_training(tmp
         *(f"--set={s}" for s in SMALL),
         f"--set=checkpoint.dir='{tmp_path / 'ck'}'",
         "--set=export.max_batch_size=8",
+        "--set=log.metrics_path=''",
     ]
     first, again, int8 = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     assert train.main([*common, "--steps", "4", "--export", str(first)]) == 0
