@@ -4,8 +4,8 @@
     result.summary()   # requests, QPS, p50 / p99 / p999 ms, errors by status
 
 `closed_loop`: `clients` keep-alive connections to 127.0.0.1, each sending the request, waiting
-for its answer, and sending the next, until `seconds` have passed or `max_requests` each
-(bounded in count and time; every request has `timeout_s`). A non-200 answer, a timeout or a
+for its answer, and sending the next, until `seconds` have passed (one request at least) or
+`max_requests` each (bounded in count and time; every request has `timeout_s`). A non-200 answer, a timeout or a
 dropped connection is an error (the connection is then opened again). `garbage`: a client
 sending bad requests (malformed JSON, unknown feature, out-of-range id, oversize batch,
 bytes that are not HTTP) and counting the answers that are a 4xx, as they should be.
@@ -93,8 +93,8 @@ async def post(port: int, path: str, body: bytes, timeout_s: float = 60.0) -> tu
 
 async def _client(port, data, deadline, stop, max_requests, timeout_s, result) -> None:
     conn = None
-    for _ in range(max_requests):
-        if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
+    for n in range(max_requests):  # at least one request each, however late it starts
+        if n and (time.perf_counter() >= deadline or (stop is not None and stop.is_set())):
             break
         try:
             if conn is None:
@@ -164,13 +164,14 @@ async def garbage(
     stop: asyncio.Event | None = None,
 ) -> dict:
     """Send each of `bad_bodies` in turn (and, every round, bytes that are not HTTP on a
-    fresh connection) until `seconds` pass or `stop` is set; {"sent", "answered_4xx",
-    "other": {what: n}}."""
+    fresh connection) until `seconds` pass or `stop` is set, one round at least;
+    {"sent", "answered_4xx", "other": {what: n}}."""
     sent, fine, other = 0, 0, collections.Counter()
     deadline = time.perf_counter() + seconds
     junk = b"\x16\x03\x01 this is not http\r\n\r\n"
-    for i in range(max_requests):
-        if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
+    for i in range(max_requests):  # at least one of each kind, however short the time
+        over = time.perf_counter() >= deadline or (stop is not None and stop.is_set())
+        if over and i > len(bad_bodies):
             break
         sent += 1
         try:
