@@ -5,6 +5,8 @@
     python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --set checkpoint.every=100
     python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --resume
     python -m hybrid.train --config configs/criteo.toml --stream --steps 20000 --set 'data.paths=["day_0.gz", "day_1.gz", "day_23.gz"]'
+    python -m hybrid.train --config configs/synthetic.toml --export artifacts/synthetic --quantize int8
+    python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --resume --export-only --export artifacts/movielens
 
 `--config` is required (configs/*.toml; `--set` changes single keys). The last two lines
 write checkpoints and then continue from the newest one (`--resume` reads checkpoint.dir,
@@ -23,6 +25,10 @@ not used); train.steps must be given (the stream repeats its files as often as t
 need); checkpoints carry the stream's exact position (their meta's "data_stream") and
 `--resume --stream` continues from it. Without `--stream` the files are read into memory
 (data.max_rows rows) and the last data.eval_fraction of them is held out.
+`--export DIR` (export.dir) writes a serving artifact at the end of the run (`--quantize
+int8|int4|int2|fp16`: its tables quantized first), which `python -m hybrid.serving serve
+--artifact DIR --port N` serves; `--export-only` with `--resume` writes it from the newest
+checkpoint without training (`hybrid/training/_export_run.py`).
 Config keys: see `hybrid/training/_train_config.py`. On CPU, a `--mesh` needing more devices than
 the host has sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` itself (when JAX
 has not started yet).
@@ -103,10 +109,27 @@ def _parser() -> argparse.ArgumentParser:
         "reading them whole; the last of data.paths is the eval file; needs train.steps",
     )
     p.add_argument(
+        "--export",
+        metavar="DIR",
+        help="write a serving artifact to DIR at the end (overrides export.dir); serve it with "
+        "python -m hybrid.serving serve --artifact DIR --port N",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4", "int2", "fp16"],
+        help="quantize the exported tables (overrides export.quantize)",
+    )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="with --resume: export the newest checkpoint to export.dir (--export DIR) without training",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
-        help="start over where an earlier run wrote: replace log.metrics_path and move "
-        "checkpoint.dir's checkpoints aside (sets log.overwrite and checkpoint.overwrite)",
+        help="start over where an earlier run wrote: replace log.metrics_path and export.dir, and "
+        "move checkpoint.dir's checkpoints aside (sets log.overwrite, checkpoint.overwrite and "
+        "export.overwrite)",
     )
     return p
 
@@ -145,9 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.stream:  # the flag is the config key: one recorded setting, whichever was used
         overrides.append("data.stream=true")
     if args.overwrite:
-        overrides += ["log.overwrite=true", "checkpoint.overwrite=true"]
+        overrides += ["log.overwrite=true", "checkpoint.overwrite=true", "export.overwrite=true"]
+    if args.export is not None:
+        overrides.append(f"export.dir={json.dumps(args.export)}")
+    if args.quantize is not None:
+        overrides.append(f"export.quantize={json.dumps(args.quantize)}")
     try:
         config = load_config(args.config, overrides)
+        if args.export_only and not (args.resume and config.export.dir):
+            raise ConfigError(
+                "--export-only exports the newest checkpoint without training: give --resume "
+                "(with checkpoint.dir) and --export DIR (or export.dir)"
+            )
         from hybrid.training._distributed import read_torchrun_env
 
         env = read_torchrun_env()
@@ -165,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             from hybrid.training._watchdog import start_watchdog
 
             watchdog = start_watchdog(env)  # a dead peer makes this process exit in seconds
-        run(config, resume=args.resume, stream=config.data.stream)
+        run(config, resume=args.resume, stream=config.data.stream, export_only=args.export_only)
         if env is not None and watchdog is not None:
             watchdog.finish()  # every rank finished: exiting peers are not failures
     except (ConfigError, CriteoFormatError) as e:
@@ -646,15 +678,20 @@ def _describe_plan(model, num_devices: int) -> str:
     return f"one device, no sharding; tables: {tables}"
 
 
-def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> dict:
+def run(
+    config, *, resume: bool = False, stream: bool = False, export_only: bool = False, echo=print
+) -> dict:
     """Train with a `TrainConfig` in this process. Returns the final eval metrics, the
-    per-step training losses of this run, and the step reached. `stream`: see `--stream`."""
+    per-step training losses of this run, and the step reached. `stream`: see `--stream`.
+    `export_only` (with `resume`): write export.dir from the newest checkpoint, no training
+    (returns the step and "export")."""
     import torch
     from tqdm import tqdm
 
     import hybrid
     from hybrid.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
     from hybrid.data import BatchLoader
+    from hybrid.training._export_run import export_run, refuse_to_replace_export
     from hybrid.training._metrics import LossTracker
 
     procs = _Processes()
@@ -665,7 +702,9 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
     saver = None  # the asynchronous checkpointer of the "orbax" format
     torch.set_num_threads(config.train.torch_threads)
     try:
-        _refuse_to_replace_metrics(config, resume)  # before any data is read
+        if not export_only:
+            _refuse_to_replace_metrics(config, resume)  # before any data is read
+        refuse_to_replace_export(config, processes=procs.world)
         model, dense_opt, train, evaluation, num_devices = build(config, stream=stream)
         # preflight before any step: writable, room, checkpointable, run identity
         ckpt_run = (
@@ -693,6 +732,11 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
             for bad, why in ckpt_run.skipped:  # damaged newer checkpoints: reported, kept
                 echo(f"--resume: skipped {bad.name}: {why}")
             latest = ckpt_run.resume_from  # the newest intact checkpoint
+            if latest is None and export_only:
+                raise ConfigError(
+                    f"--export-only: no checkpoint in {ckpt_dir} to export; train first (the run "
+                    "writes export.dir itself at its end)"
+                )
             if latest is None:
                 echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
             else:
@@ -709,6 +753,12 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
                 tracker.load_state_dict(meta["loss_tracker"])
                 _restore_stream(train, meta, latest)
                 echo(f"resumed from {latest} at step {start}")
+        if export_only:
+            path = export_run(model, evaluation, config)
+            echo(
+                f"export: {path} (step {start}); serve it: python -m hybrid.serving serve --artifact {path} --port 8000"
+            )
+            return {"export": str(path), "step": start}
         log = _JsonLines(config.log.metrics_path, start if resume else None)
         echo(_describe_plan(model, num_devices))
         if stream:
@@ -890,6 +940,11 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
         if saver is not None:
             saver.close()  # the last save committed
             saver = None
+        if config.export.dir:
+            path = export_run(model, evaluation, config)
+            echo(
+                f"export: {path}; serve it: python -m hybrid.serving serve --artifact {path} --port 8000"
+            )
         for line in _where_outputs_went(config, newest):
             echo(line)
         return {"eval": metrics, "losses": losses, "step": total}

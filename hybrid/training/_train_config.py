@@ -39,6 +39,11 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              steps, admitting an id seen threshold times; history_capacity (ids a window
              holds; 0: per table, its ids in a device's part of a training batch rounded up
              to a power of two, x devices x eviction_interval))
+    [export] dir ("" = none: a serving artifact written at the end of the run, or from the
+             newest checkpoint with `--export-only --resume`); quantize ("" = the tables as
+             trained; "int8" | "int4" | "int2" | "fp16": `hybrid.quantize` first);
+             max_batch_size (most samples a request may hold; 0: train.batch_size);
+             overwrite (replace an existing export.dir; `--overwrite` sets it)
     [log]    metrics_path (JSON lines; "" = none); every (steps); loss_window; overwrite (a
              fresh run (no --resume) whose metrics_path already holds metrics replaces them
              instead of refusing; `--overwrite` sets it and checkpoint.overwrite)
@@ -140,6 +145,14 @@ class ManagedCollisionSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportSection:
+    dir: str = ""
+    quantize: str = ""
+    max_batch_size: int = 0
+    overwrite: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LogSection:
     metrics_path: str = ""
     every: int = 50
@@ -163,6 +176,7 @@ class TrainConfig:
     managed_collision: ManagedCollisionSection = dataclasses.field(
         default_factory=ManagedCollisionSection
     )
+    export: ExportSection = dataclasses.field(default_factory=ExportSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
 
     def to_dict(self) -> dict:
@@ -178,6 +192,7 @@ _CHOICES = {
     "train.nonfinite": ("stop", "skip"),
     "managed_collision.eviction_policy": ("lru", "lfu"),
     "checkpoint.format": ("auto", "npz", "orbax"),
+    "export.quantize": ("", "int8", "int4", "int2", "fp16"),
 }
 _POSITIVE = {
     "model.embedding_dim",
@@ -206,6 +221,7 @@ _NON_NEGATIVE = {
     "checkpoint.every",
     "data.max_rows",
     "managed_collision.history_capacity",
+    "export.max_batch_size",
 }
 
 
