@@ -25,6 +25,7 @@ from sparse_jax._layout import TableLayout
 from sparse_jax._lookup import use_ffi
 from sparse_jax._module import PreparedBatch
 from sparse_jax._row_update import ffi_rule, update_rows
+from sparse_jax.optim._apply import apply_sorted_runs
 from sparse_jax.optim._base import RowRule, SparseOptState
 
 __all__ = ["make_update", "fused_update"]
@@ -93,10 +94,13 @@ def _group_update(
     weighted: bool,
     bounds_check: str,
     kernel: str,
+    sorted_ids=None,
 ):
     """One group's update. The id stream feeds `update_rows` (C++, Pallas or XLA by the
     lowering platform); on CPU, fp32 buffers of a rule the C++ kernels know take the jagged
-    C++ update instead (it reads the KJT in place), chosen when the CPU program is lowered."""
+    C++ update instead (it reads the KJT in place), chosen when the CPU program is lowered.
+    With kernel="xla" and the batch's host-sorted stream (`sorted_ids`), the sorted-run
+    XLA form on every platform (`optim._apply.apply_sorted_runs`)."""
 
     def stream(table, state, step, kjt, pooled_grad):
         rows, bag, scale = _lookup.id_stream(
@@ -113,6 +117,20 @@ def _group_update(
             _bag_grads(layout, group, pooled_grad),
             kernel=kernel,
         )
+
+    if kernel == "xla" and sorted_ids is not None:
+
+        def runs(table, state, step, kjt, pooled_grad, ids):
+            grads = _bag_grads(layout, group, pooled_grad)
+            return apply_sorted_runs(rule, table, state, step, ids, grads, good=_guard.current())
+
+        args = (table, state, step, kjt, pooled_grad, sorted_ids)
+        if rule.native != "sgd" or table.dtype != jnp.float32:
+            return runs(*args)
+        # fp32 SGD on CPU: adding every id's step straight into the table (no dedup; XLA:CPU
+        # scatters serially, so the sums are reproducible) measured faster than the sorted
+        # runs; every other platform takes the runs (no float scatter-add over repeated rows)
+        return _by_platform_tree(args, (table, state), default=runs, cpu=lambda *a: stream(*a[:-1]))
 
     if (
         kernel not in ("auto", "ffi")
@@ -151,6 +169,22 @@ def _group_update(
     return jax.tree_util.tree_unflatten(out_tree, out)
 
 
+def _by_platform_tree(args, like, **impls):
+    """`by_platform` over pytrees: each implementation takes `*args` and returns a tree
+    shaped like `like`."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+
+    def unpacked(fn):
+        def run(*ops):
+            return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, ops)))
+
+        return run
+
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(like)]
+    out = by_platform(leaves, avals, **{k: unpacked(f) for k, f in impls.items()})
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), out)
+
+
 def fused_update(
     layout: TableLayout,
     rule: RowRule,
@@ -162,9 +196,11 @@ def fused_update(
     weighted: bool,
     bounds_check: str,
     kernel: str,
+    sorted_ids=None,
 ):
     """The traceable step of `EmbeddingBagCollection.update_step` (no donation, no checks);
-    `pooled_grad` is the `[B, sum of dims]` array (`update_operands` unwrapped a KeyedTensor)."""
+    `pooled_grad` is the `[B, sum of dims]` array (`update_operands` unwrapped a KeyedTensor);
+    `sorted_ids`: the prepared batch's host-sorted streams (group -> `SortedIds`) or None."""
     want = (kjt.stride(), sum(layout.output_dims))
     if tuple(pooled_grad.shape) != want:
         raise ValueError(
@@ -185,6 +221,7 @@ def fused_update(
             weighted=weighted,
             bounds_check=bounds_check,
             kernel=kernel,
+            sorted_ids=None if sorted_ids is None else sorted_ids[group],
         )
     return new_params, SparseOptState(count=_guard.next_count(opt_state.count), tables=new_states)
 

@@ -11,6 +11,10 @@ No `[rows, dim]` gradient is ever built. Ids that contribute nothing carry the r
 `num_rows`; they get the out-of-range slot N (and bag index), which every scatter drops, so
 padding never lands on one shared address (one atomic hot spot on a GPU) and never on a
 real row. All shapes are static (the stream's capacity).
+
+`apply_sorted_runs` is the same update from a stream already sorted on the host
+(`sparse_jax._sorted_ids`, built by `prepare`): steps 1-2 become one segment sum over sorted
+runs, and steps 3-4 (`step_unique_rows`) run on `[unique rows, dim]`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import jax.numpy as jnp
 
 from sparse_jax.optim._base import RowRule, is_row_leaf
 
-__all__ = ["apply_row_rule", "dedup_row_grads"]
+__all__ = ["apply_row_rule", "apply_sorted_runs", "dedup_row_grads", "step_unique_rows"]
 
 
 def dedup_row_grads(rows, bag, scale, bag_grads, *, num_rows: int):
@@ -84,6 +88,38 @@ def apply_row_rule(
         return table.at[rows].add(step_rows, mode="drop"), state
     unique, grads = dedup_row_grads(rows, bag, scale, bag_grads, num_rows=num_rows)
     unique = jnp.where(unique < 0, num_rows, unique)  # -1 would wrap to the last row
+    return step_unique_rows(rule, table, state, step, unique, grads, good=good)
+
+
+def apply_sorted_runs(rule: RowRule, table, state, step, ids, bag_grads, *, good=None):
+    """One fused update of one buffer from its host-sorted id stream (`ids`: a
+    `sparse_jax._sorted_ids.SortedIds`). Returns (new table, new state).
+
+    The gradient rows are gathered in sorted order and summed over runs of equal rows
+    (`segment_sum(..., indices_are_sorted=True)`, in the batch order within a run: the sums
+    `apply_row_rule` forms), then the rule steps `[unique, dim]` rows and they are written
+    back as unique rows. No sort, no `searchsorted`, temporaries sized by the unique rows.
+    `good`: as `apply_row_rule`."""
+    num_rows = table.shape[0]
+    unique = ids.unique if good is None else jnp.where(good, ids.unique, num_rows)
+    g = bag_grads.astype(jnp.float32).at[ids.bag].get(mode="fill", fill_value=0)
+    grads = jax.ops.segment_sum(
+        g * ids.scale[:, None], ids.run, num_segments=unique.shape[0], indices_are_sorted=True
+    )
+    if rule.native == "sgd" and table.dtype == jnp.float32:
+        # `w - lr * g` as one read-modify-write of each unique row (an add over unique
+        # indices: no atomics), instead of a gather, the rule and a set
+        step_rows = grads * -rule.hyperparams["lr"]
+        return table.at[unique].add(
+            step_rows, mode="drop", unique_indices=True, indices_are_sorted=True
+        ), state
+    return step_unique_rows(rule, table, state, step, unique, grads, good=good)
+
+
+def step_unique_rows(rule: RowRule, table, state, step, unique, grads, *, good=None):
+    """Gather the `unique` rows (out of range: skipped) and their state, step them with the
+    summed `grads` `[U, dim]`, round and write them back (unique indices)."""
+    num_rows = table.shape[0]
     w = table.at[unique].get(mode="fill", fill_value=0).astype(jnp.float32)
 
     def gather(x):
