@@ -13,8 +13,9 @@ padding never lands on one shared address (one atomic hot spot on a GPU) and nev
 real row. All shapes are static (the stream's capacity).
 
 `apply_sorted_runs` is the same update from a stream already sorted on the host
-(`sparse_jax._sorted_ids`, built by `prepare`): steps 1-2 become one segment sum over sorted
-runs, and steps 3-4 (`step_unique_rows`) run on `[unique rows, dim]`.
+(`sparse_jax._sorted_ids`, built by `prepare`): steps 1-2 become gathers through the run
+offsets plus a sorted segment sum over the longer runs, and steps 3-4 (`step_unique_rows`)
+run on `[unique rows, dim]`.
 """
 
 from __future__ import annotations
@@ -95,17 +96,31 @@ def apply_sorted_runs(rule: RowRule, table, state, step, ids, bag_grads, *, good
     """One fused update of one buffer from its host-sorted id stream (`ids`: a
     `sparse_jax._sorted_ids.SortedIds`). Returns (new table, new state).
 
-    The gradient rows are gathered in sorted order and summed over runs of equal rows
-    (`segment_sum(..., indices_are_sorted=True)`, in the batch order within a run: the sums
-    `apply_row_rule` forms), then the rule steps `[unique, dim]` rows and they are written
-    back as unique rows. No sort, no `searchsorted`, temporaries sized by the unique rows.
-    `good`: as `apply_row_rule`."""
+    Per run, its first `HEAD` ids' gradient rows (`grad[bag] * scale`) are gathered through
+    the run offsets and added in one fused loop (no scatter, no `[ids, dim]` temporary);
+    the rest of the longer runs is added with a sorted segment sum over unique rows. Within
+    a run the ids are added in batch order: the sums `apply_row_rule` forms, bit for bit.
+    The rule then steps `[unique, dim]` rows and they are written back as unique rows. No
+    sort, no `searchsorted`. `good`: as `apply_row_rule`."""
+    from sparse_jax._sorted_ids import HEAD
+
     num_rows = table.shape[0]
     unique = ids.unique if good is None else jnp.where(good, ids.unique, num_rows)
-    g = bag_grads.astype(jnp.float32).at[ids.bag].get(mode="fill", fill_value=0)
-    grads = jax.ops.segment_sum(
-        g * ids.scale[:, None], ids.run, num_segments=unique.shape[0], indices_are_sorted=True
-    )
+    grad_rows = bag_grads.astype(jnp.float32)
+    no_bag = grad_rows.shape[0]
+
+    def grads_at(pos):
+        """`grad[bag] * scale` of sorted positions `pos` (out of range: 0)."""
+        bag = ids.bag.at[pos].get(mode="fill", fill_value=no_bag)
+        scale = ids.scale.at[pos].get(mode="fill", fill_value=0)
+        return grad_rows.at[bag].get(mode="fill", fill_value=0) * scale[:, None]
+
+    starts, ends = ids.offsets[:-1], ids.offsets[1:]
+    grads = jnp.zeros((unique.shape[0], grad_rows.shape[1]), jnp.float32)
+    for k in range(HEAD):
+        pos = jnp.where(starts + k < ends, starts + k, ids.bag.shape[0])
+        grads = grads + grads_at(pos)
+    grads = grads.at[ids.tail_run].add(grads_at(ids.tail), mode="drop", indices_are_sorted=True)
     if rule.native == "sgd" and table.dtype == jnp.float32:
         # `w - lr * g` as one read-modify-write of each unique row (an add over unique
         # indices: no atomics), instead of a gather, the rule and a set
