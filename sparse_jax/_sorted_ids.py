@@ -115,7 +115,7 @@ def sort_group(
     first = np.ones(n, bool)
     first[1:] = rows_s[1:] != rows_s[:-1]
     starts = np.flatnonzero(first)
-    run = np.cumsum(first) - 1
+    run = np.repeat(np.arange(starts.size, dtype=np.int64), np.diff(np.append(starts, n)))
     tail = np.flatnonzero(np.arange(n) - starts[run] >= HEAD)
     what = f"buffer {group!r}"
     n_cap = _capacity.capacity_for(max(n, 1), ladder, what=f"sorted ids of {what}")
