@@ -78,10 +78,11 @@ def output_dir(parser: argparse.ArgumentParser, args: argparse.Namespace, name: 
 PATH_LABEL = {
     "auto": "hybridrec default (kernel=auto)",
     "xla": "hybridrec xla",
+    "xla_insort": "hybridrec xla, sort in the program (before host sort)",
     "reference": "hybridrec reference",
     "fbgemm": "FBGEMM TBE",
 }
-OURS = ("auto", "xla", "reference")
+OURS = ("auto", "xla", "xla_insort", "reference")
 PHASE_LABEL = {
     "forward": "forward",
     "rowwise_adagrad": "fwd+bwd+rowwise adagrad",
@@ -156,6 +157,7 @@ def markdown(results: dict) -> str:
             resolved = wr.get("paths", {}).get(path)
             label = PATH_LABEL[path] + (f" -> {resolved}" if path == "auto" and resolved else "")
             lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    lines += _ab_lines(results)
     for wr in results["workloads"]:
         w = wr["workload"]
         lines += ["", f"## {w['name']}", ""]
@@ -274,6 +276,28 @@ def _alone_lines(wr: dict) -> list[str]:
                 else "-"
             )
         out.append(f"| {PATH_LABEL[path]} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _ab_lines(results: dict) -> list[str]:
+    """The pure-XLA A/B: host-sorted runs ("xla") over the sort in the program
+    ("xla_insort"), timed interleaved in the same rounds (steadier than either side's
+    ratio to FBGEMM on a shared machine)."""
+    rows = []
+    for wr in results["workloads"]:
+        for phase, block in _phases(wr) if wr.get("gate_ok") else []:
+            if block.get("xla_vs_insort"):
+                rows.append((wr["workload"]["name"], phase, block["xla_vs_insort"]))
+    if not rows:
+        return []
+    out = [
+        "",
+        "## Pure XLA: host-sorted runs / sort in the program (interleaved A/B)",
+        "",
+        "| workload | phase | xla / xla_insort |",
+        "|---|---|---|",
+    ]
+    out += [f"| {name} | {PHASE_LABEL[phase]} | {_ratio_cell(r)} |" for name, phase, r in rows]
     return out
 
 

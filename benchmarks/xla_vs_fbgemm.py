@@ -43,8 +43,10 @@ OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 PATHS = (
     "auto",
     "xla",
+    "xla_insort",
     "reference",
-)  # ours: the library default (kernel="auto"), pure XLA, reference
+)  # ours: the library default (kernel="auto"), pure XLA (host-sorted runs), pure XLA with the
+# sort in the program (before the host sort; "xla" / "xla_insort" is the A/B), reference
 TINY = dict(T=2, E=1000, D=16, B=64, L=4)
 FAULTS = ("weights", "update", "harness-delay")
 HARNESS_DELAY_S = 0.2  # --inject-fault harness-delay: added to FBGEMM's cases in the harness only
@@ -194,6 +196,8 @@ def _block(w: Workload, samples: dict, roof: float) -> dict:
     }
     if ratios_bwd:
         out["ratios_bwd_only"] = ratios_bwd
+    if "xla" in samples and "xla_insort" in samples:  # the A/B, measured interleaved
+        out["xla_vs_insort"] = paired_ratio(samples["xla"]["total"], samples["xla_insort"]["total"])
     return out
 
 
