@@ -44,3 +44,22 @@ def test_the_tiny_readiness_table_counts_what_the_programs_hold(tmp_path, capsys
     assert rows["train adam (auto)"]["fbgemm_bytes"] == ids + pooled + 2 * unique * (
         4 * w["D"] + 8 * w["D"]
     )
+
+
+def test_heavy_op_bytes_counts_rows_touched_not_tables():
+    import jax
+    import jax.numpy as jnp
+
+    table = jax.ShapeDtypeStruct((100_000, 64), jnp.float32)
+    idx = jax.ShapeDtypeStruct((10,), jnp.int32)
+    rows = jax.ShapeDtypeStruct((10, 64), jnp.float32)
+
+    def text(f):
+        return jax.jit(f).trace(table, idx, rows).lower(lowering_platforms=("cuda",)).as_text()
+
+    row_bytes = 10 * 64 * 4
+    assert gpu_readiness.heavy_op_bytes(text(lambda t, i, r: t[i])) == 2 * row_bytes
+    got = gpu_readiness.heavy_op_bytes(text(lambda t, i, r: t.at[i].set(r, unique_indices=True)))
+    assert got == 2 * row_bytes + 10 * 4  # rows read and written, and the indices
+    got = gpu_readiness.heavy_op_bytes(text(lambda t, i, r: t.at[i].add(r)))
+    assert got == 3 * row_bytes + 10 * 4
