@@ -186,7 +186,9 @@ def _collection(shape, kernel):
         )
         for t in range(shape["T"])
     ]
-    return EmbeddingBagCollection(tables, kernel=kernel)
+    # sorted on the host, as `prepare` does by default on a GPU host (on this CPU host the
+    # default would leave the sort to the update program)
+    return EmbeddingBagCollection(tables, kernel=kernel, sort_ids=True)
 
 
 def _kjt(shape, seed=0):

@@ -49,8 +49,10 @@ class EmbeddingBagCollection(TableCollection):
       bounds_check: "error" (default), "clamp" or "skip" for ids outside a table.
       ladder: capacity rungs `prepare` pads a batch's ids to (default `DEFAULT_LADDER`).
       sort_ids: whether `prepare` also sorts each buffer's ids by row on the host (the
-        stream the pure-XLA update reads: `sparse_jax._sorted_ids`); None (default): on for
-        kernel="xla", off otherwise (the C++ and Pallas updates do not read it).
+        stream the pure-XLA and Pallas updates read instead of sorting in the program:
+        `sparse_jax._sorted_ids`); None (default): on for kernel="xla", and for "auto" and
+        "pallas" when JAX's default backend is a GPU; off otherwise (the C++ update does
+        not read it).
     """
 
     def __init__(
@@ -75,7 +77,9 @@ class EmbeddingBagCollection(TableCollection):
         self.kernel = kernel
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
         self.ladder = None if ladder is None else tuple(ladder)
-        self.sort_ids = kernel == "xla" if sort_ids is None else bool(sort_ids)
+        on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+        default_sort = kernel == "xla" or (kernel in ("auto", "pallas") and on_gpu)
+        self.sort_ids = default_sort if sort_ids is None else bool(sort_ids)
         self.prepare_count = 0
         self._caps = LengthCaps()
         self._apply_jit = jax.jit(self._apply)

@@ -13,6 +13,7 @@ Per buffer (group) a `SortedIds`, padded to ladder rungs so a steady loop keeps 
            (out of range: gathers read 0, scatters drop it).
   offsets  `[U_cap + 1]` int32: run u is sorted positions `offsets[u] : offsets[u + 1]`
            (padding runs are empty).
+  row      `[N_cap]` int32: per sorted position, its row (ascending); padding `num_rows`.
   bag      `[N_cap]` int32: per sorted position, its bag `j * B + b` (the group's j-th
            feature, sample b), as `sparse_jax._lookup.id_stream` numbers bags; padding `F_g * B`.
   scale    `[N_cap]` fp32: the id's weight (times 1 / length for MEAN); padding 0.
@@ -54,6 +55,7 @@ class SortedIds(NamedTuple):
 
     unique: np.ndarray
     offsets: np.ndarray
+    row: np.ndarray
     bag: np.ndarray
     scale: np.ndarray
     tail: np.ndarray
@@ -124,6 +126,7 @@ def sort_group(
     return SortedIds(
         unique=_capacity.pad_ids(rows_s[starts].astype(np.int32), u_cap, fill=num_rows),
         offsets=_capacity.pad_ids(np.append(starts, n).astype(np.int32), u_cap + 1, fill=n),
+        row=_capacity.pad_ids(rows_s.astype(np.int32), n_cap, fill=num_rows),
         bag=_capacity.pad_ids(bags[order].astype(np.int32), n_cap, fill=n_features * kjt.stride()),
         scale=_capacity.pad_ids(scales[order], n_cap),
         tail=_capacity.pad_ids(tail.astype(np.int32), t_cap, fill=n_cap),

@@ -102,7 +102,7 @@ def _group_update(
     With kernel="xla" and the batch's host-sorted stream (`sorted_ids`), the sorted-run
     XLA form on every platform (`optim._apply.apply_sorted_runs`)."""
 
-    def stream(table, state, step, kjt, pooled_grad):
+    def stream(table, state, step, kjt, pooled_grad, ids=None):
         rows, bag, scale = _lookup.id_stream(
             kjt, layout, group, weighted=weighted, bounds_check=bounds_check
         )
@@ -116,6 +116,7 @@ def _group_update(
             scale,
             _bag_grads(layout, group, pooled_grad),
             kernel=kernel,
+            sorted_ids=ids,
         )
 
     if kernel == "xla" and sorted_ids is not None:
@@ -131,14 +132,15 @@ def _group_update(
         # scatters serially, so the sums are reproducible) measured faster than the sorted
         # runs; every other platform takes the runs (no float scatter-add over repeated rows)
         return _by_platform_tree(args, (table, state), default=runs, cpu=lambda *a: stream(*a[:-1]))
+    args = (table, state, step, kjt, pooled_grad, sorted_ids)  # the Pallas update reads the runs
 
     if (
         kernel not in ("auto", "ffi")
         or not ffi_rule(rule, table)
         or (kernel == "ffi" and not use_ffi(kernel, table))
     ):
-        return stream(table, state, step, kjt, pooled_grad)
-    leaves, treedef = jax.tree_util.tree_flatten((table, state, step, kjt, pooled_grad))
+        return stream(*args)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
 
     def unpacked(fn):
         def run(*ops):
@@ -147,7 +149,7 @@ def _group_update(
 
         return run
 
-    def jagged(table, state, step, kjt, pooled_grad):
+    def jagged(table, state, step, kjt, pooled_grad, ids):
         return _jagged_kernel_update(
             layout,
             group,

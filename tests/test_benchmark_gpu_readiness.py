@@ -25,6 +25,7 @@ def test_the_tiny_readiness_table_counts_what_the_programs_hold(tmp_path, capsys
         assert r["launch_estimate"] == r["custom_calls"] + r["triton_kernels"] + r["heavy_ops"]
     for n in names:
         assert rows[f"{n} (auto)"]["triton_kernels"] >= 1, n
+        assert rows[f"{n} (auto)"]["sorts"] == 0, n  # the Pallas update reads the host's runs
         assert rows[f"{n} (xla)"]["triton_kernels"] == 0, n
     for rule in gpu_readiness.RULES:
         xla = rows[f"train {rule} (xla)"]

@@ -1,9 +1,10 @@
 """The row-sorted id stream that `prepare` builds on the host (`sparse_jax._sorted_ids`) and
-the pure-XLA update that reads it (`optim._apply.apply_sorted_runs`): the stream against
+the updates that read it (pure XLA: `optim._apply.apply_sorted_runs`; Pallas): the stream against
 plain loops (several features on one buffer, MEAN, weights, ids at and past the bounds under
 "clamp" and "skip", empty bags, runs longer than `HEAD`); the update against the loops and
-against the in-program form for every rule, writing nothing under a false guard; and its
-CUDA program: no sort, no `[ids, dim]` temporary."""
+against the in-program form for every rule, writing nothing under a false guard; the
+Pallas update (interpret mode) the same bits either way; and the CUDA programs: no sort,
+no `[ids, dim]` temporary."""
 
 import re
 
@@ -219,3 +220,36 @@ def test_the_xla_step_lowered_for_cuda_sorts_nothing_and_keeps_no_id_sized_rows(
     assert got["float_scatter_add_non_unique"] == 1, got
     assert len(re.findall(r"indices_are_sorted = true", text)) >= 1
     assert not re.search(rf"tensor<{n_cap}x{D}xf32>", text), "an [ids, dim] temporary"
+
+
+def test_the_pallas_update_reads_the_host_runs_with_the_same_bits():
+    from sparse_jax import make_update
+
+    rng = np.random.default_rng(5)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", num_embeddings=40, embedding_dim=8, feature_names=[f"f{t}"]
+        )
+        for t in range(2)
+    ]
+    lengths = rng.integers(0, 6, 2 * B)
+    ids = (rng.zipf(1.3, lengths.sum()) - 1) % 40  # long runs
+    kjt = KeyedJaggedTensor(
+        ["f0", "f1"], ids, lengths=lengths, weights=rng.random(lengths.sum()).astype(np.float32)
+    )
+    grad = jnp.asarray(rng.normal(size=(B, 16)).astype(np.float32))
+    out, texts = [], []
+    for sort in (False, True):
+        ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="pallas", sort_ids=sort)
+        params = ebc.init(jax.random.key(0))
+        r = optim.rowwise_adagrad(lr=0.1)
+        update = make_update(ebc, r)
+        batch = ebc.prepare(kjt)
+        operands = ebc.update_operands(batch, grad)
+        traced = update.jitted.trace(params, r.init(params), operands)
+        texts.append(traced.lower(lowering_platforms=("cuda",)).as_text())
+        out.append(jax.tree_util.tree_leaves(update(params, r.init(params), batch, grad)))
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "stablehlo.sort" in texts[0] and "stablehlo.sort" not in texts[1]
+    assert "xla.gpu.triton" in texts[1]
