@@ -318,8 +318,13 @@ def _flag_on_devices(ok: jax.Array, like_array: jax.Array) -> jax.Array:
 
 
 def all_finite(tree) -> jax.Array:
-    """A device boolean: every leaf of `tree` is finite (integer leaves always are)."""
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    """A device boolean: every leaf of `tree` is finite (integer leaves always are: they
+    are not read, so a program checks only its float operands)."""
+    flags = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+    ]
     return jnp.all(jnp.stack(flags)) if flags else jnp.ones((), bool)
 
 
