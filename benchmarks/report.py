@@ -126,6 +126,7 @@ def markdown(results: dict) -> str:
         f"{results['config'].get('lead_in_ms', 0):g} ms (at least once) right before its timed run, and an untimed {results['config'].get('pause_ms', 0):g} ms "
         "pause before each case), medians; every clock stops only once the JAX arrays its case produced are "
         "computed.",
+        *_probe_lines(results),
         "",
         "Ratio = ours / FBGEMM median time (lower is better; < 1 means ours is faster). "
         "GB/s: FBGEMM's convention, forward bytes = B*T*L*D*bytes + B*T*D*4; backward = 2x forward "
@@ -277,6 +278,19 @@ def _alone_lines(wr: dict) -> list[str]:
             )
         out.append(f"| {PATH_LABEL[path]} | " + " | ".join(cells) + " |")
     return out
+
+
+def _probe_lines(results: dict) -> list[str]:
+    """The quietness probe taken before and after the timings (absent with --tiny)."""
+    probe = results.get("probe")
+    if not probe or "after" not in probe:
+        return []
+    from benchmarks.e2e_step import quietness_line
+
+    line = quietness_line(probe["before"], probe["after"])
+    if not probe["quiet"]:
+        line += " **VOID: do not quote the ratios to FBGEMM below.**"
+    return ["", line]
 
 
 def _ab_lines(results: dict) -> list[str]:
