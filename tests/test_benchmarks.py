@@ -424,5 +424,6 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
         "explore_malloc",
         "explore_update",
         "gpu",
+        "gpu_readiness",
         "xla_vs_fbgemm",
     ]
