@@ -12,6 +12,10 @@ features; the time is the whole call until the logits exist (ours: id checks, pa
 jax lookup, the torch.export dense tower; TorchRec: eager forward under `no_grad`).
 Interleaved medians and per-round ratios, then TorchRec timed alone in a fresh process
 (`--side torchrec`), so its time in this harness can be compared with its time alone.
+Last, where our call's time goes (`host_breakdown`, medians of perf_counter stages): the
+request read and checked (`read_sparse`, `read_dense`), the lookup program (the call, as
+the host waits for it), the dense tower; the host path is all but the lookup's and the
+tower's compute.
 """
 
 from __future__ import annotations
@@ -153,6 +157,38 @@ def ours_case(predictor, args, batch: int):
     return lambda: predictor(x, sparse)
 
 
+def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
+    """Median ms of each stage of `predictor(dense, sparse)` for a batch-`batch` request, as
+    `Predictor.__call__` runs them (its private steps, called one by one)."""
+    import time
+
+    import torch
+
+    from hybrid.serving._request import read_dense, read_sparse
+
+    dense, sparse = requests(args, batch)
+    x = torch.from_numpy(dense)
+    stages = np.zeros((repeats, 5))
+    for i in range(repeats + 20):
+        t0 = time.perf_counter()
+        arrays = read_sparse(sparse, predictor._spec)
+        t1 = time.perf_counter()
+        d = read_dense(x, predictor.n_dense, arrays.batch_size, predictor._dense_dtype)
+        t2 = time.perf_counter()
+        pooled = predictor._pool(arrays)
+        t3 = time.perf_counter()
+        with torch.no_grad():
+            predictor._dense_forward(d, pooled)
+        t4 = time.perf_counter()
+        predictor(x, sparse)
+        t5 = time.perf_counter()
+        if i >= 20:
+            stages[i - 20] = [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4]
+    m = np.median(stages, axis=0) * 1e3
+    keys = ("read_sparse", "read_dense", "lookup", "dense", "whole_call")
+    return dict(zip(keys, m.tolist(), strict=True))
+
+
 def alone(args) -> dict:
     """TorchRec timed by itself in this (fresh) process: {batch: median ms}."""
     from benchmarks.timing import clocked, interleaved, summarize
@@ -203,6 +239,7 @@ def main(argv=None) -> int:
             cases[f"ours {b}"] = clocked(lambda c, f=ours: f())
             cases[f"torchrec {b}"] = clocked(lambda c, f=theirs: f())
         samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
+        stages = {b: host_breakdown(predictor, args, b) for b in BATCHES}
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
     fresh = competitor_alone("benchmarks.serving_latency", "torchrec", argv)
     after = quietness_probe()
@@ -220,6 +257,17 @@ def main(argv=None) -> int:
         print(
             f"| {b} | {med[f'ours {b}']:.2f} | {med[f'torchrec {b}']:.2f} | {fresh[str(b)]:.2f} | "
             f"{r['paired_median']:.2f}x |"
+        )
+    print("\nWhere our call's time goes (median ms per stage; the request read = host path):")
+    print(
+        "| batch | read_sparse | read_dense | lookup call | dense tower | whole call | read share |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for b, s in stages.items():
+        read = s["read_sparse"] + s["read_dense"]
+        print(
+            f"| {b} | {s['read_sparse']:.3f} | {s['read_dense']:.3f} | {s['lookup']:.3f} | "
+            f"{s['dense']:.3f} | {s['whole_call']:.3f} | {read / s['whole_call']:.0%} |"
         )
     return 0
 

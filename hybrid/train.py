@@ -5,6 +5,8 @@
     python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --set checkpoint.every=100
     python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --resume
     python -m hybrid.train --config configs/criteo.toml --stream --steps 20000 --set 'data.paths=["day_0.gz", "day_1.gz", "day_23.gz"]'
+    python -m hybrid.train --config configs/synthetic.toml --export artifacts/synthetic --quantize int8
+    python -m hybrid.train --config configs/movielens.toml --set checkpoint.dir=data_cache/runs/movielens --resume --export-only --export artifacts/movielens
 
 `--config` is required (configs/*.toml; `--set` changes single keys). The last two lines
 write checkpoints and then continue from the newest one (`--resume` reads checkpoint.dir,
@@ -23,6 +25,10 @@ not used); train.steps must be given (the stream repeats its files as often as t
 need); checkpoints carry the stream's exact position (their meta's "data_stream") and
 `--resume --stream` continues from it. Without `--stream` the files are read into memory
 (data.max_rows rows) and the last data.eval_fraction of them is held out.
+`--export DIR` (export.dir) writes a serving artifact at the end of the run (`--quantize
+int8|int4|int2|fp16`: its tables quantized first), which `python -m hybrid.serving serve
+--artifact DIR --port N` serves; `--export-only` with `--resume` writes it from the newest
+checkpoint without training (`hybrid/training/_export_run.py`).
 Config keys: see `hybrid/training/_train_config.py`. On CPU, a `--mesh` needing more devices than
 the host has sets `XLA_FLAGS=--xla_force_host_platform_device_count=N` itself (when JAX
 has not started yet).
@@ -103,10 +109,27 @@ def _parser() -> argparse.ArgumentParser:
         "reading them whole; the last of data.paths is the eval file; needs train.steps",
     )
     p.add_argument(
+        "--export",
+        metavar="DIR",
+        help="write a serving artifact to DIR at the end (overrides export.dir); serve it with "
+        "python -m hybrid.serving serve --artifact DIR --port N",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4", "int2", "fp16"],
+        help="quantize the exported tables (overrides export.quantize)",
+    )
+    p.add_argument(
+        "--export-only",
+        action="store_true",
+        help="with --resume: export the newest checkpoint to export.dir (--export DIR) without training",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
-        help="start over where an earlier run wrote: replace log.metrics_path and move "
-        "checkpoint.dir's checkpoints aside (sets log.overwrite and checkpoint.overwrite)",
+        help="start over where an earlier run wrote: replace log.metrics_path and export.dir, and "
+        "move checkpoint.dir's checkpoints aside (sets log.overwrite, checkpoint.overwrite and "
+        "export.overwrite)",
     )
     return p
 
@@ -145,9 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.stream:  # the flag is the config key: one recorded setting, whichever was used
         overrides.append("data.stream=true")
     if args.overwrite:
-        overrides += ["log.overwrite=true", "checkpoint.overwrite=true"]
+        overrides += ["log.overwrite=true", "checkpoint.overwrite=true", "export.overwrite=true"]
+    if args.export is not None:
+        overrides.append(f"export.dir={json.dumps(args.export)}")
+    if args.quantize is not None:
+        overrides.append(f"export.quantize={json.dumps(args.quantize)}")
     try:
         config = load_config(args.config, overrides)
+        if args.export_only and not (args.resume and config.export.dir):
+            raise ConfigError(
+                "--export-only exports the newest checkpoint without training: give --resume "
+                "(with checkpoint.dir) and --export DIR (or export.dir)"
+            )
         from hybrid.training._distributed import read_torchrun_env
 
         env = read_torchrun_env()
@@ -159,18 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             configure_gpu_env()  # before JAX starts: torch and JAX share each GPU
         _ensure_cpu_devices(config.train.mesh, 1 if env is None else env.world_size)
         if env is not None:
-            if config.checkpoint.dir:
-                raise ConfigError(
-                    "checkpoint.dir is set but checkpoints are written by single-process runs "
-                    "only so far; unset it (--set checkpoint.dir='') under torchrun"
-                )
             import hybrid
 
             hybrid.init_distributed()
             from hybrid.training._watchdog import start_watchdog
 
             watchdog = start_watchdog(env)  # a dead peer makes this process exit in seconds
-        run(config, resume=args.resume, stream=config.data.stream)
+        run(config, resume=args.resume, stream=config.data.stream, export_only=args.export_only)
         if env is not None and watchdog is not None:
             watchdog.finish()  # every rank finished: exiting peers are not failures
     except (ConfigError, CriteoFormatError) as e:
@@ -279,8 +306,19 @@ def _is_stream(train) -> bool:
 
 
 def _restore_stream(train, meta: dict, where) -> None:
-    """Put the stream where checkpoint `where` left it (its meta's "data_stream")."""
+    """Put the stream where checkpoint `where` left it (its meta's "data_stream"; a run of
+    several processes saved each one's as "data_streams")."""
     state = meta.get("data_stream")
+    if "data_streams" in meta:
+        procs = _Processes()
+        streams = meta["data_streams"]
+        if len(streams) != procs.world:
+            raise ConfigError(
+                f"--resume --stream: {where} was written by {len(streams)} processes, each reading its "
+                f"own share of the files; this run has {procs.world}. A stream position is exact only "
+                f"for the share it was read from: resume on {len(streams)} processes"
+            )
+        state = streams[procs.rank]
     if _is_stream(train) != (state is not None):
         raise ConfigError(
             f"--resume: {where} was written by a run {'with' if state is not None else 'without'} --stream; "
@@ -514,6 +552,22 @@ class _Processes:
                 if p.grad is not None:
                     self.dist.all_reduce(p.grad)
 
+    def gather_objects(self, value) -> list:
+        """`[value of process 0, value of process 1, ...]` (picklable values)."""
+        if not self.dist:
+            return [value]
+        out = [None] * self.world
+        self.dist.all_gather_object(out, value)
+        return out
+
+    def broadcast_object(self, value):
+        """Process 0's `value` on every process."""
+        if not self.dist:
+            return value
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def gather_rows(self, t):
         if not self.dist:
             return t
@@ -624,15 +678,20 @@ def _describe_plan(model, num_devices: int) -> str:
     return f"one device, no sharding; tables: {tables}"
 
 
-def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> dict:
+def run(
+    config, *, resume: bool = False, stream: bool = False, export_only: bool = False, echo=print
+) -> dict:
     """Train with a `TrainConfig` in this process. Returns the final eval metrics, the
-    per-step training losses of this run, and the step reached. `stream`: see `--stream`."""
+    per-step training losses of this run, and the step reached. `stream`: see `--stream`.
+    `export_only` (with `resume`): write export.dir from the newest checkpoint, no training
+    (returns the step and "export")."""
     import torch
     from tqdm import tqdm
 
     import hybrid
-    from hybrid.checkpoint import load_checkpoint, prepare_run, save_checkpoint
+    from hybrid.checkpoint import AsyncCheckpointer, load_checkpoint, save_checkpoint
     from hybrid.data import BatchLoader
+    from hybrid.training._export_run import export_run, refuse_to_replace_export
     from hybrid.training._metrics import LossTracker
 
     procs = _Processes()
@@ -640,23 +699,26 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
         echo = _silent
         config = dataclasses.replace(config, log=dataclasses.replace(config.log, metrics_path=""))
     threads = torch.get_num_threads()
+    saver = None  # the asynchronous checkpointer of the "orbax" format
     torch.set_num_threads(config.train.torch_threads)
     try:
-        _refuse_to_replace_metrics(config, resume)  # before any data is read
+        if not export_only:
+            _refuse_to_replace_metrics(config, resume)  # before any data is read
+        refuse_to_replace_export(config, processes=procs.world)
         model, dense_opt, train, evaluation, num_devices = build(config, stream=stream)
-        ckpt_run = (  # preflight before any step: writable, room, checkpointable, run identity
-            prepare_run(
-                config.checkpoint.dir,
-                config=config.to_dict(),
-                model=model,
-                resume=resume,
-                overwrite=config.checkpoint.overwrite,
-                allow_config_change=config.checkpoint.allow_config_change,
-                echo=echo,
-            )
-            if config.checkpoint.dir
-            else None
+        # preflight before any step: writable, room, checkpointable, run identity
+        ckpt_run = (
+            _prepare_checkpoints(config, model, resume, echo) if config.checkpoint.dir else None
         )
+        if config.checkpoint.dir and config.checkpoint.format == "npz" and procs.world > 1:
+            raise ConfigError(
+                f'checkpoint.format = "npz" is written by one process, but this run has {procs.world}; '
+                'use "orbax" (every process writes its own shards) or "auto" under torchrun'
+            )
+        orbax = config.checkpoint.format == "orbax" or (
+            config.checkpoint.format == "auto" and procs.world > 1
+        )
+        saver = AsyncCheckpointer() if config.checkpoint.dir and orbax else None
         device = hybrid.torch_device()  # the torch device of this process's JAX device
         model.dense.to(device)
         loader = None if stream else BatchLoader(train, config.train.batch_size, seed=config.seed)
@@ -670,6 +732,11 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
             for bad, why in ckpt_run.skipped:  # damaged newer checkpoints: reported, kept
                 echo(f"--resume: skipped {bad.name}: {why}")
             latest = ckpt_run.resume_from  # the newest intact checkpoint
+            if latest is None and export_only:
+                raise ConfigError(
+                    f"--export-only: no checkpoint in {ckpt_dir} to export; train first (the run "
+                    "writes export.dir itself at its end)"
+                )
             if latest is None:
                 echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
             else:
@@ -686,6 +753,12 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
                 tracker.load_state_dict(meta["loss_tracker"])
                 _restore_stream(train, meta, latest)
                 echo(f"resumed from {latest} at step {start}")
+        if export_only:
+            path = export_run(model, evaluation, config)
+            echo(
+                f"export: {path} (step {start}); serve it: python -m hybrid.serving serve --artifact {path} --port 8000"
+            )
+            return {"export": str(path), "step": start}
         log = _JsonLines(config.log.metrics_path, start if resume else None)
         echo(_describe_plan(model, num_devices))
         if stream:
@@ -703,21 +776,32 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
         metrics: dict = {}
 
         def checkpoint(step: int):
-            if ckpt_dir:
-                return save_checkpoint(
+            if not ckpt_dir:
+                return None
+            meta = {"loss_tracker": tracker.state_dict(), "config": config.to_dict()}
+            if stream and procs.world > 1:  # each process's own position in its share
+                meta["data_streams"] = procs.gather_objects(stream_position(step))
+            elif stream:
+                meta["data_stream"] = stream_position(step)
+            if saver is not None:  # every process writes its shards; committed in the background
+                return saver.save(
                     ckpt_dir,
                     step=step,
                     model=model,
                     dense_optimizer=dense_opt,
                     keep=config.checkpoint.keep,
-                    meta={
-                        "loss_tracker": tracker.state_dict(),
-                        "config": config.to_dict(),
-                        **({"data_stream": stream_position(step)} if stream else {}),
-                    },
+                    meta=meta,
                     run_id=ckpt_run.run_id,
                 )
-            return None
+            return save_checkpoint(
+                ckpt_dir,
+                step=step,
+                model=model,
+                dense_optimizer=dense_opt,
+                keep=config.checkpoint.keep,
+                meta=meta,
+                run_id=ckpt_run.run_id,
+            )
 
         def run_eval(step: int) -> dict:
             result = evaluate(model, evaluation, config.train.eval_batch_size)
@@ -852,11 +936,48 @@ def run(config, *, resume: bool = False, stream: bool = False, echo=print) -> di
             train.close()
         bar.close()
         metrics = run_eval(total)
-        for line in _where_outputs_went(config, checkpoint(total)):
+        newest = checkpoint(total)
+        if saver is not None:
+            saver.close()  # the last save committed
+            saver = None
+        if config.export.dir:
+            path = export_run(model, evaluation, config)
+            echo(
+                f"export: {path}; serve it: python -m hybrid.serving serve --artifact {path} --port 8000"
+            )
+        for line in _where_outputs_went(config, newest):
             echo(line)
         return {"eval": metrics, "losses": losses, "step": total}
     finally:
+        if saver is not None:
+            saver.close()
         torch.set_num_threads(threads)
+
+
+def _prepare_checkpoints(config, model, resume: bool, echo):
+    """The checkpoint preflight (`hybrid.checkpoint.prepare_run`), run by process 0 alone (it
+    may move files aside); every process gets its decision, or its ConfigError."""
+    from hybrid.checkpoint import prepare_run
+
+    procs = _Processes()
+    result = None
+    if procs.rank == 0:
+        try:
+            result = prepare_run(
+                config.checkpoint.dir,
+                config=config.to_dict(),
+                model=model,
+                resume=resume,
+                overwrite=config.checkpoint.overwrite,
+                allow_config_change=config.checkpoint.allow_config_change,
+                echo=echo,
+            )
+        except ConfigError as e:
+            result = e
+    result = procs.broadcast_object(result)
+    if isinstance(result, ConfigError):
+        raise result
+    return result
 
 
 def _duration(seconds: float) -> str:

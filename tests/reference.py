@@ -343,3 +343,32 @@ class ManagedCollisionLoop:
         self.entries.sort(key=lambda e: (e["raw"] is None, e["raw"] if e["raw"] is not None else 0))
         self.window, self.last_eviction = [], self.step
         return evicted
+
+
+def serving_request_loop(bags, features, batch_rungs, max_batch_size, capacities, weights=None):
+    """What `hybrid.serving._request.read_sparse` packs, by plain loops: (ids [capacity],
+    offsets [features * rung + 1], weights [capacity] or None, batch) from per-sample id
+    lists `bags[feature][sample]` (and `weights[feature][sample]`); ids already checked."""
+    batch = len(bags[features[0]])
+    rung = max_batch_size
+    for r in batch_rungs:
+        if r >= batch:
+            rung = r
+            break
+    ids, w, offsets = [], [], [0]
+    for f in features:
+        for b in range(rung):
+            bag = bags[f][b] if b < batch else []
+            for k, i in enumerate(bag):
+                ids.append(int(i))
+                if weights is not None:
+                    w.append(float(weights[f][b][k]))
+            offsets.append(len(ids))
+    capacity = next(c for c in capacities if c >= len(ids))
+    out_ids = np.zeros(capacity, np.int32)
+    out_ids[: len(ids)] = ids
+    out_w = None
+    if weights is not None:
+        out_w = np.zeros(capacity, np.float32)
+        out_w[: len(w)] = w
+    return out_ids, np.array(offsets, np.int32), out_w, batch

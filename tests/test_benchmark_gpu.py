@@ -8,10 +8,17 @@ import json
 import pytest
 
 from benchmarks import gpu
+from benchmarks.workloads import tiny_set
 
 
-def test_the_gpu_benchmark_runs_in_interpret_mode_and_its_checks_hold(tmp_path, capsys):
+def test_the_gpu_benchmark_runs_in_interpret_mode_and_its_checks_hold(
+    tmp_path, capsys, monkeypatch
+):
+    # the Zipf workload only: uniform ids run the same code, and its duplicated ids are the
+    # ones that make runs longer than one position
+    monkeypatch.setattr(gpu, "tiny_set", lambda: [w for w in tiny_set() if w.alpha > 1.0])
     results = gpu.main(["--tiny", "--out", str(tmp_path)])
+    assert [w["workload"]["alpha"] for w in results["workloads"]] == [1.15]
     assert results["interpret"] is True
     assert json.loads((tmp_path / "gpu.json").read_text())["workloads"]
     md = (tmp_path / "gpu.md").read_text()

@@ -200,6 +200,20 @@ def test_every_sparse_form_gives_the_same_predictions(exported):
     assert torch.equal(predictor(dense[:5], few), want[:5])
 
 
+def test_a_small_request_runs_the_program_of_its_batch_rung_with_the_same_pooling(exported):
+    """max_batch_size 8 gives lookup programs for 1 and 8 bags per feature; one sample runs
+    the first (compiled on its own) and pools exactly what the 8-bag program pools."""
+    predictor = serving.load(exported["int8"])
+    assert predictor.batch_rungs == [1, BATCH]
+    lists = exported["lists"]
+    whole = predictor.pooled(lists)
+    assert {b for b, _ in predictor.compiled()} == {BATCH}
+    for i in (0, 3):
+        one = predictor.pooled({f: bags[i : i + 1] for f, bags in lists.items()})
+        assert torch.equal(one, whole[i : i + 1])
+    assert {b for b, _ in predictor.compiled()} == {1, BATCH}
+
+
 # `python -m hybrid.serving`, run as -m runs it (through hybrid/__init__), then the modules it loaded.
 CLI = """
 import runpy, sys
@@ -330,6 +344,13 @@ def test_a_table_of_another_shape_or_an_unreadable_program_is_refused(exported, 
     path = _copy(exported, tmp_path / "again")
     _rewrite(path, "sparse_lookup.jaxexport", b"not a program")
     with pytest.raises(serving.ArtifactError, match="sparse_lookup.jaxexport is unreadable"):
+        serving.load(path)
+    path = _copy(exported, tmp_path / "rung")  # the 1-sample rung's file holds the 8-sample program
+    _rewrite(path, "sparse_lookup.b1.jaxexport", (path / "sparse_lookup.jaxexport").read_bytes())
+    with pytest.raises(
+        serving.ArtifactError,
+        match=r"sparse_lookup.b1.jaxexport takes offsets of shape \[25\], not the \[3 features x 1 \+ 1\]",
+    ):
         serving.load(path)
 
 

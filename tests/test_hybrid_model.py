@@ -474,3 +474,22 @@ def test_load_sparse_opt_state_checks_structure_and_places_leaves():
         np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(ValueError, match="optimizer state has structure"):
         model.load_sparse_opt_state({"count": 0})
+
+
+def test_models_on_one_module_and_rule_share_their_update_and_dropped_ones_free_it():
+    """The compiled update is shared while a model holds it; once the models are dropped and
+    more recent updates have been built, nothing keeps it (nor the rule it holds)."""
+    import gc
+    import weakref
+
+    from hybrid.model import _sparse
+
+    rule = rowwise_adagrad(lr=0.01)
+    first, second = _model(sparse_optimizer=rule), _model(sparse_optimizer=rule)
+    assert first._tables._shared_update is second._tables._shared_update
+    gone = weakref.ref(first._tables._shared_update)
+    del first, second
+    for _ in range(_sparse._KEEP_UPDATES):  # newer models push it out of the recent ones
+        _model(sparse_optimizer=rowwise_adagrad(lr=0.01))
+    gc.collect()
+    assert gone() is None

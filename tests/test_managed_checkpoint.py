@@ -107,6 +107,36 @@ def test_a_resumed_run_remaps_evicts_and_resets_as_the_uninterrupted_one(tmp_pat
     np.testing.assert_array_equal(got_key, want_key)
 
 
+def test_the_orbax_format_carries_the_id_maps_and_resumes_alike(tmp_path):
+    """The "orbax" format (hybrid/checkpoint/_sharded.py): the id maps, counters and draw key
+    saved asynchronously beside the rows, restored shard by shard (the same layout)."""
+    pytest.importorskip("orbax.checkpoint")
+    batches = _batches(24)
+    model, opt = _model()
+    _train(model, opt, batches[:9])
+    saver = checkpoint.AsyncCheckpointer()
+    path = saver.save(
+        tmp_path, step=9, model=model, dense_optimizer=opt, meta={}, run_id="run-orbax"
+    )
+    saved = checkpoint.sparse_state_arrays(model)
+    _train(model, opt, batches[9:])  # training goes on while the save is written
+    saver.close()
+    assert checkpoint.latest_checkpoint(tmp_path) == path
+    on_disk = checkpoint.checkpoint_arrays(path)
+    assert sorted(on_disk) == sorted(saved)
+    for key, value in saved.items():
+        np.testing.assert_array_equal(on_disk[key], value, err_msg=key)
+    want, want_key = _snapshot(model)
+
+    resumed, ropt = _model(seed=7)
+    checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    _train(resumed, ropt, batches[9:])
+    got, got_key = _snapshot(resumed)
+    for key, value in want.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+    np.testing.assert_array_equal(got_key, want_key)
+
+
 def test_a_checkpoint_loads_only_into_a_model_managing_the_same_tables(tmp_path):
     model, opt = _model()
     _train(model, opt, _batches(3))

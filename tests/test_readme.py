@@ -62,24 +62,51 @@ def test_the_readme_shows_commands():
     assert {"hybrid.train", "benchmarks.xla_vs_fbgemm", "benchmarks.e2e_step"} <= modules
 
 
-@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c)[:60])
-def test_every_command_names_a_module_and_flags_that_exist(command):
-    module, args = command[0], command[1:]
-    if module == "hybrid.train":
-        from hybrid.train import _parser
+def _help_groups() -> dict[tuple[str, ...], list[list[str]]]:
+    """The README's non-training commands grouped by what answers their `--help`: the module,
+    and its subcommand when the first argument is one (`hybrid.serving serve`)."""
+    groups: dict[tuple[str, ...], list[list[str]]] = {}
+    for module, *args in _commands():
+        if module == "hybrid.train":
+            continue
+        sub = args[:1] if args and re.fullmatch(r"[a-z_]+", args[0]) else []
+        groups.setdefault((module, *sub), []).append(args)
+    return groups
 
-        parsed = _parser().parse_args(args)  # exits (fails the test) on an unknown flag
-        if parsed.config:
-            assert os.path.exists(os.path.join(ROOT, parsed.config)), parsed.config
-        return
+
+@pytest.mark.parametrize(
+    "command", [c for c in _commands() if c[0] == "hybrid.train"], ids=lambda c: " ".join(c)[:60]
+)
+def test_every_training_command_parses_and_names_a_config_that_exists(command):
+    from hybrid.train import _parser
+
+    parsed = _parser().parse_args(command[1:])  # exits (fails the test) on an unknown flag
+    if parsed.config:
+        assert os.path.exists(os.path.join(ROOT, parsed.config)), parsed.config
+
+
+@pytest.mark.parametrize("group", sorted(_help_groups()), ids=" ".join)
+def test_every_other_command_names_a_module_and_flags_its_help_lists(group):
+    """One `python -m <module> [<subcommand>] --help` per module: it exits 0 and lists every
+    long flag the README passes it; every path a pytest command names exists."""
     done = subprocess.run(
-        [sys.executable, "-m", module, "--help"],
+        [sys.executable, "-m", *group, "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    for args in _help_groups()[group]:
+        for word in args:
+            flag = word.split("=", 1)[0]
+            if flag.startswith("--"):
+                assert re.search(re.escape(flag) + r"\b", done.stdout), (
+                    f"README: `python -m {group[0]} {' '.join(args)}` passes {flag}, which "
+                    f"`{' '.join(group)} --help` does not list"
+                )
+            elif group[0] == "pytest" and word.startswith("tests/"):
+                assert os.path.exists(os.path.join(ROOT, word.split("::")[0])), word
 
 
 def test_every_make_command_names_a_target_and_variables_the_makefile_has():

@@ -594,3 +594,45 @@ def test_criteo_stream_config_errors(tmp_path, paths, steps, message):
     )
     with pytest.raises(ConfigError, match=message):
         train.build(config, stream=True)
+
+
+def test_a_run_exports_for_serving_and_a_checkpoint_exports_without_training(tmp_path, capsys):
+    """config -> checkpoint -> artifact in commands: the run writes export.dir at its end;
+    `--resume --export-only` writes the newest checkpoint's artifact (the same predictions)
+    and, with `--quantize int8`, its int8 artifact; nothing trains the second time."""
+    import hybrid.serving as serving
+
+    common = [
+        "--config",
+        "configs/synthetic.toml",
+        *(f"--set={s}" for s in SMALL),
+        f"--set=checkpoint.dir='{tmp_path / 'ck'}'",
+        "--set=export.max_batch_size=8",
+        "--set=log.metrics_path=''",
+    ]
+    first, again, int8 = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert train.main([*common, "--steps", "4", "--export", str(first)]) == 0
+    out = capsys.readouterr().out
+    assert f"export: {first}; serve it: python -m hybrid.serving serve --artifact {first}" in out
+    assert train.main([*common, "--resume", "--export-only", "--export", str(again)]) == 0
+    out = capsys.readouterr().out
+    assert f"export: {again} (step 4)" in out and "eval @" not in out and "step 4/" not in out
+    assert (
+        train.main(
+            [*common, "--resume", "--export-only", "--export", str(int8), "--quantize", "int8"]
+        )
+        == 0
+    )
+    a, b, c = serving.load(first), serving.load(again), serving.load(int8)
+    assert a.manifest["model"] == b.manifest["model"] == "Model" and a.max_batch_size == 8
+    assert {t["weight_type"] for t in c.manifest["tables"]} == {"int8"}
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((8, 3)).astype(np.float32)
+    sparse = {f: [rng.integers(0, 200, 3).tolist() for _ in range(8)] for f in a.features}
+    assert torch.equal(a(dense, sparse), b(dense, sparse))
+    torch.testing.assert_close(c(dense, sparse), a(dense, sparse), atol=0.05, rtol=0.05)
+    # refused before any work: an existing artifact, --export-only without --resume
+    assert train.main([*common, "--resume", "--export-only", "--export", str(again)]) == 2
+    assert f"export.dir {again} already exists; refusing to replace it" in capsys.readouterr().err
+    assert train.main([*common, "--export-only", "--export", str(tmp_path / "d")]) == 2
+    assert "--export-only exports the newest checkpoint" in capsys.readouterr().err

@@ -27,8 +27,14 @@ fresh run into a directory holding checkpoints, checks the directory is writable
 room for two checkpoints, that the sparse optimizer can be checkpointed, and on resume
 that the config keeps exact resumption possible; it raises `hybrid._errors.ConfigError`.
 
-Single-process: the training script refuses `checkpoint.dir` under torchrun (every array
-is read whole on the host here).
+Two formats, one manifest: the layout above ("npz", `_store`: every array read whole on
+one host, written synchronously; the training script's default for one process) and
+"orbax" (`_sharded`: `sparse/`, an Orbax checkpoint each process writes its own shards of,
+asynchronously, beside `dense.pt` and `meta.json` from process 0; the manifest lists every
+shard file and is written once Orbax has committed; the default under torchrun).
+`load_checkpoint` reads both, on any process count; everything below holds for both.
+The "npz" format stays for one process: it needs no background thread or extra package,
+writes one file a user can open with numpy, and the fault tests pin its behaviour.
 
 Restore reads the tables by rows and columns and places them into the current model's
 buffers, so a checkpoint written on one mesh/plan loads on another (reshard on load),
@@ -39,17 +45,21 @@ blocks each takes its enclosing saved block's value (TorchRec's approximation).
 
 Modules: `_format` (the directory layout, the manifest, verification, `CheckpointError`),
 `_arrays` (the tables and optimizer state as arrays, restore), `_managed` (managed-collision
-id maps), `_preflight` (run identity, the preflight), `_store` (save, rotation, latest, load).
+id maps), `_preflight` (run identity, the preflight), `_store` (save, rotation, latest, load),
+`_sharded` (the "orbax" format: `AsyncCheckpointer`, `checkpoint_arrays`, its restore).
 """
 
 from hybrid.checkpoint._arrays import estimate_bytes, saved_table_shapes, sparse_state_arrays
 from hybrid.checkpoint._format import CheckpointError, scan_checkpoints, verify_checkpoint
 from hybrid.checkpoint._preflight import RunCheckpoints, config_changes, prepare_run, read_run
+from hybrid.checkpoint._sharded import AsyncCheckpointer, checkpoint_arrays
 from hybrid.checkpoint._store import latest_checkpoint, load_checkpoint, save_checkpoint
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointError",
     "RunCheckpoints",
+    "checkpoint_arrays",
     "config_changes",
     "estimate_bytes",
     "latest_checkpoint",

@@ -11,6 +11,7 @@ plan; `_restore_sparse` places them into another model's buffers (reshard on loa
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import zipfile
@@ -166,6 +167,10 @@ def saved_table_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
     """{table: [rows, dim]} of checkpoint `path`, from the array headers of its tables.npz
     (nothing else is read)."""
     out = {}
+    if not (pathlib.Path(path) / "tables.npz").exists():  # the "orbax" format: in its meta
+        meta = json.loads((pathlib.Path(path) / "meta.json").read_text())
+        if meta.get("format") == "orbax":
+            return {name: list(shape) for name, shape in meta["tables"].items()}
     with zipfile.ZipFile(pathlib.Path(path) / "tables.npz") as z:
         for info in z.infolist():
             name = info.filename

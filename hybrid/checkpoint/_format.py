@@ -1,7 +1,8 @@
 """The checkpoint format: a `step_<NNNNNNNN>/` directory checked against its manifest.
 
 `manifest.json`, written last, holds the sha256 and size of every other file
-(`tables.npz`, `dense.pt`, `meta.json`); `verify_checkpoint` checks each file against it
+(`tables.npz`, `dense.pt`, `meta.json`; in the "orbax" format, `_sharded`, every file of
+`sparse/` instead of `tables.npz`); `verify_checkpoint` checks each file against it
 and raises `CheckpointError` naming the checkpoint, the file and the reason (missing,
 truncated, hash mismatch, unreadable json); `scan_checkpoints` finds the newest intact
 checkpoint of a directory and the newer damaged ones it skipped. `run.json` (the run's
@@ -70,9 +71,20 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         isinstance(v, dict) and "sha256" in v and "size" in v for v in files.values()
     ):
         raise CheckpointError(f"{where}: {_MANIFEST} is unreadable (no valid 'files' table)")
-    for name in ("tables.npz", "dense.pt", "meta.json"):
+    orbax = manifest.get("format") == "orbax"  # sparse/ written by every process (`_sharded`)
+    for name in ("dense.pt", "meta.json") if orbax else ("tables.npz", "dense.pt", "meta.json"):
         if name not in files:
             raise CheckpointError(f"{where}: {_MANIFEST} does not list {name}")
+    if orbax and not any(name.startswith("sparse/") for name in files):
+        raise CheckpointError(f"{where}: {_MANIFEST} lists no file of sparse/")
+    if orbax:  # a shard file the manifest does not know: not what was committed
+        listed = {path / name for name in files} | {path / _MANIFEST}
+        for file in sorted((path / "sparse").rglob("*")):
+            if file.is_file() and file not in listed:
+                raise CheckpointError(
+                    f"{where}: {file.relative_to(path)} is not in {_MANIFEST} (a file added after "
+                    "the commit)"
+                )
     for name, entry in sorted(files.items()):
         file = path / name
         try:

@@ -6,7 +6,8 @@ into place, then rotates: only older checkpoints of the same run (by the meta's 
 are deleted, never another run's, never the one just written, and the newest intact ones
 are kept. `latest_checkpoint` returns the newest intact checkpoint and logs the ones it
 skipped (logger `hybrid.checkpoint`). `load_checkpoint` verifies every file, then restores
-tables, optimizer state, dense tower, dense optimizer and torch's RNG onto any mesh and plan.
+tables, optimizer state, dense tower, dense optimizer and torch's RNG onto any mesh and plan,
+from either format (the "orbax" one through `_sharded`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hybrid.checkpoint._format import (
     verify_checkpoint,
 )
 from hybrid.checkpoint._preflight import _claim, _run_id_of
+from hybrid.checkpoint._sharded import load_sharded
 
 __all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -161,6 +163,11 @@ def load_checkpoint(
             f"checkpoint {path}: written with sparse optimizer {meta['sparse_optimizer']!r} but "
             f"sparse_optimizer.name is {model.sparse_optimizer.name!r}; use the same optimizer"
         )
+    if meta.get("format") == "orbax":  # written by every process (`_sharded`)
+        dense = _read_dense(path, where)
+        load_sharded(path, meta, model, where)
+        _load_dense(path, model, dense_optimizer, dense)
+        return meta
     try:
         with np.load(path / "tables.npz") as arrays:
             tables = {k: arrays[k] for k in arrays.files}
@@ -168,13 +175,22 @@ def load_checkpoint(
         raise CheckpointError(
             f"{where}: tables.npz is unreadable ({type(e).__name__}: {e})"
         ) from None
+    dense = _read_dense(path, where)
+    _restore_sparse(model, tables, where)
+    _load_dense(path, model, dense_optimizer, dense)
+    return meta
+
+
+def _read_dense(path: pathlib.Path, where: str) -> dict:
     try:
-        dense = torch.load(path / "dense.pt", weights_only=True)
+        return torch.load(path / "dense.pt", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged file
         raise CheckpointError(
             f"{where}: dense.pt is unreadable ({type(e).__name__}: {e})"
         ) from None
-    _restore_sparse(model, tables, where)
+
+
+def _load_dense(path: pathlib.Path, model, dense_optimizer, dense: dict) -> None:
     try:
         model.dense.load_state_dict(dense["dense"])
     except RuntimeError as e:
@@ -183,4 +199,3 @@ def load_checkpoint(
         ) from None
     dense_optimizer.load_state_dict(dense["optimizer"])
     torch.set_rng_state(dense["torch_rng"])
-    return meta

@@ -52,6 +52,7 @@ from hybrid.serving._artifact import (
     FORMAT_VERSION,
     SPARSE_FILE,
     id_map_file,
+    sparse_file,
     table_file,
 )
 from hybrid.serving._request import RequestSpec, read_sparse
@@ -228,10 +229,22 @@ def _table_entry(i: int, table: _Table, outputs: list[_Output], id_map=None) -> 
     }
 
 
+def _batch_rungs(max_batch: int, rungs: Sequence[int] | None) -> tuple[int, ...]:
+    """The batch sizes a lookup program is written for: `rungs` (default powers of 8 below
+    `max_batch_size`), and `max_batch_size` itself."""
+    if rungs is None:
+        rungs = [8**k for k in range(8) if 8**k < max_batch]
+    rungs = tuple(sorted({int(b) for b in rungs} | {max_batch}))
+    if rungs[0] < 1 or rungs[-1] > max_batch:
+        raise ValueError(f"batch_rungs {list(rungs)} must lie in [1, max_batch_size={max_batch}]")
+    return rungs
+
+
 def _sparse_program(
     source: _Source, features: list[str], max_batch: int, platforms: Sequence[str]
 ) -> bytes:
-    """The serialized lookup program (`hybrid.inference._export_lookup`) for this model's tables."""
+    """The serialized lookup program (`hybrid.inference._export_lookup`) for this model's
+    tables, taking `max_batch` bags per feature."""
     index = {t.config.name: i for i, t in enumerate(source.tables)}
     slots = []
     for o in source.outputs:
@@ -261,6 +274,7 @@ def _manifest(
     max_batch: int,
     capacities: tuple[int, ...],
     platforms: Sequence[str],
+    rungs: tuple[int, ...],
 ) -> dict[str, Any]:
     """The manifest without its "files" table (`_write` adds it)."""
     total = sum(o.table.embedding_dim for o in source.outputs)
@@ -300,6 +314,7 @@ def _manifest(
         "programs": {
             "sparse": {
                 "file": SPARSE_FILE,
+                "batch_rungs": list(rungs),
                 "platforms": list(platforms),
                 "inputs": sparse_inputs,
                 "output": f"pooled: float32[{max_batch}, {total}]",
@@ -325,6 +340,7 @@ def export(
     max_batch_size: int | None = None,
     id_capacities: Sequence[int] | None = None,
     platforms: Sequence[str] = DEFAULT_PLATFORMS,
+    batch_rungs: Sequence[int] | None = None,
     overwrite: bool = False,
 ) -> pathlib.Path:
     """Write `model` (a `hybrid.Model` or a `QuantizedModel`) as a serving directory `path`.
@@ -336,6 +352,9 @@ def export(
     id_capacities: increasing id counts a request is padded to (default: the model's
       capacity ladder); the largest is the most ids a request may hold.
     platforms: what the sparse program is lowered for (default cpu and cuda).
+    batch_rungs: batch sizes below `max_batch_size` that get a lookup program of their own
+      (default powers of 8: 1, 8, 64, ...), so a small request pools its own bags and not
+      `max_batch_size` empty ones; a request runs the smallest rung that holds it.
     overwrite: replace an existing `path` (atomically) instead of raising.
 
     The model is not changed (its tables are read, its dense tower copied). Returns `path`.
@@ -359,6 +378,7 @@ def export(
             f"max_batch_size={max_batch} must be >= the example's batch size {dense_x.shape[0]} (and >= 1)"
         )
     capacities = _check_capacities(source.ladder if id_capacities is None else id_capacities)
+    rungs = _batch_rungs(max_batch, batch_rungs)
     features = _features(source)
     spec = _spec(source, features, max_batch, capacities)
     request = read_sparse(example[1], spec)  # checks the example's ids as a server would
@@ -388,12 +408,14 @@ def export(
             np.savez(buffer, ids=id_map.ids, rows=id_map.rows)
             files[id_map_file(i, t.config.name)] = buffer.getvalue()
     files[SPARSE_FILE] = sparse_bytes
+    for b in rungs[:-1]:
+        files[sparse_file(b, max_batch)] = _sparse_program(source, features, b, platforms)
     files[DENSE_FILE] = dense_bytes
     dense_info = {
         "in_features": int(dense_x.shape[1]),
         "dtype": str(dense_x.dtype).removeprefix("torch."),
         "out_features": outputs,
     }
-    manifest = _manifest(source, features, dense_info, max_batch, capacities, platforms)
+    manifest = _manifest(source, features, dense_info, max_batch, capacities, platforms, rungs)
     write_artifact(path, files, manifest, overwrite=overwrite)
     return path

@@ -138,6 +138,12 @@ class Model(nn.Module):
         values on the host are placed on the tables' devices, sharded like them)."""
         self._tables.load_opt_state(state)
 
+    def load_sparse_buffers(self, params: dict[str, jax.Array], state: SparseOptState) -> None:
+        """Replace the tables' stacked buffers and the sparse optimizer state with device
+        arrays laid out exactly as `sparse_params` / `sparse_opt_state` (e.g. a checkpoint
+        restored shard by shard on every process); nothing is read on the host."""
+        self._tables.load_buffers(params, state)
+
     @property
     def sparse_optimizer(self) -> RowRule:
         return self._tables.rule

@@ -34,7 +34,9 @@
 
 from __future__ import annotations
 
+import collections
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -161,21 +163,26 @@ def _per_device(ladder: tuple[int, ...] | None, devices: int) -> tuple[int, ...]
 
 # -- its state and update --------------------------------------------------------------------
 
-_UPDATE_CACHE_SIZE = 16
-_updates: dict[tuple[int, int], tuple] = {}
+# (id(module), id(rule)) -> the shared update, held weakly: it lives while a model built on
+# that module and rule holds it (`SparseTables._shared_update`) or while it is among the
+# `_KEEP_UPDATES` most recently built (a model rebuilt on the same cached collection and
+# rule, e.g. after a restart, reuses its program); the update holds both objects, so their
+# ids cannot be reused while an entry is there. Older updates of dropped models are freed.
+_KEEP_UPDATES = 4
+_updates: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_recent_updates: collections.deque = collections.deque(maxlen=_KEEP_UPDATES)
 
 
 def _update_for(module, rule: RowRule):
-    """`make_update(module, rule)`, shared by models with the same module and rule objects
-    (both immutable), so their jitted update compiles once."""
+    """`make_update(module, rule)`, shared by the models with the same module and rule
+    objects (both immutable), so their jitted update compiles once."""
     key = (id(module), id(rule))
-    hit = _updates.get(key)
-    if hit is not None and hit[0] is module and hit[1] is rule:
-        return hit[2]
-    update = make_update(module, rule, skip_nonfinite=True)
-    if len(_updates) >= _UPDATE_CACHE_SIZE:
-        _updates.pop(next(iter(_updates)))
-    _updates[key] = (module, rule, update)  # holding both keeps their ids from being reused
+    update = _updates.get(key)
+    if update is None:
+        update = make_update(module, rule, skip_nonfinite=True)
+        _updates[key] = update
+    if update not in _recent_updates:
+        _recent_updates.append(update)
     return update
 
 
@@ -226,7 +233,8 @@ class SparseTables:
         self._params = _committed(params, device)
         self._opt_state = _committed(rule.init(self._params), device)
         # shared compiled step, this model's own counters of skipped (non-finite) batches
-        self._update = _update_for(module, rule).with_fresh_counters()
+        self._shared_update = _update_for(module, rule)
+        self._update = self._shared_update.with_fresh_counters()
 
     @property
     def params(self) -> dict[str, jax.Array]:
@@ -256,6 +264,31 @@ class SparseTables:
             return jax.make_array_from_callback(old.shape, old.sharding, lambda index: host[index])
 
         self._opt_state = jax.tree.map(place, state, current)
+
+    def load_buffers(self, params: dict[str, jax.Array], opt_state: SparseOptState) -> None:
+        """Replace the stacked buffers and the optimizer state with device arrays already laid
+        out as the current ones (same structure, shapes, dtypes and shardings; e.g. restored
+        shard by shard from a checkpoint). Nothing goes through the host."""
+        for what, new, old in (
+            ("params", params, self._params),
+            ("optimizer state", opt_state, self._opt_state),
+        ):
+            if jax.tree.structure(new) != jax.tree.structure(old):
+                raise ValueError(
+                    f"load_buffers: {what} has structure {jax.tree.structure(new)}, expected "
+                    f"{jax.tree.structure(old)}"
+                )
+            for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
+                if (
+                    a.shape != b.shape
+                    or a.dtype != b.dtype
+                    or not a.sharding.is_equivalent_to(b.sharding, b.ndim)
+                ):
+                    raise ValueError(
+                        f"load_buffers: a {what} leaf is {a.dtype}{list(a.shape)} on {a.sharding}, "
+                        f"expected {b.dtype}{list(b.shape)} on {b.sharding}"
+                    )
+        self._params, self._opt_state = dict(params), opt_state
 
     def prepare(self, kjt: KeyedJaggedTensor) -> PreparedBatch:
         """The batch checked, padded, split and placed on the tables' devices, once."""

@@ -3,7 +3,10 @@
 An artifact is one directory written by `hybrid.export`:
 
     manifest.json          format, features, tables, accepted shapes, versions, sha256 of every file
-    sparse_lookup.jaxexport  the pooled lookup, a serialized `jax.export.Exported`
+    sparse_lookup.jaxexport  the pooled lookup, a serialized `jax.export.Exported`, for
+                           `max_batch_size` bags per feature
+    sparse_lookup.b<B>.jaxexport  the same lookup for B bags per feature, for each smaller
+                           batch rung (manifest: programs.sparse.batch_rungs; optional)
     dense_tower.pt2        the dense tower, a `torch.export.save`d ExportedProgram
     tables/<i>_<name>.npy  one file per table: fp32 (or fp16) rows, or packed uint8 rows
 
@@ -29,7 +32,9 @@ __all__ = [
     "MANIFEST",
     "SPARSE_FILE",
     "ArtifactError",
+    "batch_rungs",
     "read_manifest",
+    "sparse_file",
     "table_file",
     "verify_files",
 ]
@@ -75,6 +80,19 @@ class ArtifactError(Exception):
     """A serving artifact that cannot be used: a missing, damaged or truncated file, a
     malformed manifest or one of another format version. The message names the artifact,
     the file and the reason."""
+
+
+def sparse_file(batch: int, max_batch_size: int) -> str:
+    """The lookup program taking `batch` bags per feature (`max_batch_size`: SPARSE_FILE)."""
+    return SPARSE_FILE if batch == max_batch_size else f"sparse_lookup.b{batch}.jaxexport"
+
+
+def batch_rungs(manifest: dict[str, Any]) -> list[int]:
+    """The batch sizes the artifact holds a lookup program for, ascending (the largest is
+    `max_batch_size`; artifacts written before batch rungs hold that one only)."""
+    top = int(manifest["accepts"]["max_batch_size"])
+    rungs = manifest["programs"].get("sparse", {}).get("batch_rungs") or [top]
+    return sorted({int(b) for b in rungs} | {top})
 
 
 def table_file(index: int, name: str) -> str:
@@ -150,7 +168,17 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise ArtifactError(
             f"{where}: {MANIFEST} is malformed: 'files' needs a sha256 and a size per file"
         )
-    needed = [SPARSE_FILE, DENSE_FILE, *(t["file"] for t in manifest["tables"])]
+    try:
+        top = int(manifest["accepts"]["max_batch_size"])
+        programs = [sparse_file(b, top) for b in batch_rungs(manifest)]
+        if any(b < 1 or b > top for b in batch_rungs(manifest)):
+            raise ValueError("a batch rung outside [1, max_batch_size]")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ArtifactError(
+            f"{where}: {MANIFEST} is malformed: accepts.max_batch_size / programs.sparse.batch_rungs "
+            f"({type(e).__name__}: {e}); re-export the model"
+        ) from None
+    needed = [*programs, DENSE_FILE, *(t["file"] for t in manifest["tables"])]
     unlisted = [name for name in needed if name not in files]
     if unlisted:
         raise ArtifactError(

@@ -1,5 +1,15 @@
 """`load(path) -> Predictor`: a serving artifact, verified, ready to score requests.
 
+The host path of a call is kept small: the request is checked and packed by vectorised
+numpy (`_request.read_sparse`) into the program's static shapes (ids padded to a rung of
+the artifact's id capacities, bags to the smallest of its batch rungs that holds the
+request: offsets `[features x rung + 1]`); the lookup runs as that rung's program compiled
+ahead of time for that id capacity (once, cached; `warm` compiles ahead), the dense
+tower as the `torch.export` program's graph called directly (its own input-guard hook is
+skipped: `read_dense` has already checked what it checks). The lookup (JAX) and the dense
+tower (torch) stay two calls: the artifact holds one program of each runtime, and nothing in
+`jax.export` or `torch.export` runs the other's program inside its own.
+
 Uses jax (the deserialized lookup program), numpy (the tables) and torch (the dense
 program) and nothing of the training library: no `hybrid.Model`, no sparse_jax, no
 optimizer, no planner.
@@ -20,9 +30,10 @@ import torch
 
 from hybrid.serving._artifact import (
     DENSE_FILE,
-    SPARSE_FILE,
     ArtifactError,
+    batch_rungs,
     read_manifest,
+    sparse_file,
     verify_files,
 )
 from hybrid.serving._request import RequestSpec, SparseArrays, read_dense, read_sparse
@@ -88,6 +99,7 @@ def _spec(manifest: dict[str, Any], id_maps=None) -> RequestSpec:
         max_batch_size=int(accepts["max_batch_size"]),
         id_capacities=tuple(int(c) for c in accepts["id_capacities"]),
         id_maps=id_maps,
+        batch_rungs=tuple(batch_rungs(manifest)),
     )
 
 
@@ -110,29 +122,38 @@ def _load_table(path: pathlib.Path, where: str, entry: dict[str, Any]) -> np.nda
 
 
 def _load_sparse(
-    path: pathlib.Path, where: str, tables: Sequence[np.ndarray], manifest
+    path: pathlib.Path, where: str, tables: Sequence[np.ndarray], manifest, batch: int
 ) -> jax.export.Exported:
+    """The lookup program taking `batch` bags per feature, checked against the tables."""
+    name = sparse_file(batch, int(manifest["accepts"]["max_batch_size"]))
     try:
-        exported = jax.export.deserialize(bytearray((path / SPARSE_FILE).read_bytes()))
+        exported = jax.export.deserialize(bytearray((path / name).read_bytes()))
     except ImportError:  # jax's serialization needs the flatbuffers package: say so as jax does
         raise
     except Exception as e:  # flatbuffers / MLIR raise many types for damaged bytes
         raise ArtifactError(
-            f"{where}: {SPARSE_FILE} is unreadable ({type(e).__name__}: {e}); it was written with jax "
+            f"{where}: {name} is unreadable ({type(e).__name__}: {e}); it was written with jax "
             f"{manifest['versions'].get('jax')}, this is jax {jax.__version__}: re-export the model"
         ) from None
     n_inputs = len(tables) + 2 + int(manifest["is_weighted"])
     avals = exported.in_avals
     if len(avals) != n_inputs:
         raise ArtifactError(
-            f"{where}: {SPARSE_FILE} takes {len(avals)} inputs, the manifest implies {n_inputs}"
+            f"{where}: {name} takes {len(avals)} inputs, the manifest implies {n_inputs}"
         )
     for entry, table, aval in zip(manifest["tables"], tables, avals, strict=False):
         if tuple(aval.shape) != table.shape or aval.dtype != table.dtype:
             raise ArtifactError(
-                f"{where}: {SPARSE_FILE} expects table {entry['name']!r} as {aval.dtype} {list(aval.shape)} but "
+                f"{where}: {name} expects table {entry['name']!r} as {aval.dtype} {list(aval.shape)} but "
                 f"{entry['file']} holds {table.dtype} {list(table.shape)}; the files come from different exports"
             )
+    offsets = tuple(avals[len(tables) + 1].shape)
+    if offsets != (len(manifest["features"]) * batch + 1,):
+        raise ArtifactError(
+            f"{where}: {name} takes offsets of shape {list(offsets)}, not the "
+            f"[{len(manifest['features'])} features x {batch} + 1] of a batch of {batch}; the files "
+            "come from different exports"
+        )
     return exported
 
 
@@ -143,7 +164,8 @@ def _load_dense(path: pathlib.Path, where: str) -> torch.nn.Module:
         raise ArtifactError(
             f"{where}: {DENSE_FILE} is unreadable ({type(e).__name__}: {e}); re-export the model"
         ) from None
-    return program.module()
+    # no guard submodule: `read_dense` checks the inputs (shape, dtype, batch range) first
+    return program.module(check_guards=False)
 
 
 class Predictor:
@@ -164,7 +186,7 @@ class Predictor:
         path: pathlib.Path,
         manifest: dict[str, Any],
         tables: Sequence[np.ndarray],
-        exported: jax.export.Exported,
+        exported: dict[int, jax.export.Exported],
         dense: torch.nn.Module,
         id_maps=None,
     ):
@@ -172,8 +194,12 @@ class Predictor:
         self.manifest = manifest
         self._spec = _spec(manifest, id_maps)
         self._tables = [jax.device_put(t) for t in tables]
-        self._lookup = jax.jit(exported.call)
+        self._exported = exported  # batch rung -> its lookup program
+        self._compiled: dict[tuple[int, int], Any] = {}  # (batch rung, id capacity) -> compiled
         self._dense = dense
+        # the graph itself: the module's __call__ adds torch.export's input-guard hook, which
+        # re-checks (slowly) the shapes read_dense has checked
+        self._dense_forward = dense.forward
         self._dense_dtype = getattr(torch, manifest["dense"]["dtype"])
 
     @property
@@ -193,12 +219,47 @@ class Predictor:
         """The most ids (all features of all samples) one call takes: the largest id capacity."""
         return self._spec.id_capacities[-1]
 
+    def _program(self, batch: int, capacity: int):
+        """The lookup for `batch` bags per feature and `capacity` ids, compiled once (cached)."""
+        compiled = self._compiled.get((batch, capacity))
+        if compiled is None:
+            ids = jax.ShapeDtypeStruct((capacity,), jnp.int32)
+            offsets = jax.ShapeDtypeStruct((len(self._spec.features) * batch + 1,), jnp.int32)
+            args = [*self._tables, ids, offsets]
+            if self.manifest["is_weighted"]:
+                args.append(jax.ShapeDtypeStruct((capacity,), jnp.float32))
+            compiled = jax.jit(self._exported[batch].call).lower(*args).compile()
+            self._compiled[(batch, capacity)] = compiled
+        return compiled
+
+    @property
+    def batch_rungs(self) -> list[int]:
+        """The batch sizes with a lookup program of their own (a request runs the smallest
+        that holds it)."""
+        return sorted(self._exported)
+
+    def compiled(self) -> list[tuple[int, int]]:
+        """The (batch rung, id capacity) pairs compiled so far."""
+        return sorted(self._compiled)
+
+    def warm(self, max_ids: int | None = None) -> list[tuple[int, int]]:
+        """Compile the lookup for every batch rung and id capacity up to `max_ids` (default:
+        the smallest capacity only) now, not at the first request that needs it; returns
+        the (batch rung, capacity) pairs."""
+        caps = self._spec.id_capacities
+        caps = [c for c in caps if max_ids is not None and c <= max_ids] or [caps[0]]
+        pairs = [(b, c) for b in self._exported for c in caps]
+        for b, c in pairs:
+            self._program(b, c)
+        return pairs
+
     def _pool(self, arrays: SparseArrays) -> torch.Tensor:
         args = [*self._tables, arrays.values, arrays.offsets]
         if arrays.weights is not None:
             args.append(arrays.weights)
-        pooled = self._lookup(*args)
-        return torch.from_dlpack(pooled)[: arrays.batch_size].cpu()
+        batch = (arrays.offsets.shape[0] - 1) // len(self._spec.features)
+        pooled = self._program(batch, arrays.values.shape[0])(*args)
+        return torch.from_dlpack(pooled)[: arrays.batch_size].cpu()  # (no copy on CPU)
 
     def pooled(self, sparse) -> torch.Tensor:
         """The pooled embeddings `[B, sum of dims]` (fp32, the model's feature order) of a
@@ -220,7 +281,7 @@ class Predictor:
         dense = read_dense(dense_features, self.n_dense, arrays.batch_size, self._dense_dtype)
         pooled = self._pool(arrays)
         with torch.no_grad():
-            return self._dense(dense, pooled)
+            return self._dense_forward(dense, pooled)
 
     def __repr__(self) -> str:
         return (
@@ -240,6 +301,6 @@ def load(path: str | os.PathLike) -> Predictor:
     manifest = read_manifest(path)
     verify_files(path, manifest)
     tables = [_load_table(path, where, entry) for entry in manifest["tables"]]
-    exported = _load_sparse(path, where, tables, manifest)
+    exported = {b: _load_sparse(path, where, tables, manifest, b) for b in batch_rungs(manifest)}
     id_maps = _load_id_maps(path, where, manifest)
     return Predictor(path, manifest, tables, exported, _load_dense(path, where), id_maps)

@@ -13,8 +13,9 @@ as in training):
 
 The result (`SparseArrays`) is what the program reads: ids int32 `[capacity]` (every
 feature's ids, in the artifact's feature order, then zeros up to a capacity of the id
-ladder), offsets int32 `[num_features * max_batch_size + 1]` (feature-major bags; samples
-past the request are empty bags) and, for a weighted model, weights float32 `[capacity]`.
+ladder), offsets int32 `[num_features * rung + 1]` (feature-major bags, `rung` the smallest
+of the artifact's batch rungs holding the request, else `max_batch_size`; samples past the
+request are empty bags) and, for a weighted model, weights float32 `[capacity]`.
 Ids are checked as training checks them: with bounds_check "error" an id outside its table
 raises, naming the feature, table, sample and id. A managed-collision feature takes raw
 64-bit ids, mapped to rows through the id map frozen at export (an id the map does not
@@ -62,13 +63,16 @@ class RequestSpec(NamedTuple):
     # managed-collision features: feature -> its table's frozen id map (ids, rows, default row,
     # shards: sparse_jax.FrozenIdMap's fields; hybrid.serving._id_map)
     id_maps: Mapping[str, tuple] | None = None
+    # batch sizes with a lookup program of their own (ascending; () or the largest:
+    # max_batch_size): a request's bags are padded to the smallest that holds it
+    batch_rungs: tuple[int, ...] = ()
 
 
 class SparseArrays(NamedTuple):
     """One request's sparse input, padded to the program's shapes."""
 
     values: np.ndarray  # int32 [capacity]
-    offsets: np.ndarray  # int32 [num_features * max_batch_size + 1]
+    offsets: np.ndarray  # int32 [num_features * batch rung + 1]
     weights: np.ndarray | None  # float32 [capacity], weighted models only
     batch_size: int  # samples in the request (the first rows of the output)
 
@@ -100,6 +104,9 @@ def _array(x, what: str) -> np.ndarray:
     return a
 
 
+_BAG_TYPES = frozenset({list, tuple, np.ndarray})
+
+
 def _per_sample(feature: str, entry) -> _Column:
     weights = None
     if isinstance(entry, Mapping):
@@ -115,22 +122,21 @@ def _per_sample(feature: str, entry) -> _Column:
                 raise RequestError(
                     "weights", f"feature {feature!r}: 'weights' is one list of weights per sample"
                 )
-            weights = [list(w) for w in bags_w]
+            weights = bags_w
     if isinstance(entry, str | bytes) or not isinstance(entry, Sequence):
         raise RequestError(
             "malformed",
             f"feature {feature!r}: expected one list of ids per sample (e.g. [[1, 2], [3]]), got {type(entry).__name__}",
         )
-    bags = []
-    for b, bag in enumerate(entry):
-        if isinstance(bag, str | bytes) or not isinstance(bag, Sequence | np.ndarray):
-            raise RequestError(
-                "malformed",
-                f"feature {feature!r}: sample {b} is {bag!r}; give a list of ids per sample (e.g. [[1, 2], [3]])",
-            )
-        bags.append(bag)
-    lengths = np.array([len(bag) for bag in bags], np.int64)
-    flat = list(itertools.chain.from_iterable(bags))
+    if not set(map(type, entry)) <= _BAG_TYPES:  # the per-sample check, only when one is odd
+        for b, bag in enumerate(entry):
+            if isinstance(bag, str | bytes) or not isinstance(bag, Sequence | np.ndarray):
+                raise RequestError(
+                    "malformed",
+                    f"feature {feature!r}: sample {b} is {bag!r}; give a list of ids per sample (e.g. [[1, 2], [3]])",
+                )
+    lengths = np.fromiter(map(len, entry), np.int64, count=len(entry))
+    flat = list(itertools.chain.from_iterable(entry))
     try:
         values = np.asarray(flat) if flat else np.zeros(0, np.int64)
     except ValueError:  # bags holding lists of several lengths
@@ -140,7 +146,9 @@ def _per_sample(feature: str, entry) -> _Column:
             "malformed", f"feature {feature!r}: a sample's ids are not a flat list of integers"
         )
     if weights is not None:
-        if [len(w) for w in weights] != lengths.tolist():
+        if len(weights) != len(entry) or not np.array_equal(
+            np.fromiter(map(len, weights), np.int64, count=len(weights)), lengths
+        ):
             raise RequestError(
                 "weights",
                 f"feature {feature!r}: 'weights' must hold one weight per id, sample by sample",
@@ -151,6 +159,10 @@ def _per_sample(feature: str, entry) -> _Column:
             raise RequestError(
                 "weights", f"feature {feature!r}: 'weights' must be numbers, one per id"
             ) from None
+        if weights.ndim != 1:
+            raise RequestError(
+                "weights", f"feature {feature!r}: 'weights' must be numbers, one per id"
+            )
     return _Column(values, lengths, weights)
 
 
@@ -270,8 +282,45 @@ def _capacity(n: int, spec: RequestSpec) -> int:
     )
 
 
+def _limits(spec: RequestSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Per feature (program order) the ids' [low, high): the smallest table it reads when
+    bounds_check is "error", else int32's range (the program clamps or skips the rest)."""
+    if spec.bounds_check == "error":
+        high = [min(rows for _, rows in spec.tables_of[f]) for f in spec.features]
+        return np.zeros(len(high), np.int64), np.array(high, np.int64)
+    n = len(spec.features)
+    return np.full(n, -_INT32_MAX - 1, np.int64), np.full(n, _INT32_MAX + 1, np.int64)
+
+
+def _ids(columns: dict[str, _Column], counts: np.ndarray, spec: RequestSpec) -> np.ndarray:
+    """Every feature's ids as one int64 array, checked: one vectorised pass over all of them;
+    only a request that fails it goes feature by feature (`_check_ids`) to name the id."""
+    features = spec.features
+    ids = np.concatenate([columns[f].values for f in features]) if features else np.zeros(0)
+    if ids.size and ids.dtype.kind not in "iu":  # floats from JSON, or not numbers: one by one
+        return np.concatenate([_check_ids(f, columns[f], spec) for f in features])
+    ids = ids.astype(np.int64, copy=False)
+    if spec.id_maps:  # raw ids through the frozen maps (an id not in one reads its default row)
+        ends = np.cumsum(counts)
+        ids = ids.copy()
+        for k, f in enumerate(features):
+            id_map = spec.id_maps.get(f)
+            if id_map is not None:
+                a, b = int(ends[k] - counts[k]), int(ends[k])
+                ids[a:b] = frozen_rows(id_map, ids[a:b])
+    low, high = _limits(spec)
+    if ((ids < np.repeat(low, counts)) | (ids >= np.repeat(high, counts))).any():
+        for f in features:  # raises, naming the feature, table, sample and id
+            _check_ids(f, columns[f], spec)
+    return ids
+
+
 def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
-    """`sparse` (any form in the module docstring) checked and padded for the program."""
+    """`sparse` (any form in the module docstring) checked and padded for the program.
+
+    Vectorised: the features' lengths, counts, ids and weights are each checked and packed
+    with a few numpy calls over the whole request (`tests/reference.read_sparse_loop` is
+    its plain-loop twin); a request that fails a check is then walked to name the culprit."""
     columns = _columns(sparse)
     missing = [f for f in spec.features if f not in columns]
     if missing:
@@ -295,39 +344,42 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
             f"the request has {batch} samples, more than this artifact's max_batch_size {spec.max_batch_size}; "
             f"split the request, or re-export with hybrid.export(..., max_batch_size={batch})",
         )
-    values, lengths, weights = [], [], []
-    for f in spec.features:
-        col = columns[f]
-        if (col.lengths < 0).any():
-            b = int(np.flatnonzero(col.lengths < 0)[0])
-            raise RequestError(
-                "malformed",
-                f"feature {f!r}: sample {b} has length {int(col.lengths[b])}; lengths must be >= 0",
-            )
-        if int(col.lengths.sum()) != col.values.shape[0]:
-            raise RequestError(
-                "malformed",
-                f"feature {f!r}: lengths add up to {int(col.lengths.sum())} but there are "
-                f"{col.values.shape[0]} ids",
-            )
-        values.append(_check_ids(f, col, spec))
-        lengths.append(np.pad(col.lengths, (0, spec.max_batch_size - batch)))
-        if spec.is_weighted:
-            if col.weights is None:
+    features = spec.features
+    rung = next((r for r in spec.batch_rungs if r >= batch), spec.max_batch_size)
+    lengths = np.zeros((len(features), rung), np.int64)  # empty bags past the request
+    lengths[:, :batch] = [columns[f].lengths for f in features]
+    counts = np.array([columns[f].values.shape[0] for f in features], np.int64)
+    sums = lengths.sum(axis=1)
+    if (lengths < 0).any() or (sums != counts).any():
+        for k, f in enumerate(features):  # the first bad feature, named
+            if (lengths[k] < 0).any():
+                b = int(np.flatnonzero(lengths[k] < 0)[0])
                 raise RequestError(
-                    "weights",
-                    f"feature {f!r} has no weights, but the model is weighted: give one weight per id",
+                    "malformed",
+                    f"feature {f!r}: sample {b} has length {int(lengths[k, b])}; lengths must be >= 0",
                 )
-            weights.append(np.asarray(col.weights, np.float32))
-    ids = np.concatenate(values)
+            if sums[k] != counts[k]:
+                raise RequestError(
+                    "malformed",
+                    f"feature {f!r}: lengths add up to {int(sums[k])} but there are {int(counts[k])} ids",
+                )
+    if spec.is_weighted:
+        unweighted = [f for f in features if columns[f].weights is None]
+        if unweighted:
+            raise RequestError(
+                "weights",
+                f"feature {unweighted[0]!r} has no weights, but the model is weighted: give one weight per id",
+            )
+    ids = _ids(columns, counts, spec)
     capacity = _capacity(ids.shape[0], spec)
-    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
+    offsets = np.zeros(lengths.size + 1, np.int32)
+    np.cumsum(lengths.reshape(-1), out=offsets[1:])
     padded = np.zeros(capacity, np.int32)
     padded[: ids.shape[0]] = ids
     w = None
     if spec.is_weighted:
         w = np.zeros(capacity, np.float32)
-        w[: ids.shape[0]] = np.concatenate(weights)
+        w[: ids.shape[0]] = np.concatenate([columns[f].weights for f in features])
     return SparseArrays(padded, offsets, w, batch)
 
 

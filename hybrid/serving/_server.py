@@ -1,7 +1,7 @@
 """`python -m hybrid.serving serve`: an exported model over HTTP (FastAPI + uvicorn).
 
     python -m hybrid.serving serve --artifact artifacts/dlrm --port 8000 \\
-        [--host 127.0.0.1] [--max-batch-size 64] [--max-wait-us 2000]
+        [--host 127.0.0.1] [--max-batch-size 64] [--max-wait-us 2000] [--warm-ids N]
 
 Endpoints:
   POST /predict       `{"dense": [[n_dense floats], ...], "sparse": {feature: [[ids], ...]}}`
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -42,7 +43,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import prometheus_client
@@ -123,10 +124,13 @@ class _Metrics:
         self.batch_latency.observe(done.seconds)
 
 
-def _load_warm(path: str) -> Predictor:
-    """`load(path)` (every file checked) and one call, so the first request after a swap
-    finds the programs compiled and a model that cannot run is refused before it serves."""
+def _load_warm(path: str, warm_ids: int = 0) -> Predictor:
+    """`load(path)` (every file checked), its lookup compiled for every batch rung at each id
+    capacity up to `warm_ids` (at least the smallest), and one call, so the first requests
+    after a swap find their programs compiled and a model that cannot run is refused before
+    it serves."""
     predictor = load(path)
+    predictor.warm(warm_ids)
     weighted = predictor.manifest["is_weighted"]
     empty = {"ids": [[]], "weights": [[]]} if weighted else [[]]
     try:
@@ -227,8 +231,17 @@ def _score(predictor: Predictor, payloads: Sequence[_Payload]) -> list[dict]:
 class _State:
     """The served model and what changes it; touched only from the event loop."""
 
-    def __init__(self, artifact: str, *, max_batch_size: int, max_wait_s: float, max_body: int):
+    def __init__(
+        self,
+        artifact: str,
+        *,
+        max_batch_size: int,
+        max_wait_s: float,
+        max_body: int,
+        loader: Callable[[str], Predictor] = _load_warm,
+    ):
         self.path = os.path.abspath(artifact)
+        self.loader = loader
         self.predictor: Predictor | None = None
         self.generation = 0
         self.draining = False
@@ -251,7 +264,7 @@ class _State:
         async with self._reload_lock:
             path = os.path.abspath(path or self.path)
             try:
-                predictor = await asyncio.to_thread(_load_warm, path)
+                predictor = await asyncio.to_thread(self.loader, path)
             except ArtifactError as e:
                 self.metrics.reloads.labels("refused").inc()
                 log.error("model reload refused, the served model is unchanged: %s", e)
@@ -284,11 +297,20 @@ def create_app(
     max_batch_size: int = 64,
     max_wait_s: float = 0.002,
     max_body: int = 16 << 20,
+    loader: Callable[[str], Predictor] | None = None,
 ) -> tuple[FastAPI, _State]:
     """The FastAPI app serving `artifact` and its state (module docstring). The model loads
-    when the app starts (readiness waits for it)."""
+    when the app starts (readiness waits for it). `loader(directory) -> predictor` loads
+    (and reloads) the model: default `load`, verified and warmed up; another object with
+    the `Predictor` interface the server uses (`features`, `n_dense`, `max_batch_size`,
+    `max_ids`, `manifest["is_weighted"]`, `check`, `__call__`) may be served instead, e.g.
+    a benchmark's competitor behind the same batching (`benchmarks.serving_load`)."""
     state = _State(
-        artifact, max_batch_size=max_batch_size, max_wait_s=max_wait_s, max_body=max_body
+        artifact,
+        max_batch_size=max_batch_size,
+        max_wait_s=max_wait_s,
+        max_body=max_body,
+        loader=loader or _load_warm,
     )
 
     @contextlib.asynccontextmanager
@@ -458,11 +480,22 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds shutdown waits for queued requests before cancelling them",
     )
+    p.add_argument(
+        "--warm-ids",
+        type=int,
+        default=0,
+        help="compile the lookup at load (and reload) for every id capacity up to this many ids "
+        "(default: the smallest only; others compile when a batch first needs them, which stalls "
+        "the batches behind it)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn's log level")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, loader: Callable[[str], Predictor] | None = None
+) -> int:
+    """`python -m hybrid.serving serve ARGS`; `loader`: see `create_app`."""
     args = _parser().parse_args(argv)
     if args.max_batch_size < 1 or args.max_wait_us < 0:
         print(
@@ -472,7 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:%(name)s: %(message)s")
     app, state = create_app(
-        args.artifact, max_batch_size=args.max_batch_size, max_wait_s=args.max_wait_us / 1e6
+        args.artifact,
+        max_batch_size=args.max_batch_size,
+        max_wait_s=args.max_wait_us / 1e6,
+        loader=loader or functools.partial(_load_warm, warm_ids=args.warm_ids),
     )
     config = uvicorn.Config(
         app,

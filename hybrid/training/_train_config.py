@@ -30,13 +30,20 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              checkpoints of this run kept); overwrite (a fresh run into a directory holding
              another run's checkpoints moves them aside into <dir>/.replaced-*/ instead of
              refusing); allow_config_change (--resume with a changed seed,
-             train.batch_size or [data] instead of refusing: no longer exact)
+             train.batch_size or [data] instead of refusing: no longer exact); format
+             ("auto": "orbax" under torchrun, "npz" for one process; "orbax": every
+             process writes its own shards, asynchronously; "npz": one file, one writer)
     [managed_collision] tables ({t_user = 512}: these tables take their ids through a
              managed-collision module with that many rows: raw ids mapped to rows on the
              device, evicting by eviction_policy = "lru" | "lfu" every eviction_interval
              steps, admitting an id seen threshold times; history_capacity (ids a window
              holds; 0: per table, its ids in a device's part of a training batch rounded up
              to a power of two, x devices x eviction_interval))
+    [export] dir ("" = none: a serving artifact written at the end of the run, or from the
+             newest checkpoint with `--export-only --resume`); quantize ("" = the tables as
+             trained; "int8" | "int4" | "int2" | "fp16": `hybrid.quantize` first);
+             max_batch_size (most samples a request may hold; 0: train.batch_size);
+             overwrite (replace an existing export.dir; `--overwrite` sets it)
     [log]    metrics_path (JSON lines; "" = none); every (steps); loss_window; overwrite (a
              fresh run (no --resume) whose metrics_path already holds metrics replaces them
              instead of refusing; `--overwrite` sets it and checkpoint.overwrite)
@@ -123,6 +130,9 @@ class CheckpointSection:
     keep: int = 2
     overwrite: bool = False
     allow_config_change: bool = False
+    format: str = (
+        "auto"  # "npz" (one process), "orbax" (every process writes), "auto": by process count
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,6 +142,14 @@ class ManagedCollisionSection:
     eviction_interval: int = 1
     threshold: int = 1
     history_capacity: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportSection:
+    dir: str = ""
+    quantize: str = ""
+    max_batch_size: int = 0
+    overwrite: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,6 +176,7 @@ class TrainConfig:
     managed_collision: ManagedCollisionSection = dataclasses.field(
         default_factory=ManagedCollisionSection
     )
+    export: ExportSection = dataclasses.field(default_factory=ExportSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
 
     def to_dict(self) -> dict:
@@ -172,6 +191,8 @@ _CHOICES = {
     "dense_optimizer.name": ("adam", "sgd"),
     "train.nonfinite": ("stop", "skip"),
     "managed_collision.eviction_policy": ("lru", "lfu"),
+    "checkpoint.format": ("auto", "npz", "orbax"),
+    "export.quantize": ("", "int8", "int4", "int2", "fp16"),
 }
 _POSITIVE = {
     "model.embedding_dim",
@@ -200,6 +221,7 @@ _NON_NEGATIVE = {
     "checkpoint.every",
     "data.max_rows",
     "managed_collision.history_capacity",
+    "export.max_batch_size",
 }
 
 
