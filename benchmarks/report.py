@@ -78,10 +78,11 @@ def output_dir(parser: argparse.ArgumentParser, args: argparse.Namespace, name: 
 PATH_LABEL = {
     "auto": "hybridrec default (kernel=auto)",
     "xla": "hybridrec xla",
+    "xla_insort": "hybridrec xla, sort in the program (before host sort)",
     "reference": "hybridrec reference",
     "fbgemm": "FBGEMM TBE",
 }
-OURS = ("auto", "xla", "reference")
+OURS = ("auto", "xla", "xla_insort", "reference")
 PHASE_LABEL = {
     "forward": "forward",
     "rowwise_adagrad": "fwd+bwd+rowwise adagrad",
@@ -125,6 +126,7 @@ def markdown(results: dict) -> str:
         f"{results['config'].get('lead_in_ms', 0):g} ms (at least once) right before its timed run, and an untimed {results['config'].get('pause_ms', 0):g} ms "
         "pause before each case), medians; every clock stops only once the JAX arrays its case produced are "
         "computed.",
+        *_probe_lines(results),
         "",
         "Ratio = ours / FBGEMM median time (lower is better; < 1 means ours is faster). "
         "GB/s: FBGEMM's convention, forward bytes = B*T*L*D*bytes + B*T*D*4; backward = 2x forward "
@@ -156,6 +158,7 @@ def markdown(results: dict) -> str:
             resolved = wr.get("paths", {}).get(path)
             label = PATH_LABEL[path] + (f" -> {resolved}" if path == "auto" and resolved else "")
             lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    lines += _ab_lines(results)
     for wr in results["workloads"]:
         w = wr["workload"]
         lines += ["", f"## {w['name']}", ""]
@@ -274,6 +277,41 @@ def _alone_lines(wr: dict) -> list[str]:
                 else "-"
             )
         out.append(f"| {PATH_LABEL[path]} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _probe_lines(results: dict) -> list[str]:
+    """The quietness probe taken before and after the timings (absent with --tiny)."""
+    probe = results.get("probe")
+    if not probe or "after" not in probe:
+        return []
+    from benchmarks.e2e_step import quietness_line
+
+    line = quietness_line(probe["before"], probe["after"])
+    if not probe["quiet"]:
+        line += " **VOID: do not quote the ratios to FBGEMM below.**"
+    return ["", line]
+
+
+def _ab_lines(results: dict) -> list[str]:
+    """The pure-XLA A/B: host-sorted runs ("xla") over the sort in the program
+    ("xla_insort"), timed interleaved in the same rounds (steadier than either side's
+    ratio to FBGEMM on a shared machine)."""
+    rows = []
+    for wr in results["workloads"]:
+        for phase, block in _phases(wr) if wr.get("gate_ok") else []:
+            if block.get("xla_vs_insort"):
+                rows.append((wr["workload"]["name"], phase, block["xla_vs_insort"]))
+    if not rows:
+        return []
+    out = [
+        "",
+        "## Pure XLA: host-sorted runs / sort in the program (interleaved A/B)",
+        "",
+        "| workload | phase | xla / xla_insort |",
+        "|---|---|---|",
+    ]
+    out += [f"| {name} | {PHASE_LABEL[phase]} | {_ratio_cell(r)} |" for name, phase, r in rows]
     return out
 
 

@@ -2,8 +2,9 @@
 
 Kernels: "auto" (the library default: the fused C++ CPU kernels through `jax.ffi` for fp32
 tables when they are built, else "xla"), "ffi", "xla" (pure-XLA per-position pooling and the
-sort/segment_sum update) and "reference" (gather + segment_sum forward; its update is the
-"xla" update). `resolved` says which code a side actually runs.
+update over the runs `prepare` sorted on the host), "xla_insort" (the same with the sort inside
+the update program, as before the host sort) and "reference" (gather + segment_sum forward;
+its update is the in-program-sort "xla" update). `resolved` says which code a side actually runs.
 
 The T tables (one feature each, same dim and dtype) stack into one buffer, as in the
 library. The buffer is built straight from the workload's tables with
@@ -45,8 +46,14 @@ def make_rule(name: str, *, lr: float, eps: float):
     raise ValueError(f"optimizer {name!r} is not one of {RULES}")
 
 
+# benchmark paths that are a kernel with an option: "xla_insort" is the pure-XLA path as it
+# was before the host sort (the ids sorted inside the update program), timed beside "xla"
+PATH_OPTIONS = {"xla_insort": ("xla", dict(sort_ids=False))}
+
+
 class XlaSide:
-    """Args: workload, batch, kernel ("xla" / "reference"), optimizer name or None (forward only)."""
+    """Args: workload, batch, path (a kernel name, or a key of `PATH_OPTIONS`), optimizer
+    name or None (forward only)."""
 
     def __init__(
         self,
@@ -69,7 +76,9 @@ class XlaSide:
             )
             for t in range(w.T)
         ]
-        self.ebc = EmbeddingBagCollection(tables, is_weighted=w.weighted, kernel=kernel)
+        path = kernel
+        kernel, options = PATH_OPTIONS.get(path, (path, {}))
+        self.ebc = EmbeddingBagCollection(tables, is_weighted=w.weighted, kernel=kernel, **options)
         layout = self.ebc.layout
         if len(layout.groups) != 1:
             raise AssertionError(f"expected one stacked buffer, got groups {layout.groups}")
@@ -103,6 +112,8 @@ class XlaSide:
             )  # what update(...) feeds its jitted step
         ffi = kernel in ("auto", "ffi") and _lookup.use_ffi(kernel, self.params[self.group])
         self.resolved = "ffi (C++)" if ffi else ("reference" if kernel == "reference" else "xla")
+        if path in PATH_OPTIONS:
+            self.resolved = f"{self.resolved} ({path})"
         self.in_place: list[bool] = []  # per step: did the donated table keep its buffer?
 
     def table_bytes(self) -> int:

@@ -43,8 +43,10 @@ OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 PATHS = (
     "auto",
     "xla",
+    "xla_insort",
     "reference",
-)  # ours: the library default (kernel="auto"), pure XLA, reference
+)  # ours: the library default (kernel="auto"), pure XLA (host-sorted runs), pure XLA with the
+# sort in the program (before the host sort; "xla" / "xla_insort" is the A/B), reference
 TINY = dict(T=2, E=1000, D=16, B=64, L=4)
 FAULTS = ("weights", "update", "harness-delay")
 HARNESS_DELAY_S = 0.2  # --inject-fault harness-delay: added to FBGEMM's cases in the harness only
@@ -194,6 +196,8 @@ def _block(w: Workload, samples: dict, roof: float) -> dict:
     }
     if ratios_bwd:
         out["ratios_bwd_only"] = ratios_bwd
+    if "xla" in samples and "xla_insort" in samples:  # the A/B, measured interleaved
+        out["xla_vs_insort"] = paired_ratio(samples["xla"]["total"], samples["xla_insort"]["total"])
     return out
 
 
@@ -552,8 +556,18 @@ def main(argv=None) -> int:
             },
             "workloads": [],
         }
+        probe = not args.tiny  # W1's pooled lookup with 1 and 2 threads, in a fresh process
+        if probe:
+            from benchmarks.e2e_step import quietness_probe
+
+            log("quietness probe (before)")
+            results["probe"] = {"before": quietness_probe()}
         for w in args.workloads:
             results["workloads"].append(run_workload(w, args, log))
+        if probe:
+            log("quietness probe (after)")
+            results["probe"]["after"] = quietness_probe()
+            results["probe"]["quiet"] = all(p["quiet"] for p in results["probe"].values())
         results["machine"]["loadavg_end"] = list(os.getloadavg())
         results["elapsed_s"] = time.perf_counter() - t0
         paths = report.write_all(results, args.out)
@@ -563,6 +577,13 @@ def main(argv=None) -> int:
     if not args.quiet:
         print(report.markdown(results))
     print(f"results: {args.out}")
+    if not results.get("probe", {}).get("quiet", True):
+        print(
+            "CONTENDED: the quietness probe says another process loaded the cores; every "
+            "ratio to FBGEMM above is void (the xla / xla_insort A/B, timed interleaved, is "
+            "less sensitive). Rerun on a quiet machine.",
+            file=sys.stderr,
+        )
     if not all(wr["gate_ok"] for wr in results["workloads"]):
         return 1
     disagree = [

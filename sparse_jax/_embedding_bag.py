@@ -24,6 +24,7 @@ from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PaddedBatch
 from sparse_jax._prepare import LengthCaps, pad_host
+from sparse_jax._sorted_ids import sort_host
 from sparse_jax._tables import TableCollection
 from sparse_jax._update import fused_update
 from sparse_jax._validate import is_concrete
@@ -47,6 +48,11 @@ class EmbeddingBagCollection(TableCollection):
         and rowwise_adagrad on fp32 buffers).
       bounds_check: "error" (default), "clamp" or "skip" for ids outside a table.
       ladder: capacity rungs `prepare` pads a batch's ids to (default `DEFAULT_LADDER`).
+      sort_ids: whether `prepare` also sorts each buffer's ids by row on the host (the
+        stream the pure-XLA and Pallas updates read instead of sorting in the program:
+        `sparse_jax._sorted_ids`); None (default): on for kernel="xla", and for "auto" and
+        "pallas" when JAX's default backend is a GPU; off otherwise (the C++ update does
+        not read it).
     """
 
     def __init__(
@@ -57,6 +63,7 @@ class EmbeddingBagCollection(TableCollection):
         kernel: str = "auto",
         bounds_check: str = "error",
         ladder: Sequence[int] | None = None,
+        sort_ids: bool | None = None,
     ):
         for t in tables:
             if not isinstance(t, EmbeddingBagConfig):
@@ -70,6 +77,9 @@ class EmbeddingBagCollection(TableCollection):
         self.kernel = kernel
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
         self.ladder = None if ladder is None else tuple(ladder)
+        on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+        default_sort = kernel == "xla" or (kernel in ("auto", "pallas") and on_gpu)
+        self.sort_ids = default_sort if sort_ids is None else bool(sort_ids)
         self.prepare_count = 0
         self._caps = LengthCaps()
         self._apply_jit = jax.jit(self._apply)
@@ -83,13 +93,30 @@ class EmbeddingBagCollection(TableCollection):
             )
         super().check_structure(kjt)
 
-    def prepare(self, kjt: KeyedJaggedTensor, *, device: jax.Device | None = None) -> PaddedBatch:
-        """Validate (on the host), pad to the ladder with growing length caps, place on
+    def prepare(
+        self,
+        kjt: KeyedJaggedTensor,
+        *,
+        device: jax.Device | None = None,
+        sort_ids: bool | None = None,
+    ) -> PaddedBatch:
+        """Validate (on the host), pad to the ladder with growing length caps, sort each
+        buffer's ids by row when `sort_ids` (default: the collection's `sort_ids`), place on
         `device` (default: JAX's default device). Once per batch; see `SparseModule`."""
         host = self.check_host(kjt)
         padded = pad_host(host, self.ladder, self._caps.observe(host))
         self.prepare_count += 1
-        return PaddedBatch(jax.device_put(padded, device))
+        if not (self.sort_ids if sort_ids is None else sort_ids):
+            return PaddedBatch(jax.device_put(padded, device))
+        streams = sort_host(
+            padded,
+            self.layout,
+            weighted=self._is_weighted,
+            bounds_check=self.bounds_check,
+            ladder=self.ladder,
+        )
+        padded, streams = jax.device_put((padded, streams), device)
+        return PaddedBatch(padded, streams)
 
     # -- forward ---------------------------------------------------------------------------
     def _apply(self, params, kjt: KeyedJaggedTensor) -> KeyedTensor:
@@ -138,15 +165,15 @@ class EmbeddingBagCollection(TableCollection):
 
     # -- fused update (make_update) ------------------------------------------------------------
     def update_operands(self, batch: PaddedBatch, grad):
-        """(padded KJT without length caps, pooled grad values): the update reads no caps, so
-        it keeps one program per capacity."""
+        """(padded KJT without length caps, pooled grad values, host-sorted streams or None):
+        the update reads no caps, so it keeps one program per capacity."""
         if isinstance(grad, KeyedTensor):
             grad = grad.values()
-        return batch.kjt.without_length_caps(), grad
+        return batch.kjt.without_length_caps(), grad, batch.sorted_ids
 
     def update_step(self, rule: RowRule):
         def step(params, opt_state, operands):
-            kjt, pooled_grad = operands
+            kjt, pooled_grad, sorted_ids = operands
             return fused_update(
                 self.layout,
                 rule,
@@ -157,6 +184,7 @@ class EmbeddingBagCollection(TableCollection):
                 weighted=self._is_weighted,
                 bounds_check=self.bounds_check,
                 kernel=self.kernel,
+                sorted_ids=sorted_ids,
             )
 
         return step

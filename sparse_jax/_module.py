@@ -77,9 +77,12 @@ class PreparedBatch:
 @dataclasses.dataclass(frozen=True)
 class PaddedBatch(PreparedBatch):
     """An unsharded collection's prepared batch: the KJT padded to a ladder rung, with
-    static length caps, on the tables' device."""
+    static length caps, on the tables' device; with `sorted_ids` (group name ->
+    `sparse_jax._sorted_ids.SortedIds`), the id stream sorted by row on the host, which the
+    pure-XLA update reads instead of sorting in the program (None: not sorted)."""
 
     kjt: KeyedJaggedTensor
+    sorted_ids: dict | None = None
 
     @property
     def stride(self) -> int:

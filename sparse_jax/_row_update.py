@@ -50,17 +50,33 @@ def pallas_rule(rule: RowRule, table, state) -> bool:
     )
 
 
-def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, *, kernel: str):
-    """One fused update of one buffer: `(new table, new state)` (see the module's table)."""
+def update_rows(
+    rule: RowRule,
+    table,
+    state,
+    step,
+    rows,
+    bag,
+    scale,
+    bag_grads,
+    *,
+    kernel: str,
+    sorted_ids=None,
+):
+    """One fused update of one buffer: `(new table, new state)` (see the module's table).
+    `sorted_ids`: the batch's host-sorted stream of this buffer (`sparse_jax._sorted_ids`)
+    or None; the Pallas update then reads its runs instead of sorting the ids."""
     check_kernel(kernel)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     num_rows = table.shape[0]
-    operands = (table, jnp.asarray(step, jnp.int32), rows, bag, scale, bag_grads, *leaves)
+    extra = () if sorted_ids is None else (sorted_ids.row, sorted_ids.bag, sorted_ids.scale)
+    operands = (table, jnp.asarray(step, jnp.int32), rows, bag, scale, bag_grads, *extra, *leaves)
 
     def unpack(ops):
         """The operands, and the guard's flag (`by_platform` sets it again around each
         implementation when the program is lowered; None unguarded)."""
-        t, s, r, b, sc, g, *lv = ops
+        t, s, r, b, sc, g = ops[:6]
+        lv = ops[6 + len(extra) :]
         return t, jax.tree_util.tree_unflatten(treedef, lv), s, r, b, sc, g, _guard.current()
 
     def flat(out):
@@ -78,7 +94,11 @@ def update_rows(rule: RowRule, table, state, step, rows, bag, scale, bag_grads, 
     def pallas(interpret: bool):
         def run(*ops):
             t, st, s, r, b, sc, g, ok = unpack(ops)
-            rows_s, perm = _pallas.sorted_runs(r, num_rows)
+            if extra:  # sorted on the host: the sorted stream itself, in order
+                rows_s, b, sc = ops[6 : 6 + len(extra)]
+                perm = jnp.arange(rows_s.shape[0], dtype=jnp.int32)
+            else:
+                rows_s, perm = _pallas.sorted_runs(r, num_rows)
             return flat(
                 _pallas.sorted_run_update(
                     rule, t, st, s, rows_s, perm, b, sc, g, ok, interpret=interpret

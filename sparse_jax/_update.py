@@ -25,6 +25,7 @@ from sparse_jax._layout import TableLayout
 from sparse_jax._lookup import use_ffi
 from sparse_jax._module import PreparedBatch
 from sparse_jax._row_update import ffi_rule, update_rows
+from sparse_jax.optim._apply import apply_sorted_runs
 from sparse_jax.optim._base import RowRule, SparseOptState
 
 __all__ = ["make_update", "fused_update"]
@@ -93,12 +94,15 @@ def _group_update(
     weighted: bool,
     bounds_check: str,
     kernel: str,
+    sorted_ids=None,
 ):
     """One group's update. The id stream feeds `update_rows` (C++, Pallas or XLA by the
     lowering platform); on CPU, fp32 buffers of a rule the C++ kernels know take the jagged
-    C++ update instead (it reads the KJT in place), chosen when the CPU program is lowered."""
+    C++ update instead (it reads the KJT in place), chosen when the CPU program is lowered.
+    With kernel="xla" and the batch's host-sorted stream (`sorted_ids`), the sorted-run
+    XLA form on every platform (`optim._apply.apply_sorted_runs`)."""
 
-    def stream(table, state, step, kjt, pooled_grad):
+    def stream(table, state, step, kjt, pooled_grad, ids=None):
         rows, bag, scale = _lookup.id_stream(
             kjt, layout, group, weighted=weighted, bounds_check=bounds_check
         )
@@ -112,15 +116,31 @@ def _group_update(
             scale,
             _bag_grads(layout, group, pooled_grad),
             kernel=kernel,
+            sorted_ids=ids,
         )
+
+    if kernel == "xla" and sorted_ids is not None:
+
+        def runs(table, state, step, kjt, pooled_grad, ids):
+            grads = _bag_grads(layout, group, pooled_grad)
+            return apply_sorted_runs(rule, table, state, step, ids, grads, good=_guard.current())
+
+        args = (table, state, step, kjt, pooled_grad, sorted_ids)
+        if rule.native != "sgd" or table.dtype != jnp.float32:
+            return runs(*args)
+        # fp32 SGD on CPU: adding every id's step straight into the table (no dedup; XLA:CPU
+        # scatters serially, so the sums are reproducible) measured faster than the sorted
+        # runs; every other platform takes the runs (no float scatter-add over repeated rows)
+        return _by_platform_tree(args, (table, state), default=runs, cpu=lambda *a: stream(*a[:-1]))
+    args = (table, state, step, kjt, pooled_grad, sorted_ids)  # the Pallas update reads the runs
 
     if (
         kernel not in ("auto", "ffi")
         or not ffi_rule(rule, table)
         or (kernel == "ffi" and not use_ffi(kernel, table))
     ):
-        return stream(table, state, step, kjt, pooled_grad)
-    leaves, treedef = jax.tree_util.tree_flatten((table, state, step, kjt, pooled_grad))
+        return stream(*args)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
 
     def unpacked(fn):
         def run(*ops):
@@ -129,7 +149,7 @@ def _group_update(
 
         return run
 
-    def jagged(table, state, step, kjt, pooled_grad):
+    def jagged(table, state, step, kjt, pooled_grad, ids):
         return _jagged_kernel_update(
             layout,
             group,
@@ -151,6 +171,22 @@ def _group_update(
     return jax.tree_util.tree_unflatten(out_tree, out)
 
 
+def _by_platform_tree(args, like, **impls):
+    """`by_platform` over pytrees: each implementation takes `*args` and returns a tree
+    shaped like `like`."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+
+    def unpacked(fn):
+        def run(*ops):
+            return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, ops)))
+
+        return run
+
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(like)]
+    out = by_platform(leaves, avals, **{k: unpacked(f) for k, f in impls.items()})
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), out)
+
+
 def fused_update(
     layout: TableLayout,
     rule: RowRule,
@@ -162,9 +198,11 @@ def fused_update(
     weighted: bool,
     bounds_check: str,
     kernel: str,
+    sorted_ids=None,
 ):
     """The traceable step of `EmbeddingBagCollection.update_step` (no donation, no checks);
-    `pooled_grad` is the `[B, sum of dims]` array (`update_operands` unwrapped a KeyedTensor)."""
+    `pooled_grad` is the `[B, sum of dims]` array (`update_operands` unwrapped a KeyedTensor);
+    `sorted_ids`: the prepared batch's host-sorted streams (group -> `SortedIds`) or None."""
     want = (kjt.stride(), sum(layout.output_dims))
     if tuple(pooled_grad.shape) != want:
         raise ValueError(
@@ -185,6 +223,7 @@ def fused_update(
             weighted=weighted,
             bounds_check=bounds_check,
             kernel=kernel,
+            sorted_ids=None if sorted_ids is None else sorted_ids[group],
         )
     return new_params, SparseOptState(count=_guard.next_count(opt_state.count), tables=new_states)
 
@@ -279,8 +318,13 @@ def _flag_on_devices(ok: jax.Array, like_array: jax.Array) -> jax.Array:
 
 
 def all_finite(tree) -> jax.Array:
-    """A device boolean: every leaf of `tree` is finite (integer leaves always are)."""
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    """A device boolean: every leaf of `tree` is finite (integer leaves always are: they
+    are not read, so a program checks only its float operands)."""
+    flags = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+    ]
     return jnp.all(jnp.stack(flags)) if flags else jnp.ones((), bool)
 
 

@@ -81,6 +81,27 @@ def row_gradients(features, bag_ids, grad_blocks, bag_weights=None):
     return out
 
 
+def sorted_runs(entries, head):
+    """The row-sorted id stream by loops: `entries` is a list of (row, bag, scale) in batch
+    order; ids are ordered by row, ties in batch order. Returns unique rows, run offsets, bag
+    and scale per sorted position, the sorted positions at rank >= `head` in their run and
+    their runs (lists)."""
+    order = sorted(range(len(entries)), key=lambda i: (entries[i][0], i))
+    unique, offsets, bag, scale, tail, tail_run = [], [], [], [], [], []
+    for p, i in enumerate(order):
+        row, b, s = entries[i]
+        if not unique or unique[-1] != row:
+            unique.append(row)
+            offsets.append(p)
+        if p - offsets[-1] >= head:
+            tail.append(p)
+            tail_run.append(len(unique) - 1)
+        bag.append(b)
+        scale.append(s)
+    offsets.append(len(order))
+    return unique, offsets, bag, scale, tail, tail_run
+
+
 # ---------------------------------------------------------------- row rules
 
 

@@ -50,10 +50,10 @@ def test_tiny_run_passes_gate_and_writes_outputs(tmp_path, fbgemm):
     # per path of ours and optimizer: pooled output, weights after one update, Adagrad state (2 of 3)
     ours = [
         p
-        for p in ("auto", "xla", "reference")
+        for p in ("auto", "xla", "xla_insort", "reference")
         if wr["paths"].get(p) and (p != "auto" or wr["paths"][p] != "xla")
     ]
-    assert {"xla", "reference"} <= set(ours)
+    assert {"xla", "xla_insort", "reference"} <= set(ours)
     assert len(wr["gate"]) == 8 * len(ours)
     assert set(wr["train"]) == {"rowwise_adagrad", "adagrad", "sgd"}
     timed = set(ours) - {"reference"}  # the reference is gated, timed only with --reference
@@ -67,6 +67,11 @@ def test_tiny_run_passes_gate_and_writes_outputs(tmp_path, fbgemm):
             )
             assert r == pytest.approx(want)
         assert block["cases"]["fbgemm"]["total"]["n"] >= 3
+        ab = block["xla_vs_insort"]  # the pure-XLA A/B, from the same interleaved rounds
+        assert ab["ratio_of_medians"] == pytest.approx(
+            block["cases"]["xla"]["total"]["median_ms"]
+            / block["cases"]["xla_insort"]["total"]["median_ms"]
+        )
         assert set(block["vs_alone"]) == timed | {"fbgemm"}  # every timed side, alone too
         for c in block["vs_alone"].values():
             assert c["harness_over_alone"] == pytest.approx(c["harness_ms"] / c["alone_ms"])
@@ -92,6 +97,7 @@ def test_tiny_run_passes_gate_and_writes_outputs(tmp_path, fbgemm):
         assert res["versions"][key]
     md = (tmp_path / "xla_vs_fbgemm.md").read_text()
     assert "ours / FBGEMM" in md and wr["workload"]["name"] in md and "alone ms" in md
+    assert "xla / xla_insort" in md
     pytest.importorskip("matplotlib")
     assert (tmp_path / "xla_vs_fbgemm.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -418,6 +424,7 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
         "explore_malloc",
         "explore_update",
         "gpu",
+        "gpu_readiness",
         "serving_load",
         "xla_vs_fbgemm",
     ]

@@ -11,6 +11,11 @@ No `[rows, dim]` gradient is ever built. Ids that contribute nothing carry the r
 `num_rows`; they get the out-of-range slot N (and bag index), which every scatter drops, so
 padding never lands on one shared address (one atomic hot spot on a GPU) and never on a
 real row. All shapes are static (the stream's capacity).
+
+`apply_sorted_runs` is the same update from a stream already sorted on the host
+(`sparse_jax._sorted_ids`, built by `prepare`): steps 1-2 become gathers through the run
+offsets plus a sorted segment sum over the longer runs, and steps 3-4 (`step_unique_rows`)
+run on `[unique rows, dim]`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import jax.numpy as jnp
 
 from sparse_jax.optim._base import RowRule, is_row_leaf
 
-__all__ = ["apply_row_rule", "dedup_row_grads"]
+__all__ = ["apply_row_rule", "apply_sorted_runs", "dedup_row_grads", "step_unique_rows"]
 
 
 def dedup_row_grads(rows, bag, scale, bag_grads, *, num_rows: int):
@@ -84,6 +89,52 @@ def apply_row_rule(
         return table.at[rows].add(step_rows, mode="drop"), state
     unique, grads = dedup_row_grads(rows, bag, scale, bag_grads, num_rows=num_rows)
     unique = jnp.where(unique < 0, num_rows, unique)  # -1 would wrap to the last row
+    return step_unique_rows(rule, table, state, step, unique, grads, good=good)
+
+
+def apply_sorted_runs(rule: RowRule, table, state, step, ids, bag_grads, *, good=None):
+    """One fused update of one buffer from its host-sorted id stream (`ids`: a
+    `sparse_jax._sorted_ids.SortedIds`). Returns (new table, new state).
+
+    Per run, its first `HEAD` ids' gradient rows (`grad[bag] * scale`) are gathered through
+    the run offsets and added in one fused loop (no scatter, no `[ids, dim]` temporary);
+    the rest of the longer runs is added with a sorted segment sum over unique rows. Within
+    a run the ids are added in batch order: the sums `apply_row_rule` forms, bit for bit.
+    The rule then steps `[unique, dim]` rows and they are written back as unique rows. No
+    sort, no `searchsorted`. `good`: as `apply_row_rule`."""
+    from sparse_jax._sorted_ids import HEAD
+
+    num_rows = table.shape[0]
+    unique = ids.unique if good is None else jnp.where(good, ids.unique, num_rows)
+    grad_rows = bag_grads.astype(jnp.float32)
+    no_bag = grad_rows.shape[0]
+
+    def grads_at(pos):
+        """`grad[bag] * scale` of sorted positions `pos` (out of range: 0)."""
+        bag = ids.bag.at[pos].get(mode="fill", fill_value=no_bag)
+        scale = ids.scale.at[pos].get(mode="fill", fill_value=0)
+        return grad_rows.at[bag].get(mode="fill", fill_value=0) * scale[:, None]
+
+    starts, ends = ids.offsets[:-1], ids.offsets[1:]
+    grads = jnp.zeros((unique.shape[0], grad_rows.shape[1]), jnp.float32)
+    for k in range(HEAD):
+        pos = jnp.where(starts + k < ends, starts + k, ids.bag.shape[0])
+        grads = grads + grads_at(pos)
+    grads = grads.at[ids.tail_run].add(grads_at(ids.tail), mode="drop", indices_are_sorted=True)
+    if rule.native == "sgd" and table.dtype == jnp.float32:
+        # `w - lr * g` as one read-modify-write of each unique row (an add over unique
+        # indices: no atomics), instead of a gather, the rule and a set
+        step_rows = grads * -rule.hyperparams["lr"]
+        return table.at[unique].add(
+            step_rows, mode="drop", unique_indices=True, indices_are_sorted=True
+        ), state
+    return step_unique_rows(rule, table, state, step, unique, grads, good=good)
+
+
+def step_unique_rows(rule: RowRule, table, state, step, unique, grads, *, good=None):
+    """Gather the `unique` rows (out of range: skipped) and their state, step them with the
+    summed `grads` `[U, dim]`, round and write them back (unique indices)."""
+    num_rows = table.shape[0]
     w = table.at[unique].get(mode="fill", fill_value=0).astype(jnp.float32)
 
     def gather(x):

@@ -1,0 +1,255 @@
+"""The row-sorted id stream that `prepare` builds on the host (`sparse_jax._sorted_ids`) and
+the updates that read it (pure XLA: `optim._apply.apply_sorted_runs`; Pallas): the stream against
+plain loops (several features on one buffer, MEAN, weights, ids at and past the bounds under
+"clamp" and "skip", empty bags, runs longer than `HEAD`); the update against the loops and
+against the in-program form for every rule, writing nothing under a false guard; the
+Pallas update (interpret mode) the same bits either way; and the CUDA programs: no sort,
+no `[ids, dim]` temporary."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, optim
+from sparse_jax._sorted_ids import HEAD
+from sparse_jax._update import _bag_grads
+from sparse_jax.optim._apply import apply_row_rule, apply_sorted_runs
+from tests import reference
+
+# t0 (9 rows) feeds f0 and f1 on one buffer with t1 (6 rows, MEAN); t2 has another dim
+TABLES = [
+    EmbeddingBagConfig(name="t0", num_embeddings=9, embedding_dim=4, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(
+        name="t1", num_embeddings=6, embedding_dim=4, feature_names=["f2"], pooling="MEAN"
+    ),
+    EmbeddingBagConfig(name="t2", num_embeddings=5, embedding_dim=8, feature_names=["f3"]),
+]
+NUM = {"f0": 9, "f1": 9, "f2": 6, "f3": 5}
+ROW_OFFSET = {"f0": 0, "f1": 0, "f2": 9, "f3": 0}
+B = 4
+HYPER = {
+    "sgd": dict(lr=0.5),
+    "adagrad": dict(lr=0.5, eps=0.3),
+    "rowwise_adagrad": dict(lr=0.5, eps=0.3),
+    "adam": dict(lr=0.1, beta1=0.8, beta2=0.9, eps=0.3, weight_decay=0.1),
+}
+
+
+def _bags(rng):
+    """Per feature B bags of ids in [-1, E] with every boundary, an empty bag and a run
+    longer than HEAD (row 0 of f0 and f1 six times)."""
+    out = {}
+    for f, e in NUM.items():
+        bags = [
+            [int(x) for x in rng.integers(-1, e + 1, size=int(rng.integers(0, 5)))]
+            for _ in range(B)
+        ]
+        bags[0] = [-1, 0, e - 1, e, 0, 0]
+        bags[1] = []
+        out[f] = bags
+    return out
+
+
+def _batch(bounds, weighted, rng):
+    bags = _bags(rng)
+    weights = {f: [list(rng.uniform(0.25, 2.0, size=len(b))) for b in bs] for f, bs in bags.items()}
+    order = ["f2", "f0", "f3", "f1"]  # KJT keys in another order than the tables'
+    values = [i for f in order for b in bags[f] for i in b]
+    w = [x for f in order for b in weights[f] for x in b]
+    lengths = [len(b) for f in order for b in bags[f]]
+    kjt = KeyedJaggedTensor(
+        order,
+        np.array(values, np.int64),
+        lengths=np.array(lengths),
+        weights=np.array(w, np.float32),
+    )
+    ebc = EmbeddingBagCollection(TABLES, is_weighted=weighted, bounds_check=bounds, kernel="xla")
+    return ebc, kjt, bags, weights
+
+
+def _entries(ebc, group, bags, weights, bounds, weighted):
+    """(row, bag, scale) of the group's ids in batch order, by loops."""
+    members = [s.feature for s in ebc.layout.features if s.group == group]
+    order = ["f2", "f0", "f3", "f1"]
+    out = []
+    for f in order:
+        if f not in members:
+            continue
+        j = members.index(f)
+        for b, ids in enumerate(bags[f]):
+            for k, i in enumerate(ids):
+                if not 0 <= i < NUM[f]:
+                    if bounds == "skip":
+                        continue
+                    i = min(max(i, 0), NUM[f] - 1)
+                scale = weights[f][b][k] if weighted else 1.0
+                if f == "f2":
+                    scale = scale / len(ids)
+                out.append((i + ROW_OFFSET[f], j * B + b, scale))
+    return out
+
+
+@pytest.mark.parametrize("bounds", ["clamp", "skip"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_host_sorted_stream_matches_loops(bounds, weighted):
+    ebc, kjt, bags, weights = _batch(
+        bounds, weighted, np.random.default_rng([weighted, len(bounds)])
+    )
+    batch = ebc.prepare(kjt)
+    assert set(batch.sorted_ids) == set(ebc.layout.groups)
+    for group, ids in batch.sorted_ids.items():
+        num_rows, members = (
+            ebc.layout.groups[group][0],
+            [s for s in ebc.layout.features if s.group == group],
+        )
+        want = reference.sorted_runs(_entries(ebc, group, bags, weights, bounds, weighted), HEAD)
+        unique, offsets, bag, scale, tail, tail_run = want
+        u, n, t = len(unique), len(bag), len(tail)
+        got = jax.tree_util.tree_map(np.asarray, ids)
+        np.testing.assert_array_equal(got.unique[:u], unique)
+        np.testing.assert_array_equal(got.offsets[: u + 1], offsets)
+        np.testing.assert_array_equal(got.bag[:n], bag)
+        np.testing.assert_allclose(got.scale[:n], scale, rtol=1e-6)
+        np.testing.assert_array_equal(got.tail[:t], tail)
+        np.testing.assert_array_equal(got.tail_run[:t], tail_run)
+        assert t >= 1  # the long run reaches the tail
+        # padding: out-of-range rows and bags, empty runs, zero scales
+        assert (got.unique[u:] == num_rows).all() and (got.offsets[u:] == n).all()
+        assert (got.bag[n:] == len(members) * B).all() and (got.scale[n:] == 0).all()
+        assert (got.tail[t:] == got.bag.shape[0]).all()
+        assert (got.tail_run[t:] == got.unique.shape[0]).all()
+
+
+@pytest.mark.parametrize("rule", sorted(HYPER))
+def test_the_sorted_run_update_matches_loops_and_the_in_program_form(rule):
+    rng = np.random.default_rng(len(rule))
+    ebc, kjt, bags, weights = _batch("clamp", True, rng)
+    batch = ebc.prepare(kjt)
+    params = ebc.init(jax.random.key(1))
+    opt = getattr(optim, rule)(**HYPER[rule])
+    state = opt.init(params)
+    grad = jnp.asarray(rng.normal(size=(B, 20)).astype(np.float32))
+    group = next(g for g in ebc.layout.groups if ebc.layout.groups[g][1] == 4)
+    table, st = params[group], state.tables[group]
+    bag_grads = _bag_grads(ebc.layout, group, grad)
+    step = jnp.int32(1)
+    new, new_state = jax.jit(lambda t, s, ids, g: apply_sorted_runs(opt, t, s, step, ids, g))(
+        table, st, batch.sorted_ids[group], bag_grads
+    )
+    # the in-program form (sort inside the program), as a GPU takes it (no scatter-add)
+    from sparse_jax import _lookup
+
+    rows, bag, scale = _lookup.id_stream(
+        batch.kjt, ebc.layout, group, weighted=True, bounds_check="clamp"
+    )
+    old, old_state = apply_row_rule(
+        opt, table, st, step, rows, bag, scale, bag_grads, scatter_add=False
+    )
+    for a, b in zip(
+        jax.tree_util.tree_leaves((new, new_state)),
+        jax.tree_util.tree_leaves((old, old_state)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    # the loops
+    entries = _entries(ebc, group, bags, weights, "clamp", True)
+    row_grads: dict = {}
+    g = np.asarray(bag_grads, np.float64)
+    for row, b, s in entries:
+        row_grads[row] = row_grads.get(row, 0.0) + s * g[b]
+    want = {group: np.asarray(table, np.float64)}
+    reference.fused_step(rule, HYPER[rule], want, {}, {group: row_grads}, 1)
+    np.testing.assert_allclose(np.asarray(new), want[group], rtol=2e-5, atol=1e-6)
+    # a false guard writes nothing
+    kept, kept_state = jax.jit(
+        lambda t, s, ids, g: apply_sorted_runs(opt, t, s, step, ids, g, good=jnp.array(False))
+    )(table, st, batch.sorted_ids[group], bag_grads)
+    for a, b in zip(
+        jax.tree_util.tree_leaves((kept, kept_state)),
+        jax.tree_util.tree_leaves((table, st)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_xla_step_lowered_for_cuda_sorts_nothing_and_keeps_no_id_sized_rows():
+    from tests.test_gpu_lowering import audit
+
+    T, E, D, Bn, L = 2, 5000, 16, 256, 8
+    tables = [
+        EmbeddingBagConfig(name=f"t{t}", num_embeddings=E, embedding_dim=D, feature_names=[f"f{t}"])
+        for t in range(T)
+    ]
+    rng = np.random.default_rng(0)
+    kjt = KeyedJaggedTensor(
+        ["f0", "f1"], rng.integers(0, E, T * Bn * L), lengths=np.full(T * Bn, L)
+    )
+    texts = {}
+    for sort in (True, False):
+        ebc = EmbeddingBagCollection(tables, kernel="xla", sort_ids=sort)
+        batch = ebc.prepare(kjt)
+        params = jax.eval_shape(ebc.init, jax.random.key(0))
+        r = optim.rowwise_adagrad(lr=0.1)
+        from sparse_jax import make_update
+
+        update = make_update(ebc, r, skip_nonfinite=True)
+        operands = ebc.update_operands(batch, jnp.zeros((Bn, T * D)))
+        texts[sort] = (
+            update.jitted.trace(
+                params,
+                jax.eval_shape(r.init, params),
+                operands,
+                jnp.ones((1,), bool),
+                (jnp.int32(0), jnp.int32(-1)),
+                jnp.int32(0),
+            )
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+    n_cap = int(batch.kjt.capacity())
+    assert "stablehlo.sort" in texts[False]  # the in-program form sorts
+    assert re.search(rf"tensor<{n_cap}x{D}xf32>", texts[False])  # and gathers [ids, dim]
+    text = texts[True]
+    got = audit(text)
+    assert "stablehlo.sort" not in text and got["case_or_if"] == 0, got
+    assert got["dynamic_loops"] == 0 and got["cpu_custom_calls"] == 0, got
+    # one scatter-add over repeated rows (the long runs' tail), its indices sorted
+    assert got["float_scatter_add_non_unique"] == 1, got
+    assert len(re.findall(r"indices_are_sorted = true", text)) >= 1
+    assert not re.search(rf"tensor<{n_cap}x{D}xf32>", text), "an [ids, dim] temporary"
+
+
+def test_the_pallas_update_reads_the_host_runs_with_the_same_bits():
+    from sparse_jax import make_update
+
+    rng = np.random.default_rng(5)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", num_embeddings=40, embedding_dim=8, feature_names=[f"f{t}"]
+        )
+        for t in range(2)
+    ]
+    lengths = rng.integers(0, 6, 2 * B)
+    ids = (rng.zipf(1.3, lengths.sum()) - 1) % 40  # long runs
+    kjt = KeyedJaggedTensor(
+        ["f0", "f1"], ids, lengths=lengths, weights=rng.random(lengths.sum()).astype(np.float32)
+    )
+    grad = jnp.asarray(rng.normal(size=(B, 16)).astype(np.float32))
+    out, texts = [], []
+    for sort in (False, True):
+        ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="pallas", sort_ids=sort)
+        params = ebc.init(jax.random.key(0))
+        r = optim.rowwise_adagrad(lr=0.1)
+        update = make_update(ebc, r)
+        batch = ebc.prepare(kjt)
+        operands = ebc.update_operands(batch, grad)
+        traced = update.jitted.trace(params, r.init(params), operands)
+        texts.append(traced.lower(lowering_platforms=("cuda",)).as_text())
+        out.append(jax.tree_util.tree_leaves(update(params, r.init(params), batch, grad)))
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "stablehlo.sort" in texts[0] and "stablehlo.sort" not in texts[1]
+    assert "xla.gpu.triton" in texts[1]
