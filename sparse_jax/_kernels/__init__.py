@@ -16,6 +16,7 @@ from sparse_jax._kernels._ffi import (
     quant_pooled,
     when_built,
 )
+from sparse_jax._kernels._mch import mch_profile, mch_remap
 
 __all__ = [
     "RULES",
@@ -24,6 +25,8 @@ __all__ = [
     "jagged_fused_update",
     "jagged_pooled_sum",
     "last_update_phases",
+    "mch_profile",
+    "mch_remap",
     "pooled_sum",
     "quant_pooled",
     "when_built",

@@ -47,6 +47,8 @@ def _register() -> str | None:
         "HybridrecFusedUpdate",
         "HybridrecJaggedFusedUpdate",
         "HybridrecQuantPooled",
+        "HybridrecMchProfile",
+        "HybridrecMchRemap",
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None

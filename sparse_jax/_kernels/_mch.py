@@ -1,0 +1,47 @@
+"""Call wrappers of the managed-collision CPU kernels (`mc_remap_cpu.cc`): the fused training
+remap of one id map (`mch_profile`, its state updated in place) and the eval lookup
+(`mch_remap`). `sparse_jax.managed._id_map` chooses them at CPU lowering (`when_built`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax._kernels._ffi import _register
+
+__all__ = ["mch_profile", "mch_remap"]
+
+_STATE_LEAVES = 11  # MCHState's fields, in order
+
+
+def mch_profile(*leaves, lfu: bool, interval: int, threshold: int) -> list:
+    """`MCHManagedCollisionModule._profile` as one call: `leaves` are the state's 11 fields
+    then the batch's `hi`, `lo` and `valid`; returns the new state's fields then the
+    bool[zch_size] mask of the slots given to new ids. The state's buffers are aliased to
+    the outputs (XLA donates them when the caller does)."""
+    _register()
+    state, (hi, lo, valid) = leaves[:_STATE_LEAVES], leaves[_STATE_LEAVES:]
+    outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
+    outs.append(jax.ShapeDtypeStruct(state[0].shape, jnp.bool_))
+    call = jax.ffi.ffi_call(
+        "HybridrecMchProfile", outs, input_output_aliases={i: i for i in range(_STATE_LEAVES)}
+    )
+    return call(
+        *state,
+        hi.astype(jnp.int32),
+        lo.astype(jnp.uint32),
+        valid.astype(jnp.bool_),
+        lfu=np.int32(lfu),
+        interval=np.int32(interval),
+        threshold=np.int32(threshold),
+    )
+
+
+def mch_remap(sorted_hi, sorted_lo, slots, hi, lo) -> jax.Array:
+    """int32 slot per id (`hi`, `lo`): its entry's slot if resident, else `zch_size - 1`."""
+    _register()
+    out = jax.ShapeDtypeStruct(hi.shape, jnp.int32)
+    return jax.ffi.ffi_call("HybridrecMchRemap", out)(
+        sorted_hi, sorted_lo, slots, hi.astype(jnp.int32), lo.astype(jnp.uint32)
+    )
