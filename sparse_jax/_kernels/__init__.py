@@ -16,7 +16,7 @@ from sparse_jax._kernels._ffi import (
     quant_pooled,
     when_built,
 )
-from sparse_jax._kernels._mch import mch_profile, mch_remap
+from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap
 
 __all__ = [
     "RULES",
@@ -25,6 +25,7 @@ __all__ = [
     "jagged_fused_update",
     "jagged_pooled_sum",
     "last_update_phases",
+    "mask_positions",
     "mch_profile",
     "mch_remap",
     "pooled_sum",

@@ -49,6 +49,7 @@ def _register() -> str | None:
         "HybridrecQuantPooled",
         "HybridrecMchProfile",
         "HybridrecMchRemap",
+        "HybridrecMaskPositions",
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None

@@ -1,6 +1,7 @@
 """Call wrappers of the managed-collision CPU kernels (`mc_remap_cpu.cc`): the fused training
-remap of one id map (`mch_profile`, its state updated in place) and the eval lookup
-(`mch_remap`). `sparse_jax.managed._id_map` chooses them at CPU lowering (`when_built`)."""
+remap of one id map (`mch_profile`, its state updated in place), the eval lookup
+(`mch_remap`), and the positions of a mask's set entries (`mask_positions`, the rows a reset
+draws). `sparse_jax.managed` chooses them at CPU lowering (`when_built`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from sparse_jax._kernels._ffi import _register
 
-__all__ = ["mch_profile", "mch_remap"]
+__all__ = ["mask_positions", "mch_profile", "mch_remap"]
 
 _STATE_LEAVES = 11  # MCHState's fields, in order
 
@@ -44,4 +45,14 @@ def mch_remap(sorted_hi, sorted_lo, slots, hi, lo) -> jax.Array:
     out = jax.ShapeDtypeStruct(hi.shape, jnp.int32)
     return jax.ffi.ffi_call("HybridrecMchRemap", out)(
         sorted_hi, sorted_lo, slots, hi.astype(jnp.int32), lo.astype(jnp.uint32)
+    )
+
+
+def mask_positions(mask, size: int, fill: int) -> jax.Array:
+    """int32[size]: the positions of `mask`'s first `size` True entries ascending, then `fill`
+    (`jnp.nonzero(mask, size=size, fill_value=fill)[0]`, in one pass)."""
+    _register()
+    out = jax.ShapeDtypeStruct((size,), jnp.int32)
+    return jax.ffi.ffi_call("HybridrecMaskPositions", out)(
+        mask.astype(jnp.bool_), fill=np.int32(fill)
     )

@@ -15,6 +15,8 @@
 //   entries' slots to the winning ids and move the entries in place to keep the order
 //   (only entries between changes move, each once). State buffers are aliased to the
 //   outputs (updated in place).
+// MaskPositions: the positions of a bool mask's first `size` set entries, ascending, then
+//   `fill` (jnp.nonzero(mask, size=size, fill_value=fill)): which rows a reset draws afresh.
 // MchRemap: the slot of each id (the default slot when not resident): the ids sorted by a
 //   radix sort, then found by galloping search, the sorted run split over threads.
 #include <omp.h>
@@ -473,7 +475,25 @@ ffi::Error MchRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi:
   return ffi::Error::Success();
 }
 
+ffi::Error MaskPositionsImpl(ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffer<ffi::S32>> out,
+                             int32_t fill) {
+  const bool* m = mask.typed_data();
+  const int64_t n = mask.element_count(), size = out->element_count();
+  int32_t* o = out->typed_data();
+  int64_t k = 0;
+  for (int64_t i = 0; i < n && k < size; ++i)
+    if (m[i]) o[k++] = static_cast<int32_t>(i);
+  for (; k < size; ++k) o[k] = fill;
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMaskPositions, MaskPositionsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("fill"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchProfile, MchProfileImpl,
                               ffi::Ffi::Bind()
