@@ -1,0 +1,174 @@
+"""The managed-collision CPU kernels (`sparse_jax/_kernels/mc_remap_cpu.cc`): the fused
+training remap (`profile`) and the eval lookup (`remap`) give bit for bit the state and
+outputs of the XLA form (the sorted form a GPU runs) and the slots of the plain-loop oracle
+(tests/reference.py) over random streams; the CPU lowering of a managed training step takes
+the kernels when they are built and the XLA form when not."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    MCHManagedCollisionModule,
+    RawIds,
+    _kernels,
+    optim,
+)
+from sparse_jax._kernels import _ffi
+from sparse_jax.managed._reset import _marked_rows
+from tests.reference import ManagedCollisionLoop
+
+pytestmark = pytest.mark.skipif(
+    not _kernels.available(), reason="the CPU kernels cannot be built here"
+)
+
+
+@pytest.fixture
+def xla_form(monkeypatch):
+    """`jax.jit(fn)` lowered as if the CPU kernels were not built (the XLA form)."""
+
+    def jitted(fn):
+        compiled = {}
+
+        def run(*args):
+            shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(args))
+            if shapes not in compiled:
+                with monkeypatch.context() as m:
+                    m.setattr(_ffi, "_register", lambda: "kernels switched off by the test")
+                    compiled[shapes] = jax.jit(fn).lower(*args).compile()
+            return compiled[shapes](*args)
+
+        return run
+
+    return jitted
+
+
+def _stream(seed, steps, batch, pool, zipf):
+    """(ids, valid) batches of raw int64 ids from a pool of 64-bit values (high words set,
+    negatives, equal low words); ~10% of positions are padding (id 0's words, not valid);
+    one batch is empty and one is all padding. The popular ids drift, so LFU turns over too."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-(2**63), 2**63 - 1, size=pool, dtype=np.int64)
+    values[:4] = [5, 2**32 + 5, -1, -(2**63)]
+    p = 1.0 / np.arange(1, pool + 1) ** (1.1 if zipf else 0.0)
+    for step in range(steps):
+        n = 0 if step == steps // 2 else batch
+        ids = values[(rng.choice(pool, size=n, p=p / p.sum()) + 3 * step) % pool]  # drifting
+        valid = (rng.random(n) < 0.9) & (step != steps // 3)
+        yield np.where(valid, ids, 0), valid
+
+
+@pytest.mark.parametrize(
+    ("policy", "interval", "threshold", "zipf"),
+    [("lru", 1, 1, True), ("lfu", 1, 1, False), ("lru", 3, 2, False), ("lfu", 2, 2, True)],
+)
+def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
+    xla_form, policy, interval, threshold, zipf
+):
+    """Every step: all eleven state arrays, the evicted-slot mask and the remapped slots
+    equal the XLA form's bit for bit, and the evicted slots and slots equal the loop
+    oracle's; ids are new, resident, evicted and re-admitted (a pool over twice the map)."""
+    zch, batch = 23, 20
+    mc = MCHManagedCollisionModule(
+        zch,
+        history_capacity=batch * interval,
+        eviction_policy=policy,
+        eviction_interval=interval,
+        threshold=threshold,
+    )
+    oracle = ManagedCollisionLoop(zch, policy, interval, threshold)
+    k_profile, k_remap = jax.jit(mc.profile), jax.jit(mc.remap)
+    x_profile, x_remap = xla_form(mc.profile), xla_form(mc.remap)
+    k_state = x_state = mc.init()
+    resident, left, readmitted = set(), set(), 0
+    for step, (raw, valid) in enumerate(_stream(zch, 40, batch, 60, zipf)):
+        ids = RawIds.from_int64(raw)
+        k_state, k_evicted = k_profile(k_state, ids, valid)
+        x_state, x_evicted = x_profile(x_state, ids, valid)
+        for field, a, b in zip(k_state._fields, k_state, x_state, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{field} {step}")
+        np.testing.assert_array_equal(np.asarray(k_evicted), np.asarray(x_evicted), str(step))
+        expected = oracle.profile([int(i) for i, v in zip(raw, valid, strict=True) if v])
+        assert set(np.flatnonzero(np.asarray(k_evicted)).tolist()) == expected, step
+        # the batch (padding included), then the reserved empty-entry id as raw words
+        query = RawIds(
+            jnp.concatenate([ids.hi, jnp.array([2**31 - 1], jnp.int32)]),
+            jnp.concatenate([ids.lo, jnp.array([2**32 - 1], jnp.uint32)]),
+        )
+        slots = np.asarray(k_remap(k_state, query))
+        np.testing.assert_array_equal(slots, np.asarray(x_remap(x_state, query)), str(step))
+        np.testing.assert_array_equal(slots[:-1], oracle.remap([int(i) for i in raw]), str(step))
+        now = {e["raw"] for e in oracle.entries if e["raw"] is not None}
+        readmitted += len((now - resident) & left)
+        left |= resident - now
+        resident = now
+    assert len(left) >= 8 and readmitted > 0  # resident ids evicted, and some came back
+
+
+def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form):
+    rng = np.random.default_rng(0)
+    kernel = jax.jit(lambda m: _marked_rows(m, 64, 1000))
+    xla = xla_form(lambda m: _marked_rows(m, 64, 1000))
+    for density in (0.0, 0.01, 0.5):  # fill only, some rows then fill, more rows than fit
+        mask = rng.random(1000) < density
+        want = np.flatnonzero(mask)[:64]
+        want = np.concatenate([want, np.full(64 - len(want), 1000)])
+        np.testing.assert_array_equal(np.asarray(kernel(mask)), want)
+        np.testing.assert_array_equal(np.asarray(xla(mask)), want)
+
+
+def _training_remap_text(monkeypatch, built: bool) -> str:
+    """The CPU program of a managed training remap (profile, map, reset)."""
+    from sparse_jax.managed import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionSparseModule,
+    )
+    from sparse_jax.managed._unsharded import RemapSpec, _build
+
+    tables = [EmbeddingBagConfig(name="u", num_embeddings=32, embedding_dim=8, feature_names=["u"])]
+    module = ManagedCollisionSparseModule(
+        ManagedCollisionEmbeddingBagCollection(
+            EmbeddingBagCollection(tables),
+            {"u": MCHManagedCollisionModule(32, history_capacity=64)},
+        )
+    )
+    ids = np.random.default_rng(0).integers(-(2**62), 2**62, 40)
+    batch = module.prepare(
+        KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5))
+    )
+    params = module.init(jax.random.key(0))
+    args = (
+        params,
+        optim.rowwise_adagrad(lr=0.1).init(params),
+        module.mc_state,
+        module.mc_counters,
+        module._key,
+        batch.words,
+        batch.positions,
+        {"u": np.int32(module._targets(batch.inner)[""].shape[0])},
+    )
+    spec = RemapSpec(
+        (("u", module.mc.modules["u"], "", 0),), module.mc.reset_plan(module.managed_tables)
+    )
+    with monkeypatch.context() as m:
+        if not built:
+            m.setattr(_ffi, "_register", lambda: "kernels switched off by the test")
+        return _build(spec).train.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+
+
+def test_the_cpu_training_step_takes_the_kernels_when_built_and_xla_when_not(monkeypatch):
+    calls = r"custom_call @(HybridrecMchProfile|HybridrecMchRemap|HybridrecMaskPositions)\b"
+    built = _training_remap_text(monkeypatch, built=True)
+    assert sorted(set(re.findall(calls, built))) == [
+        "HybridrecMaskPositions",
+        "HybridrecMchProfile",
+        "HybridrecMchRemap",
+    ]
+    assert "stablehlo.sort" not in built  # no sort of the table on the kernel path
+    assert not re.search(calls, _training_remap_text(monkeypatch, built=False))
