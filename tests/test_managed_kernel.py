@@ -65,16 +65,22 @@ def _stream(seed, steps, batch, pool, zipf):
 
 
 @pytest.mark.parametrize(
-    ("policy", "interval", "threshold", "zipf"),
-    [("lru", 1, 1, True), ("lfu", 1, 1, False), ("lru", 3, 2, False), ("lfu", 2, 2, True)],
+    ("policy", "interval", "threshold", "zipf", "zch", "batch", "pool", "steps"),
+    [
+        ("lru", 1, 1, True, 23, 20, 60, 40),
+        ("lfu", 1, 1, False, 23, 20, 60, 40),
+        ("lru", 3, 2, False, 23, 20, 60, 40),
+        ("lfu", 2, 2, True, 23, 20, 60, 40),
+        # large enough for the kernels' threaded passes (selection, search, lookup)
+        ("lru", 1, 1, False, 4096, 1536, 6000, 8),
+    ],
 )
 def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
-    xla_form, policy, interval, threshold, zipf
+    xla_form, policy, interval, threshold, zipf, zch, batch, pool, steps
 ):
     """Every step: all eleven state arrays, the evicted-slot mask and the remapped slots
     equal the XLA form's bit for bit, and the evicted slots and slots equal the loop
     oracle's; ids are new, resident, evicted and re-admitted (a pool over twice the map)."""
-    zch, batch = 23, 20
     mc = MCHManagedCollisionModule(
         zch,
         history_capacity=batch * interval,
@@ -87,7 +93,7 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
     x_profile, x_remap = xla_form(mc.profile), xla_form(mc.remap)
     k_state = x_state = mc.init()
     resident, left, readmitted = set(), set(), 0
-    for step, (raw, valid) in enumerate(_stream(zch, 40, batch, 60, zipf)):
+    for step, (raw, valid) in enumerate(_stream(zch, steps, batch, pool, zipf)):
         ids = RawIds.from_int64(raw)
         k_state, k_evicted = k_profile(k_state, ids, valid)
         x_state, x_evicted = x_profile(x_state, ids, valid)

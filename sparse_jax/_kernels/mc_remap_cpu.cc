@@ -129,7 +129,13 @@ void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int
   out.count.clear();
   out.last.clear();
   const uint64_t mask = cap - 1;
+  constexpr int64_t kAhead = 8;  // the table's slot of the id kAhead on is prefetched
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const uint64_t ahead = Mix(static_cast<uint64_t>(Key(whi[i + kAhead], wlo[i + kAhead]))) & mask;
+      __builtin_prefetch(&index[ahead]);
+      __builtin_prefetch(&keys[ahead]);
+    }
     const int64_t k = Key(whi[i], wlo[i]);
     uint64_t h = Mix(static_cast<uint64_t>(k)) & mask;
     while (true) {
@@ -169,57 +175,82 @@ struct State {
 };
 
 // Positions of the `m` weakest of the resident entries [0, n) by `score` (lowest first;
-// among equal scores the later position first), by radix selection: a histogram of the
-// high 16 bits, then of the low 16 bits within the bucket holding the m-th, then one pass
-// collecting the entries below it and the latest ones at it; only those m are sorted.
+// among equal scores the later position first), by radix selection over the scores' range
+// (most often one histogram pass; wider ranges a second one within the bucket holding the
+// m-th), then one pass collecting the entries below the m-th score and the latest ones at
+// it; only those m are sorted. Every pass is split over the threads.
 std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
   std::vector<int64_t> out;
   if (m <= 0) return out;
-  auto u = [score](int64_t j) { return static_cast<uint32_t>(score[j]) ^ 0x80000000u; };
-  constexpr int kBins = 1 << 16;
-  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 16)));
-  std::vector<int64_t> hist(static_cast<size_t>(threads) * kBins, 0);
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 10)));
+  int32_t low = INT32_MAX, high = INT32_MIN;
+#pragma omp parallel for num_threads(threads) reduction(min : low) reduction(max : high) schedule(static)
+  for (int64_t j = 0; j < n; ++j) {
+    low = std::min(low, score[j]);
+    high = std::max(high, score[j]);
+  }
+  // v = score - low in [0, range]; the first histogram is of v >> shift (at most 2^16 bins)
+  const uint32_t range = static_cast<uint32_t>(static_cast<int64_t>(high) - low);
+  int range_bits = 0;
+  while (range_bits < 32 && (range >> range_bits) != 0) ++range_bits;
+  const int shift = std::max(0, range_bits - 16);
+  const int64_t bins = static_cast<int64_t>(range >> shift) + 1;
+  auto v = [score, low](int64_t j) {
+    return static_cast<uint32_t>(static_cast<int64_t>(score[j]) - low);
+  };
+  std::vector<int64_t> hist(static_cast<size_t>(threads) * bins, 0);
 #pragma omp parallel num_threads(threads)
   {
-    int64_t* mine = hist.data() + static_cast<size_t>(omp_get_thread_num()) * kBins;
+    int64_t* mine = hist.data() + static_cast<size_t>(omp_get_thread_num()) * bins;
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < n; ++j) ++mine[u(j) >> 16];
+    for (int64_t j = 0; j < n; ++j) ++mine[v(j) >> shift];
   }
-  int64_t below = 0;
-  uint32_t top = 0;
-  for (uint32_t b = 0; b < kBins; ++b) {
+  int64_t below = 0, bucket = 0;
+  for (; bucket < bins; ++bucket) {
     int64_t c = 0;
-    for (int t = 0; t < threads; ++t) c += hist[static_cast<size_t>(t) * kBins + b];
-    if (below + c >= m) {
-      top = b;
-      break;
-    }
+    for (int t = 0; t < threads; ++t) c += hist[static_cast<size_t>(t) * bins + bucket];
+    if (below + c >= m) break;
     below += c;
   }
-  std::vector<int64_t> low(kBins, 0);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t v = u(j);
-    if ((v >> 16) == top) ++low[v & 0xFFFF];
-  }
-  uint32_t t = 0;
-  for (uint32_t b = 0; b < kBins; ++b) {
-    if (below + low[b] >= m) {
-      t = (top << 16) | b;
-      break;
+  uint32_t t = static_cast<uint32_t>(bucket) << shift;  // the m-th lowest v
+  if (shift > 0) {  // within the bucket, by the low `shift` bits
+    const uint32_t mask = (uint32_t(1) << shift) - 1;
+    std::vector<int64_t> fine(size_t(1) << shift, 0);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint32_t x = v(j);
+      if ((x >> shift) == static_cast<uint32_t>(bucket)) ++fine[x & mask];
     }
-    below += low[b];
+    for (uint32_t b = 0;; ++b) {
+      if (below + fine[b] >= m) {
+        t |= b;
+        break;
+      }
+      below += fine[b];
+    }
   }
-  int64_t ties = m - below;  // entries at t taken: the latest ones
+  // the entries below t (all of them) and at t (the latest m - below), per thread chunk
+  std::vector<std::vector<int64_t>> under(threads), at(threads);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int id = 0; id < threads; ++id) {
+    const int64_t begin = n * id / threads, end = n * (id + 1) / threads;
+    for (int64_t j = begin; j < end; ++j) {
+      const uint32_t x = v(j);
+      if (x < t)
+        under[id].push_back(j);
+      else if (x == t)
+        at[id].push_back(j);
+    }
+  }
+  int64_t ties = m - below;
   out.reserve(m);
-  for (int64_t j = n - 1; j >= 0; --j) {
-    const uint32_t v = u(j);
-    if (v < t || (v == t && ties-- > 0)) out.push_back(j);
-  }
+  for (int id = threads - 1; id >= 0; --id)
+    for (auto j = at[id].rbegin(); j != at[id].rend() && ties > 0; ++j, --ties) out.push_back(*j);
+  for (int id = 0; id < threads; ++id) out.insert(out.end(), under[id].begin(), under[id].end());
   // lowest score first, then the later position first
   std::vector<uint64_t> key(m), tmp_key(m);
   std::vector<uint32_t> val(m), tmp_val(m);
   for (int64_t i = 0; i < m; ++i) {
-    key[i] = (static_cast<uint64_t>(u(out[i])) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(out[i]));
+    key[i] = (static_cast<uint64_t>(v(out[i])) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(out[i]));
     val[i] = static_cast<uint32_t>(out[i]);
   }
   RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), m);
@@ -266,7 +297,8 @@ void Evict(State& s, bool* evicted, bool lfu, int32_t threshold) {
   const int64_t z = s.z;
   const int32_t step = *s.step;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(*s.used, 0), s.h);
-  static thread_local Coalesced win;
+  static thread_local Coalesced scratch;  // (kept between calls: no reallocation)
+  Coalesced& win = scratch;  // the calling thread's, also inside the parallel regions below
   Coalesce(s.whi, s.wlo, s.wstep, n, win);
   const int64_t u = static_cast<int64_t>(win.ids.size());
   // distinct ids ascending (int64 order)
@@ -279,24 +311,35 @@ void Evict(State& s, bool* evicted, bool lfu, int32_t threshold) {
   RadixSort(key.data(), order.data(), tmp_key.data(), tmp_val.data(), u);
   // residents' metadata; the admitted ids that are not resident, ascending, with the count
   // of residents below each
+  // (the ids split over the threads in order; each gallops through its part)
   const Residents res{s.hi, s.lo};
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(u >> 9)));
+  std::vector<std::vector<uint32_t>> fresh_of(threads);
+  std::vector<std::vector<int64_t>> below_of(threads);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int id = 0; id < threads; ++id) {
+    int64_t from = 0;
+    for (int64_t i = u * id / threads; i < u * (id + 1) / threads; ++i) {
+      const uint32_t w = order[i];
+      if (win.count[w] < threshold) continue;
+      const int64_t k = win.ids[w];
+      const int64_t pos = Gallop(res, from, z - 1, k);
+      from = pos;
+      if (res.at(pos) == k) {
+        const int32_t c = s.counts[pos];
+        s.counts[pos] = c > INT32_MAX - win.count[w] ? INT32_MAX : c + win.count[w];
+        s.last[pos] = win.last[w];
+      } else {
+        fresh_of[id].push_back(w);
+        below_of[id].push_back(pos);
+      }
+    }
+  }
   std::vector<uint32_t> fresh;  // window index of each new id, ascending by id
   std::vector<int64_t> fresh_below;
-  int64_t from = 0;
-  for (int64_t i = 0; i < u; ++i) {
-    const uint32_t w = order[i];
-    if (win.count[w] < threshold) continue;
-    const int64_t k = win.ids[w];
-    const int64_t pos = Gallop(res, from, z - 1, k);
-    from = pos;
-    if (res.at(pos) == k) {
-      const int32_t c = s.counts[pos];
-      s.counts[pos] = c > INT32_MAX - win.count[w] ? INT32_MAX : c + win.count[w];
-      s.last[pos] = win.last[w];
-    } else {
-      fresh.push_back(w);
-      fresh_below.push_back(pos);
-    }
+  for (int id = 0; id < threads; ++id) {
+    fresh.insert(fresh.end(), fresh_of[id].begin(), fresh_of[id].end());
+    fresh_below.insert(fresh_below.end(), below_of[id].begin(), below_of[id].end());
   }
   s.counts[z - 1] = INT32_MAX;
   s.last[z - 1] = step;
@@ -451,7 +494,7 @@ ffi::Error MchRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi:
     at[i] = static_cast<uint32_t>(i);
   }
   RadixSort(key.data(), at.data(), tmp_key.data(), tmp_val.data(), n);
-  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 12)));
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 9)));
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
