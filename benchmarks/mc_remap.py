@@ -273,11 +273,11 @@ def main(argv=None) -> int:
 
     from benchmarks.e2e_step import competitor_alone, quietness_line, quietness_probe
 
+    checked = [(case, _checked_sides(case, args)) for case in cases(args)]  # the gate first
     probe = {"rows": 200_000, "bags": 4096, "L": 20} if args.tiny else {}
     before = quietness_probe(**probe)
     rows, speedups = [], {}
-    for case in cases(args):
-        sides = _checked_sides(case, args)
+    for case, sides in checked:
         samples = _timed(case, sides, args.repeats)
         med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
         for call in ("train", "eval"):

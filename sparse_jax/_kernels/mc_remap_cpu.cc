@@ -393,7 +393,7 @@ void Evict(State& s, bool* evicted, bool lfu, int32_t threshold) {
       winner.push_back(i);
     }
   const std::vector<Run> runs = Runs(lost, below, z);
-#pragma omp parallel sections
+#pragma omp parallel sections if (z >= (1 << 15))
   {
 #pragma omp section
     MoveRuns(s.hi, runs);

@@ -15,15 +15,19 @@ from sparse_jax._module import LayoutFacts
 from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity
 from sparse_jax.managed._collection import ManagedCollisionCollection
 from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
-from sparse_jax.managed._id_map import _HI_MAX, _LO_MAX, MCHState, RawIds
+from sparse_jax.managed._id_map import _HI_MAX, _LO_MAX, MCHState, RawIds, _count_below
 
 __all__ = ["ManagedModuleBase", "profile_counted"]
 
 
 def _occupancy(state: MCHState) -> jax.Array:
-    """int32: the entries an id holds (the reserved default slot never counts)."""
-    empty = (state.sorted_hi == _HI_MAX) & (state.sorted_lo == _LO_MAX)
-    return jnp.sum((~empty).astype(jnp.int32))
+    """int32: the entries an id holds (the reserved default slot never counts). The ids sort
+    before the empty entries (`INT64_MAX`), so this is where the first empty entry is: a
+    binary search, not a pass over the map."""
+    n = state.sorted_hi.shape[0] - 1
+    empty_hi, empty_lo = jnp.full((1,), _HI_MAX), jnp.full((1,), _LO_MAX)
+    at = _count_below(lambda i: (state.sorted_hi[i], state.sorted_lo[i]), n, 0, empty_hi, empty_lo)
+    return at[0].astype(jnp.int32)
 
 
 def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, valid: jax.Array):
