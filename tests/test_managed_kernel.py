@@ -21,7 +21,7 @@ from sparse_jax import (
     optim,
 )
 from sparse_jax._kernels import _ffi
-from sparse_jax.managed._reset import _marked_rows
+from sparse_jax.managed._reset import _fresh_rows, _marked_rows
 from tests.reference import ManagedCollisionLoop
 
 pytestmark = pytest.mark.skipif(
@@ -129,6 +129,19 @@ def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form):
         np.testing.assert_array_equal(np.asarray(xla(mask)), want)
 
 
+def test_fresh_rows_drawn_only_where_used_are_the_rows_of_the_whole_draw(xla_form):
+    """The reset's fresh rows on CPU (`row_bits`: only the rows a reset uses are drawn) are
+    bit for bit the first rows of `config.initial_weights(key, rows=k)` (jax.random.uniform)."""
+    config = EmbeddingBagConfig(name="t", num_embeddings=500, embedding_dim=6, feature_names=["f"])
+    mask = np.random.default_rng(1).random(500) < 0.05
+    used = int(mask.sum())
+    for key in (jax.random.key(3), jax.random.fold_in(jax.random.key(2**31 + 5), 7)):
+        want = np.asarray(config.initial_weights(key, rows=64))[:used]
+        for form in (jax.jit, xla_form):
+            got = form(lambda k, m: _fresh_rows(config, k, _marked_rows(m, 64, 500)))(key, mask)
+            np.testing.assert_array_equal(np.asarray(got)[:used], want)
+
+
 def _training_remap_text(monkeypatch, built: bool) -> str:
     """The CPU program of a managed training remap (profile, map, reset)."""
     from sparse_jax.managed import (
@@ -169,12 +182,13 @@ def _training_remap_text(monkeypatch, built: bool) -> str:
 
 
 def test_the_cpu_training_step_takes_the_kernels_when_built_and_xla_when_not(monkeypatch):
-    calls = r"custom_call @(HybridrecMchProfile|HybridrecMchRemap|HybridrecMaskPositions)\b"
+    calls = r"custom_call @(HybridrecMch\w+|HybridrecMaskPositions|HybridrecRowBits)\b"
     built = _training_remap_text(monkeypatch, built=True)
     assert sorted(set(re.findall(calls, built))) == [
         "HybridrecMaskPositions",
         "HybridrecMchProfile",
         "HybridrecMchRemap",
+        "HybridrecRowBits",
     ]
     assert "stablehlo.sort" not in built  # no sort of the table on the kernel path
     assert not re.search(calls, _training_remap_text(monkeypatch, built=False))

@@ -16,7 +16,7 @@ from sparse_jax._kernels._ffi import (
     quant_pooled,
     when_built,
 )
-from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap
+from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap, row_bits
 
 __all__ = [
     "RULES",
@@ -30,5 +30,6 @@ __all__ = [
     "mch_remap",
     "pooled_sum",
     "quant_pooled",
+    "row_bits",
     "when_built",
 ]

@@ -50,6 +50,7 @@ def _register() -> str | None:
         "HybridrecMchProfile",
         "HybridrecMchRemap",
         "HybridrecMaskPositions",
+        "HybridrecRowBits",
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None
