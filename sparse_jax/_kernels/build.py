@@ -112,9 +112,27 @@ def _stale(target: pathlib.Path, compiler: str | None) -> str | None:
 
 
 def _compile(compiler: str, out: pathlib.Path) -> None:
+    """Each source compiled to an object beside `out` (all at once: one compiler process per
+    source), then linked into `out`."""
     import jax
 
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(out)]
+    include = f"-I{jax.ffi.include_dir()}"
+    objects = [out.with_name(f"{source.stem}.o") for source in SOURCES]
+    steps = [
+        [compiler, *FLAGS, include, "-c", str(source), "-o", str(obj)]
+        for source, obj in zip(SOURCES, objects, strict=True)
+    ]
+    running = [
+        (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for cmd in steps
+    ]
+    for cmd, proc in running:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"building hybridrec's CPU kernels failed ({' '.join(cmd)}):\n{err[-4000:]}"
+            )
+    cmd = [compiler, *FLAGS, *map(str, objects), "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(
