@@ -182,8 +182,9 @@ struct State {
 // Positions of the `m` weakest of the resident entries [0, n) by `score` (lowest first;
 // among equal scores the later position first), by radix selection over the scores' range
 // (most often one histogram pass; wider ranges a second one within the bucket holding the
-// m-th), then one pass collecting the entries below the m-th score and the latest ones at
-// it; only those m are sorted. Every pass is split over the threads.
+// m-th), then one pass collecting the entries below the m-th score, and the latest ones at
+// it scanning back from the end; only those m are sorted. The passes over every entry are
+// split over the threads.
 std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
   std::vector<int64_t> out;
   if (m <= 0) return out;
@@ -233,23 +234,18 @@ std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
       below += fine[b];
     }
   }
-  // the entries below t (all of them) and at t (the latest m - below), per thread chunk
-  std::vector<std::vector<int64_t>> under(threads), at(threads);
+  // the entries below t (all of them, per thread chunk), then the latest m - below at t
+  // (scanning back from the end: often the first entries seen, e.g. the empty ones)
+  std::vector<std::vector<int64_t>> under(threads);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int id = 0; id < threads; ++id) {
     const int64_t begin = n * id / threads, end = n * (id + 1) / threads;
-    for (int64_t j = begin; j < end; ++j) {
-      const uint32_t x = v(j);
-      if (x < t)
-        under[id].push_back(j);
-      else if (x == t)
-        at[id].push_back(j);
-    }
+    for (int64_t j = begin; j < end; ++j)
+      if (v(j) < t) under[id].push_back(j);
   }
-  int64_t ties = m - below;
   out.reserve(m);
-  for (int id = threads - 1; id >= 0; --id)
-    for (auto j = at[id].rbegin(); j != at[id].rend() && ties > 0; ++j, --ties) out.push_back(*j);
+  for (int64_t j = n - 1, ties = m - below; j >= 0 && ties > 0; --j)
+    if (v(j) == t) out.push_back(j), --ties;
   for (int id = 0; id < threads; ++id) out.insert(out.end(), under[id].begin(), under[id].end());
   // lowest score first, then the later position first
   std::vector<uint64_t> key(m), tmp_key(m);
