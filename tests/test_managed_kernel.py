@@ -89,14 +89,15 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
         threshold=threshold,
     )
     oracle = ManagedCollisionLoop(zch, policy, interval, threshold)
-    k_profile, k_remap = jax.jit(mc.profile), jax.jit(mc.remap)
-    x_profile, x_remap = xla_form(mc.profile), xla_form(mc.remap)
+    k_profile, k_remap = jax.jit(mc.profile_occupied), jax.jit(mc.remap)
+    x_profile, x_remap = xla_form(mc.profile_occupied), xla_form(mc.remap)
     k_state = x_state = mc.init()
     resident, left, readmitted = set(), set(), 0
     for step, (raw, valid) in enumerate(_stream(zch, steps, batch, pool, zipf)):
         ids = RawIds.from_int64(raw)
-        k_state, k_evicted = k_profile(k_state, ids, valid)
-        x_state, x_evicted = x_profile(x_state, ids, valid)
+        k_state, k_evicted, k_before = k_profile(k_state, ids, valid)
+        x_state, x_evicted, x_before = x_profile(x_state, ids, valid)
+        assert int(k_before) == int(x_before) == len(resident), step
         for field, a, b in zip(k_state._fields, k_state, x_state, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{field} {step}")
         np.testing.assert_array_equal(np.asarray(k_evicted), np.asarray(x_evicted), str(step))
@@ -142,7 +143,7 @@ def test_fresh_rows_drawn_only_where_used_are_the_rows_of_the_whole_draw(xla_for
             np.testing.assert_array_equal(np.asarray(got)[:used], want)
 
 
-def _training_remap_text(monkeypatch, built: bool) -> str:
+def _training_remap_text(monkeypatch, built: bool, compiled: bool = False) -> str:
     """The CPU program of a managed training remap (profile, map, reset)."""
     from sparse_jax.managed import (
         ManagedCollisionEmbeddingBagCollection,
@@ -178,7 +179,15 @@ def _training_remap_text(monkeypatch, built: bool) -> str:
     with monkeypatch.context() as m:
         if not built:
             m.setattr(_ffi, "_register", lambda: "kernels switched off by the test")
-        return _build(spec).train.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+        lowered = _build(spec).train.trace(*args).lower(lowering_platforms=("cpu",))
+        return (lowered.compile() if compiled else lowered).as_text()
+
+
+def test_the_cpu_training_step_updates_the_map_in_place_without_copying_it(monkeypatch):
+    """The kernel updates the donated map in place; nothing else in the step may read the
+    map from before the call (XLA would then copy it every step: 16 MB at 2^20 slots)."""
+    compiled = _training_remap_text(monkeypatch, built=True, compiled=True)
+    assert not re.search(r"[su]32\[32\]\{0\} copy\(", compiled), re.findall(r".*copy\(.*", compiled)
 
 
 def test_the_cpu_training_step_takes_the_kernels_when_built_and_xla_when_not(monkeypatch):

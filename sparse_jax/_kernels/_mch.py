@@ -18,13 +18,14 @@ _STATE_LEAVES = 11  # MCHState's fields, in order
 
 def mch_profile(*leaves, lfu: bool, interval: int, threshold: int) -> list:
     """`MCHManagedCollisionModule._profile` as one call: `leaves` are the state's 11 fields
-    then the batch's `hi`, `lo` and `valid`; returns the new state's fields then the
-    bool[zch_size] mask of the slots given to new ids. The state's buffers are aliased to
+    then the batch's `hi`, `lo` and `valid`; returns the new state's fields, the
+    bool[zch_size] mask of the slots given to new ids and the entries an id held before. The state's buffers are aliased to
     the outputs (XLA donates them when the caller does)."""
     _register()
     state, (hi, lo, valid) = leaves[:_STATE_LEAVES], leaves[_STATE_LEAVES:]
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outs.append(jax.ShapeDtypeStruct(state[0].shape, jnp.bool_))
+    outs.append(jax.ShapeDtypeStruct((), jnp.int32))
     call = jax.ffi.ffi_call(
         "HybridrecMchProfile", outs, input_output_aliases={i: i for i in range(_STATE_LEAVES)}
     )

@@ -14,7 +14,7 @@
 //   residents by a radix selection over their scores (no sort of the table), give the losing
 //   entries' slots to the winning ids and move the entries in place to keep the order
 //   (only entries between changes move, each once). State buffers are aliased to the
-//   outputs (updated in place).
+//   outputs (updated in place). Also returns how many entries an id held before the call.
 // MaskPositions: the positions of a bool mask's first `size` set entries, ascending, then
 //   `fill` (jnp.nonzero(mask, size=size, fill_value=fill)): which rows a reset draws afresh.
 // RowBits: the random bits of the fresh rows a reset draws, only for the rows it resets: row
@@ -445,13 +445,16 @@ ffi::Error MchProfileImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ff
                           ffi::Result<ffi::Buffer<ffi::S32>> o_used,
                           ffi::Result<ffi::Buffer<ffi::S32>> o_step,
                           ffi::Result<ffi::Buffer<ffi::S32>> o_last_eviction,
-                          ffi::Result<ffi::Buffer<ffi::PRED>> evicted, int32_t lfu, int32_t interval,
+                          ffi::Result<ffi::Buffer<ffi::PRED>> evicted,
+                          ffi::Result<ffi::Buffer<ffi::S32>> occupied, int32_t lfu, int32_t interval,
                           int32_t threshold) {
   State s{Take(hi, o_hi),         Take(lo, o_lo),       Take(slots, o_slots), Take(counts, o_counts),
           Take(last, o_last),     Take(whi, o_whi),     Take(wlo, o_wlo),     Take(wstep, o_wstep),
           Take(used, o_used),     Take(step, o_step),   Take(last_eviction, o_last_eviction),
           static_cast<int64_t>(hi.element_count()), static_cast<int64_t>(whi.element_count())};
   bool* ev = evicted->typed_data();
+  // the entries an id holds before this call: where the first empty entry is
+  *occupied->typed_data() = static_cast<int32_t>(Gallop(Residents{s.hi, s.lo}, 0, s.z - 1, kEmpty));
   const int64_t n = ids_hi.element_count();
   const int32_t now = *s.step + 1;
   *s.step = now;
@@ -614,6 +617,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchProfile, MchProfileImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("lfu")
                                   .Attr<int32_t>("interval")
                                   .Attr<int32_t>("threshold"));

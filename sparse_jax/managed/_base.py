@@ -15,19 +15,10 @@ from sparse_jax._module import LayoutFacts
 from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity
 from sparse_jax.managed._collection import ManagedCollisionCollection
 from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
-from sparse_jax.managed._id_map import _HI_MAX, _LO_MAX, MCHState, RawIds, _count_below
+from sparse_jax.managed._id_map import MCHState, RawIds
+from sparse_jax.managed._id_map import occupancy as occupancy_of
 
 __all__ = ["ManagedModuleBase", "profile_counted"]
-
-
-def _occupancy(state: MCHState) -> jax.Array:
-    """int32: the entries an id holds (the reserved default slot never counts). The ids sort
-    before the empty entries (`INT64_MAX`), so this is where the first empty entry is: a
-    binary search, not a pass over the map."""
-    n = state.sorted_hi.shape[0] - 1
-    empty_hi, empty_lo = jnp.full((1,), _HI_MAX), jnp.full((1,), _LO_MAX)
-    at = _count_below(lambda i: (state.sorted_hi[i], state.sorted_lo[i]), n, 0, empty_hi, empty_lo)
-    return at[0].astype(jnp.int32)
 
 
 def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, valid: jax.Array):
@@ -36,9 +27,10 @@ def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, v
     given to new ids). A slot given to a new id either held an id (a displacement: the
     occupancy stays) or was empty (the occupancy grows by one), so the displaced count is
     read off the two occupancies, without a scatter over the slots."""
-    before = _occupancy(state)
-    state, evicted = module.profile(state, ids, valid=valid)
-    occupancy = _occupancy(state)
+    # the count before is read by the profile call itself: read apart, XLA would keep a copy
+    # of the sorted ids (~16 MB at 2^20 slots) for it while the kernel updates them in place
+    state, evicted, before = module.profile_occupied(state, ids, valid=valid)
+    occupancy = occupancy_of(state)
     admitted = jnp.sum(evicted.astype(jnp.int32))
     displaced = before + admitted - occupancy
     return state, jnp.stack([occupancy, counters[1] + admitted, counters[2] + displaced]), evicted

@@ -177,6 +177,16 @@ def _count_below(ids_at, n, start, hi, lo, most=None):
     return pos
 
 
+def occupancy(state: MCHState) -> jax.Array:
+    """int32: the entries an id holds (the reserved default slot never counts). The ids sort
+    before the empty entries (`INT64_MAX`), so this is where the first empty entry is: a
+    binary search, not a pass over the map."""
+    n = state.sorted_hi.shape[0] - 1
+    empty_hi, empty_lo = jnp.full((1,), _HI_MAX), jnp.full((1,), _LO_MAX)
+    at = _count_below(lambda i: (state.sorted_hi[i], state.sorted_lo[i]), n, 0, empty_hi, empty_lo)
+    return at[0].astype(jnp.int32)
+
+
 def _prefix_sum(x):
     """Inclusive prefix sum of int32 `x`: a scan tree, ~4x faster on XLA CPU than `jnp.cumsum`
     (a reduce-window)."""
@@ -332,6 +342,14 @@ class MCHManagedCollisionModule:
 
         Returns the new state and a bool[zch_size] mask of the slots given to new ids this
         call (reset their rows and optimizer state)."""
+        state, evicted, _ = self.profile_occupied(state, ids, valid)
+        return state, evicted
+
+    def profile_occupied(
+        self, state: MCHState, ids: RawIds, valid: jax.Array | None = None
+    ) -> tuple[MCHState, jax.Array, jax.Array]:
+        """`profile`, and the entries an id held before it (int32, `occupancy(state)`): read
+        in the same call, so the map updated in place needs no copy kept for the count."""
         n = ids.hi.shape[0]
         if n * self.eviction_interval > self.history_capacity:
             raise ValueError(
@@ -344,15 +362,19 @@ class MCHManagedCollisionModule:
         leaves, tree = jax.tree_util.tree_flatten((state, ids, valid))
         # the new state has the state's shapes, plus the bool[zch_size] evicted mask (no
         # second trace of the eviction to find out)
-        out = (state, jax.ShapeDtypeStruct((self.zch_size,), jnp.bool_))
+        out = (
+            state,
+            jax.ShapeDtypeStruct((self.zch_size,), jnp.bool_),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        )
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
 
         def form(static: bool):
             def run(*ops):
+                state, ids, valid = jax.tree_util.tree_unflatten(tree, ops)
                 with _static_loops(static):
-                    return jax.tree_util.tree_leaves(
-                        self._profile(*jax.tree_util.tree_unflatten(tree, ops))
-                    )
+                    done = self._profile(state, ids, valid)
+                return jax.tree_util.tree_leaves((*done, occupancy(state)))
 
             return run
 
