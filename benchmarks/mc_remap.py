@@ -358,13 +358,19 @@ def main(argv=None) -> int:
             f"managed step{void}"
         )
     largest = [n for n in speedups if int(n.split()[0]) == max(args.zch)]
-    met = all(speedups[n] >= DONE_SPEEDUP for n in largest) and all(
-        s["remap_share"] <= DONE_SHARE for s in shares.values()
+    met = (
+        bool(shares)
+        and all(speedups[n] >= DONE_SPEEDUP for n in largest)
+        and all(s["remap_share"] <= DONE_SHARE for s in shares.values())
     )
     print(
         f"issue 34 (training remap >= {DONE_SPEEDUP:.0f}x TorchRec's ids/s at {max(args.zch)} slots, "
         f"<= {DONE_SHARE:.0%} of a step): "
-        + (("met" if met else "NOT met") if quiet else "void (the machine was contended)")
+        + (
+            ("met" if met else "NOT met" if shares else "not judged (--no-share)")
+            if quiet
+            else "void (the machine was contended)"
+        )
     )
     if args.json:
         with open(args.json, "w") as f:
