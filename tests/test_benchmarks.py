@@ -330,39 +330,27 @@ def test_mc_remap_benchmark_gates_on_torchrec_slots_and_reports_both_calls(capsy
     pytest.importorskip("torchrec.modules.mc_modules")
     from benchmarks import mc_remap
 
-    small = [
-        "--zch",
-        "64",
-        "--ids",
-        "32",
-        "--pool",
-        "200",
-        "--check",
-        "4",
-        "--repeats",
-        "2",
-        "--alone-repeats",
-        "2",
-    ]
-    assert mc_remap.main(small) == 0
+    assert mc_remap.main(["--tiny"]) == 0
     out = capsys.readouterr().out
-    assert "first 4 batches equal slot for slot" in out
-    rows = [line for line in out.splitlines() if line.startswith(("| train |", "| eval |"))]
-    assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows), out
+    assert "first 4 batches equal slot for slot" in out and "quietness probe" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 64 | zipf | lru |")]
+    assert [r.split("|")[4].strip() for r in rows] == ["train", "eval"], out
+    assert all(len(r.split("|")) == 11 and re.search(r"\| [\d.]+x", r) for r in rows), out
     assert re.search(
-        r"hybrid.Model training step, 32 ids: [\d.]+ ms managed, [\d.]+ ms on a plain table; the "
-        r"remap is \d+% of the managed step",
+        r"hybrid.Model training step \(64 zipf lru\), 32 ids: [\d.]+ ms managed, [\d.]+ ms on a "
+        r"plain table; the remap is \d+% of the managed step",
         out,
     ), out
+    assert re.search(r"issue 34 \(.*\): (met|NOT met|void \(the machine was contended\))", out)
     real = mc_remap.theirs
 
-    def shifted(args):  # TorchRec's slots, one off: the gate must refuse to time anything
-        train, evaluate = real(args)
+    def shifted(case):  # TorchRec's slots, one off: the gate must refuse to time anything
+        train, evaluate = real(case)
         return (lambda b: train(b) + 1), evaluate
 
     monkeypatch.setattr(mc_remap, "theirs", shifted)
-    with pytest.raises(AssertionError, match="train batch 0"):
-        mc_remap.main(small)
+    with pytest.raises(AssertionError, match="64 zipf lru: train batch 0"):
+        mc_remap.main(["--tiny", "--no-share"])
 
 
 def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_committed_results(

@@ -355,7 +355,7 @@ def test_kernel_library_stale_is_rebuilt(kernel_cache, monkeypatch, caplog, dama
     assert any("rebuilding" in r.message and reason in r.message for r in caplog.records)
     recorded = json.loads(record.read_text())
     assert recorded["so_sha256"] == hashlib.sha256(so.read_bytes()).hexdigest()
-    assert recorded["source_sha256"] == hashlib.sha256(build.SOURCE.read_bytes()).hexdigest()
+    assert recorded["source_sha256"] == hashlib.sha256(build.source_bytes()).hexdigest()
     assert build.build() == so and len(calls) == 2
 
 

@@ -16,6 +16,7 @@ from sparse_jax._kernels._ffi import (
     quant_pooled,
     when_built,
 )
+from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap, row_bits
 
 __all__ = [
     "RULES",
@@ -24,7 +25,11 @@ __all__ = [
     "jagged_fused_update",
     "jagged_pooled_sum",
     "last_update_phases",
+    "mask_positions",
+    "mch_profile",
+    "mch_remap",
     "pooled_sum",
     "quant_pooled",
+    "row_bits",
     "when_built",
 ]

@@ -47,6 +47,10 @@ def _register() -> str | None:
         "HybridrecFusedUpdate",
         "HybridrecJaggedFusedUpdate",
         "HybridrecQuantPooled",
+        "HybridrecMchProfile",
+        "HybridrecMchRemap",
+        "HybridrecMaskPositions",
+        "HybridrecRowBits",
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None

@@ -1,4 +1,5 @@
-"""Build the fused CPU kernels (`embedding_cpu.cc`) into a shared library, once.
+"""Build the fused CPU kernels (`SOURCES`: `embedding_cpu.cc`, `mc_remap_cpu.cc`) into one shared
+library, once.
 
 `make` runs `python -m sparse_jax._kernels.build` at set-up; otherwise the first use builds
 it. The library is cached under `$HYBRIDREC_CACHE` (default `~/.cache/hybridrec`), keyed by
@@ -29,7 +30,9 @@ __all__ = ["build", "library_path", "record_path"]
 
 log = logging.getLogger("hybridrec.kernels")
 
-SOURCE = pathlib.Path(__file__).with_name("embedding_cpu.cc")
+SOURCES = tuple(
+    pathlib.Path(__file__).with_name(name) for name in ("embedding_cpu.cc", "mc_remap_cpu.cc")
+)
 FLAGS = [
     "-O3",
     "-march=native",
@@ -46,6 +49,11 @@ def _sha256(path: pathlib.Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def source_bytes() -> bytes:
+    """Every source file's name and bytes, in order: what a library is built from."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
+
+
 def cache_dir() -> pathlib.Path:
     return pathlib.Path(
         os.environ.get("HYBRIDREC_CACHE", pathlib.Path.home() / ".cache" / "hybridrec")
@@ -56,7 +64,7 @@ def library_path() -> pathlib.Path:
     import jaxlib
 
     key = hashlib.sha256(
-        SOURCE.read_bytes() + jaxlib.__version__.encode() + " ".join(FLAGS).encode()
+        source_bytes() + jaxlib.__version__.encode() + " ".join(FLAGS).encode()
     ).hexdigest()[:16]
     return cache_dir() / f"libhybridrec_cpu_{key}.so"
 
@@ -75,7 +83,7 @@ def _expected(compiler: str | None) -> dict:
     import jaxlib
 
     return {
-        "source_sha256": _sha256(SOURCE),
+        "source_sha256": hashlib.sha256(source_bytes()).hexdigest(),
         "compiler": compiler,
         "flags": FLAGS,
         "jaxlib": jaxlib.__version__,
@@ -104,9 +112,27 @@ def _stale(target: pathlib.Path, compiler: str | None) -> str | None:
 
 
 def _compile(compiler: str, out: pathlib.Path) -> None:
+    """Each source compiled to an object beside `out` (all at once: one compiler process per
+    source), then linked into `out`."""
     import jax
 
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+    include = f"-I{jax.ffi.include_dir()}"
+    objects = [out.with_name(f"{source.stem}.o") for source in SOURCES]
+    steps = [
+        [compiler, *FLAGS, include, "-c", str(source), "-o", str(obj)]
+        for source, obj in zip(SOURCES, objects, strict=True)
+    ]
+    running = [
+        (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for cmd in steps
+    ]
+    for cmd, proc in running:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"building hybridrec's CPU kernels failed ({' '.join(cmd)}):\n{err[-4000:]}"
+            )
+    cmd = [compiler, *FLAGS, *map(str, objects), "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(

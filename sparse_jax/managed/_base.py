@@ -15,26 +15,24 @@ from sparse_jax._module import LayoutFacts
 from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity
 from sparse_jax.managed._collection import ManagedCollisionCollection
 from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
-from sparse_jax.managed._id_map import _HI_MAX, _LO_MAX, MCHState, RawIds
+from sparse_jax.managed._id_map import MCHState, RawIds
+from sparse_jax.managed._id_map import occupancy as occupancy_of
 
 __all__ = ["ManagedModuleBase", "profile_counted"]
-
-
-def _occupied(state: MCHState, zch_size: int) -> jax.Array:
-    """bool[zch_size]: the slots an id holds (the reserved default slot never counts)."""
-    empty = (state.sorted_hi == _HI_MAX) & (state.sorted_lo == _LO_MAX)
-    return jnp.zeros(zch_size, bool).at[state.slots].set(~empty)
 
 
 def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, valid: jax.Array):
     """`module.profile` of one id map, with its counters advanced: (state, int32[3]
     (occupancy, admissions so far, resident ids evicted so far), bool mask of the slots
-    given to new ids)."""
-    before = _occupied(state, module.zch_size)
-    state, evicted = module.profile(state, ids, valid=valid)
-    occupancy = jnp.sum(_occupied(state, module.zch_size).astype(jnp.int32))
+    given to new ids). A slot given to a new id either held an id (a displacement: the
+    occupancy stays) or was empty (the occupancy grows by one), so the displaced count is
+    read off the two occupancies, without a scatter over the slots."""
+    # the count before is read by the profile call itself: read apart, XLA would keep a copy
+    # of the sorted ids (~16 MB at 2^20 slots) for it while the kernel updates them in place
+    state, evicted, before = module.profile_occupied(state, ids, valid=valid)
+    occupancy = occupancy_of(state)
     admitted = jnp.sum(evicted.astype(jnp.int32))
-    displaced = jnp.sum((evicted & before).astype(jnp.int32))
+    displaced = before + admitted - occupancy
     return state, jnp.stack([occupancy, counters[1] + admitted, counters[2] + displaced]), evicted
 
 

@@ -18,6 +18,10 @@ state so that it runs inside a jitted step:
   winning new ids; `profile` returns which slots changed owner (their rows and optimizer
   state must be reset: an id evicted and seen again gets a fresh row).
 - `remap` maps ids to slots (binary search over the sorted ids); eval does only this.
+- On CPU, when the kernels are built (`sparse_jax._kernels.when_built`, decided at
+  lowering), `profile` and `remap` are fused C++ calls (`mc_remap_cpu.cc`: a hash table over
+  the window, a radix selection of the weakest residents, entries moved in place; never a
+  sort of the table) giving bit for bit the state and outputs of the XLA form below.
 - On a GPU, `profile` has no data-dependent control flow (`by_platform`, `_static_loops`):
   the eviction is computed every call and kept only when due (a select, not a `lax.cond`,
   whose predicate a GPU copies to the host), the radix passes and the k-th score's
@@ -42,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_jax._kernels import mch_profile, mch_remap, when_built
 from sparse_jax._kernels._platform import by_platform
 from sparse_jax.optim._rounding import _mix  # murmur3's finalizer, as the rounding draw
 
@@ -170,6 +175,16 @@ def _count_below(ids_at, n, start, hi, lo, most=None):
         at_hi, at_lo = ids_at(at)
         pos = jnp.where((cand <= n) & _less(at_hi, at_lo, hi, lo), cand, pos)
     return pos
+
+
+def occupancy(state: MCHState) -> jax.Array:
+    """int32: the entries an id holds (the reserved default slot never counts). The ids sort
+    before the empty entries (`INT64_MAX`), so this is where the first empty entry is: a
+    binary search, not a pass over the map."""
+    n = state.sorted_hi.shape[0] - 1
+    empty_hi, empty_lo = jnp.full((1,), _HI_MAX), jnp.full((1,), _LO_MAX)
+    at = _count_below(lambda i: (state.sorted_hi[i], state.sorted_lo[i]), n, 0, empty_hi, empty_lo)
+    return at[0].astype(jnp.int32)
 
 
 def _prefix_sum(x):
@@ -306,10 +321,19 @@ class MCHManagedCollisionModule:
         )
 
     def remap(self, state: MCHState, ids: RawIds) -> jax.Array:
-        """int32 slot per id: its own slot if resident, else `default_slot`."""
-        pos = _search(state.sorted_hi, state.sorted_lo, ids.hi, ids.lo)
-        hit = (state.sorted_hi[pos] == ids.hi) & (state.sorted_lo[pos] == ids.lo)
-        return jnp.where(hit, state.slots[pos], self.default_slot)
+        """int32 slot per id: its own slot if resident, else `default_slot`. On CPU the
+        built kernel (`mch_remap`) answers, elsewhere the binary search below."""
+        default = self.default_slot
+
+        def search(sorted_hi, sorted_lo, slots, hi, lo):
+            pos = _search(sorted_hi, sorted_lo, hi, lo)
+            hit = (sorted_hi[pos] == hi) & (sorted_lo[pos] == lo)
+            return jnp.where(hit, slots[pos], default)
+
+        operands = (state.sorted_hi, state.sorted_lo, state.slots, ids.hi, ids.lo)
+        out = jax.ShapeDtypeStruct(jnp.shape(ids.hi), jnp.int32)
+        (slots,) = by_platform(operands, [out], default=search, cpu=when_built(mch_remap, search))
+        return slots
 
     def profile(
         self, state: MCHState, ids: RawIds, valid: jax.Array | None = None
@@ -318,6 +342,14 @@ class MCHManagedCollisionModule:
 
         Returns the new state and a bool[zch_size] mask of the slots given to new ids this
         call (reset their rows and optimizer state)."""
+        state, evicted, _ = self.profile_occupied(state, ids, valid)
+        return state, evicted
+
+    def profile_occupied(
+        self, state: MCHState, ids: RawIds, valid: jax.Array | None = None
+    ) -> tuple[MCHState, jax.Array, jax.Array]:
+        """`profile`, and the entries an id held before it (int32, `occupancy(state)`): read
+        in the same call, so the map updated in place needs no copy kept for the count."""
         n = ids.hi.shape[0]
         if n * self.eviction_interval > self.history_capacity:
             raise ValueError(
@@ -330,19 +362,38 @@ class MCHManagedCollisionModule:
         leaves, tree = jax.tree_util.tree_flatten((state, ids, valid))
         # the new state has the state's shapes, plus the bool[zch_size] evicted mask (no
         # second trace of the eviction to find out)
-        out = (state, jax.ShapeDtypeStruct((self.zch_size,), jnp.bool_))
+        out = (
+            state,
+            jax.ShapeDtypeStruct((self.zch_size,), jnp.bool_),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        )
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
 
         def form(static: bool):
             def run(*ops):
+                state, ids, valid = jax.tree_util.tree_unflatten(tree, ops)
                 with _static_loops(static):
-                    return jax.tree_util.tree_leaves(
-                        self._profile(*jax.tree_util.tree_unflatten(tree, ops))
-                    )
+                    done = self._profile(state, ids, valid)
+                return jax.tree_util.tree_leaves((*done, occupancy(state)))
 
             return run
 
-        got = by_platform(leaves, out_leaves, default=form(False), cuda=form(True), rocm=form(True))
+        def kernel(*ops):  # the fused CPU kernel: the same state and outputs, bit for bit
+            return mch_profile(
+                *ops,
+                lfu=self.eviction_policy == "lfu",
+                interval=self.eviction_interval,
+                threshold=self.threshold,
+            )
+
+        got = by_platform(
+            leaves,
+            out_leaves,
+            default=form(False),
+            cpu=when_built(kernel, form(False)),
+            cuda=form(True),
+            rocm=form(True),
+        )
         return jax.tree_util.tree_unflatten(out_tree, got)
 
     def _profile(

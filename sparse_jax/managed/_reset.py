@@ -12,8 +12,63 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax._kernels import mask_positions, row_bits, when_built
+from sparse_jax._kernels._platform import by_platform
 
 __all__ = ["RowBlock", "reset_rows"]
+
+
+def _marked_rows(mask: jax.Array, size: int, fill: int) -> jax.Array:
+    """int32[size]: the rows `mask` marks, ascending, then `fill` (`jnp.nonzero`); on CPU one
+    pass of the built kernel (XLA CPU's `nonzero` over a 2^20-row mask costs ~10 ms)."""
+
+    def xla(m):
+        return jnp.nonzero(m, size=size, fill_value=fill)[0].astype(jnp.int32)
+
+    def kernel(m):
+        return mask_positions(m, size, fill)
+
+    out = jax.ShapeDtypeStruct((size,), jnp.int32)
+    (rows,) = by_platform([mask], [out], default=xla, cpu=when_built(kernel, xla))
+    return rows
+
+
+def _fresh_rows(config, key: jax.Array, rows: jax.Array) -> jax.Array:
+    """`config.initial_weights(key, rows=len(rows))`: the draw whose first rows become the
+    rows `rows` marks (ascending, then fill). On CPU, for the uniform init under jax's
+    partitionable threefry (its defaults), only the rows used are drawn (`row_bits`; the
+    whole draw of `min(zch_size, history_capacity)` rows costs about as much as the remap)
+    and turned into floats exactly as `jax.random.uniform` does: the same numbers."""
+    k, dim = rows.shape[0], config.embedding_dim
+    whole = config.initial_weights(key, rows=k)
+    if (
+        config.init_fn is not None
+        or not jax.config.jax_threefry_partitionable
+        or str(jax.random.key_impl(key)) != "threefry2x32"
+    ):
+        return whole
+    lo, hi = np.float32(config.weight_init_min), np.float32(config.weight_init_max)
+
+    def uniform(bits):  # jax.random.uniform's float32 step, from its bits
+        one = np.array(1.0, np.float32).view(np.uint32)
+        floats = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32)
+        return jnp.maximum(lo, (floats - np.float32(1.0)) * (hi - lo) + lo)
+
+    def xla(key_data, rows):
+        del rows
+        return config.initial_weights(jax.random.wrap_key_data(key_data), rows=k)
+
+    def kernel(key_data, rows):
+        return uniform(row_bits(key_data, rows, dim, config.num_embeddings))
+
+    del whole
+    out = jax.ShapeDtypeStruct((k, dim), jnp.float32)
+    (fresh,) = by_platform(
+        [jax.random.key_data(key), rows], [out], default=xla, cpu=when_built(kernel, xla)
+    )
+    return fresh
 
 
 class RowBlock(NamedTuple):
@@ -47,10 +102,8 @@ def reset_rows(
     params, opt_tables = dict(params), dict(opt_tables)
     for i, name in enumerate(sorted(evicted)):
         config, k = configs[name], limits[name]
-        (rows,) = jnp.nonzero(
-            evicted[name], size=k, fill_value=config.num_embeddings
-        )  # fill: dropped
-        fresh = config.initial_weights(jax.random.fold_in(key, i), rows=k)
+        rows = _marked_rows(evicted[name], k, config.num_embeddings)  # fill: dropped
+        fresh = _fresh_rows(config, jax.random.fold_in(key, i), rows)
         for block in blocks[name]:
             w = params[block.buffer]
             limit = w.shape[0]

@@ -1,0 +1,203 @@
+"""The managed-collision CPU kernels (`sparse_jax/_kernels/mc_remap_cpu.cc`): the fused
+training remap (`profile`) and the eval lookup (`remap`) give bit for bit the state and
+outputs of the XLA form (the sorted form a GPU runs) and the slots of the plain-loop oracle
+(tests/reference.py) over random streams; the CPU lowering of a managed training step takes
+the kernels when they are built and the XLA form when not."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    MCHManagedCollisionModule,
+    RawIds,
+    _kernels,
+    optim,
+)
+from sparse_jax._kernels import _ffi
+from sparse_jax.managed._reset import _fresh_rows, _marked_rows
+from tests.reference import ManagedCollisionLoop
+
+pytestmark = pytest.mark.skipif(
+    not _kernels.available(), reason="the CPU kernels cannot be built here"
+)
+
+
+@pytest.fixture
+def xla_form(monkeypatch):
+    """`jax.jit(fn)` lowered as if the CPU kernels were not built (the XLA form)."""
+
+    def jitted(fn):
+        compiled = {}
+
+        def run(*args):
+            shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(args))
+            if shapes not in compiled:
+                with monkeypatch.context() as m:
+                    m.setattr(_ffi, "_register", lambda: "kernels switched off by the test")
+                    compiled[shapes] = jax.jit(fn).lower(*args).compile()
+            return compiled[shapes](*args)
+
+        return run
+
+    return jitted
+
+
+def _stream(seed, steps, batch, pool, zipf):
+    """(ids, valid) batches of raw int64 ids from a pool of 64-bit values (high words set,
+    negatives, equal low words); ~10% of positions are padding (id 0's words, not valid);
+    one batch is empty and one is all padding. The popular ids drift, so LFU turns over too."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-(2**63), 2**63 - 1, size=pool, dtype=np.int64)
+    values[:4] = [5, 2**32 + 5, -1, -(2**63)]
+    p = 1.0 / np.arange(1, pool + 1) ** (1.1 if zipf else 0.0)
+    for step in range(steps):
+        n = 0 if step == steps // 2 else batch
+        ids = values[(rng.choice(pool, size=n, p=p / p.sum()) + 3 * step) % pool]  # drifting
+        valid = (rng.random(n) < 0.9) & (step != steps // 3)
+        yield np.where(valid, ids, 0), valid
+
+
+@pytest.mark.parametrize(
+    ("policy", "interval", "threshold", "zipf", "zch", "batch", "pool", "steps"),
+    [
+        ("lru", 1, 1, True, 23, 20, 60, 40),
+        ("lfu", 1, 1, False, 23, 20, 60, 40),
+        ("lru", 3, 2, False, 23, 20, 60, 40),
+        ("lfu", 2, 2, True, 23, 20, 60, 40),
+        # large enough for the kernels' threaded passes (selection, search, lookup)
+        ("lru", 1, 1, False, 4096, 1536, 6000, 8),
+    ],
+)
+def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
+    xla_form, policy, interval, threshold, zipf, zch, batch, pool, steps
+):
+    """Every step: all eleven state arrays, the evicted-slot mask and the remapped slots
+    equal the XLA form's bit for bit, and the evicted slots and slots equal the loop
+    oracle's; ids are new, resident, evicted and re-admitted (a pool over twice the map)."""
+    mc = MCHManagedCollisionModule(
+        zch,
+        history_capacity=batch * interval,
+        eviction_policy=policy,
+        eviction_interval=interval,
+        threshold=threshold,
+    )
+    oracle = ManagedCollisionLoop(zch, policy, interval, threshold)
+    k_profile, k_remap = jax.jit(mc.profile_occupied), jax.jit(mc.remap)
+    x_profile, x_remap = xla_form(mc.profile_occupied), xla_form(mc.remap)
+    k_state = x_state = mc.init()
+    resident, left, readmitted = set(), set(), 0
+    for step, (raw, valid) in enumerate(_stream(zch, steps, batch, pool, zipf)):
+        ids = RawIds.from_int64(raw)
+        k_state, k_evicted, k_before = k_profile(k_state, ids, valid)
+        x_state, x_evicted, x_before = x_profile(x_state, ids, valid)
+        assert int(k_before) == int(x_before) == len(resident), step
+        for field, a, b in zip(k_state._fields, k_state, x_state, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{field} {step}")
+        np.testing.assert_array_equal(np.asarray(k_evicted), np.asarray(x_evicted), str(step))
+        expected = oracle.profile([int(i) for i, v in zip(raw, valid, strict=True) if v])
+        assert set(np.flatnonzero(np.asarray(k_evicted)).tolist()) == expected, step
+        # the batch (padding included), then the reserved empty-entry id as raw words
+        query = RawIds(
+            jnp.concatenate([ids.hi, jnp.array([2**31 - 1], jnp.int32)]),
+            jnp.concatenate([ids.lo, jnp.array([2**32 - 1], jnp.uint32)]),
+        )
+        slots = np.asarray(k_remap(k_state, query))
+        np.testing.assert_array_equal(slots, np.asarray(x_remap(x_state, query)), str(step))
+        np.testing.assert_array_equal(slots[:-1], oracle.remap([int(i) for i in raw]), str(step))
+        now = {e["raw"] for e in oracle.entries if e["raw"] is not None}
+        readmitted += len((now - resident) & left)
+        left |= resident - now
+        resident = now
+    assert len(left) >= 8 and readmitted > 0  # resident ids evicted, and some came back
+
+
+def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form):
+    rng = np.random.default_rng(0)
+    kernel = jax.jit(lambda m: _marked_rows(m, 64, 1000))
+    xla = xla_form(lambda m: _marked_rows(m, 64, 1000))
+    for density in (0.0, 0.01, 0.5):  # fill only, some rows then fill, more rows than fit
+        mask = rng.random(1000) < density
+        want = np.flatnonzero(mask)[:64]
+        want = np.concatenate([want, np.full(64 - len(want), 1000)])
+        np.testing.assert_array_equal(np.asarray(kernel(mask)), want)
+        np.testing.assert_array_equal(np.asarray(xla(mask)), want)
+
+
+def test_fresh_rows_drawn_only_where_used_are_the_rows_of_the_whole_draw(xla_form):
+    """The reset's fresh rows on CPU (`row_bits`: only the rows a reset uses are drawn) are
+    bit for bit the first rows of `config.initial_weights(key, rows=k)` (jax.random.uniform)."""
+    config = EmbeddingBagConfig(name="t", num_embeddings=500, embedding_dim=6, feature_names=["f"])
+    mask = np.random.default_rng(1).random(500) < 0.05
+    used = int(mask.sum())
+    for key in (jax.random.key(3), jax.random.fold_in(jax.random.key(2**31 + 5), 7)):
+        want = np.asarray(config.initial_weights(key, rows=64))[:used]
+        for form in (jax.jit, xla_form):
+            got = form(lambda k, m: _fresh_rows(config, k, _marked_rows(m, 64, 500)))(key, mask)
+            np.testing.assert_array_equal(np.asarray(got)[:used], want)
+
+
+def _training_remap_text(monkeypatch, built: bool, compiled: bool = False) -> str:
+    """The CPU program of a managed training remap (profile, map, reset)."""
+    from sparse_jax.managed import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionSparseModule,
+    )
+    from sparse_jax.managed._unsharded import RemapSpec, _build
+
+    tables = [EmbeddingBagConfig(name="u", num_embeddings=32, embedding_dim=8, feature_names=["u"])]
+    module = ManagedCollisionSparseModule(
+        ManagedCollisionEmbeddingBagCollection(
+            EmbeddingBagCollection(tables),
+            {"u": MCHManagedCollisionModule(32, history_capacity=64)},
+        )
+    )
+    ids = np.random.default_rng(0).integers(-(2**62), 2**62, 40)
+    batch = module.prepare(
+        KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5))
+    )
+    params = module.init(jax.random.key(0))
+    args = (
+        params,
+        optim.rowwise_adagrad(lr=0.1).init(params),
+        module.mc_state,
+        module.mc_counters,
+        module._key,
+        batch.words,
+        batch.positions,
+        {"u": np.int32(module._targets(batch.inner)[""].shape[0])},
+    )
+    spec = RemapSpec(
+        (("u", module.mc.modules["u"], "", 0),), module.mc.reset_plan(module.managed_tables)
+    )
+    with monkeypatch.context() as m:
+        if not built:
+            m.setattr(_ffi, "_register", lambda: "kernels switched off by the test")
+        lowered = _build(spec).train.trace(*args).lower(lowering_platforms=("cpu",))
+        return (lowered.compile() if compiled else lowered).as_text()
+
+
+def test_the_cpu_training_step_updates_the_map_in_place_without_copying_it(monkeypatch):
+    """The kernel updates the donated map in place; nothing else in the step may read the
+    map from before the call (XLA would then copy it every step: 16 MB at 2^20 slots)."""
+    compiled = _training_remap_text(monkeypatch, built=True, compiled=True)
+    assert not re.search(r"[su]32\[32\]\{0\} copy\(", compiled), re.findall(r".*copy\(.*", compiled)
+
+
+def test_the_cpu_training_step_takes_the_kernels_when_built_and_xla_when_not(monkeypatch):
+    calls = r"custom_call @(HybridrecMch\w+|HybridrecMaskPositions|HybridrecRowBits)\b"
+    built = _training_remap_text(monkeypatch, built=True)
+    assert sorted(set(re.findall(calls, built))) == [
+        "HybridrecMaskPositions",
+        "HybridrecMchProfile",
+        "HybridrecMchRemap",
+        "HybridrecRowBits",
+    ]
+    assert "stablehlo.sort" not in built  # no sort of the table on the kernel path
+    assert not re.search(calls, _training_remap_text(monkeypatch, built=False))
