@@ -261,9 +261,11 @@ def _sharded_program(shape) -> dict:
     return step
 
 
-def _managed_programs() -> list[dict]:
-    """The managed-collision training remap (profile + eviction) and its scatter into the
-    batch, as `tests/test_gpu_lowering.py` builds them (32 slots, 40 raw ids)."""
+def managed_remap_case(history_capacity: int = 256):
+    """A tiny managed-collision training remap's operands (32 slots, 40 raw ids in 8 bags):
+    `(module, batch, arrays, args)`, `args` being what `module._program.train` takes. The
+    lowering audits (`tests/test_gpu_lowering.py`, `tests/test_managed_kernel.py`) read
+    the same program."""
     from sparse_jax import MCHManagedCollisionModule, RawIds
     from sparse_jax.managed import (
         ManagedCollisionEmbeddingBagCollection,
@@ -274,27 +276,32 @@ def _managed_programs() -> list[dict]:
     module = ManagedCollisionSparseModule(
         ManagedCollisionEmbeddingBagCollection(
             EmbeddingBagCollection(tables),
-            {"u": MCHManagedCollisionModule(32, history_capacity=256)},
+            {"u": MCHManagedCollisionModule(32, history_capacity=history_capacity)},
         )
     )
     ids = np.random.default_rng(0).integers(-(2**62), 2**62, 40)
     batch = module.prepare(
         KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5))
     )
-    rule = optim.rowwise_adagrad(lr=0.1)
     params = module.init(jax.random.key(0))
     arrays = module._targets(batch.inner)
-    limits = {"u": np.int32(arrays[""].shape[0])}
     args = (
         params,
-        rule.init(params),
+        optim.rowwise_adagrad(lr=0.1).init(params),
         module.mc_state,
         module.mc_counters,
         module._key,
         batch.words,
         batch.positions,
-        limits,
+        {"u": np.int32(arrays[""].shape[0])},
     )
+    return module, batch, arrays, args
+
+
+def _managed_programs() -> list[dict]:
+    """The managed-collision training remap (profile + eviction) and its scatter into the
+    batch (`managed_remap_case`)."""
+    module, batch, arrays, args = managed_remap_case()
     program = module._program
     slots = jax.eval_shape(program.train, *args)[-1]
     train = program.train.trace(*args).lower(lowering_platforms=("cuda",))

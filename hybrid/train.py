@@ -783,17 +783,9 @@ def run(
                 meta["data_streams"] = procs.gather_objects(stream_position(step))
             elif stream:
                 meta["data_stream"] = stream_position(step)
-            if saver is not None:  # every process writes its shards; committed in the background
-                return saver.save(
-                    ckpt_dir,
-                    step=step,
-                    model=model,
-                    dense_optimizer=dense_opt,
-                    keep=config.checkpoint.keep,
-                    meta=meta,
-                    run_id=ckpt_run.run_id,
-                )
-            return save_checkpoint(
+            # orbax: every process writes its shards, committed in the background
+            save = saver.save if saver is not None else save_checkpoint
+            return save(
                 ckpt_dir,
                 step=step,
                 model=model,

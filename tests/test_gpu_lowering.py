@@ -305,37 +305,9 @@ def test_the_managed_remaps_gpu_form_gives_the_same_maps(policy, interval, thres
 
 
 def test_a_managed_training_remap_lowered_for_cuda_has_no_conditional():
-    from sparse_jax import MCHManagedCollisionModule, RawIds
-    from sparse_jax.managed import (
-        ManagedCollisionEmbeddingBagCollection,
-        ManagedCollisionSparseModule,
-    )
+    from benchmarks.gpu_readiness import managed_remap_case
 
-    tables = [EmbeddingBagConfig(name="u", num_embeddings=32, embedding_dim=8, feature_names=["u"])]
-    module = ManagedCollisionSparseModule(
-        ManagedCollisionEmbeddingBagCollection(
-            EmbeddingBagCollection(tables),
-            {"u": MCHManagedCollisionModule(32, history_capacity=256)},
-        )
-    )
-    ids = np.random.default_rng(0).integers(-(2**62), 2**62, 40)
-    batch = module.prepare(
-        KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5))
-    )
-    r = optim.rowwise_adagrad(lr=0.1)
-    params = module.init(jax.random.key(0))
-    arrays = module._targets(batch.inner)
-    limits = {"u": np.int32(arrays[""].shape[0])}
-    args = (
-        params,
-        r.init(params),
-        module.mc_state,
-        module.mc_counters,
-        module._key,
-        batch.words,
-        batch.positions,
-        limits,
-    )
+    module, batch, arrays, args = managed_remap_case()
     program = module._program  # the training remap, then the scatter of its rows into the batch
     slots = jax.eval_shape(program.train, *args)[-1]
     for text in (

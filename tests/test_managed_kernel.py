@@ -12,13 +12,10 @@ import numpy as np
 import pytest
 
 from sparse_jax import (
-    EmbeddingBagCollection,
     EmbeddingBagConfig,
-    KeyedJaggedTensor,
     MCHManagedCollisionModule,
     RawIds,
     _kernels,
-    optim,
 )
 from sparse_jax._kernels import _ffi
 from sparse_jax.managed._reset import _fresh_rows, _marked_rows
@@ -145,34 +142,10 @@ def test_fresh_rows_drawn_only_where_used_are_the_rows_of_the_whole_draw(xla_for
 
 def _training_remap_text(monkeypatch, built: bool, compiled: bool = False) -> str:
     """The CPU program of a managed training remap (profile, map, reset)."""
-    from sparse_jax.managed import (
-        ManagedCollisionEmbeddingBagCollection,
-        ManagedCollisionSparseModule,
-    )
+    from benchmarks.gpu_readiness import managed_remap_case
     from sparse_jax.managed._unsharded import RemapSpec, _build
 
-    tables = [EmbeddingBagConfig(name="u", num_embeddings=32, embedding_dim=8, feature_names=["u"])]
-    module = ManagedCollisionSparseModule(
-        ManagedCollisionEmbeddingBagCollection(
-            EmbeddingBagCollection(tables),
-            {"u": MCHManagedCollisionModule(32, history_capacity=64)},
-        )
-    )
-    ids = np.random.default_rng(0).integers(-(2**62), 2**62, 40)
-    batch = module.prepare(
-        KeyedJaggedTensor(["u"], RawIds.from_int64(ids).words(), lengths=np.full(8, 5))
-    )
-    params = module.init(jax.random.key(0))
-    args = (
-        params,
-        optim.rowwise_adagrad(lr=0.1).init(params),
-        module.mc_state,
-        module.mc_counters,
-        module._key,
-        batch.words,
-        batch.positions,
-        {"u": np.int32(module._targets(batch.inner)[""].shape[0])},
-    )
+    module, _, _, args = managed_remap_case(history_capacity=64)
     spec = RemapSpec(
         (("u", module.mc.modules["u"], "", 0),), module.mc.reset_plan(module.managed_tables)
     )

@@ -11,6 +11,7 @@ plan; `_restore_sparse` places them into another model's buffers (reshard on loa
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
@@ -45,6 +46,33 @@ def _leaves(opt_state: SparseOptState, buffer: str) -> Mapping[str, jax.Array]:
     return leaves
 
 
+def place_state_rows(out, dims, table: str, leaf_name: str, rows, r0: int, c0: int, cn: int):
+    """Writes one stored block's rows of an optimizer state leaf into its plan-independent
+    array in `out` (created on first use): `[rows]` per column block for row-wise leaves
+    (`state/<table>/<leaf>/cols_<c0>_<cn>`), `[rows, dim]` for elementwise ones."""
+    rn = rows.shape[0]
+    if rows.ndim == 1:
+        key = f"state/{table}/{leaf_name}/cols_{c0}_{cn}"
+        out.setdefault(key, np.zeros(dims[0], rows.dtype))[r0 : r0 + rn] = rows
+    else:
+        key = f"state/{table}/{leaf_name}"
+        out.setdefault(key, np.zeros(dims, rows.dtype))[r0 : r0 + rn, c0 : c0 + cn] = rows[:, :cn]
+
+
+def dense_state_bytes(model, dense_optimizer) -> bytes:
+    """`dense.pt`: the dense tower's and the torch optimizer's state dicts, torch's RNG."""
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "dense": model.dense.state_dict(),
+            "optimizer": dense_optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        },
+        buffer,
+    )
+    return buffer.getvalue()
+
+
 def sparse_state_arrays(model) -> dict[str, np.ndarray]:
     """The model's tables and sparse optimizer state in checkpoint form (module docstring)."""
     module, opt_state = model.sparse_module, model.sparse_opt_state
@@ -65,15 +93,9 @@ def sparse_state_arrays(model) -> dict[str, np.ndarray]:
             host = hosts.get((buffer, leaf_name))
             if host is None:
                 host = hosts[(buffer, leaf_name)] = np.asarray(leaf)
-            rows = host[start : start + rn]
-            if host.ndim == 1:
-                key = f"state/{table}/{leaf_name}/cols_{c0}_{cn}"
-                out.setdefault(key, np.zeros(dims[table][0], host.dtype))[r0 : r0 + rn] = rows
-            else:
-                key = f"state/{table}/{leaf_name}"
-                out.setdefault(key, np.zeros(dims[table], host.dtype))[
-                    r0 : r0 + rn, c0 : c0 + cn
-                ] = rows[:, :cn]
+            place_state_rows(
+                out, dims[table], table, leaf_name, host[start : start + rn], r0, c0, cn
+            )
     out["count"] = np.asarray(opt_state.count)
     out.update(mc_state_arrays(model))
     return out

@@ -32,7 +32,6 @@ process (`checkpoint_arrays`, the plan-independent form of `_arrays`) and placed
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -45,7 +44,12 @@ import numpy as np
 import torch
 
 from hybrid._files import fsync_dir, publish_dir, sha256_file, write_fsynced
-from hybrid.checkpoint._arrays import _leaves, _restore_sparse
+from hybrid.checkpoint._arrays import (
+    _leaves,
+    _restore_sparse,
+    dense_state_bytes,
+    place_state_rows,
+)
 from hybrid.checkpoint._format import _MANIFEST, CheckpointError, _write_json_atomic
 from hybrid.checkpoint._managed import _managed
 from sparse_jax import MCH_STATE_FIELDS, MCHState
@@ -178,16 +182,7 @@ class AsyncCheckpointer:
         dense = None
         info = None
         if rank == 0:  # snapshots taken now; written by the commit thread
-            buffer = io.BytesIO()
-            torch.save(
-                {
-                    "dense": model.dense.state_dict(),
-                    "optimizer": dense_optimizer.state_dict(),
-                    "torch_rng": torch.get_rng_state(),
-                },
-                buffer,
-            )
-            dense = buffer.getvalue()
+            dense = dense_state_bytes(model, dense_optimizer)
             plan = model.sparse_module.plan
             info = {
                 "step": step,
@@ -304,14 +299,7 @@ def checkpoint_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
             full[r0 : r0 + rn, c0 : c0 + cn] = weight[start : start + rn, :cn]
             for leaf_name, host in saved.get("opt", {}).get(buffer, {}).items():
                 rows = host[start : start + rn]
-                if host.ndim == 1:
-                    key = f"state/{table}/{leaf_name}/cols_{c0}_{cn}"
-                    out.setdefault(key, np.zeros(dims[table][0], host.dtype))[r0 : r0 + rn] = rows
-                else:
-                    key = f"state/{table}/{leaf_name}"
-                    out.setdefault(key, np.zeros(dims[table], host.dtype))[
-                        r0 : r0 + rn, c0 : c0 + cn
-                    ] = rows[:, :cn]
+                place_state_rows(out, dims[table], table, leaf_name, rows, r0, c0, cn)
     out["count"] = np.asarray(saved["count"])
     for table, fields in saved.get("mc", {}).items():
         for field, leaf in fields.items():

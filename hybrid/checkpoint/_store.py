@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hybrid._files import fsync_dir, publish_dir, write_fsynced
-from hybrid.checkpoint._arrays import _restore_sparse, sparse_state_arrays
+from hybrid.checkpoint._arrays import _restore_sparse, dense_state_bytes, sparse_state_arrays
 from hybrid.checkpoint._format import (
     _MANIFEST,
     CheckpointError,
@@ -102,16 +102,7 @@ def save_checkpoint(
         buffer = io.BytesIO()
         np.savez(buffer, **sparse_state_arrays(model))
         files["tables.npz"] = _write_file(tmp / "tables.npz", buffer.getvalue())
-        buffer = io.BytesIO()
-        torch.save(
-            {
-                "dense": model.dense.state_dict(),
-                "optimizer": dense_optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-            },
-            buffer,
-        )
-        files["dense.pt"] = _write_file(tmp / "dense.pt", buffer.getvalue())
+        files["dense.pt"] = _write_file(tmp / "dense.pt", dense_state_bytes(model, dense_optimizer))
         module = model.sparse_module
         plan = module.plan
         info = {
