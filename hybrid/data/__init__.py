@@ -17,7 +17,13 @@
 """
 
 from hybrid.data._arrays import ClickData, concat_rows
-from hybrid.data._binary import CriteoBinaryError, ShardReader, ShardWriter, read_header
+from hybrid.data._binary import (
+    CriteoBinaryError,
+    ShardReader,
+    ShardWriter,
+    read_criteo_shards,
+    read_header,
+)
 from hybrid.data._criteo import CriteoFormatError, iter_criteo_tsv, read_criteo_tsv
 from hybrid.data._loader import BatchLoader, eval_batches
 from hybrid.data._movielens import MOVIELENS_FEATURES, data_cache_dir, load_movielens
@@ -39,6 +45,7 @@ __all__ = [
     "eval_batches",
     "iter_criteo_tsv",
     "load_movielens",
+    "read_criteo_shards",
     "read_criteo_tsv",
     "synthetic_clicks",
 ]

@@ -17,7 +17,7 @@ maps them; `ShardReader.read(start, stop)` reads a block of rows with plain file
 (a memory map's pages would count as the reader's resident memory as it goes).
 `read_header` refuses a shard whose header is unreadable, of another format, or
 disagrees with its array files' sizes, raising `CriteoBinaryError` (a `CriteoFormatError`)
-that names the shard and what to do.
+that names the shard and what to do. `read_criteo_shards` reads shards whole (an eval set).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ __all__ = [
     "ShardReader",
     "ShardWriter",
     "is_shard",
+    "read_criteo_shards",
     "read_header",
 ]
 
@@ -212,3 +213,31 @@ def id_matrix(chunk) -> np.ndarray:
     for f in range(NUM_SPARSE):
         ids[chunk.lengths[f] == 1, f] = chunk.values[f]
     return ids
+
+
+def read_criteo_shards(
+    paths: str | os.PathLike | Sequence[str | os.PathLike], *, max_rows: int | None = None
+):
+    """Binary shards read whole as one `ClickData` (what `read_criteo_tsv` gives for their
+    sources; `max_rows` at most)."""
+    from hybrid.data._arrays import concat_rows
+    from hybrid.data._criteo import _chunk
+
+    paths = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    chunks, left = [], max_rows
+    for path in paths:
+        reader = ShardReader(path)
+        try:
+            n = reader.rows if left is None else min(reader.rows, left)
+            if n:
+                labels, dense, ids = reader.read(0, n)
+                chunks.append(_chunk(labels, dense, ids, reader.sizes))
+        finally:
+            reader.close()
+        if left is not None:
+            left -= n
+            if left <= 0:
+                break
+    if not chunks:
+        raise CriteoBinaryError(f"binary Criteo shards {paths!r} hold no samples")
+    return concat_rows(chunks)
