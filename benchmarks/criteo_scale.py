@@ -12,7 +12,9 @@ on 2 gloo ranks; memory, checkpoint and resume figures.
   logistic signal. Deterministic in (rows, seed, sizes); generated once, cached under
   `data_cache/criteo_scale/<key>/` (`--data-dir`).
 - Ours: DLRM (`configs/criteo.toml` with `model.arch = "DLRM"`, dim 16), mesh
-  `data=2,model=2` over 2 processes (gloo + jax.distributed), the planner's plan, Orbax
+  `--mesh` (default `data=1,model=4`: every table on one of the 4 devices, as TorchRec's
+  table-wise plan over its 2 ranks; `data=2,model=2` holds each table twice) over 2
+  processes (gloo + jax.distributed), the planner's plan, Orbax
   checkpoints at the middle and last step; samples/s is the median of the logged windows
   after the first, up to the first save (the windows after it, while the asynchronous save
   writes, are reported apart); peak RSS per process (VmHWM, polled); checkpoint save (the step's wait)
@@ -178,13 +180,13 @@ def _env(rank: int, world: int, port: int) -> dict:
 
 
 def _train_args(
-    data: dict, run_dir: pathlib.Path, steps: int, batch: int, log_every: int
+    data: dict, run_dir: pathlib.Path, steps: int, batch: int, log_every: int, mesh: str
 ) -> list[str]:
     return [
         "--config=configs/criteo.toml",
         "--stream",
         f"--steps={steps}",
-        "--mesh=data=2,model=2",
+        f"--mesh={mesh}",
         '--set=model.arch="DLRM"',
         f"--set=train.batch_size={batch}",
         "--set=train.eval_every=0",
@@ -210,8 +212,9 @@ def _ours(
     log_every: int,
     timeout: float,
     resume: bool,
+    mesh: str,
 ) -> dict:
-    args = _train_args(data, run_dir, steps, batch, log_every)
+    args = _train_args(data, run_dir, steps, batch, log_every, mesh)
     port = _free_port_pair()
     cmd = [sys.executable, "-m", "hybrid.train", *args]
     t0 = time.perf_counter()
@@ -390,7 +393,9 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
     run_dir = out / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    ours = _ours(data, run_dir, steps, batch, log_every, args.timeout, not args.no_resume)
+    ours = _ours(
+        data, run_dir, steps, batch, log_every, args.timeout, not args.no_resume, args.mesh
+    )
     tr_sizes = table_sizes(args.tiny, args.torchrec_scale)
     theirs = None if args.no_torchrec else _torchrec(data, tr_sizes, steps, batch, args.timeout)
     after = probe()
@@ -401,6 +406,7 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
         "table_rows": int(sum(sizes)),
         "batch": batch,
         "steps": steps,
+        "mesh": args.mesh,
         "data": data,
         "ours": ours,
         "torchrec": theirs,
@@ -421,7 +427,7 @@ def markdown(r: dict) -> str:
         f"# Criteo-scale run{' (tiny)' if r['tiny'] else ''}",
         "",
         f"{r['rows']:,} synthetic rows, 26 tables ({r['table_rows']:,} rows, dim 16), batch {r['batch']}, "
-        f"{r['steps']} steps; 2 processes x 2 CPU devices vs TorchRec DMP on 2 gloo ranks.",
+        f"{r['steps']} steps; 2 processes x 2 CPU devices (mesh {r['mesh']}) vs TorchRec DMP on 2 gloo ranks.",
         "",
         r["quietness"] + ("" if r["quiet"] else " -- CONTENDED: every figure below is void"),
         "",
@@ -467,6 +473,9 @@ def main(argv=None) -> None:
         type=float,
         default=1.0,
         help="TorchRec's tables at this fraction of Kaggle's",
+    )
+    parser.add_argument(
+        "--mesh", default="data=1,model=4", help="ours: the mesh over the 2 processes' 4 devices"
     )
     parser.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec side")
     parser.add_argument(
