@@ -1,6 +1,7 @@
 """`python -m benchmarks.criteo_scale`: its data set (deterministic, cached, Kaggle-shaped,
 read by the stream) and its `--tiny` run end to end (2 training processes; the resume and
-the TorchRec side are left to the benchmark's own runs, they cost a minute more)."""
+the TorchRec side are left to the benchmark's own runs, they cost a minute more); and
+`benchmarks.stream_throughput --tiny` (its TSV and binary batches compared equal)."""
 
 import json
 
@@ -52,3 +53,14 @@ def test_tiny_run_writes_its_tables(tmp_path):
     assert len(ours["checkpoint_save_s"]) == 2 and ours["checkpoint_bytes"] > 0
     text = (tmp_path / "criteo_scale_tiny.md").read_text()
     assert "| samples/s |" in text and "not run (--no-resume)" in text
+
+
+def test_stream_throughput_tiny_compares_equal_batches(tmp_path):
+    from benchmarks import stream_throughput
+
+    stream_throughput.main(["--tiny", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "stream_throughput.json").read_text())
+    assert (
+        result["rows"] == 5000 and result["tsv_rows_per_s"] > 0 and result["binary_rows_per_s"] > 0
+    )
+    assert result["quiet"] is False  # --tiny runs no probe: never reported as quiet

@@ -412,11 +412,13 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
         p.stem for p in here.glob("*.py") if "report.add_output_args(" in p.read_text()
     )
     assert with_helper == [
+        "criteo_scale",
         "e2e_sharded",
         "e2e_step",
         "e2e_vs_torchrec",
         "explore_malloc",
         "explore_update",
         "gpu",
+        "stream_throughput",
         "xla_vs_fbgemm",
     ]
