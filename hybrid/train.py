@@ -23,7 +23,8 @@ stays flat however large the files (`hybrid.data.CriteoStream`); the last of dat
 is the held-out eval file, read whole (data.max_rows rows at most; data.eval_fraction is
 not used); train.steps must be given (the stream repeats its files as often as the steps
 need); checkpoints carry the stream's exact position (their meta's "data_stream") and
-`--resume --stream` continues from it. Without `--stream` the files are read into memory
+`--resume --stream` continues from it. data.paths may be binary shards
+(`python -m hybrid.data.preprocess`, the fast path; their own table sizes). Without `--stream` the files are read into memory
 (data.max_rows rows) and the last data.eval_fraction of them is held out.
 `--export DIR` (export.dir) writes a serving artifact at the end of the run (`--quantize
 int8|int4|int2|fp16`: its tables quantized first), which `python -m hybrid.serving serve
@@ -252,6 +253,19 @@ def _load_data(config, stream: bool = False):
             f'data.raw_ids names {unknown}, not Criteo features (cat_0..cat_25, or "*" for all)'
         )
     sizes = [0 if key in raw else d.num_embeddings for key in keys]
+    from hybrid.data._binary import is_shard
+
+    if any(is_shard(p) for p in d.paths):  # binary shards: their ids were hashed when written
+        if not stream:
+            raise ConfigError(
+                "data.paths are binary shards (<name>.criteo): read them with --stream"
+            )
+        if raw:
+            raise ConfigError(
+                "data.raw_ids: binary shards keep the sizes they were converted with; convert with 0 "
+                "(raw ids) for those features instead (python -m hybrid.data.preprocess --num-embeddings)"
+            )
+        sizes = None  # the shards' own (data.num_embeddings is not used)
     if stream:
         return _criteo_stream(config, sizes)
     whole = data.read_criteo_tsv(d.paths, num_embeddings=sizes, max_rows=d.max_rows or None)
@@ -293,9 +307,12 @@ def _criteo_stream(config, sizes):
         shuffle_window=STREAM_WINDOW,
         seed=config.seed,
     )
-    evaluation = data.read_criteo_tsv(
-        d.paths[-1], num_embeddings=sizes, max_rows=d.max_rows or None
-    )
+    if sizes is None:
+        evaluation = data.read_criteo_shards(d.paths[-1], max_rows=d.max_rows or None)
+    else:
+        evaluation = data.read_criteo_tsv(
+            d.paths[-1], num_embeddings=sizes, max_rows=d.max_rows or None
+        )
     return train, evaluation
 
 
@@ -726,6 +743,7 @@ def run(
         tracker = LossTracker(config.log.loss_window)
         start = 0
         ckpt_dir = config.checkpoint.dir
+        restore_s = None
         if resume:
             if not ckpt_dir:
                 raise ConfigError("--resume needs checkpoint.dir (--set checkpoint.dir=runs/x)")
@@ -741,7 +759,9 @@ def run(
                 echo(f"--resume: no checkpoint in {ckpt_dir} yet; starting at step 0")
             else:
                 try:
+                    t_restore = time.perf_counter()
                     meta = load_checkpoint(latest, model=model, dense_optimizer=dense_opt)
+                    restore_s = time.perf_counter() - t_restore
                 except ConfigError:
                     raise
                 except ValueError as e:  # the checkpoint does not fit this config's model
@@ -760,6 +780,8 @@ def run(
             )
             return {"export": str(path), "step": start}
         log = _JsonLines(config.log.metrics_path, start if resume else None)
+        if restore_s is not None:
+            log.write({"kind": "restore", "step": start, "restore_s": restore_s})
         echo(_describe_plan(model, num_devices))
         if stream:
             echo(
@@ -778,6 +800,15 @@ def run(
         def checkpoint(step: int):
             if not ckpt_dir:
                 return None
+            t_save = time.perf_counter()
+            try:
+                return _save(step)
+            finally:  # the step's wait (an asynchronous save commits in the background)
+                log.write(
+                    {"kind": "checkpoint", "step": step, "save_s": time.perf_counter() - t_save}
+                )
+
+        def _save(step: int):
             meta = {"loss_tracker": tracker.state_dict(), "config": config.to_dict()}
             if stream and procs.world > 1:  # each process's own position in its share
                 meta["data_streams"] = procs.gather_objects(stream_position(step))

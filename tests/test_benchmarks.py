@@ -406,6 +406,7 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
         p.stem for p in here.glob("*.py") if "report.add_output_args(" in p.read_text()
     )
     assert with_helper == [
+        "criteo_scale",
         "e2e_sharded",
         "e2e_step",
         "e2e_vs_torchrec",
@@ -414,5 +415,6 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
         "gpu",
         "gpu_readiness",
         "serving_load",
+        "stream_throughput",
         "xla_vs_fbgemm",
     ]

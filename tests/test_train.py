@@ -164,8 +164,8 @@ def test_a_second_run_refuses_to_replace_metrics_a_resume_appends_and_overwrite_
     first = metrics.read_text()
 
     assert train.main(argv) == 2  # the same command again: refused before any data is read
-    err = capsys.readouterr().err
-    assert f"log.metrics_path {metrics} already holds 2 metrics line(s) of an earlier run" in err
+    err = capsys.readouterr().err  # 3 lines: train, eval, checkpoint
+    assert f"log.metrics_path {metrics} already holds 3 metrics line(s) of an earlier run" in err
     for way_out in (
         "--overwrite",
         "--resume",

@@ -26,7 +26,12 @@ samples (~270 bytes each), a few read-ahead batches and one open file.
   with); `restore(state)` makes a stream with the same settings yield exactly the
   batches the saved one would have yielded next.
 
-Errors are `CriteoFormatError` naming file and line, as `iter_criteo_tsv` raises them.
+Binary shards (`hybrid.data._binary`, the fast path) go through the same pipeline with
+another source (`_RowsIterator`: blocks of rows read from the shard's arrays, state
+`{epoch, file, row, samples}`), so they yield the TSV stream's batches exactly.
+
+Errors are `CriteoFormatError` naming file and line, as `iter_criteo_tsv` raises them
+(`CriteoBinaryError` for a shard, naming it).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import grain
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset, WindowShuffleIterDataset
 
+from hybrid.data._binary import CriteoBinaryError, ShardReader, is_shard, read_header
 from hybrid.data._criteo import (
     CRITEO_KEYS,
     NUM_DENSE,
@@ -184,15 +190,117 @@ class _LinesIterator(grain.DatasetIterator):
         super().close()
 
 
-class _Lines(grain.IterDataset):
+class _RowsIterator(grain.DatasetIterator):
+    """This process's samples of binary shards (packed `_RECORD` bytes), in file and row
+    order: the samples `_LinesIterator` gives for the TSV files they were converted from
+    (row r stands for line r + 1: the same row blocks when the TSV has no blank lines).
+    Reads `_CHUNK` rows at a time; its state is `{epoch, file, row, samples}`."""
+
+    _CHUNK = 4096
+
     def __init__(self, share: _Share):
         super().__init__()
         self._share = share
-        self.reader: _LinesIterator | None = None  # the newest iterator (for `progress`)
+        self._state = {"epoch": 0, "file": 0, "row": 0, "samples": 0}
+        self._reader: ShardReader | None = None
+        self._pending: tuple[bytes, list[int]] = (b"", [])
+        self._next = 0
 
-    def __iter__(self) -> _LinesIterator:
-        self.reader = _LinesIterator(self._share)
+    def _close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._reader, self._pending, self._next = None, (b"", []), 0
+
+    def _fill(self) -> bool:
+        """Read the next chunk's owned samples; False at the end of the file."""
+        s, share, reader = self._state, self._share, self._reader
+        while s["row"] < reader.rows:
+            start = s["row"]
+            stop = min(start + self._CHUNK, reader.rows)
+            rows = np.arange(start, stop)
+            if not share.whole_files:
+                block = rows // share.block_rows + share.files[s["file"]][0]
+                rows = rows[block % share.process_count == share.process_index]
+            if len(rows) == 0:
+                s["row"] = stop
+                continue
+            labels, dense, ids = reader.read(int(rows[0]), int(rows[-1]) + 1)
+            pick = rows - rows[0]
+            rec = np.empty(len(rows), _RECORD)
+            rec["x"][:, 0] = labels[pick]
+            rec["x"][:, 1:] = dense[pick]
+            rec["ids"] = ids[pick]
+            self._pending, self._next = (rec.tobytes(), rows.tolist()), 0
+            return True
+        return False
+
+    def _next_file(self) -> None:
+        s, share = self._state, self._share
+        path = self._reader.path
+        self._close()
+        s.update(file=s["file"] + 1, row=0)
+        if s["file"] == len(share.files):
+            if s["samples"] == 0:
+                raise CriteoBinaryError(
+                    f"{path}: process {share.process_index} of {share.process_count} gets no rows of the "
+                    f"{len(share.files)} shard(s) (blocks of {share.block_rows} rows are dealt to the "
+                    "processes in turn); lower block_rows or give more rows"
+                )
+            s.update(file=0, epoch=s["epoch"] + 1, samples=0)
+
+    def __next__(self) -> bytes:
+        s, share = self._state, self._share
+        while True:
+            if share.num_epochs is not None and s["epoch"] >= share.num_epochs:
+                raise StopIteration
+            if self._reader is None:
+                self._reader = ShardReader(share.files[s["file"]][1])
+                if self._reader.rows == 0:
+                    raise CriteoBinaryError(f"{self._reader.path}: no samples (0 rows)")
+            data, rows = self._pending
+            if self._next == len(rows):
+                if not self._fill():
+                    self._next_file()
+                continue
+            i = self._next
+            self._next += 1
+            s["row"] = rows[i] + 1
+            s["samples"] += 1
+            return data[i * _RECORD.itemsize : (i + 1) * _RECORD.itemsize]
+
+    def get_state(self) -> dict:
+        return dict(self._state)
+
+    def set_state(self, state: dict) -> None:
+        self._close()
+        self._state = {k: int(state[k]) for k in self._state}
+
+    def close(self) -> None:
+        self._close()
+        super().close()
+
+
+class _Lines(grain.IterDataset):
+    def __init__(self, share: _Share, binary: bool = False):
+        super().__init__()
+        self._share = share
+        self._binary = binary
+        self.reader: _LinesIterator | _RowsIterator | None = None  # the newest (for `progress`)
+
+    def __iter__(self) -> _LinesIterator | _RowsIterator:
+        self.reader = (_RowsIterator if self._binary else _LinesIterator)(self._share)
         return self.reader
+
+
+def _binary_paths(paths) -> bool:
+    """Whether the paths are binary shards (all) rather than TSV files (all)."""
+    kinds = {is_shard(p) for p in paths}
+    if len(kinds) > 1:
+        raise ValueError(
+            "CriteoStream: the paths mix binary shards (<name>.criteo directories) and TSV files; "
+            "convert the TSV files too (python -m hybrid.data.preprocess) or list only one kind"
+        )
+    return kinds == {True}
 
 
 class CriteoStream:
@@ -200,7 +308,11 @@ class CriteoStream:
     of Criteo TSV files (plain or gzipped), with `B = batch_size` (this process's part of a
     global batch), read ahead on a background thread and shuffled within a window.
 
-    `num_embeddings` as in `read_criteo_tsv` (one size, or 26; 0 = raw 64-bit ids).
+    `paths` may instead all be binary shards (`python -m hybrid.data.preprocess`): the
+    same samples read far faster, the same batches for the same settings (their ids were
+    hashed when converted: `num_embeddings` must match their header's, and defaults to it).
+    `num_embeddings` as in `read_criteo_tsv` (one size, or 26; 0 = raw 64-bit ids;
+    default 100,000 for TSV files).
     `shuffle_window` samples are shuffled together (1 = file order); `seed` picks the
     order. `num_epochs=None` repeats the share forever; with a number the last batch may
     be short unless `drop_remainder`. `block_rows`: the row-block split's unit (see the
@@ -215,7 +327,7 @@ class CriteoStream:
         *,
         process_index: int = 0,
         process_count: int = 1,
-        num_embeddings: int | Sequence[int] = 100_000,
+        num_embeddings: int | Sequence[int] | None = None,
         shuffle_window: int = 65_536,
         seed: int = 0,
         num_epochs: int | None = None,
@@ -229,7 +341,20 @@ class CriteoStream:
                 f"CriteoStream: batch_size={batch_size} and shuffle_window={shuffle_window} must be >= 1, "
                 f"prefetch={prefetch} >= 0"
             )
-        self.num_embeddings = _sizes(num_embeddings)
+        binary = _binary_paths(paths)
+        if binary:
+            headers = [read_header(p) for p in paths]
+            shard_sizes = tuple(headers[0]["num_embeddings"])
+            if num_embeddings is None:
+                num_embeddings = shard_sizes
+            for p, h in zip(paths, headers, strict=True):
+                if tuple(h["num_embeddings"]) != _sizes(num_embeddings):
+                    raise CriteoBinaryError(
+                        f"{os.fspath(p)}: its ids were hashed with num_embeddings = {h['num_embeddings']}, "
+                        f"this stream asks for {list(_sizes(num_embeddings))}; convert the source again "
+                        "with these sizes (python -m hybrid.data.preprocess --num-embeddings ...)"
+                    )
+        self.num_embeddings = _sizes(100_000 if num_embeddings is None else num_embeddings)
         self._share = _share(
             [os.fspath(p) for p in paths],
             process_index,
@@ -246,7 +371,9 @@ class CriteoStream:
             "seed": seed,
             "block_rows": block_rows,
         }
-        ds = self._lines = _Lines(self._share)
+        if binary:  # a TSV position does not apply to shards (nor back)
+            self._settings["source"] = "criteo_binary"
+        ds = self._lines = _Lines(self._share, binary)
         if shuffle_window > 1:
             ds = WindowShuffleIterDataset(ds, window_size=shuffle_window, seed=seed)
         ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=self._collate)
@@ -296,8 +423,9 @@ class CriteoStream:
             raise ValueError(
                 f"CriteoStream.restore: not a stream position ({_FORMAT}): {state!r:.200}"
             )
-        for key, mine in self._settings.items():
-            if state.get(key) != mine:
+        kind = {"source": "tsv"}  # a TSV stream's position has no "source" (it predates shards)
+        for key, mine in {**kind, **self._settings}.items():
+            if state.get(key, kind.get(key)) != mine:
                 raise ValueError(
                     f"CriteoStream.restore: the position was saved with {key} = {state.get(key)!r}, this "
                     f"stream has {mine!r}; a position is exact only with the files and settings it was "
