@@ -40,8 +40,8 @@ test-lowest: $(STAMP)
 	PYTHONPATH=$(VENV)/lowest $(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check sparse_jax dense_torch hybrid tests benchmarks
-	$(PY) -m ruff format --check sparse_jax dense_torch hybrid tests benchmarks
+	$(PY) -m ruff check sparse_jax dense_torch hybrid tests benchmarks tools
+	$(PY) -m ruff format --check sparse_jax dense_torch hybrid tests benchmarks tools
 
 # Mutation testing, one module at a time (mutmut 3, forkserver workers; see tools/mutation.sh):
 #   make mutation MODULE=sparse_jax/planner/_constraints.py TESTS=tests/test_planner.py

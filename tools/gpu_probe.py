@@ -3,9 +3,12 @@ JAX and torch see (a GPU when there is one): six steps of the tests' small model
 batch in the middle, printing where the tables and the dense tower live, the losses (compare
 with a CPU run: `JAX_PLATFORMS=cpu`), the skipped batches and the bridge's zero-copy count.
 Not part of the suite."""
+
 import math
+
 import jax
 import torch
+
 import hybrid
 from hybrid.model._bridge import bridge_stats
 from tests.test_pipeline import _batches, _loss, _model
@@ -17,8 +20,10 @@ print("torch device of the dense tower", next(model.dense_parameters()).device)
 opt = torch.optim.Adam(model.dense_parameters(), lr=0.01)
 pipeline = hybrid.TrainPipeline(model, opt, _loss)
 batches = _batches(6)
-d, s, l = batches[3]
-d = d.clone(); d[0, 0] = float("nan"); batches[3] = (d, s, l)
+dense_x, sparse, labels = batches[3]
+dense_x = dense_x.clone()
+dense_x[0, 0] = float("nan")  # one poisoned batch: the guard must skip it
+batches[3] = (dense_x, sparse, labels)
 bridge_stats().reset()
 it = iter(batches)
 losses = []

@@ -24,8 +24,13 @@ PY = os.path.join(ROOT, ".venv", "bin", "python")
 
 
 def sync(work: str, mutated: str) -> None:
-    files = subprocess.run(["git", "ls-files", "sparse_jax", "hybrid", "dense_torch", "tests"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "sparse_jax", "hybrid", "dense_torch", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for f in files:
         if f.endswith(".py") and not fnmatch.fnmatch(f, mutated):
             os.makedirs(os.path.join(work, "mutants", os.path.dirname(f)), exist_ok=True)
@@ -35,8 +40,11 @@ def sync(work: str, mutated: str) -> None:
 def main(work, mutated, names_file, out_file, *stages) -> int:
     sync(work, mutated)
     names = [n.strip() for n in open(names_file) if n.strip()]
-    env = dict(os.environ, HYBRIDREC_DIFF_CASES=os.environ.get("HYBRIDREC_DIFF_CASES", "60"),
-               PYTHONDONTWRITEBYTECODE="1")
+    env = dict(
+        os.environ,
+        HYBRIDREC_DIFF_CASES=os.environ.get("HYBRIDREC_DIFF_CASES", "60"),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     cwd, lock, verdict = os.path.join(work, "mutants"), threading.Lock(), {}
     for stage in stages:
         cmd = [PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *stage.split()]
@@ -45,7 +53,9 @@ def main(work, mutated, names_file, out_file, *stages) -> int:
             sys.exit(f"the clean tree fails {stage!r} in {cwd}:\n{clean.stdout[-2000:]}")
 
         def one(name, cmd=cmd, stage=stage):
-            r = subprocess.run(cmd, cwd=cwd, env={**env, "MUTANT_UNDER_TEST": name}, capture_output=True, text=True)
+            r = subprocess.run(
+                cmd, cwd=cwd, env={**env, "MUTANT_UNDER_TEST": name}, capture_output=True, text=True
+            )
             v = "survived" if r.returncode == 0 else "killed"
             with lock:
                 verdict[name] = v
@@ -56,7 +66,9 @@ def main(work, mutated, names_file, out_file, *stages) -> int:
         with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("WORKERS", "1"))) as pool:
             list(pool.map(one, todo))
     killed = sum(v == "killed" for v in verdict.values())
-    print(f"{killed} of {len(names)} killed; survivors: {[n for n, v in verdict.items() if v != 'killed']}")
+    print(
+        f"{killed} of {len(names)} killed; survivors: {[n for n, v in verdict.items() if v != 'killed']}"
+    )
     return 0
 
 
