@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grain
 import numpy as np
@@ -109,7 +109,34 @@ def _record(raw: bytes, where: str, sizes: tuple[int, ...]) -> bytes:
     return np.array([label, *dense], np.float32).tobytes() + np.array(ids, np.int64).tobytes()
 
 
-class _LinesIterator(grain.DatasetIterator):
+class _ShareIterator(grain.DatasetIterator):
+    """What both readers of a process's share hold alike: their position `_state` (a dict of
+    ints, its keys fixed by each reader) as grain's checkpointable state, and the move to the
+    next file, then to the next epoch after the last one. A subclass has `_close()`."""
+
+    def _next_file_of_share(self, no_rows: Callable[[], Exception]) -> None:
+        """Advance `_state` to the next file, or to the next epoch after the last file;
+        raises `no_rows()` when a whole pass over the files gave this process no sample."""
+        s, share = self._state, self._share
+        s["file"] += 1
+        if s["file"] == len(share.files):
+            if s["samples"] == 0:
+                raise no_rows()
+            s.update(file=0, epoch=s["epoch"] + 1, samples=0)
+
+    def get_state(self) -> dict:
+        return dict(self._state)
+
+    def set_state(self, state: dict) -> None:
+        self._close()
+        self._state = {k: int(state[k]) for k in self._state}
+
+    def close(self) -> None:
+        self._close()
+        super().close()
+
+
+class _LinesIterator(_ShareIterator):
     """This process's samples (packed `_RECORD` bytes), in file and line order."""
 
     def __init__(self, share: _Share):
@@ -146,16 +173,15 @@ class _LinesIterator(grain.DatasetIterator):
             what = "the file is empty" if s["line"] == 0 else f"all {s['line']} lines are blank"
             raise CriteoFormatError(f"{self._path()}, line {s['line'] + 1}: no samples ({what})")
         self._close()
-        last = (self._path(), s["line"])
-        s.update(file=s["file"] + 1, offset=0, line=0, rows=0)
-        if s["file"] == len(share.files):
-            if s["samples"] == 0:
-                raise CriteoFormatError(
-                    f"{last[0]}, line {last[1]}: process {share.process_index} of {share.process_count} "
-                    f"gets no rows of the {len(share.files)} file(s) (blocks of {share.block_rows} "
-                    "lines are dealt to the processes in turn); lower block_rows or give more rows"
-                )
-            s.update(file=0, epoch=s["epoch"] + 1, samples=0)
+        path, line = self._path(), s["line"]
+        s.update(offset=0, line=0, rows=0)
+        self._next_file_of_share(
+            lambda: CriteoFormatError(
+                f"{path}, line {line}: process {share.process_index} of {share.process_count} "
+                f"gets no rows of the {len(share.files)} file(s) (blocks of {share.block_rows} "
+                "lines are dealt to the processes in turn); lower block_rows or give more rows"
+            )
+        )
 
     def __next__(self) -> bytes:
         s, share = self._state, self._share
@@ -178,19 +204,8 @@ class _LinesIterator(grain.DatasetIterator):
                 s["samples"] += 1
                 return _record(raw, f"{self._path()}, line {number}", share.sizes)
 
-    def get_state(self) -> dict:
-        return dict(self._state)
 
-    def set_state(self, state: dict) -> None:
-        self._close()
-        self._state = {k: int(state[k]) for k in self._state}
-
-    def close(self) -> None:
-        self._close()
-        super().close()
-
-
-class _RowsIterator(grain.DatasetIterator):
+class _RowsIterator(_ShareIterator):
     """This process's samples of binary shards (packed `_RECORD` bytes), in file and row
     order: the samples `_LinesIterator` gives for the TSV files they were converted from
     (row r stands for line r + 1: the same row blocks when the TSV has no blank lines).
@@ -235,18 +250,17 @@ class _RowsIterator(grain.DatasetIterator):
         return False
 
     def _next_file(self) -> None:
-        s, share = self._state, self._share
+        share = self._share
         path = self._reader.path
         self._close()
-        s.update(file=s["file"] + 1, row=0)
-        if s["file"] == len(share.files):
-            if s["samples"] == 0:
-                raise CriteoBinaryError(
-                    f"{path}: process {share.process_index} of {share.process_count} gets no rows of the "
-                    f"{len(share.files)} shard(s) (blocks of {share.block_rows} rows are dealt to the "
-                    "processes in turn); lower block_rows or give more rows"
-                )
-            s.update(file=0, epoch=s["epoch"] + 1, samples=0)
+        self._state["row"] = 0
+        self._next_file_of_share(
+            lambda: CriteoBinaryError(
+                f"{path}: process {share.process_index} of {share.process_count} gets no rows of the "
+                f"{len(share.files)} shard(s) (blocks of {share.block_rows} rows are dealt to the "
+                "processes in turn); lower block_rows or give more rows"
+            )
+        )
 
     def __next__(self) -> bytes:
         s, share = self._state, self._share
@@ -267,17 +281,6 @@ class _RowsIterator(grain.DatasetIterator):
             s["row"] = rows[i] + 1
             s["samples"] += 1
             return data[i * _RECORD.itemsize : (i + 1) * _RECORD.itemsize]
-
-    def get_state(self) -> dict:
-        return dict(self._state)
-
-    def set_state(self, state: dict) -> None:
-        self._close()
-        self._state = {k: int(state[k]) for k in self._state}
-
-    def close(self) -> None:
-        self._close()
-        super().close()
 
 
 class _Lines(grain.IterDataset):
