@@ -35,7 +35,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import time
 import numpy as np
 
 from benchmarks import report
+from hybrid.training._distributed import free_master_port
 
 __all__ = ["KAGGLE_CARDINALITIES", "generate", "main", "run"]
 
@@ -116,19 +116,6 @@ def generate(root: str | os.PathLike, rows: int, sizes, seed: int = 0) -> dict:
 
 
 # -- processes -----------------------------------------------------------------------------
-def _free_port_pair() -> int:
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))  # jax.distributed's coordinator
-            except OSError:
-                continue
-        if port < 65534:
-            return port
-    raise RuntimeError("no two free adjacent ports on loopback")
 
 
 def _hwm_kib(pid: int) -> int | None:
@@ -215,7 +202,7 @@ def _ours(
     mesh: str,
 ) -> dict:
     args = _train_args(data, run_dir, steps, batch, log_every, mesh)
-    port = _free_port_pair()
+    port = free_master_port()
     cmd = [sys.executable, "-m", "hybrid.train", *args]
     t0 = time.perf_counter()
     procs = _launch([cmd, cmd], [_env(r, 2, port) for r in (0, 1)], timeout)
@@ -243,7 +230,7 @@ def _ours(
     if not resume:
         return result
     # resume on 2 processes: a few more steps from the last checkpoint
-    port = _free_port_pair()
+    port = free_master_port()
     more = [a if not a.startswith("--steps=") else f"--steps={steps + 2 * log_every}" for a in args]
     resumed = _launch(
         [[*cmd[:3], *more, "--resume"]] * 2, [_env(r, 2, port) for r in (0, 1)], timeout
@@ -364,7 +351,7 @@ def _torchrec(data: dict, sizes, steps: int, batch: int, timeout: float) -> dict
     spec = json.dumps(
         {"sizes": list(sizes), "paths": data["paths"], "steps": steps, "batch": batch}
     )
-    port = _free_port_pair()
+    port = free_master_port()
     cmd = [sys.executable, "-m", "benchmarks.criteo_scale", "--torchrec-rank"]
     procs = _launch(
         [[*cmd, str(r), str(port), spec] for r in (0, 1)], [_env(0, 1, 0), _env(0, 1, 0)], timeout

@@ -2,12 +2,13 @@
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from hybrid.training._distributed import free_master_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -41,25 +42,9 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port_pair() -> int:
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65534:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two free adjacent ports on loopback")
-
-
 @pytest.mark.multiprocess
 def test_two_processes_on_loopback():
-    port = _free_port_pair()
+    port = free_master_port()
     procs = []
     for rank in range(2):
         env = {

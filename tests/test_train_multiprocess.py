@@ -2,12 +2,13 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from hybrid.training._distributed import free_master_port
 
 ARGS = [
     "--config=configs/synthetic.toml",
@@ -23,21 +24,6 @@ ARGS = [
     "--set=train.batch_size=128",
     "--set=train.eval_batch_size=512",
 ]
-
-
-def _free_port_pair() -> int:
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))  # jax.distributed's coordinator
-            except OSError:
-                continue
-        if port < 65534:
-            return port
-    raise RuntimeError("no two free adjacent ports on loopback")
 
 
 def _records(path):
@@ -63,7 +49,7 @@ def test_two_processes_match_one(tmp_path):
             "-m",
             "torch.distributed.run",
             "--nproc-per-node=2",
-            f"--master-port={_free_port_pair()}",
+            f"--master-port={free_master_port()}",
             "-m",
             "hybrid.train",
             # no --mesh, as the README's torchrun command: several processes default to

@@ -24,13 +24,14 @@ import dataclasses
 import datetime
 import inspect
 import os
+import socket
 from collections.abc import Mapping
 
 import jax
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedEnv", "init_distributed", "read_torchrun_env"]
+__all__ = ["DistributedEnv", "free_master_port", "init_distributed", "read_torchrun_env"]
 
 _VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -56,6 +57,24 @@ class DistributedEnv:
     def coordinator_address(self) -> str:
         """jax.distributed's coordinator: MASTER_ADDR, the port after MASTER_PORT."""
         return f"{self.master_addr}:{self.master_port + 1}"
+
+
+def free_master_port(host: str = "127.0.0.1") -> int:
+    """A MASTER_PORT for processes started by hand on `host`: free, and so is the port after
+    it (jax.distributed's coordinator)."""
+    for _ in range(20):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port >= 65534:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no two free adjacent ports on {host}")
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
