@@ -107,12 +107,13 @@ def torchrec_case(model, args, batch: int):
     return run
 
 
-def ours_predictor(args, w, path: str):
+def ours_model(args, w):
+    """The float DLRM (`hybrid.Model`) with the tables `w`, before quantization and export:
+    what this benchmark and `benchmarks.serving_load` serve."""
     import torch
 
     import dense_torch
     import hybrid
-    import hybrid.serving
     from sparse_jax import EmbeddingBagConfig
 
     tables = [
@@ -135,6 +136,16 @@ def ours_predictor(args, w, path: str):
     model.load_state_dict(
         {f"embedding_bags.{t}.weight": torch.from_numpy(x) for t, x in w.items()}, strict=False
     )
+    return model
+
+
+def ours_predictor(args, w, path: str):
+    import torch
+
+    import hybrid
+    import hybrid.serving
+
+    model = ours_model(args, w)
     dense, sparse = requests(args, max(BATCHES))
     example = (
         torch.from_numpy(dense),

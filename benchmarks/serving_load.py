@@ -148,31 +148,11 @@ def _export(args, directory: str) -> str:
     """The int8 DLRM exported (max_batch_size: the server's limit) to `directory`/a."""
     import torch
 
-    import dense_torch
     import hybrid
     from benchmarks import serving_latency as sl
-    from sparse_jax import EmbeddingBagConfig
 
     m = _model_args(args)
-    tables = [
-        EmbeddingBagConfig(name=t, num_embeddings=m.rows, embedding_dim=m.dim, feature_names=[f])
-        for t, f in sl._config(m)
-    ]
-    torch.manual_seed(0)
-    model = hybrid.Model(
-        tables,
-        dense_torch.DLRM(
-            embedding_dim=m.dim,
-            num_sparse_features=m.tables,
-            dense_in_features=sl.N_DENSE,
-            dense_arch_layer_sizes=[64, m.dim],
-            over_arch_layer_sizes=[64, 1],
-        ),
-    )
-    w = sl.weights(m)
-    model.load_state_dict(
-        {f"embedding_bags.{t}.weight": torch.from_numpy(x) for t, x in w.items()}, strict=False
-    )
+    model = sl.ours_model(m, sl.weights(m))
     dense, sparse = sl.requests(m, args.max_batch_size)
     example = (torch.from_numpy(dense), {f: (v, n) for f, (v, n) in sparse.items()})
     path = os.path.join(directory, "a")
