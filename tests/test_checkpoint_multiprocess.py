@@ -27,7 +27,7 @@ from hybrid import train
 from hybrid.checkpoint import CheckpointError, checkpoint_arrays, latest_checkpoint
 from hybrid.checkpoint import verify_checkpoint as verify
 from hybrid.training import ConfigError, load_config
-from tests.test_train_multiprocess import _free_port_pair
+from hybrid.training._distributed import free_master_port
 
 pytest.importorskip("orbax.checkpoint")
 
@@ -72,7 +72,7 @@ def _two_processes(directory, *, kill_step=None):
             "-m",
             "torch.distributed.run",
             "--nproc-per-node=2",
-            f"--master-port={_free_port_pair()}",
+            f"--master-port={free_master_port()}",
             "tests/mp_checkpoint_worker.py",
             "--config=configs/synthetic.toml",
             "--resume",

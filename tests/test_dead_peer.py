@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from hybrid.training._distributed import free_master_port
 from hybrid.training._watchdog import EXIT_ERROR, EXIT_PEER_LOST, Watchdog
-from tests.test_hybrid_distributed import _free_port_pair
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def _exit_within(proc, seconds: float) -> tuple[int, str, float]:
 
 
 def _explicit(tmp_path, steps):
-    port = _free_port_pair()
+    port = free_master_port()
     procs = []
     for rank in range(2):
         env = _base_env()
@@ -135,7 +135,7 @@ def test_under_torchrun_the_job_exits(tmp_path):
             "-m",
             "torch.distributed.run",
             "--nproc-per-node=2",
-            f"--master-port={_free_port_pair()}",
+            f"--master-port={free_master_port()}",
             str(script),
             str(10**9),
             str(tmp_path),
