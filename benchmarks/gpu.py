@@ -39,7 +39,7 @@ from benchmarks.workloads import Workload, make_batch, tiny_set
 from sparse_jax._kernels import _pallas
 from sparse_jax._lookup import _sum_positions
 from sparse_jax.optim import rowwise_adagrad, sgd
-from sparse_jax.optim._apply import apply_row_rule
+from sparse_jax.optim._apply import apply_row_rule, apply_sorted_runs
 
 __all__ = ["main", "run"]
 
@@ -111,6 +111,10 @@ class _Case:
         self.scale = jnp.ones(rows.shape, jnp.float32)
         grad = b.pooled_grad.reshape(w.B, w.T, w.D).transpose(1, 0, 2).reshape(w.T * w.B, w.D)
         self.bag_grads = jnp.asarray(grad)
+        # the same stream sorted by row on the host, as `prepare` hands it to the updates
+        # (`sparse_jax._sorted_ids`: one buffer, rows t * E + id, bags t * B + b)
+        ebc = _collection(w, kernel="xla")
+        (self.sorted,) = ebc.prepare(_kjt(w, b), sort_ids=True).sorted_ids.values()
         self.static = dict(
             stride=w.B,
             keys=list(range(w.T)),
@@ -119,6 +123,24 @@ class _Case:
             mean=[False] * w.T,
             clamp=False,
         )
+
+
+def _collection(w: Workload, **kwargs):
+    from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", num_embeddings=w.E, embedding_dim=w.D, feature_names=[f"f{t}"]
+        )
+        for t in range(w.T)
+    ]
+    return EmbeddingBagCollection(tables, **kwargs)
+
+
+def _kjt(w: Workload, b):
+    from sparse_jax import KeyedJaggedTensor
+
+    return KeyedJaggedTensor([f"f{t}" for t in range(w.T)], b.ids, lengths=b.lengths)
 
 
 def _forward_cases(c: _Case, interpret: bool):
@@ -201,11 +223,19 @@ def _time_torch(fns: dict, rounds: int, reps: int) -> dict:
 
 
 def _update_fns(c: _Case, rule, interpret: bool):
+    """The update programs, each `(table, state, rows, bag, scale, bag_grads, ids)` with
+    `ids` the host-sorted stream: the Pallas kernel sorting in the program (as a batch
+    prepared without `sort_ids` runs) and reading the host's runs (no sort in the program),
+    the pure-XLA in-program form and the XLA sorted-run form (`apply_sorted_runs`)."""
     num_rows = c.table.shape[0]
 
-    def pallas_form(unroll: int):
-        def run(table, state, rows, bag, scale, bag_grads):
-            rows_s, perm = _pallas.sorted_runs(rows, num_rows)
+    def pallas_form(unroll: int, host_sorted: bool = False):
+        def run(table, state, rows, bag, scale, bag_grads, ids):
+            if host_sorted:
+                rows_s, bag, scale = ids.row, ids.bag, ids.scale
+                perm = jnp.arange(rows_s.shape[0], dtype=jnp.int32)
+            else:
+                rows_s, perm = _pallas.sorted_runs(rows, num_rows)
             return _pallas.sorted_run_update(
                 rule, table, state, jnp.int32(1), rows_s, perm, bag, scale, bag_grads,
                 interpret=interpret, unroll=unroll,
@@ -213,18 +243,26 @@ def _update_fns(c: _Case, rule, interpret: bool):
 
         return run
 
-    pallas, pallas1 = pallas_form(_pallas.UNROLL), pallas_form(1)
-
-    def xla(table, state, rows, bag, scale, bag_grads):
+    def xla(table, state, rows, bag, scale, bag_grads, ids):
         return apply_row_rule(
             rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads, scatter_add=not on_gpu()
         )
 
-    return {
-        "pallas": jax.jit(pallas, donate_argnums=(0, 1)),
-        "xla": jax.jit(xla, donate_argnums=(0, 1)),
-        "pallas_unroll1": jax.jit(pallas1, donate_argnums=(0, 1)),
+    def xla_runs(table, state, rows, bag, scale, bag_grads, ids):
+        return apply_sorted_runs(rule, table, state, jnp.int32(1), ids, bag_grads)
+
+    fns = {
+        "pallas": pallas_form(_pallas.UNROLL),
+        "xla": xla,
+        "pallas_unroll1": pallas_form(1),
+        "pallas_host_sorted": pallas_form(_pallas.UNROLL, host_sorted=True),
+        "xla_sorted_runs": xla_runs,
     }
+    return {k: jax.jit(fn, donate_argnums=(0, 1)) for k, fn in fns.items()}
+
+
+def _update_args(c: _Case) -> tuple:
+    return (c.rows, c.bag, c.scale, c.bag_grads, c.sorted)
 
 
 def _check(c: _Case, interpret: bool) -> dict:
@@ -239,13 +277,20 @@ def _check(c: _Case, interpret: bool) -> dict:
         for k, fn in fns.items():
             t = jnp.array(c.table, copy=True)
             s = rule.init_table(t)
-            res[k] = fn(t, s, c.rows, c.bag, c.scale, c.bag_grads)
-        diff = float(np.abs(np.asarray(res["pallas"][0]) - np.asarray(res["xla"][0])).max())
+            res[k] = np.asarray(fn(t, s, *_update_args(c))[0])
+        diff = float(np.abs(res["pallas"] - res["xla"]).max())
         t2 = jnp.array(c.table, copy=True)
-        again = fns["pallas"](t2, rule.init_table(t2), c.rows, c.bag, c.scale, c.bag_grads)
+        again = fns["pallas"](t2, rule.init_table(t2), *_update_args(c))
         checks[f"{rule.name}_max_abs_diff"] = diff
         checks[f"{rule.name}_bitwise_reproducible"] = bool(
-            np.array_equal(np.asarray(again[0]), np.asarray(res["pallas"][0]))
+            np.array_equal(np.asarray(again[0]), res["pallas"])
+        )
+        # the host's runs hold each run's ids in batch order, as the in-program sort does
+        checks[f"{rule.name}_host_sorted_bitwise_equal"] = bool(
+            np.array_equal(res["pallas_host_sorted"], res["pallas"])
+        )
+        checks[f"{rule.name}_xla_sorted_runs_max_abs_diff"] = float(
+            np.abs(res["xla_sorted_runs"] - res["xla"]).max()
         )
     return checks
 
@@ -253,41 +298,52 @@ def _check(c: _Case, interpret: bool) -> dict:
 def _library_steps(w: Workload, interpret: bool, rounds: int, reps: int) -> dict:
     """The path users run: `EmbeddingBagCollection.apply` and the guarded fused update
     (`make_update(..., skip_nonfinite=True)`, as `hybrid.Model` builds it) on a prepared batch,
-    kernel "auto" (Pallas on a GPU) against "xla"; rowwise Adagrad."""
-    from sparse_jax import (
-        EmbeddingBagCollection,
-        EmbeddingBagConfig,
-        KeyedJaggedTensor,
-        make_update,
-    )
+    kernel "auto" (Pallas on a GPU) against "xla", each with the batch's ids sorted on the
+    host (the default on a GPU) and without (`sort_ids=False`: the Pallas update sorts in the
+    program, the XLA one takes its in-program form); the "auto" step's forward and update
+    alone; rowwise Adagrad. Also the host's `prepare` time with and without the sort."""
+    from sparse_jax import make_update
 
     b = make_batch(w)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{t}", num_embeddings=w.E, embedding_dim=w.D, feature_names=[f"f{t}"]
-        )
-        for t in range(w.T)
-    ]
-    kjt = KeyedJaggedTensor([f"f{t}" for t in range(w.T)], b.ids, lengths=b.lengths)
+    kjt = _kjt(w, b)
     grad = jnp.asarray(b.pooled_grad)
     rule = rowwise_adagrad(lr=0.05)
-    cases, keep = {}, {}
-    for kernel in ("pallas" if interpret else "auto", "xla"):
-        module = EmbeddingBagCollection(tables, kernel=kernel)
-        batch = module.prepare(kjt)
-        params = module.init(jax.random.key(0))
-        keep[kernel] = [params, rule.init(params)]
-        update = make_update(module, rule, skip_nonfinite=True)
-        fwd = jax.jit(lambda p, bt, m=module: m.apply(p, bt).values())
+    cases, keep, prepare_ms = {}, {}, {}
+    main = "pallas" if interpret else "auto"
+    for kernel in (main, "xla"):
+        for sort in (True, False):
+            name = f"{kernel}{'' if sort else '_insort'}"
+            module = _collection(w, kernel=kernel, sort_ids=sort)
+            batch = module.prepare(kjt)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                jax.block_until_ready(module.prepare(kjt))
+            prepare_ms[name] = (time.perf_counter() - t0) / 3 * 1e3
+            params = module.init(jax.random.key(0))
+            keep[name] = [params, rule.init(params)]
+            update = make_update(module, rule, skip_nonfinite=True)
+            fwd = jax.jit(lambda p, bt, m=module: m.apply(p, bt).values())
 
-        def step(kernel=kernel, update=update, fwd=fwd, batch=batch):
-            params, state = keep[kernel]
-            out = fwd(params, batch)
-            keep[kernel] = list(update(params, state, batch, grad))
-            return out, keep[kernel][0]
+            def step(name=name, update=update, fwd=fwd, batch=batch):
+                params, state = keep[name]
+                out = fwd(params, batch)
+                keep[name] = list(update(params, state, batch, grad))
+                return out, keep[name][0]
 
-        cases[f"step_{kernel}"] = step
-    return _timeit(cases, rounds, reps)
+            cases[f"step_{name}"] = step
+            if name == main:
+
+                def fwd_only(name=name, fwd=fwd, batch=batch):
+                    return fwd(keep[name][0], batch)
+
+                def update_only(name=name, update=update, batch=batch):
+                    keep[name] = list(update(*keep[name], batch, grad))
+                    return keep[name][0]
+
+                cases[f"forward_{name}"], cases[f"update_{name}"] = fwd_only, update_only
+    timed = _timeit(cases, rounds, reps)
+    timed["host_prepare_ms"] = prepare_ms
+    return timed
 
 
 def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -> dict:
@@ -319,9 +375,7 @@ def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -
 
             def step(k, fn, state=state, opt=opt, c=c):
                 def go():
-                    state[k][0], opt[k][0] = fn(
-                        state[k][0], opt[k][0], c.rows, c.bag, c.scale, c.bag_grads
-                    )
+                    state[k][0], opt[k][0] = fn(state[k][0], opt[k][0], *_update_args(c))
                     return state[k][0]
 
                 return go
@@ -330,7 +384,7 @@ def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -
             entry["update"][rule.name] = timed
             probe = jnp.array(c.table, copy=True)
             entry["update_launches"][rule.name] = {
-                k: _launches(fn, probe, rule.init_table(probe), c.rows, c.bag, c.scale, c.bag_grads)
+                k: _launches(fn, probe, rule.init_table(probe), *_update_args(c))
                 for k, fn in fns.items()
             }
         entry["library_step"] = _library_steps(w, interpret, rounds, reps)
@@ -376,14 +430,22 @@ def markdown(results: dict) -> str:
                     f"{100 * gbs / roof:.0f}% | {launch['fusions']}f+{launch['custom_calls']}c, "
                     f"{launch['sorts']} sort, {launch['scatters']} scatter |"
                 )
-        steps = e.get("library_step", {})
+        steps = dict(e.get("library_step", {}))
+        prepare = steps.pop("host_prepare_ms", {})
         if steps:
             base = next(iter(steps.values()))["median_ms"]
             for k, v in steps.items():
+                what = "forward + guarded update" if k.startswith("step_") else "alone"
                 lines.append(
-                    f"| library forward + guarded update, {k} | {v['median_ms']:.3f} | "
+                    f"| library {what}, {k} | {v['median_ms']:.3f} | "
                     f"{v['median_ms'] / base:.2f}x | | | |"
                 )
+        if prepare:
+            lines += [
+                "",
+                "Host `prepare` per batch (ms; the sort is off the critical path under "
+                "`TrainPipeline`): " + ", ".join(f"{k} {v:.1f}" for k, v in prepare.items()),
+            ]
         lines.append("")
     return "\n".join(lines)
 

@@ -3,7 +3,8 @@
 On a machine without a GPU, `interpret=True` runs each kernel's own body (the same program a
 GPU compiles) with XLA: every kernel is checked here over shapes x dtypes x rules, ids -1, 0,
 E-1, E under clamp / skip, empty and long bags, duplicates and Zipf ids; a bug planted in a
-kernel's indexing, masking or rule fails these."""
+kernel's indexing, masking or rule fails these. On a GPU (`JAX_PLATFORMS=cuda python -m pytest
+tests/test_pallas_kernels.py`) the same tests compile the kernels with Triton instead."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sparse_jax._kernels import _pallas
 from sparse_jax._row_update import update_rows
 from tests import reference
 
+INTERPRET = jax.default_backend() not in ("gpu", "cuda", "rocm")  # compiled on a GPU
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 
@@ -56,7 +58,7 @@ def test_jagged_pooled_sum_equals_the_loops(dtype, dim, bounds):
             num_rows=[E, E, E],
             mean=[False, False, True],
             clamp=bounds == "clamp",
-            interpret=True,
+            interpret=INTERPRET,
         )
         bag_ids, bag_w = {}, {}
         for k, key in enumerate(keys):
@@ -89,7 +91,7 @@ def test_pooled_positions_equals_the_loops():
     w[2, 3:] = 0  # padding positions
     w[4] = 0  # an empty bag
     out = _pallas.pooled_positions(
-        jnp.asarray(table), jnp.asarray(rows), jnp.asarray(w), interpret=True
+        jnp.asarray(table), jnp.asarray(rows), jnp.asarray(w), interpret=INTERPRET
     )
     want = np.array(
         [
@@ -211,16 +213,23 @@ def test_a_skipped_step_writes_nothing_and_the_update_is_reproducible():
     runs = (*_pallas.sorted_runs(jnp.asarray(rows), 12), jnp.asarray(bag), jnp.asarray(scale))
     g = jnp.asarray(rng.normal(size=(5, 8)).astype(np.float32)).at[2, 3].set(jnp.nan)
     kept, kept_state = _pallas.sorted_run_update(
-        r, table, r.init_table(table), jnp.int32(1), *runs, g, jnp.zeros((), bool), interpret=True
+        r,
+        table,
+        r.init_table(table),
+        jnp.int32(1),
+        *runs,
+        g,
+        jnp.zeros((), bool),
+        interpret=INTERPRET,
     )
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(table))
     assert not any(np.asarray(x).any() for x in jax.tree_util.tree_leaves(kept_state))
     g = g.at[2, 3].set(1.0)
     once = _pallas.sorted_run_update(
-        r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True
+        r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=INTERPRET
     )
     again = _pallas.sorted_run_update(
-        r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True
+        r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=INTERPRET
     )
     for x, y in zip(jax.tree_util.tree_leaves(once), jax.tree_util.tree_leaves(again), strict=True):
         assert np.array_equal(np.asarray(x), np.asarray(y))  # no atomics: bitwise the same
@@ -280,7 +289,7 @@ def test_unrolled_loops_sum_in_the_bags_order():
                 num_rows=[40, 40],
                 mean=[False, True],
                 clamp=False,
-                interpret=True,
+                interpret=INTERPRET,
                 unroll=u,
             )
         )
@@ -295,7 +304,7 @@ def test_unrolled_loops_sum_in_the_bags_order():
     ups = [
         np.asarray(
             _pallas.sorted_run_update(
-                r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=True, unroll=u
+                r, table, r.init_table(table), jnp.int32(1), *runs, g, interpret=INTERPRET, unroll=u
             )[0]
         )
         for u in (1, 4)
