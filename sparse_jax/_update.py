@@ -266,14 +266,25 @@ class _Update:
             if ok is not None:
                 raise ValueError("ok= needs make_update(..., skip_nonfinite=True)")
             return self.jitted(params, opt_state, operands)
-        flag = _flag_on_devices(jnp.ones((), bool) if ok is None else ok, opt_state.count)
-        if self._calls == 0 and opt_state.count.committed:  # placed like the state: one program
-            self._skipped = jax.device_put(self._skipped, opt_state.count.sharding)
-        params, opt_state, self._skipped = self.jitted(
-            params, opt_state, operands, flag, self._skipped, jnp.int32(self._calls)
+        # no eager op per call (each is a host round of dispatch that, on a GPU, costs more
+        # than the update itself): the default flag is made once per placement, the call
+        # index lives on the device and the program returns the next one
+        like = opt_state.count
+        flag = self._default_flag(like) if ok is None else _flag_on_devices(ok, like)
+        if self._calls == 0 and like.committed:  # placed like the state: one program
+            self._skipped, self._call = jax.device_put((self._skipped, self._call), like.sharding)
+        params, opt_state, self._skipped, self._call = self.jitted(
+            params, opt_state, operands, flag, self._skipped, self._call
         )
         self._calls += 1
         return params, opt_state
+
+    def _default_flag(self, like: jax.Array) -> jax.Array:
+        """ "No extra condition" as the program takes it, made once per placement."""
+        key = like.sharding if like.committed else None
+        if key not in self._true_flags:
+            self._true_flags[key] = _flag_on_devices(jnp.ones((), bool), like)
+        return self._true_flags[key]
 
     def with_fresh_counters(self) -> _Update:
         """The same compiled step with its own skip counters (one per model sharing it)."""
@@ -285,7 +296,9 @@ class _Update:
 
     def _reset_counters(self) -> None:
         self._skipped = (jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32))  # (skipped, first)
+        self._call = jnp.zeros((), jnp.int32)  # this call's index, on the device
         self._calls = 0
+        self._true_flags = {}
 
     def nonfinite(self) -> tuple[jax.Array, jax.Array]:
         """(calls skipped, index of the first skipped call or -1), device scalars."""
@@ -302,19 +315,22 @@ def _flag_on_devices(ok: jax.Array, like_array: jax.Array) -> jax.Array:
     """This process's boolean as one entry per device of the tables' mesh (`[devices]`,
     sharded over every axis), so the program ANDs every process's flag: all replicas take
     the same decision. Built from per-device copies of the local flag (no host read, no
-    cross-process transfer). One device: the flag uncommitted, so the program follows the
-    tables wherever they are (a committed flag beside uncommitted tables would be a second
-    program, compiled again once the tables come back committed from the first call)."""
+    cross-process transfer). One device: the scalar itself (no op), so an uncommitted flag
+    lets the program follow the tables wherever they are (a committed flag beside
+    uncommitted tables would be a second program, compiled again once the tables come back
+    committed from the first call)."""
     like = like_array.sharding
     if not isinstance(like, jax.sharding.NamedSharding):
-        return ok.reshape(1)
+        ok = ok if isinstance(ok, jax.Array) else jnp.asarray(ok, bool)
+        return ok if ok.shape == () else ok.reshape(())
     mesh = like.mesh
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
-    local = [
-        jax.device_put(ok.reshape(1), d)
-        for d in sharding.addressable_devices_indices_map((mesh.size,))
-    ]
+    one = _as_entry(ok)  # one small program, not an eager op per device
+    local = [jax.device_put(one, d) for d in sharding.addressable_devices_indices_map((mesh.size,))]
     return jax.make_array_from_single_device_arrays((mesh.size,), sharding, local)
+
+
+_as_entry = jax.jit(lambda ok: jnp.reshape(jnp.asarray(ok, bool), (1,)))
 
 
 def all_finite(tree) -> jax.Array:
@@ -340,7 +356,7 @@ def _guarded(step):
             params, opt_state = step(params, opt_state, operands)
         count, first = skipped
         first = jnp.where(~good & (first < 0), call, first)
-        return params, opt_state, (count + (~good).astype(jnp.int32), first)
+        return params, opt_state, (count + (~good).astype(jnp.int32), first), call + 1
 
     return run
 

@@ -1,4 +1,4 @@
-"""Count device-to-host reads of jax.Arrays (a test instrument).
+"""Count device-to-host reads of jax.Arrays, and eager JAX ops (test instruments).
 
 On CPU, `jax.transfer_guard_device_to_host` never fires (numpy reads a CPU jax.Array
 through the buffer protocol), so the conversions themselves are instrumented: numpy's
@@ -81,3 +81,25 @@ def count_host_reads():
     finally:
         for owner, name, original in reversed(patched):
             setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def count_eager_ops():
+    """Within the block, every JAX primitive run eagerly (outside a jitted program) is
+    recorded with the line that ran it: each is a round of host dispatch, and on a GPU a
+    few of them per step cost more than a fused update."""
+    from jax._src import core
+
+    ops = HostReads()
+    run = core.EvalTrace.process_primitive
+
+    def counting(self, prim, *args, **params):
+        ops.record()
+        ops.sites[-1] = f"{prim}: {ops.sites[-1]}"
+        return run(self, prim, *args, **params)
+
+    core.EvalTrace.process_primitive = counting
+    try:
+        yield ops
+    finally:
+        core.EvalTrace.process_primitive = run

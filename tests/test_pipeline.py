@@ -13,7 +13,7 @@ import dense_torch
 import hybrid
 from sparse_jax import EmbeddingBagConfig
 from sparse_jax.optim import rowwise_adagrad
-from tests.host_reads import count_host_reads
+from tests.host_reads import count_eager_ops, count_host_reads
 
 KEYS = ["a", "b", "c"]
 N_DENSE = 3
@@ -97,7 +97,7 @@ def test_steady_steps_prepare_once_and_read_nothing_from_the_devices(where, inpu
     model.wait_for_sparse_update()
     module = model.sparse_module
     before = module.prepare_count
-    with count_host_reads() as reads:
+    with count_host_reads() as reads, count_eager_ops() as eager:
         for batch in batches[3:6]:
             _plain_step(model, opt, batch)
         pipeline = hybrid.TrainPipeline(model, opt, _loss)
@@ -106,6 +106,7 @@ def test_steady_steps_prepare_once_and_read_nothing_from_the_devices(where, inpu
         with pytest.raises(StopIteration):
             pipeline.progress(it)
     assert reads.sites == [], f"device values read on the host in steady steps: {reads.sites}"
+    assert eager.sites == [], f"eager JAX ops (host dispatch) in steady steps: {eager.sites}"
     assert module.prepare_count - before == 6, "each step must prepare its batch exactly once"
     assert pipeline.stats.prepared == 3 and pipeline.stats.steps == 3
     assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in losses)

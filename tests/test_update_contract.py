@@ -19,6 +19,7 @@ from sparse_jax import (
     optim,
 )
 from sparse_jax._update import all_finite
+from tests.host_reads import count_eager_ops
 
 TABLES = [
     EmbeddingBagConfig(16, 4, "t", feature_names=["f"]),
@@ -173,3 +174,28 @@ def test_a_guarded_sharded_update_compiles_once_with_and_without_ok():
     for ok in (None, jnp.ones((), bool), None, jnp.zeros((), bool)):
         params, state = update(params, state, kjt, jnp.ones((8, 8), jnp.float32), ok=ok)
     assert int(update.nonfinite()[0]) == 1 and update.compile_count() == 1
+
+
+def test_a_guarded_call_dispatches_one_program_and_no_eager_op():
+    # each eager op is a round of host dispatch; on a GPU two of them per call (the flag's
+    # reshape, the call index's transfer) took longer than the update itself
+    ebc, rule, params, state, batch, update = _setup("xla", skip_nonfinite=True)
+    keep = [params, state]
+    ok, grad = jnp.ones((), bool), _grad()
+
+    def call(**kw):
+        keep[:] = update(*keep, batch, grad, **kw)
+
+    call()
+    call(ok=ok)  # both compiled
+    with count_eager_ops() as eager:
+        for _ in range(3):
+            call()
+            call(ok=ok)
+    assert eager.sites == []
+    assert update.compile_count() == 1  # with and without ok=: one program
+    keep[:] = update(
+        *keep, batch, _grad(np.nan)
+    )  # call 8 is skipped: the index is counted on the device
+    count, first = update.nonfinite()
+    assert (int(count), int(first)) == (1, 8)
