@@ -279,12 +279,13 @@ def _check(c: _Case, interpret: bool) -> dict:
             s = rule.init_table(t)
             res[k] = np.asarray(fn(t, s, *_update_args(c))[0])
         diff = float(np.abs(res["pallas"] - res["xla"]).max())
-        t2 = jnp.array(c.table, copy=True)
-        again = fns["pallas"](t2, rule.init_table(t2), *_update_args(c))
         checks[f"{rule.name}_max_abs_diff"] = diff
-        checks[f"{rule.name}_bitwise_reproducible"] = bool(
-            np.array_equal(np.asarray(again[0]), res["pallas"])
-        )
+        for k, label in (("pallas", ""), ("xla_sorted_runs", "xla_sorted_runs_")):
+            t2 = jnp.array(c.table, copy=True)
+            again = fns[k](t2, rule.init_table(t2), *_update_args(c))
+            checks[f"{rule.name}_{label}bitwise_reproducible"] = bool(
+                np.array_equal(np.asarray(again[0]), res[k])
+            )
         # the host's runs hold each run's ids in batch order, as the in-program sort does
         checks[f"{rule.name}_host_sorted_bitwise_equal"] = bool(
             np.array_equal(res["pallas_host_sorted"], res["pallas"])
