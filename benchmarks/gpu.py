@@ -229,9 +229,16 @@ def _update_fns(c: _Case, rule, interpret: bool):
     the pure-XLA in-program form and the XLA sorted-run form (`apply_sorted_runs`)."""
     num_rows = c.table.shape[0]
 
-    def pallas_form(unroll: int, host_sorted: bool = False):
+    def pallas_form(unroll: int, host_sorted: bool = False, chunked: bool = False):
         def run(table, state, rows, bag, scale, bag_grads, ids):
-            if host_sorted:
+            if chunked:  # each chunk of a run summed by its own program, then the runs
+                bag_grads = _pallas.chunk_sums(
+                    ids.chunks, ids.bag, ids.scale, bag_grads, interpret=interpret
+                )
+                rows_s = ids.chunk_row
+                perm = bag = jnp.arange(rows_s.shape[0], dtype=jnp.int32)
+                scale = jnp.ones(rows_s.shape, jnp.float32)
+            elif host_sorted:
                 rows_s, bag, scale = ids.row, ids.bag, ids.scale
                 perm = jnp.arange(rows_s.shape[0], dtype=jnp.int32)
             else:
@@ -258,6 +265,8 @@ def _update_fns(c: _Case, rule, interpret: bool):
         "pallas_host_sorted": pallas_form(_pallas.UNROLL, host_sorted=True),
         "xla_sorted_runs": xla_runs,
     }
+    if c.sorted.chunks is not None:  # the batch has long runs: the library's Pallas form
+        fns["pallas_host_chunked"] = pallas_form(_pallas.UNROLL, chunked=True)
     return {k: jax.jit(fn, donate_argnums=(0, 1)) for k, fn in fns.items()}
 
 
@@ -280,7 +289,10 @@ def _check(c: _Case, interpret: bool) -> dict:
             res[k] = np.asarray(fn(t, s, *_update_args(c))[0])
         diff = float(np.abs(res["pallas"] - res["xla"]).max())
         checks[f"{rule.name}_max_abs_diff"] = diff
-        for k, label in (("pallas", ""), ("xla_sorted_runs", "xla_sorted_runs_")):
+        again_of = [("pallas", ""), ("xla_sorted_runs", "xla_sorted_runs_")]
+        if "pallas_host_chunked" in res:
+            again_of.append(("pallas_host_chunked", "chunked_"))
+        for k, label in again_of:
             t2 = jnp.array(c.table, copy=True)
             again = fns[k](t2, rule.init_table(t2), *_update_args(c))
             checks[f"{rule.name}_{label}bitwise_reproducible"] = bool(
@@ -293,6 +305,10 @@ def _check(c: _Case, interpret: bool) -> dict:
         checks[f"{rule.name}_xla_sorted_runs_max_abs_diff"] = float(
             np.abs(res["xla_sorted_runs"] - res["xla"]).max()
         )
+        if "pallas_host_chunked" in res:
+            checks[f"{rule.name}_chunked_max_abs_diff"] = float(
+                np.abs(res["pallas_host_chunked"] - res["xla"]).max()
+            )
     return checks
 
 

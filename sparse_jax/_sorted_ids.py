@@ -20,6 +20,13 @@ Per buffer (group) a `SortedIds`, padded to ladder rungs so a steady loop keeps 
   tail     `[T_cap]` int32: the sorted positions at rank `HEAD` or later in their run (the
            first `HEAD` of each run are read through `offsets`); padding `N_cap`.
   tail_run `[T_cap]` int32: the run of each tail position, non-decreasing; padding `U_cap`.
+  chunks   `[K_cap + 1]` int32 or None: when a run is longer than `LONG_RUN` ids, every run
+           split into chunks of at most `chunk_size(longest run)` consecutive sorted
+           positions: chunk c is positions `chunks[c] : chunks[c + 1]` (padding: empty
+           chunks at `N`). The Pallas update sums each chunk in its own program, then each
+           run's chunk sums (`_kernels._pallas.chunk_sums`): a hot row's thousands of ids
+           are no longer one program's serial loop. None when every run is short.
+  chunk_row `[K_cap]` int32 or None: each chunk's row; padding `num_rows`.
 The update sums the first `HEAD` ids of every run by gathers (one fused loop, no scatter) and
 adds the few longer runs' remaining ids with a sorted segment sum: with uniform ids almost
 every run is that short (W1: 7,576 tail ids of 327,680).
@@ -41,13 +48,21 @@ from sparse_jax._configs import PoolingType
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._layout import TableLayout
 
-__all__ = ["HEAD", "RUN_LADDER", "SortedIds", "sort_group", "sort_host"]
+__all__ = ["HEAD", "LONG_RUN", "RUN_LADDER", "SortedIds", "chunk_size", "sort_group", "sort_host"]
 
 
 HEAD = 2  # ids per run summed by gathers; the rest of a run goes through the segment sum
 # rungs for the unique rows and the long runs' ids: 8 per octave (at most ~9% padding rows,
 # each of which the update gathers, steps and drops); the id stream takes the module's ladder
 RUN_LADDER = _capacity.make_ladder(smallest=8, steps_per_octave=8)
+LONG_RUN = 64  # a batch with a longer run carries chunks for the Pallas update
+
+
+def chunk_size(longest: int) -> int:
+    """Ids per chunk for a batch whose longest run has `longest` ids: the power of two at
+    or above its square root (at least 16), so neither a chunk's program nor its run's
+    sum of chunk sums is long. A host layout choice only: the kernels read the offsets."""
+    return max(16, 1 << max(0, int(np.ceil(np.sqrt(max(longest, 1)))) - 1).bit_length())
 
 
 class SortedIds(NamedTuple):
@@ -60,6 +75,8 @@ class SortedIds(NamedTuple):
     scale: np.ndarray
     tail: np.ndarray
     tail_run: np.ndarray
+    chunks: np.ndarray | None = None
+    chunk_row: np.ndarray | None = None
 
 
 def _group_stream(
@@ -120,6 +137,19 @@ def sort_group(
     run = np.repeat(np.arange(starts.size, dtype=np.int64), np.diff(np.append(starts, n)))
     tail = np.flatnonzero(np.arange(n) - starts[run] >= HEAD)
     what = f"buffer {group!r}"
+    chunks = chunk_row = None
+    lengths = np.diff(np.append(starts, n))
+    if lengths.size and lengths.max() > LONG_RUN:
+        size = chunk_size(int(lengths.max()))
+        per_run = -(-lengths // size)
+        chunk_run = np.repeat(np.arange(starts.size), per_run)
+        first = np.cumsum(per_run) - per_run  # each run's first chunk
+        begin = starts[chunk_run] + (np.arange(chunk_run.size) - first[chunk_run]) * size
+        k_cap = _capacity.capacity_for(chunk_run.size, RUN_LADDER, what=f"chunks of {what}")
+        chunks = _capacity.pad_ids(np.append(begin, n).astype(np.int32), k_cap + 1, fill=n)
+        chunk_row = _capacity.pad_ids(
+            rows_s[starts][chunk_run].astype(np.int32), k_cap, fill=num_rows
+        )
     n_cap = _capacity.capacity_for(max(n, 1), ladder, what=f"sorted ids of {what}")
     u_cap = _capacity.capacity_for(max(starts.size, 1), RUN_LADDER, what=f"unique rows of {what}")
     t_cap = _capacity.capacity_for(max(tail.size, 1), RUN_LADDER, what=f"long runs of {what}")
@@ -131,6 +161,8 @@ def sort_group(
         scale=_capacity.pad_ids(scales[order], n_cap),
         tail=_capacity.pad_ids(tail.astype(np.int32), t_cap, fill=n_cap),
         tail_run=_capacity.pad_ids(run[tail].astype(np.int32), t_cap, fill=u_cap),
+        chunks=chunks,
+        chunk_row=chunk_row,
     )
 
 

@@ -102,6 +102,31 @@ def sorted_runs(entries, head):
     return unique, offsets, bag, scale, tail, tail_run
 
 
+def run_chunks(unique, offsets, size):
+    """Every run of `sorted_runs` cut into chunks of at most `size` consecutive sorted
+    positions, by loops: (chunk starts with the stream's end appended, each chunk's row)."""
+    starts, rows = [], []
+    for u, row in enumerate(unique):
+        p = offsets[u]
+        while p < offsets[u + 1]:
+            starts.append(p)
+            rows.append(row)
+            p += size
+    return starts + [offsets[-1]], rows
+
+
+def chunk_sums_loop(starts, bag, scale, bag_grads):
+    """Per chunk `starts[c] : starts[c + 1]`, the sum of `scale * bag_grads[bag]` in order
+    (bags outside `bag_grads` add nothing), by loops, fp64."""
+    g = np.asarray(bag_grads, np.float64)
+    out = np.zeros((len(starts) - 1, g.shape[1]))
+    for c in range(len(starts) - 1):
+        for i in range(starts[c], starts[c + 1]):
+            if 0 <= bag[i] < g.shape[0]:
+                out[c] += scale[i] * g[bag[i]]
+    return out
+
+
 # ---------------------------------------------------------------- row rules
 
 

@@ -310,3 +310,23 @@ def test_unrolled_loops_sum_in_the_bags_order():
         for u in (1, 4)
     ]
     assert np.array_equal(ups[0], ups[1])
+
+
+def test_chunk_sums_equal_the_loops():
+    rng = np.random.default_rng(3)
+    n, n_bags, dim = 300, 40, 16
+    bag = rng.integers(-1, n_bags + 1, n).astype(np.int32)  # -1 and n_bags add nothing
+    scale = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    g = rng.normal(size=(n_bags, dim)).astype(np.float32)
+    cuts = np.sort(rng.integers(0, n, 24))
+    starts = [0, *cuts.tolist(), n, n, n]  # empty chunks inside and at the end
+    out = _pallas.chunk_sums(
+        jnp.asarray(np.array(starts, np.int32)),
+        jnp.asarray(bag),
+        jnp.asarray(scale),
+        jnp.asarray(g),
+        interpret=INTERPRET,
+    )
+    want = reference.chunk_sums_loop(starts, bag, scale, g)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(out)[-2:].any()

@@ -153,7 +153,13 @@ def test_the_sorted_run_update_matches_loops_and_the_in_program_form(rule):
         jax.tree_util.tree_leaves((old, old_state)),
         strict=True,
     ):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+        # on CPU both forms add a run's ids in batch order; a GPU's scatter-adds may not
+        tol = (
+            dict(rtol=1e-6, atol=1e-7)
+            if jax.default_backend() == "cpu"
+            else dict(rtol=2e-5, atol=1e-6)
+        )
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
     # the loops
     entries = _entries(ebc, group, bags, weights, "clamp", True)
     row_grads: dict = {}
@@ -253,3 +259,93 @@ def test_the_pallas_update_reads_the_host_runs_with_the_same_bits():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "stablehlo.sort" in texts[0] and "stablehlo.sort" not in texts[1]
     assert "xla.gpu.triton" in texts[1]
+
+
+def _hot_batch(rng, hot: int):
+    """Two features on one buffer, a hot row (`hot` ids of row 3) and Zipf ids around it."""
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", num_embeddings=50, embedding_dim=8, feature_names=[f"f{t}"]
+        )
+        for t in range(2)
+    ]
+    lengths = rng.integers(0, 8, 2 * B * 8)
+    ids = (rng.zipf(1.3, lengths.sum()) - 1) % 50
+    lengths[0] += hot
+    ids = np.concatenate([np.full(hot, 3), ids])
+    weights = rng.uniform(0.25, 2.0, ids.size).astype(np.float32)
+    kjt = KeyedJaggedTensor(["f0", "f1"], ids, lengths=lengths, weights=weights)
+    return tables, kjt
+
+
+def test_long_runs_carry_chunks_that_split_every_run_in_order():
+    from sparse_jax._sorted_ids import LONG_RUN, chunk_size
+
+    rng = np.random.default_rng(11)
+    tables, kjt = _hot_batch(rng, hot=300)
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="pallas", sort_ids=True)
+    (ids,) = ebc.prepare(kjt).sorted_ids.values()
+    ids = jax.tree_util.tree_map(np.asarray, ids)
+    n = int(ids.offsets[-1])
+    u = int((ids.unique < 100).sum())
+    longest = int(np.diff(ids.offsets[: u + 1]).max())
+    assert longest > LONG_RUN
+    starts, rows = reference.run_chunks(
+        ids.unique[:u].tolist(), ids.offsets[: u + 1].tolist(), chunk_size(longest)
+    )
+    k = len(rows)
+    np.testing.assert_array_equal(ids.chunks[: k + 1], starts)
+    np.testing.assert_array_equal(ids.chunk_row[:k], rows)
+    assert (ids.chunks[k:] == n).all() and (ids.chunk_row[k:] == 100).all()  # padding: empty
+    # short runs only: no chunks, the update takes the one-pass kernel
+    (short,) = ebc.prepare(_hot_batch(rng, hot=0)[1]).sorted_ids.values()
+    assert short.chunks is None and short.chunk_row is None
+
+
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad", "adam"])
+def test_the_chunked_pallas_update_equals_the_loops_and_repeats_its_bits(rule):
+    from sparse_jax import make_update
+
+    rng = np.random.default_rng(len(rule))
+    tables, kjt = _hot_batch(rng, hot=300)
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="pallas", sort_ids=True)
+    batch = ebc.prepare(kjt)
+    (ids,) = batch.sorted_ids.values()
+    assert ids.chunks is not None
+    opt = getattr(optim, rule)(**HYPER[rule])
+    params = ebc.init(jax.random.key(2))
+    grad = jnp.asarray(rng.normal(size=(2 * B * 8 // 2, 16)).astype(np.float32))
+    update = make_update(ebc, opt)
+    start = jax.tree_util.tree_map(np.asarray, params)  # the update donates its operands
+    outs = [
+        jax.tree_util.tree_leaves(
+            update(jax.tree_util.tree_map(jnp.asarray, start), opt.init(params), batch, grad)
+        )
+        for _ in range(2)
+    ]
+    for a, b in zip(*outs, strict=True):  # no atomics: the same bits
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (group,) = ebc.layout.groups
+    entries, g = [], np.asarray(grad, np.float64)
+    vals, lens, w = (np.asarray(x) for x in (kjt.values(), kjt.lengths(), kjt.weights()))
+    pos = 0
+    for f in range(2):
+        for b in range(kjt.stride()):
+            for _ in range(lens[f * kjt.stride() + b]):
+                entries.append((int(vals[pos]) + 50 * f, f * kjt.stride() + b, float(w[pos])))
+                pos += 1
+    row_grads: dict = {}
+    for row, bag, s in entries:
+        col = (bag // kjt.stride()) * 8
+        row_grads[row] = row_grads.get(row, 0.0) + s * g[bag % kjt.stride(), col : col + 8]
+    want = {group: np.asarray(start[group], np.float64)}
+    reference.fused_step(rule, HYPER[rule], want, {}, {group: row_grads}, 1)
+    np.testing.assert_allclose(np.asarray(outs[0][0]), want[group], rtol=2e-5, atol=1e-5)
+    # lowered for a GPU: the chunk sums and the update, two Triton kernels, no sort
+    operands = ebc.update_operands(batch, grad)
+    text = (
+        update.jitted.trace(start, opt.init(start), operands)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert text.count("xla.gpu.triton") == 2 and "stablehlo.sort" not in text

@@ -18,6 +18,13 @@ call per kernel.
   place (the buffers are aliased to the outputs). No `[rows, dim]` gradient, no per-id
   temporaries beyond the sort.
 
+* `chunk_sums` + `sorted_run_update`, for host-sorted streams with long runs (a hot row of
+  Zipf ids holds thousands of ids, and one program summing them in a row was the whole
+  update's time): the host splits every run into chunks of consecutive ids
+  (`sparse_jax._sorted_ids`); one program per chunk sums its gradient rows in order into a
+  `[chunks, dim]` buffer, then the update sums each run's chunk sums in order. Still one
+  writer per element and a fixed order: the same bits on every run.
+
 Limits (callers fall back to the XLA form): `dim` a power of two (Triton block shapes), rules
 whose state is per-row only (sgd, adagrad, rowwise_adagrad, adam).
 """
@@ -34,6 +41,7 @@ UNROLL = 4  # ids read per loop step in the jagged kernels
 
 __all__ = [
     "UNROLL",
+    "chunk_sums",
     "jagged_pooled_sum",
     "per_row_state",
     "pooled_positions",
@@ -202,6 +210,41 @@ def sorted_runs(rows, num_rows: int):
     key = jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows).astype(jnp.int32)
     rows_s, perm = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
     return rows_s, perm
+
+
+def chunk_sums(offsets, bag, scale, bag_grads, *, interpret: bool = False, unroll: int = UNROLL):
+    """`[chunks, dim]` fp32: chunk c's `sum(scale[i] * bag_grads[bag[i]])` over the stream
+    positions `offsets[c] : offsets[c + 1]`, in order (`offsets` `[chunks + 1]`, non-
+    decreasing; an empty chunk sums to 0; bags outside `bag_grads` add nothing). One program
+    per chunk, one writer per row, no atomics."""
+    n_chunks = offsets.shape[0] - 1
+    dim = bag_grads.shape[1]
+    if not supports_dim(dim):
+        raise ValueError(f"the Pallas update needs a power-of-two dim, got {dim}; use kernel='xla'")
+    kernel = functools.partial(
+        _chunk_kernel, num_bags=bag_grads.shape[0], dim=dim, unroll=max(1, int(unroll))
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n_chunks, dim), jnp.float32),
+        grid=(max(n_chunks, 1),),
+        interpret=interpret,
+        compiler_params=_compiler_params(_warps(dim)),
+        name="hybridrec_chunk_sums",
+    )(offsets.astype(jnp.int32), bag.astype(jnp.int32), scale.astype(jnp.float32), bag_grads)
+
+
+def _chunk_kernel(off_ref, bag_ref, scale_ref, g_ref, o_ref, *, num_bags, dim, unroll):
+    c = pl.program_id(0)
+
+    def add(i, in_chunk, acc):
+        b = bag_ref[i]
+        keep = in_chunk & (b >= 0) & (b < num_bags)
+        s = jnp.where(keep, scale_ref[i], jnp.float32(0))
+        return jnp.where(keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc)
+
+    acc = _in_steps(off_ref[c], off_ref[c + 1], unroll, add, jnp.zeros((dim,), jnp.float32))
+    o_ref[c, :] = acc
 
 
 def sorted_run_update(
