@@ -231,24 +231,35 @@ def _update_fns(c: _Case, rule, interpret: bool):
 
     def pallas_form(unroll: int, host_sorted: bool = False, chunked: bool = False):
         def run(table, state, rows, bag, scale, bag_grads, ids):
-            if chunked:  # each chunk of a run summed by its own program, then the runs
-                bag_grads = _pallas.chunk_sums(
-                    ids.chunks, ids.bag, ids.scale, bag_grads, interpret=interpret
-                )
-                rows_s = ids.chunk_row
-                perm = bag = jnp.arange(rows_s.shape[0], dtype=jnp.int32)
-                scale = jnp.ones(rows_s.shape, jnp.float32)
-            elif host_sorted:
-                rows_s, bag, scale = ids.row, ids.bag, ids.scale
-                perm = jnp.arange(rows_s.shape[0], dtype=jnp.int32)
-            else:
-                rows_s, perm = _pallas.sorted_runs(rows, num_rows)
+            if host_sorted:  # the library's form: one program per host run
+                offsets, bag, scale = ids.offsets, ids.bag, ids.scale
+                if chunked:  # each chunk of a run summed by its own program first
+                    bag_grads = _pallas.chunk_sums(
+                        ids.chunks, bag, scale, bag_grads, interpret=interpret
+                    )
+                    offsets = ids.run_chunks
+                    bag = jnp.arange(bag_grads.shape[0], dtype=jnp.int32)
+                    scale = jnp.ones(bag_grads.shape[:1], jnp.float32)
+                return _pallas.run_update(
+                    rule, table, state, jnp.int32(1), ids.unique, offsets, bag, scale,
+                    bag_grads, interpret=interpret, unroll=unroll,
+                )  # fmt: skip
+            rows_s, perm = _pallas.sorted_runs(rows, num_rows)
             return _pallas.sorted_run_update(
                 rule, table, state, jnp.int32(1), rows_s, perm, bag, scale, bag_grads,
                 interpret=interpret, unroll=unroll,
             )  # fmt: skip
 
         return run
+
+    def pallas_per_id(table, state, rows, bag, scale, bag_grads, ids):
+        """The host's sorted stream through the per-id kernel (each run's first id finds
+        the run's end by a search; the other programs exit): the form `run_update` replaced."""
+        perm = jnp.arange(ids.row.shape[0], dtype=jnp.int32)
+        return _pallas.sorted_run_update(
+            rule, table, state, jnp.int32(1), ids.row, perm, ids.bag, ids.scale, bag_grads,
+            interpret=interpret,
+        )  # fmt: skip
 
     def xla(table, state, rows, bag, scale, bag_grads, ids):
         return apply_row_rule(
@@ -263,10 +274,11 @@ def _update_fns(c: _Case, rule, interpret: bool):
         "xla": xla,
         "pallas_unroll1": pallas_form(1),
         "pallas_host_sorted": pallas_form(_pallas.UNROLL, host_sorted=True),
+        "pallas_host_per_id": pallas_per_id,
         "xla_sorted_runs": xla_runs,
     }
     if c.sorted.chunks is not None:  # the batch has long runs: the library's Pallas form
-        fns["pallas_host_chunked"] = pallas_form(_pallas.UNROLL, chunked=True)
+        fns["pallas_host_chunked"] = pallas_form(_pallas.UNROLL, host_sorted=True, chunked=True)
     return {k: jax.jit(fn, donate_argnums=(0, 1)) for k, fn in fns.items()}
 
 

@@ -69,9 +69,11 @@ def update_rows(
     check_kernel(kernel)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     num_rows = table.shape[0]
-    extra = () if sorted_ids is None else (sorted_ids.row, sorted_ids.bag, sorted_ids.scale)
-    if sorted_ids is not None and sorted_ids.chunks is not None:
-        extra = (*extra, sorted_ids.chunks, sorted_ids.chunk_row)
+    extra = ()
+    if sorted_ids is not None:  # the host's runs
+        extra = (sorted_ids.unique, sorted_ids.offsets, sorted_ids.bag, sorted_ids.scale)
+        if sorted_ids.chunks is not None:
+            extra = (*extra, sorted_ids.chunks, sorted_ids.run_chunks)
     operands = (table, jnp.asarray(step, jnp.int32), rows, bag, scale, bag_grads, *extra, *leaves)
 
     def unpack(ops):
@@ -96,16 +98,19 @@ def update_rows(
     def pallas(interpret: bool):
         def run(*ops):
             t, st, s, r, b, sc, g, ok = unpack(ops)
-            if len(extra) == 5:  # long runs: each chunk summed by its own program first
-                rows_s, b, sc, chunks, chunk_row = ops[6 : 6 + len(extra)]
-                g = _pallas.chunk_sums(chunks, b, sc, g, interpret=interpret)
-                rows_s, perm = chunk_row, jnp.arange(chunk_row.shape[0], dtype=jnp.int32)
-                b, sc = perm, jnp.ones(chunk_row.shape, jnp.float32)
-            elif extra:  # sorted on the host: the sorted stream itself, in order
-                rows_s, b, sc = ops[6 : 6 + len(extra)]
-                perm = jnp.arange(rows_s.shape[0], dtype=jnp.int32)
-            else:
-                rows_s, perm = _pallas.sorted_runs(r, num_rows)
+            if extra:  # sorted on the host: one program per run (per chunk first if long)
+                unique, offsets, b, sc = ops[6:10]
+                if len(extra) == 6:
+                    chunks, offsets = ops[10:12]
+                    g = _pallas.chunk_sums(chunks, b, sc, g, interpret=interpret)
+                    b = jnp.arange(g.shape[0], dtype=jnp.int32)
+                    sc = jnp.ones(g.shape[:1], jnp.float32)
+                return flat(
+                    _pallas.run_update(
+                        rule, t, st, s, unique, offsets, b, sc, g, ok, interpret=interpret
+                    )
+                )
+            rows_s, perm = _pallas.sorted_runs(r, num_rows)
             return flat(
                 _pallas.sorted_run_update(
                     rule, t, st, s, rows_s, perm, b, sc, g, ok, interpret=interpret

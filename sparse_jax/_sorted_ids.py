@@ -76,7 +76,7 @@ class SortedIds(NamedTuple):
     tail: np.ndarray
     tail_run: np.ndarray
     chunks: np.ndarray | None = None
-    chunk_row: np.ndarray | None = None
+    run_chunks: np.ndarray | None = None
 
 
 def _group_stream(
@@ -137,7 +137,7 @@ def sort_group(
     run = np.repeat(np.arange(starts.size, dtype=np.int64), np.diff(np.append(starts, n)))
     tail = np.flatnonzero(np.arange(n) - starts[run] >= HEAD)
     what = f"buffer {group!r}"
-    chunks = chunk_row = None
+    chunks = run_chunks = None
     lengths = np.diff(np.append(starts, n))
     if lengths.size and lengths.max() > LONG_RUN:
         size = chunk_size(int(lengths.max()))
@@ -147,9 +147,7 @@ def sort_group(
         begin = starts[chunk_run] + (np.arange(chunk_run.size) - first[chunk_run]) * size
         k_cap = _capacity.capacity_for(chunk_run.size, RUN_LADDER, what=f"chunks of {what}")
         chunks = _capacity.pad_ids(np.append(begin, n).astype(np.int32), k_cap + 1, fill=n)
-        chunk_row = _capacity.pad_ids(
-            rows_s[starts][chunk_run].astype(np.int32), k_cap, fill=num_rows
-        )
+        run_chunks = np.append(first, chunk_run.size).astype(np.int32)  # padded below
     n_cap = _capacity.capacity_for(max(n, 1), ladder, what=f"sorted ids of {what}")
     u_cap = _capacity.capacity_for(max(starts.size, 1), RUN_LADDER, what=f"unique rows of {what}")
     t_cap = _capacity.capacity_for(max(tail.size, 1), RUN_LADDER, what=f"long runs of {what}")
@@ -162,7 +160,9 @@ def sort_group(
         tail=_capacity.pad_ids(tail.astype(np.int32), t_cap, fill=n_cap),
         tail_run=_capacity.pad_ids(run[tail].astype(np.int32), t_cap, fill=u_cap),
         chunks=chunks,
-        chunk_row=chunk_row,
+        run_chunks=None
+        if run_chunks is None
+        else _capacity.pad_ids(run_chunks, u_cap + 1, fill=int(run_chunks[-1])),
     )
 
 

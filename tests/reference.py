@@ -104,15 +104,16 @@ def sorted_runs(entries, head):
 
 def run_chunks(unique, offsets, size):
     """Every run of `sorted_runs` cut into chunks of at most `size` consecutive sorted
-    positions, by loops: (chunk starts with the stream's end appended, each chunk's row)."""
-    starts, rows = [], []
-    for u, row in enumerate(unique):
+    positions, by loops: (chunk starts with the stream's end appended, each run's first
+    chunk with the chunk count appended)."""
+    starts, first = [], []
+    for u in range(len(unique)):
+        first.append(len(starts))
         p = offsets[u]
         while p < offsets[u + 1]:
             starts.append(p)
-            rows.append(row)
             p += size
-    return starts + [offsets[-1]], rows
+    return starts + [offsets[-1]], first + [len(starts)]
 
 
 def chunk_sums_loop(starts, bag, scale, bag_grads):

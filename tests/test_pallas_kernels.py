@@ -330,3 +330,42 @@ def test_chunk_sums_equal_the_loops():
     want = reference.chunk_sums_loop(starts, bag, scale, g)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     assert not np.asarray(out)[-2:].any()
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_run_update_over_host_runs_equals_the_per_id_kernel_bitwise(rule):
+    """`run_update` (one program per run the host found) sums and steps each row as
+    `sorted_run_update` does: the same bits, padding runs and out-of-range bags writing
+    nothing; a false guard writes nothing at all."""
+    rng = np.random.default_rng(7 + len(rule))
+    E, D, n, n_bags = 24, 8, 80, 10
+    rows, bag, scale = _stream(rng, n, E, n_bags, zipf=True)
+    r = getattr(optim, rule)(**RULES[rule])
+    table = jnp.asarray(rng.normal(size=(E, D)).astype(np.float32))
+    state = jax.tree_util.tree_map(lambda x: x + 0.25, r.init_table(table))
+    g = jnp.asarray(rng.normal(size=(n_bags, D)).astype(np.float32))
+    key = np.where((rows >= 0) & (rows < E), rows, E)
+    order = np.argsort(key, kind="stable")
+    rows_s, bag_s, scale_s = key[order], bag[order], scale[order]
+    unique, starts = np.unique(rows_s[rows_s < E], return_index=True)
+    u_cap = unique.size + 3  # padding runs: row E, empty
+    unique_p = np.full(u_cap, E, np.int32)
+    unique_p[: unique.size] = unique
+    offsets = np.full(u_cap + 1, int((rows_s < E).sum()), np.int32)
+    offsets[: unique.size] = starts
+    host = [jnp.asarray(x) for x in (unique_p, offsets, bag_s, scale_s)]
+    want = _pallas.sorted_run_update(
+        r, table, state, jnp.int32(2), *(jnp.asarray(x) for x in (rows_s, order.astype(np.int32), bag, scale)),
+        g, interpret=INTERPRET,
+    )  # fmt: skip
+    got = _pallas.run_update(r, table, state, jnp.int32(2), *host, g, interpret=INTERPRET)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(table))  # it did write rows
+    kept = _pallas.run_update(
+        r, table, state, jnp.int32(2), *host, g, jnp.zeros((), bool), interpret=INTERPRET
+    )
+    for a, b in zip(
+        jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves((table, state)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -290,16 +290,16 @@ def test_long_runs_carry_chunks_that_split_every_run_in_order():
     u = int((ids.unique < 100).sum())
     longest = int(np.diff(ids.offsets[: u + 1]).max())
     assert longest > LONG_RUN
-    starts, rows = reference.run_chunks(
+    starts, first = reference.run_chunks(
         ids.unique[:u].tolist(), ids.offsets[: u + 1].tolist(), chunk_size(longest)
     )
-    k = len(rows)
+    k = len(starts) - 1
     np.testing.assert_array_equal(ids.chunks[: k + 1], starts)
-    np.testing.assert_array_equal(ids.chunk_row[:k], rows)
-    assert (ids.chunks[k:] == n).all() and (ids.chunk_row[k:] == 100).all()  # padding: empty
+    np.testing.assert_array_equal(ids.run_chunks[: u + 1], first)
+    assert (ids.chunks[k:] == n).all() and (ids.run_chunks[u:] == k).all()  # padding: empty
     # short runs only: no chunks, the update takes the one-pass kernel
     (short,) = ebc.prepare(_hot_batch(rng, hot=0)[1]).sorted_ids.values()
-    assert short.chunks is None and short.chunk_row is None
+    assert short.chunks is None and short.run_chunks is None
 
 
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad", "adam"])

@@ -45,6 +45,7 @@ __all__ = [
     "jagged_pooled_sum",
     "per_row_state",
     "pooled_positions",
+    "run_update",
     "sorted_run_update",
     "sorted_runs",
     "supports_dim",
@@ -247,6 +248,16 @@ def _chunk_kernel(off_ref, bag_ref, scale_ref, g_ref, o_ref, *, num_bags, dim, u
     o_ref[c, :] = acc
 
 
+def _check_update(rule, state, num_rows: int, dim: int) -> None:
+    if not supports_dim(dim):
+        raise ValueError(f"the Pallas update needs a power-of-two dim, got {dim}; use kernel='xla'")
+    if not per_row_state(state, num_rows, dim):
+        raise ValueError(
+            f"{rule.name}: the Pallas update needs per-row state leaves ([rows] or [rows, dim]), got "
+            f"{[getattr(x, 'shape', x) for x in jax.tree_util.tree_leaves(state)]}; use kernel='xla'"
+        )
+
+
 def sorted_run_update(
     rule,
     table,
@@ -273,14 +284,8 @@ def sorted_run_update(
     static trip count) and does the run's work, the others exit. (A `while_loop` over the
     run crashed Triton's compiler at dim 64 on jax 0.11.2.)"""
     num_rows, dim = table.shape
-    if not supports_dim(dim):
-        raise ValueError(f"the Pallas update needs a power-of-two dim, got {dim}; use kernel='xla'")
+    _check_update(rule, state, num_rows, dim)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    if not per_row_state(state, num_rows, dim):
-        raise ValueError(
-            f"{rule.name}: the Pallas update needs per-row state leaves ([rows] or [rows, dim]), got "
-            f"{[getattr(x, 'shape', x) for x in leaves]}; use kernel='xla'"
-        )
     n = rows_s.shape[0]
     good = jnp.ones((), bool) if good is None else good
     flags = jnp.stack(
@@ -365,17 +370,121 @@ def _update_kernel(
             )
 
         grad = _in_steps(k, end, unroll, add, jnp.zeros((dim,), jnp.float32))
-        w = t_in[row, :].astype(jnp.float32)
-        rows_state = jax.tree_util.tree_unflatten(
-            treedef,
-            [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in],
-        )
-        new_w, new_state = rule.update_rows(w[None, :], rows_state, grad[None, :], step)
-        new_w = rule.write_back(new_w, t_out.dtype, step=step, at=jnp.full((1,), row, jnp.int32))
-        t_out[row, :] = new_w[0].astype(t_out.dtype)
-        for ref, value in zip(s_out, jax.tree_util.tree_leaves(new_state), strict=True):
-            value = value.astype(ref.dtype)
-            if len(ref.shape) == 1:
-                ref[pl.ds(row, 1)] = value.reshape(1)
-            else:
-                ref[row, :] = value[0]
+        _step_row(rule, treedef, row, grad, step, t_in, s_in, t_out, s_out)
+
+
+def _step_row(rule, treedef, row, grad, step, t_in, s_in, t_out, s_out):
+    """The row rule on table row `row` with its summed gradient `grad` `[dim]` fp32, in
+    registers; the row and its per-row state written once, in place."""
+    w = t_in[row, :].astype(jnp.float32)
+    rows_state = jax.tree_util.tree_unflatten(
+        treedef,
+        [ref[pl.ds(row, 1)] if len(ref.shape) == 1 else ref[row, :][None, :] for ref in s_in],
+    )
+    new_w, new_state = rule.update_rows(w[None, :], rows_state, grad[None, :], step)
+    new_w = rule.write_back(new_w, t_out.dtype, step=step, at=jnp.full((1,), row, jnp.int32))
+    t_out[row, :] = new_w[0].astype(t_out.dtype)
+    for ref, value in zip(s_out, jax.tree_util.tree_leaves(new_state), strict=True):
+        value = value.astype(ref.dtype)
+        if len(ref.shape) == 1:
+            ref[pl.ds(row, 1)] = value.reshape(1)
+        else:
+            ref[row, :] = value[0]
+
+
+def run_update(
+    rule,
+    table,
+    state,
+    step,
+    unique,
+    offsets,
+    bag,
+    scale,
+    bag_grads,
+    good=None,
+    *,
+    interpret: bool = False,
+    unroll: int = UNROLL,
+):
+    """`sorted_run_update` for runs the host already found (`sparse_jax._sorted_ids`):
+    one program per run u, row `unique[u]`, its ids at stream positions
+    `offsets[u] : offsets[u + 1]` (`bag`, `scale` in sorted order). No search for a run's
+    end and no idle program per id: the programs are the runs. Rows outside the table
+    (padding) and empty runs write nothing; the sums are in stream order, as
+    `sorted_run_update` forms them (the same bits)."""
+    num_rows, dim = table.shape
+    _check_update(rule, state, num_rows, dim)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    n_runs = unique.shape[0]
+    good = jnp.ones((), bool) if good is None else good
+    flags = jnp.stack(
+        [jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())]
+    )
+    operands = [
+        flags,
+        unique.astype(jnp.int32),
+        offsets.astype(jnp.int32),
+        bag.astype(jnp.int32),
+        scale.astype(jnp.float32),
+        bag_grads,
+        table,
+        *leaves,
+    ]
+    first_buffer = 6
+    kernel = functools.partial(
+        _runs_kernel,
+        rule=rule,
+        treedef=treedef,
+        num_rows=num_rows,
+        num_bags=bag_grads.shape[0],
+        dim=dim,
+        unroll=max(1, int(unroll)),
+    )
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)],
+        grid=(max(n_runs, 1),),
+        input_output_aliases={first_buffer + i: i for i in range(1 + len(leaves))},
+        interpret=interpret,
+        compiler_params=_compiler_params(_warps(dim)),
+        name="hybridrec_run_update",
+    )(*operands)
+    return outs[0], jax.tree_util.tree_unflatten(treedef, outs[1:])
+
+
+def _runs_kernel(
+    flags_ref,
+    unique_ref,
+    off_ref,
+    bag_ref,
+    scale_ref,
+    g_ref,
+    t_in,
+    *refs,
+    rule,
+    treedef,
+    num_rows,
+    num_bags,
+    dim,
+    unroll,
+):
+    k_leaves = treedef.num_leaves
+    s_in, t_out, s_out = refs[:k_leaves], refs[k_leaves], refs[k_leaves + 1 :]
+    u = pl.program_id(0)
+    row = unique_ref[u]
+    start, end = off_ref[u], off_ref[u + 1]
+    step, good = flags_ref[0], flags_ref[1]
+
+    @pl.when((row >= 0) & (row < num_rows) & (end > start) & (good != 0))
+    def _():
+        def add(i, in_run, acc):
+            b = bag_ref[i]
+            keep = in_run & (b >= 0) & (b < num_bags)
+            s = jnp.where(keep, scale_ref[i], jnp.float32(0))
+            return jnp.where(
+                keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc
+            )
+
+        grad = _in_steps(start, end, unroll, add, jnp.zeros((dim,), jnp.float32))
+        _step_row(rule, treedef, row, grad, step, t_in, s_in, t_out, s_out)
