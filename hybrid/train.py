@@ -459,19 +459,22 @@ def _managed_collision(config, train, evaluation, num_devices: int = 1) -> dict:
         )  # per device, each padded alike
         return managed_id_capacity(ids) * num_devices * mc.eviction_interval
 
-    try:
-        return {
-            name: MCHManagedCollisionModule(
+    modules = {}
+    for name, rows in sorted(mc.tables.items()):
+        try:
+            modules[name] = MCHManagedCollisionModule(
                 rows,
                 history_capacity=history(name),
                 eviction_policy=mc.eviction_policy,
                 eviction_interval=mc.eviction_interval,
                 threshold=mc.threshold,
+                decay_exponent=mc.decay_exponent,
+                # 0: not given (TOML has no None); "ttl" refuses it, the others need it unset
+                single_ttl=mc.single_ttl or (0 if mc.eviction_policy == "ttl" else None),
             )
-            for name, rows in sorted(mc.tables.items())
-        }
-    except ValueError as e:
-        raise ConfigError(f"[managed_collision]: {e}") from None
+        except ValueError as e:
+            raise ConfigError(f"[managed_collision] table {name!r}: {e}") from None
+    return modules
 
 
 def build(config, *, stream: bool = False):

@@ -313,12 +313,23 @@ def quantized_pooled_loop(
     return out
 
 
-class ManagedCollisionLoop:
-    """TorchRec's MCH remapping (sorted ZCH with LRU / LFU eviction) with Python lists and
-    dicts: the oracle for `sparse_jax.MCHManagedCollisionModule`. Ids are Python ints."""
+def distance_lfu_score(count, last, step, decay_exponent):
+    """TorchRec's DistanceLFU score, in float32 as torch computes it:
+    `count / (step - last + 1) ** decay_exponent`."""
+    distance = np.float32(step - last + 1)
+    return np.float32(np.float32(count) / np.power(distance, np.float32(decay_exponent)))
 
-    def __init__(self, zch_size, policy="lru", interval=1, threshold=1):
+
+class ManagedCollisionLoop:
+    """TorchRec's MCH remapping (sorted ZCH with LRU / LFU / DistanceLFU eviction, and a TTL in
+    steps) with Python lists and dicts: the oracle for `sparse_jax.MCHManagedCollisionModule`.
+    Ids are Python ints."""
+
+    def __init__(
+        self, zch_size, policy="lru", interval=1, threshold=1, decay_exponent=1.0, single_ttl=None
+    ):
         self.z, self.policy, self.interval, self.threshold = zch_size, policy, interval, threshold
+        self.decay_exponent, self.single_ttl = decay_exponent, single_ttl
         # TorchRec's sorted buffers: resident ids ascending, empty slots (None) after them in
         # the order a stable sort leaves them; the reserved default slot z-1 is always last
         self.entries = [{"raw": None, "slot": s, "count": 0, "last": 0} for s in range(zch_size)]
@@ -350,9 +361,7 @@ class ManagedCollisionLoop:
         reserved = self.entries[-1]
         reserved["count"], reserved["last"] = float("inf"), self.step
         new = [i for i in ranked if i not in where]
-        key = "count" if self.policy == "lfu" else "last"
-        metric = count if self.policy == "lfu" else last
-        scores = [e[key] for e in self.entries] + [metric[i] for i in new]
+        scores = self._scores(new, count, last)
         order = sorted(range(len(scores)), key=lambda k: -scores[k])  # stable: residents win ties
         winners = [k - self.z for k in order[: self.z] if k >= self.z]
         losers = [k for k in order[self.z :] if k < self.z]
@@ -369,6 +378,36 @@ class ManagedCollisionLoop:
         self.entries.sort(key=lambda e: (e["raw"] is None, e["raw"] if e["raw"] is not None else 0))
         self.window, self.last_eviction = [], self.step
         return evicted
+
+    def _scores(self, new, count, last):
+        """Eviction scores of the entries then the new ids (in `new`'s order), higher kept;
+        `new` is reordered in place to the order the policy ranks new ids in (a stable sort
+        by score keeps it among equal scores)."""
+        if self.policy == "lfu":
+            return [e["count"] for e in self.entries] + [count[i] for i in new]
+        if self.policy == "distance_lfu":
+
+            def score(c, t):  # (the reserved entry's count is inf: it scores inf)
+                return distance_lfu_score(c, t, self.step, self.decay_exponent)
+
+            return [score(e["count"], e["last"]) for e in self.entries] + [
+                score(count[i], last[i]) for i in new
+            ]
+        new.sort(key=lambda i: -last[i])  # last seen descending (stable: then count, raw id)
+        if self.policy == "lru":
+            return [e["last"] for e in self.entries] + [last[i] for i in new]
+        # ttl: only an expired resident (not seen for more than single_ttl steps) or an empty
+        # entry can lose, the least recently seen first; every new id ranks above them
+        inf = float("inf")
+
+        def resident(e):
+            if e is self.entries[-1]:  # the reserved entry never loses
+                return inf
+            if e["raw"] is None:
+                return 0
+            return e["last"] if self.step - e["last"] > self.single_ttl else inf
+
+        return [resident(e) for e in self.entries] + [self.step for _ in new]
 
 
 def serving_request_loop(bags, features, batch_rungs, max_batch_size, capacities, weights=None):

@@ -47,6 +47,44 @@ def test_long_streams_match_the_loop_oracle(policy, interval, threshold, zch):
     )  # filled (zch - 1 ids), evicted
 
 
+@pytest.mark.parametrize(
+    ("policy", "settings", "interval", "threshold", "zch"),
+    [
+        # (the exponent 1.0 against TorchRec below, 0.5 through the collection)
+        ("distance_lfu", {"decay_exponent": 2.0}, 3, 2, 12),
+        ("ttl", {"single_ttl": 2}, 1, 1, 16),
+        ("ttl", {"single_ttl": 5}, 2, 2, 12),
+        ("ttl", {"single_ttl": 1}, 3, 1, 9),
+    ],
+)
+def test_distance_lfu_and_ttl_match_the_loop_oracle(policy, settings, interval, threshold, zch):
+    """Slots, evicted slots (the rows a step resets) and remapped ids equal the oracle's every
+    step, over a stream that fills the map and evicts from it."""
+    mc = MCHManagedCollisionModule(
+        zch,
+        history_capacity=BATCH * interval,
+        eviction_policy=policy,
+        eviction_interval=interval,
+        threshold=threshold,
+        **settings,
+    )
+    oracle = ManagedCollisionLoop(zch, policy, interval, threshold, **settings)
+    assert _against_the_oracle(mc, oracle, _stream(seed=zch, steps=120)) >= zch
+
+
+def test_ttl_takes_only_expired_rows():
+    """Two rows for ids; 1 and 2 resident. 3 finds no expired row (the default row) until 1
+    has gone unseen for more than single_ttl=2 steps; 2, seen every step, keeps its row."""
+    mc = MCHManagedCollisionModule(3, history_capacity=4, eviction_policy="ttl", single_ttl=2)
+    state, seen = mc.init(), []
+    for batch in ([1, 2], [2, 3], [2, 3], [2, 3]):
+        state, evicted = mc.profile(state, RawIds.from_int64(np.array(batch)))
+        seen.append(np.asarray(mc.remap(state, RawIds.from_int64(np.array([1, 2, 3])))).tolist())
+    # step 4: 1 was last seen at step 1 (4 - 1 > 2): 3 takes its slot 0, which is reset
+    assert seen == [[0, 1, 2], [0, 1, 2], [0, 1, 2], [2, 1, 0]]
+    assert np.asarray(evicted).tolist() == [True, False, False]
+
+
 def _against_the_oracle(mc, oracle, batches) -> int:
     """Profile and remap every batch (raw int64 ids) with `mc` and `oracle`, asserting the
     same slots and evicted slots each step; the evictions counted."""
@@ -159,7 +197,30 @@ def test_settings_are_checked():
         ({"history_capacity": 0}, "history_capacity=0 must be an int >= 1"),
         ({"eviction_interval": True}, "eviction_interval=True must be an int >= 1"),
         ({"threshold": 0}, "threshold=0 must be an int >= 1"),
-        ({"eviction_policy": "fifo"}, "eviction_policy='fifo'; choose one of ['lru', 'lfu']"),
+        (
+            {"eviction_policy": "fifo"},
+            "eviction_policy='fifo'; choose one of ['lru', 'lfu', 'distance_lfu', 'ttl']",
+        ),
+        (
+            {"eviction_policy": "distance_lfu", "decay_exponent": -0.5},
+            "decay_exponent=-0.5 must be a finite number >= 0",
+        ),
+        ({"decay_exponent": float("nan")}, "decay_exponent=nan must be a finite number >= 0"),
+        ({"decay_exponent": True}, "decay_exponent=True must be a finite number >= 0"),
+        (
+            {"eviction_policy": "ttl"},
+            "single_ttl=None must be an int >= 1 with eviction_policy='ttl' (training calls "
+            "an id may go unseen before its row may be taken)",
+        ),
+        (
+            {"eviction_policy": "ttl", "single_ttl": 0},
+            "single_ttl=0 must be an int >= 1 with eviction_policy='ttl' (training calls "
+            "an id may go unseen before its row may be taken)",
+        ),
+        (
+            {"single_ttl": 3},
+            "single_ttl=3 is for eviction_policy='ttl', not 'lru'; leave it out",
+        ),
     ]:
         with pytest.raises(ValueError, match="^" + re.escape(f"{name}: {message}") + "$"):
             MCHManagedCollisionModule(**{"zch_size": 4, "history_capacity": 4, **kwargs})
@@ -202,24 +263,35 @@ def test_hashed_slots_stay_in_range_and_spread_ids_that_differ_only_in_the_high_
         np.testing.assert_array_equal(got, hashed_slots(RawIds.from_int64(some), n, seed=seed))
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_matches_torchrec_mch_module(policy):
-    """The same stream through TorchRec's MCHManagedCollisionModule (CPU): same slots out,
-    same slots evicted (no threshold: TorchRec's filters are relative, not a fixed count)."""
+@pytest.mark.parametrize(
+    ("policy", "decay_exponent"),
+    [("lru", 1.0), ("lfu", 1.0), ("distance_lfu", 1.0), ("distance_lfu", 2.0)],
+)
+def test_matches_torchrec_mch_module(policy, decay_exponent):
+    """The same stream through TorchRec's MCHManagedCollisionModule (CPU) with its LRU, LFU
+    and DistanceLFU policies: after every batch the same slot for every id of the batch (so
+    the same resident ids where the batch has them) and the same slots evicted (no threshold:
+    TorchRec's filters are relative, not a fixed count)."""
     torch = pytest.importorskip("torch")
     mc_modules = pytest.importorskip("torchrec.modules.mc_modules")
     from torchrec.sparse.jagged_tensor import JaggedTensor
 
     zch = 16
-    eviction = (
-        mc_modules.LRU_EvictionPolicy() if policy == "lru" else mc_modules.LFU_EvictionPolicy()
-    )
+    eviction = {
+        "lru": mc_modules.LRU_EvictionPolicy,
+        "lfu": mc_modules.LFU_EvictionPolicy,
+        "distance_lfu": lambda: mc_modules.DistanceLFU_EvictionPolicy(decay_exponent),
+    }[policy]()
     theirs = mc_modules.MCHManagedCollisionModule(
         zch_size=zch, device=torch.device("cpu"), eviction_policy=eviction, eviction_interval=2
     )
     theirs.train()
     mc = MCHManagedCollisionModule(
-        zch, history_capacity=2 * BATCH, eviction_policy=policy, eviction_interval=2
+        zch,
+        history_capacity=2 * BATCH,
+        eviction_policy=policy,
+        eviction_interval=2,
+        decay_exponent=decay_exponent,
     )
     profile, remap = _compiled(mc)
     state = mc.init()
@@ -259,7 +331,13 @@ def _words_kjt(u, v, p):
     ), flat
 
 
-def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_it_evicts():
+@pytest.mark.parametrize(
+    ("policy", "settings"),
+    [("lfu", {}), ("distance_lfu", {"decay_exponent": 0.5}), ("ttl", {"single_ttl": 2})],
+)
+def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_it_evicts(
+    policy, settings
+):
     from sparse_jax import (
         EmbeddingBagCollection,
         EmbeddingBagConfig,
@@ -272,7 +350,7 @@ def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_
         EmbeddingBagConfig(5, 4, "plain", feature_names=["p"]),
     ]
     ebc = EmbeddingBagCollection(tables)
-    module = MCHManagedCollisionModule(8, history_capacity=16, eviction_policy="lfu")
+    module = MCHManagedCollisionModule(8, history_capacity=16, eviction_policy=policy, **settings)
     mc = ManagedCollisionEmbeddingBagCollection(ebc, {"m": module})
     params = ebc.init(jax.random.key(0))
     rule = optim.adagrad(lr=0.1)
@@ -280,7 +358,7 @@ def test_the_collection_remaps_each_managed_table_as_one_stream_and_resets_what_
     opt = opt._replace(
         tables=jax.tree_util.tree_map(lambda x: x + 1.0, opt.tables)
     )  # state to be reset
-    oracle = ManagedCollisionLoop(8, "lfu")
+    oracle = ManagedCollisionLoop(8, policy, **settings)
     remap = jax.jit(mc.remap)
     state = mc.init_state()
     rng = np.random.default_rng(3)

@@ -64,6 +64,8 @@ def _stream(seed, steps, batch, pool, zipf):
 @pytest.mark.parametrize(
     ("policy", "interval", "threshold", "zipf", "zch", "batch", "pool", "steps"),
     [
+        ("ttl:2", 1, 1, True, 23, 20, 60, 40),
+        ("ttl:4", 2, 2, False, 23, 20, 60, 40),
         ("lru", 1, 1, True, 23, 20, 60, 40),
         ("lfu", 1, 1, False, 23, 20, 60, 40),
         ("lru", 3, 2, False, 23, 20, 60, 40),
@@ -77,15 +79,19 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
 ):
     """Every step: all eleven state arrays, the evicted-slot mask and the remapped slots
     equal the XLA form's bit for bit, and the evicted slots and slots equal the loop
-    oracle's; ids are new, resident, evicted and re-admitted (a pool over twice the map)."""
+    oracle's; ids are new, resident, evicted and re-admitted (a pool over twice the map).
+    "ttl:N": the TTL policy with single_ttl=N."""
+    policy, _, ttl = policy.partition(":")
+    settings = {"single_ttl": int(ttl)} if ttl else {}
     mc = MCHManagedCollisionModule(
         zch,
         history_capacity=batch * interval,
         eviction_policy=policy,
         eviction_interval=interval,
         threshold=threshold,
+        **settings,
     )
-    oracle = ManagedCollisionLoop(zch, policy, interval, threshold)
+    oracle = ManagedCollisionLoop(zch, policy, interval, threshold, **settings)
     k_profile, k_remap = jax.jit(mc.profile_occupied), jax.jit(mc.remap)
     x_profile, x_remap = xla_form(mc.profile_occupied), xla_form(mc.remap)
     k_state = x_state = mc.init()
@@ -174,3 +180,22 @@ def test_the_cpu_training_step_takes_the_kernels_when_built_and_xla_when_not(mon
     ]
     assert "stablehlo.sort" not in built  # no sort of the table on the kernel path
     assert not re.search(calls, _training_remap_text(monkeypatch, built=False))
+
+
+@pytest.mark.parametrize(("policy", "kernel"), [("ttl", True), ("distance_lfu", False)])
+def test_a_policy_without_a_kernel_lowers_to_the_xla_form_on_cpu(policy, kernel):
+    """The kernel has TTL but not DistanceLFU (float scores): with the kernels built, a
+    "distance_lfu" map's CPU program is the XLA form (no kernel call, its eviction `cond`)."""
+    settings = {"single_ttl": 3} if policy == "ttl" else {"decay_exponent": 1.5}
+    mc = MCHManagedCollisionModule(
+        16, history_capacity=16, eviction_policy=policy, eviction_interval=2, **settings
+    )
+    ids = RawIds.from_int64(np.arange(8))
+    text = jax.jit(mc.profile).trace(mc.init(), ids).lower(lowering_platforms=("cpu",)).as_text()
+    assert ("custom_call @HybridrecMchProfile" in text) is kernel
+    assert ("stablehlo.case" in text) is not kernel
+    # and it runs: the 8 ids admitted at the second call (the first eviction), a row each
+    state, evicted = mc.profile(mc.profile(mc.init(), ids)[0], ids)
+    slots = np.asarray(mc.remap(state, ids)).tolist()
+    assert len(set(slots)) == 8 and mc.default_slot not in slots
+    assert sorted(np.flatnonzero(np.asarray(evicted)).tolist()) == sorted(slots)

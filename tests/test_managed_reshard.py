@@ -19,6 +19,7 @@ from sparse_jax import (
     hashed_slots,
     reshard_id_maps,
 )
+from tests.reference import distance_lfu_score
 from tests.test_managed_model import _step
 from tests.test_managed_sharded import _batches as sharded_batches
 
@@ -108,16 +109,38 @@ def test_ids_rows_and_windows_move_to_the_shard_their_hash_names_and_back(policy
     )
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_a_shard_too_small_for_its_ids_keeps_the_strongest_and_counts_the_rest_evicted(policy):
-    module = MCHManagedCollisionModule(16, history_capacity=64, eviction_policy=policy)
+@pytest.mark.parametrize(
+    ("policy", "settings"),
+    [
+        ("lru", {}),
+        ("lfu", {}),
+        ("distance_lfu", {"decay_exponent": 2.0}),
+        ("ttl", {"single_ttl": 1}),
+    ],
+)
+def test_a_shard_too_small_for_its_ids_keeps_the_strongest_and_counts_the_rest_evicted(
+    policy, settings
+):
+    """LFU keeps the highest count, LRU and TTL the latest seen, DistanceLFU the highest
+    score at the saved step (tests/reference.py's); then the smaller id."""
+    module = MCHManagedCollisionModule(16, history_capacity=64, eviction_policy=policy, **settings)
     state = _trained_map(module, 5, seed=3, pool=30)
+    step = int(state.step[0])
     before = _resident(state, 0)
     split = reshard_id_maps(
         state, np.array([[len(before), len(before), 0]], np.int32), module, 8
     )  # 1 slot each
     owner = np.asarray(hashed_slots(RawIds.from_int64(np.array(list(before))), 8)).tolist()
-    score = {i: (v[1] if policy == "lfu" else v[2]) for i, v in before.items()}
+    score = {
+        i: (
+            v[1]
+            if policy == "lfu"
+            else distance_lfu_score(v[1], v[2], step, 2.0)
+            if policy == "distance_lfu"
+            else v[2]
+        )
+        for i, v in before.items()
+    }
     kept = set()
     for s in range(8):
         mine = [i for i, o in zip(before, owner, strict=True) if o == s]

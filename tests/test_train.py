@@ -405,14 +405,30 @@ def test_criteo_raw_hex_ids_train_through_managed_tables_and_log_their_counters(
         ),
         (
             ["managed_collision.tables={t_user=1}"],
-            r"\[managed_collision\]: MCHManagedCollisionModule: zch_size=1 must be "
-            r"an int >= 2",
+            r"\[managed_collision\] table 't_user': MCHManagedCollisionModule: zch_size=1 "
+            r"must be an int >= 2",
         ),
         (
             ["managed_collision.eviction_policy='fifo'"],
             r"managed_collision.eviction_policy = 'fifo'; choose one of "
-            r"\['lru', 'lfu'\]",
+            r"\['lru', 'lfu', 'distance_lfu', 'ttl'\]",
         ),
+        (
+            ["managed_collision.tables={t_user=64}", "managed_collision.decay_exponent=-1"],
+            r"\[managed_collision\] table 't_user': MCHManagedCollisionModule: "
+            r"decay_exponent=-1.0 must be a finite number >= 0",
+        ),
+        (
+            ["managed_collision.tables={t_user=64}", "managed_collision.eviction_policy='ttl'"],
+            r"\[managed_collision\] table 't_user': MCHManagedCollisionModule: single_ttl=0 "
+            r"must be an int >= 1 with eviction_policy='ttl'",
+        ),
+        (
+            ["managed_collision.tables={t_user=64}", "managed_collision.single_ttl=5"],
+            r"\[managed_collision\] table 't_user': MCHManagedCollisionModule: single_ttl=5 "
+            r"is for eviction_policy='ttl', not 'lru'; leave it out",
+        ),
+        (["managed_collision.single_ttl=-1"], r"managed_collision.single_ttl = -1 must be >= 0"),
     ],
 )
 def test_managed_collision_config_errors_name_the_key(overrides, message):

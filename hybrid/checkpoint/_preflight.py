@@ -97,6 +97,8 @@ _ADDED_DEFAULTS = {
     "managed_collision.eviction_interval": 1,
     "managed_collision.threshold": 1,
     "managed_collision.history_capacity": 0,
+    "managed_collision.decay_exponent": 1.0,
+    "managed_collision.single_ttl": 0,
 }
 
 

@@ -35,10 +35,12 @@ values of the wrong type, raise `ConfigError` naming the key and the file.
              process writes its own shards, asynchronously; "npz": one file, one writer)
     [managed_collision] tables ({t_user = 512}: these tables take their ids through a
              managed-collision module with that many rows: raw ids mapped to rows on the
-             device, evicting by eviction_policy = "lru" | "lfu" every eviction_interval
-             steps, admitting an id seen threshold times; history_capacity (ids a window
-             holds; 0: per table, its ids in a device's part of a training batch rounded up
-             to a power of two, x devices x eviction_interval))
+             device, evicting by eviction_policy = "lru" | "lfu" | "distance_lfu" (TorchRec's
+             DistanceLFU: count / (steps since seen + 1) ** decay_exponent) | "ttl" (only ids
+             unseen for more than single_ttl steps give up their rows) every
+             eviction_interval steps, admitting an id seen threshold times; history_capacity
+             (ids a window holds; 0: per table, its ids in a device's part of a training batch
+             rounded up to a power of two, x devices x eviction_interval))
     [export] dir ("" = none: a serving artifact written at the end of the run, or from the
              newest checkpoint with `--export-only --resume`); quantize ("" = the tables as
              trained; "int8" | "int4" | "int2" | "fp16": `hybrid.quantize` first);
@@ -142,6 +144,8 @@ class ManagedCollisionSection:
     eviction_interval: int = 1
     threshold: int = 1
     history_capacity: int = 0
+    decay_exponent: float = 1.0
+    single_ttl: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,7 +194,7 @@ _CHOICES = {
     "sparse_optimizer.name": ("rowwise_adagrad", "adagrad", "adam", "sgd"),
     "dense_optimizer.name": ("adam", "sgd"),
     "train.nonfinite": ("stop", "skip"),
-    "managed_collision.eviction_policy": ("lru", "lfu"),
+    "managed_collision.eviction_policy": ("lru", "lfu", "distance_lfu", "ttl"),
     "checkpoint.format": ("auto", "npz", "orbax"),
     "export.quantize": ("", "int8", "int4", "int2", "fp16"),
 }
@@ -221,6 +225,7 @@ _NON_NEGATIVE = {
     "checkpoint.every",
     "data.max_rows",
     "managed_collision.history_capacity",
+    "managed_collision.single_ttl",
     "export.max_batch_size",
 }
 

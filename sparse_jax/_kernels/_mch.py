@@ -16,9 +16,10 @@ __all__ = ["mask_positions", "mch_profile", "mch_remap", "row_bits"]
 _STATE_LEAVES = 11  # MCHState's fields, in order
 
 
-def mch_profile(*leaves, lfu: bool, interval: int, threshold: int) -> list:
+def mch_profile(*leaves, policy: int, interval: int, threshold: int, ttl: int = 0) -> list:
     """`MCHManagedCollisionModule._profile` as one call: `leaves` are the state's 11 fields
-    then the batch's `hi`, `lo` and `valid`; returns the new state's fields, the
+    then the batch's `hi`, `lo` and `valid`; `policy` 0 LRU, 1 LFU, 2 TTL (`ttl`: its
+    single_ttl; "distance_lfu" has no kernel); returns the new state's fields, the
     bool[zch_size] mask of the slots given to new ids and the entries an id held before. The state's buffers are aliased to
     the outputs (XLA donates them when the caller does)."""
     _register()
@@ -34,9 +35,10 @@ def mch_profile(*leaves, lfu: bool, interval: int, threshold: int) -> list:
         hi.astype(jnp.int32),
         lo.astype(jnp.uint32),
         valid.astype(jnp.bool_),
-        lfu=np.int32(lfu),
+        policy=np.int32(policy),
         interval=np.int32(interval),
         threshold=np.int32(threshold),
+        ttl=np.int32(ttl),
     )
 
 

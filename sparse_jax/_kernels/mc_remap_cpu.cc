@@ -294,7 +294,12 @@ void MoveRuns(T* a, const std::vector<Run>& runs) {
     if (r.shift < 0) std::memmove(a + r.begin + r.shift, a + r.begin, sizeof(T) * (r.end - r.begin));
 }
 
-void Evict(State& s, bool* evicted, bool lfu, int32_t threshold) {
+// Eviction policies (the `policy` attribute): `sparse_jax.managed._id_map._KERNEL_POLICIES`.
+// "distance_lfu" (float scores) is not here: its CPU lowering is the XLA form.
+enum Policy : int32_t { kLru = 0, kLfu = 1, kTtl = 2 };
+
+void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t ttl) {
+  const bool lfu = policy == kLfu;
   const int64_t z = s.z;
   const int32_t step = *s.step;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(*s.used, 0), s.h);
@@ -356,14 +361,24 @@ void Evict(State& s, bool* evicted, bool lfu, int32_t threshold) {
     best[i] = static_cast<uint32_t>(i);
   }
   RadixSort(rank_key.data(), best.data(), rank_tmp.data(), best_tmp.data(), f);
-  // the i-th best new id wins iff it beats the i-th weakest resident (a resident wins ties)
-  const int32_t* score = lfu ? s.counts : s.last;
+  // the i-th best new id wins iff it beats the i-th weakest resident (a resident wins ties);
+  // TTL: an expired (step - last > ttl) or empty entry scores its last access (empty: 0), a
+  // live one INT32_MAX, a new id the step
+  std::vector<int32_t> ttl_score;
+  if (policy == kTtl) {
+    ttl_score.resize(z);
+    for (int64_t j = 0; j < z; ++j) {
+      const bool empty = res.at(j) == kEmpty;
+      ttl_score[j] = empty ? 0 : step - s.last[j] > ttl ? s.last[j] : INT32_MAX;
+    }
+  }
+  const int32_t* score = policy == kTtl ? ttl_score.data() : lfu ? s.counts : s.last;
   const int64_t m = std::min<int64_t>(f, z - 1);
   const std::vector<int64_t> weak = Weakest(score, z - 1, m);
   int64_t won = 0;
   while (won < m) {
     const uint32_t w = fresh[best[won]];
-    const int32_t mine = lfu ? win.count[w] : win.last[w];
+    const int32_t mine = policy == kTtl ? step : lfu ? win.count[w] : win.last[w];
     if (!(mine > score[weak[won]])) break;
     ++won;
   }
@@ -446,8 +461,8 @@ ffi::Error MchProfileImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ff
                           ffi::Result<ffi::Buffer<ffi::S32>> o_step,
                           ffi::Result<ffi::Buffer<ffi::S32>> o_last_eviction,
                           ffi::Result<ffi::Buffer<ffi::PRED>> evicted,
-                          ffi::Result<ffi::Buffer<ffi::S32>> occupied, int32_t lfu, int32_t interval,
-                          int32_t threshold) {
+                          ffi::Result<ffi::Buffer<ffi::S32>> occupied, int32_t policy, int32_t interval,
+                          int32_t threshold, int32_t ttl) {
   State s{Take(hi, o_hi),         Take(lo, o_lo),       Take(slots, o_slots), Take(counts, o_counts),
           Take(last, o_last),     Take(whi, o_whi),     Take(wlo, o_wlo),     Take(wstep, o_wstep),
           Take(used, o_used),     Take(step, o_step),   Take(last_eviction, o_last_eviction),
@@ -475,7 +490,7 @@ ffi::Error MchProfileImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ff
   }
   *s.used += taken;
   if (now - *s.last_eviction == interval) {
-    Evict(s, ev, lfu != 0, threshold);
+    Evict(s, ev, policy, threshold, ttl);
   } else {
     std::memset(ev, 0, sizeof(bool) * s.z);
   }
@@ -618,9 +633,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchProfile, MchProfileImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int32_t>("lfu")
+                                  .Attr<int32_t>("policy")
                                   .Attr<int32_t>("interval")
-                                  .Attr<int32_t>("threshold"));
+                                  .Attr<int32_t>("threshold")
+                                  .Attr<int32_t>("ttl"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchRemap, MchRemapImpl,
                               ffi::Ffi::Bind()

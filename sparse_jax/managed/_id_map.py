@@ -13,15 +13,18 @@ state so that it runs inside a jitted step:
   calls the window is coalesced (unique ids with counts and last access), ids seen fewer
   than `threshold` times in it are dropped (TorchRec's threshold filters act on the same
   window counts), resident ids' metadata are updated, and resident and new ids compete
-  by score (LFU: count, LRU: last access; resident wins ties, then the earlier position;
-  new ids are ranked by window count, then raw id). Losing resident slots are given to the
+  by score (LFU: count, LRU: last access, DistanceLFU: count over a power of the steps since
+  last seen, TTL: only ids unseen for more than `single_ttl` steps can lose; resident wins
+  ties, then the earlier position; new ids are ranked by window count, then raw id, LRU and
+  TTL by last access first, DistanceLFU by its score first). Losing resident slots are given to the
   winning new ids; `profile` returns which slots changed owner (their rows and optimizer
   state must be reset: an id evicted and seen again gets a fresh row).
 - `remap` maps ids to slots (binary search over the sorted ids); eval does only this.
 - On CPU, when the kernels are built (`sparse_jax._kernels.when_built`, decided at
   lowering), `profile` and `remap` are fused C++ calls (`mc_remap_cpu.cc`: a hash table over
   the window, a radix selection of the weakest residents, entries moved in place; never a
-  sort of the table) giving bit for bit the state and outputs of the XLA form below.
+  sort of the table) giving bit for bit the state and outputs of the XLA form below, for
+  "lru", "lfu" and "ttl"; "distance_lfu" (float scores) lowers to the XLA form on CPU too.
 - On a GPU, `profile` has no data-dependent control flow (`by_platform`, `_static_loops`):
   the eviction is computed every call and kept only when due (a select, not a `lax.cond`,
   whose predicate a GPU copies to the host), the radix passes and the k-th score's
@@ -61,7 +64,8 @@ __all__ = [
 
 _HI_MAX = np.int32(np.iinfo(np.int32).max)
 _LO_MAX = np.uint32(np.iinfo(np.uint32).max)  # (_HI_MAX, _LO_MAX) is INT64_MAX: an empty slot
-_POLICIES = ("lru", "lfu")
+_POLICIES = ("lru", "lfu", "distance_lfu", "ttl")
+_KERNEL_POLICIES = {"lru": 0, "lfu": 1, "ttl": 2}  # the fused CPU kernel's policy codes
 
 
 class RawIds(NamedTuple):
@@ -271,10 +275,34 @@ def _pack(fields):
 class MCHManagedCollisionModule:
     """Managed collision for one table of `zch_size` rows (module docstring).
 
-    eviction_policy: "lru" (keep the most recently seen) or "lfu" (keep the most seen).
+    eviction_policy: which resident ids lose their rows to new ids at an eviction (scores
+        are compared after the window's counts and last access are merged in; a resident
+        wins ties, new ids rank as the oracle in tests/reference.py says):
+        "lru": the least recently seen lose (TorchRec's `LRU_EvictionPolicy`).
+        "lfu": the least seen since admission lose (`LFU_EvictionPolicy`).
+        "distance_lfu": TorchRec's `DistanceLFU_EvictionPolicy`: the lowest
+            `count / (step - last_access + 1) ** decay_exponent` loses, computed in float32
+            as TorchRec does (`step`: training calls to `profile`, TorchRec's iteration).
+            With `decay_exponent` 1.0 (TorchRec's default), 2.0 or 0.0 the scores are bit for
+            bit TorchRec's; other exponents take XLA's `pow`, which may differ from torch's
+            by an ulp and so order two nearly equal scores the other way.
+        "ttl": a time to live of `single_ttl` training calls (TorchRec's
+            `HashZchEvictionPolicyName.SINGLE_TTL_EVICTION`, whose `single_ttl` is in hours of
+            wall-clock time; here it counts calls to `profile`, so a run is reproducible).
+            A resident id not seen for more than `single_ttl` calls (`step - last_access >
+            single_ttl`) is expired: only expired ids and empty rows are given to new ids,
+            the least recently seen first; an id seen within its ttl is never evicted, and a
+            new id finding no expired row maps to the default row until one expires. As in
+            TorchRec, an expired id keeps its row (and is still looked up) until a new id
+            takes it. New ids compete as for "lru" (last seen, then count, then raw id).
+            What a TorchRec user gets: MPZCH's probe-range search is not modelled (any
+            expired row of the table can be taken), and time is in calls, not hours.
     eviction_interval: training calls between evictions (1: every step).
     threshold: an id must be seen this many times within one eviction window to be admitted.
     history_capacity: ids one window can hold (>= ids per batch * eviction_interval).
+    decay_exponent: "distance_lfu"'s exponent (TorchRec's name), a finite float >= 0.
+    single_ttl: "ttl"'s time to live in training calls (TorchRec's name), an int >= 1;
+        required for "ttl" and refused for the other policies.
     """
 
     zch_size: int
@@ -282,6 +310,8 @@ class MCHManagedCollisionModule:
     eviction_policy: str = "lru"
     eviction_interval: int = 1
     threshold: int = 1
+    decay_exponent: float = 1.0
+    single_ttl: int | None = None
 
     def __post_init__(self):
         name = "MCHManagedCollisionModule"
@@ -297,6 +327,21 @@ class MCHManagedCollisionModule:
         if self.eviction_policy not in _POLICIES:
             raise ValueError(
                 f"{name}: eviction_policy={self.eviction_policy!r}; choose one of {list(_POLICIES)}"
+            )
+        e = self.decay_exponent
+        if isinstance(e, bool) or not isinstance(e, int | float) or not 0 <= e < float("inf"):
+            raise ValueError(f"{name}: decay_exponent={e!r} must be a finite number >= 0")
+        ttl = self.single_ttl
+        if self.eviction_policy == "ttl":
+            if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
+                raise ValueError(
+                    f"{name}: single_ttl={ttl!r} must be an int >= 1 with eviction_policy='ttl' "
+                    "(training calls an id may go unseen before its row may be taken)"
+                )
+        elif ttl is not None:
+            raise ValueError(
+                f"{name}: single_ttl={ttl!r} is for eviction_policy='ttl', not "
+                f"{self.eviction_policy!r}; leave it out"
             )
 
     @property
@@ -381,16 +426,23 @@ class MCHManagedCollisionModule:
         def kernel(*ops):  # the fused CPU kernel: the same state and outputs, bit for bit
             return mch_profile(
                 *ops,
-                lfu=self.eviction_policy == "lfu",
+                policy=_KERNEL_POLICIES[self.eviction_policy],
                 interval=self.eviction_interval,
                 threshold=self.threshold,
+                ttl=self.single_ttl or 0,
             )
 
+        # the kernel has no float scores: "distance_lfu" runs the XLA form on CPU too
+        cpu = (
+            when_built(kernel, form(False))
+            if self.eviction_policy in _KERNEL_POLICIES
+            else form(False)
+        )
         got = by_platform(
             leaves,
             out_leaves,
             default=form(False),
-            cpu=when_built(kernel, form(False)),
+            cpu=cpu,
             cuda=form(True),
             rocm=form(True),
         )
@@ -443,17 +495,29 @@ class MCHManagedCollisionModule:
         lasts = state.last_access.at[hit_at].set(last, mode="drop")
         counts, lasts = counts.at[z - 1].set(int_max), lasts.at[z - 1].set(state.step)
         new = real & ~hit
-        if self.eviction_policy == "lfu":
+        by_count = ((h - count).astype(jnp.uint32), (h - 1).bit_length())  # count descending
+        # last access descending (within the window: step - last < interval)
+        by_last = (
+            (state.step - last).astype(jnp.uint32),
+            (self.eviction_interval - 1).bit_length(),
+        )
+        policy = self.eviction_policy
+        if policy == "lfu":
             resident_score, new_score = counts, count
-            fields = [(h - count, (h - 1).bit_length())]  # count descending, then raw id
+            fields = [by_count]  # count descending, then raw id
+        elif policy == "distance_lfu":
+            resident_score = distance_lfu_score(counts, lasts, state.step, self.decay_exponent)
+            new_score = distance_lfu_score(count, last, state.step, self.decay_exponent)
+            # score descending, then count descending, then raw id
+            by_score = ((jnp.iinfo(jnp.int32).max - new_score).astype(jnp.uint32), 31)
+            fields = [by_score, by_count]
+        elif policy == "ttl":
+            resident_score, new_score = _ttl_scores(state, lasts, self.single_ttl)
+            new_score = jnp.broadcast_to(new_score, last.shape)
+            fields = [by_last, by_count]  # as for LRU
         else:
             resident_score, new_score = lasts, last
-            # last access descending (within the window: step - last < interval), then count
-            # descending, then raw id
-            fields = [
-                ((state.step - last).astype(jnp.uint32), (self.eviction_interval - 1).bit_length()),
-                ((h - count).astype(jnp.uint32), (h - 1).bit_length()),
-            ]
+            fields = [by_last, by_count]  # then raw id
         winner, loser = _contest(new, new_score, fields, resident_score)
         loser_slot = state.slots[jnp.minimum(loser, z - 1)]
         evicted = jnp.zeros(z, bool).at[jnp.where(loser < z, loser_slot, z)].set(True, mode="drop")
@@ -486,6 +550,32 @@ class MCHManagedCollisionModule:
             last_eviction=state.step,
         )
         return state, evicted
+
+
+def distance_lfu_score(counts, lasts, step, decay_exponent: float):
+    """TorchRec's DistanceLFU score `count / (step - last + 1) ** decay_exponent` in float32,
+    as the int32 of its bits (a score is finite and >= 0, so the ints order as the floats).
+    The exponents 1, 2 and 0 are exact (a division, a product, none); others take `pow`."""
+    distance = (step - lasts + 1).astype(jnp.float32)
+    if decay_exponent == 1:
+        weight = distance
+    elif decay_exponent == 2:
+        weight = distance * distance
+    elif decay_exponent == 0:
+        weight = jnp.ones_like(distance)
+    else:
+        weight = jnp.power(distance, jnp.float32(decay_exponent))
+    return jax.lax.bitcast_convert_type(counts.astype(jnp.float32) / weight, jnp.int32)
+
+
+def _ttl_scores(state: MCHState, lasts, single_ttl: int):
+    """ "ttl"'s (resident, new) scores: an expired resident (`step - last > single_ttl`) or an
+    empty entry scores its last access (empty: 0), a live one `int32.max` (never loses); a new
+    id scores `step`, above every expired last access (< step - single_ttl)."""
+    empty = (state.sorted_hi == _HI_MAX) & (state.sorted_lo == _LO_MAX)
+    expired = empty | (state.step - lasts > single_ttl)
+    resident = jnp.where(expired, jnp.where(empty, 0, lasts), jnp.iinfo(jnp.int32).max)
+    return resident, state.step
 
 
 def _window_ids(state: MCHState, threshold: int):

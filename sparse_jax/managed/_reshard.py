@@ -11,8 +11,8 @@ new shard's default row is the saved default row of shard `s % old shards` (a sp
 more shards copies the default rows, a merge keeps the first shard's).
 
 A shard with more resident ids than its slots (ids do not split evenly under a hash) keeps
-the strongest by the eviction policy (LFU: count, LRU: last access; then the smaller raw
-id); the others are dropped as an eviction would drop them (counted as evictions) and
+the strongest by the eviction policy (LFU: count, LRU and TTL: last access, DistanceLFU: its
+score at the saved step; then the smaller raw id); the others are dropped as an eviction would drop them (counted as evictions) and
 start over if seen again. The eviction windows move too (their entries are ids with the
 step they were seen at: each goes to its id's new shard), so a run resumed mid-window
 evicts as it would have.
@@ -88,7 +88,7 @@ def reshard_id_maps(
     source = (shard_of * rows_old + state.slots)[resident]
     counts, lasts = state.counts[resident], state.last_access[resident]
     owner = _owners(ids, shards)
-    score = counts if module.eviction_policy == "lfu" else lasts
+    score = _strength(module, counts, lasts, int(state.step[0]))
 
     out = {f: [] for f in MCHState._fields}
     row_source = np.arange(
@@ -134,6 +134,16 @@ def reshard_id_maps(
     return ReshardedIdMaps(
         new, np.minimum(new_counters, np.iinfo(np.int32).max).astype(np.int32), row_source, dropped
     )
+
+
+def _strength(module: MCHManagedCollisionModule, counts, lasts, step: int) -> np.ndarray:
+    """Which resident ids a shard keeps first (higher first), by the module's policy."""
+    if module.eviction_policy == "lfu":
+        return counts
+    if module.eviction_policy == "distance_lfu":
+        distance = (step - lasts.astype(np.int64) + 1).astype(np.float32)
+        return counts.astype(np.float32) / np.power(distance, np.float32(module.decay_exponent))
+    return lasts  # LRU and TTL: the most recently seen
 
 
 def _moved_window(state: MCHState, shards: int, capacity: int) -> list[tuple]:
