@@ -527,3 +527,26 @@ def test_column_split_rowwise_adagrad_rounds_fp16_rows_as_the_rule_says():
     seeded = run(seed=1)
     np.testing.assert_array_equal(seeded, run(seed=1))
     assert (seeded != run(seed=2)).any() and (seeded != run(stochastic_rounding=False)).any()
+
+
+@pytest.mark.parametrize(
+    "types",
+    [
+        {"t0": "row_wise", "t1": "column_wise", "t2": "data_parallel", "t3": "table_wise"},
+        {f"t{i}": "grid_shard" for i in range(4)},
+        {f"t{i}": "table_row_wise" for i in range(4)},
+    ],
+)
+def test_sharded_init_draws_the_unsharded_weights_block_by_block(types, monkeypatch):
+    case = random_case(np.random.default_rng(4), dims=[8, 8, 4, 16], batch=16, rows=(20, 60))
+    ebc = EmbeddingBagCollection(case.tables)
+    want = {k: np.asarray(v) for k, v in ebc.table_weights(ebc.init(jax.random.key(3))).items()}
+    sharded = shard(ebc, _mesh("2x4"), types)
+
+    def whole(*_):  # the sharded init must not build every table on the host first
+        raise AssertionError("sharded init called the unsharded collection's init")
+
+    monkeypatch.setattr(EmbeddingBagCollection, "init", whole)
+    got = sharded.table_weights(sharded.init(jax.random.key(3)))
+    for name, w in want.items():
+        np.testing.assert_array_equal(got[name], w, err_msg=name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,6 +28,7 @@ __all__ = [
     "param_specs",
     "place",
     "place_batch",
+    "init_placed",
     "place_rows",
     "spec",
     "state_specs",
@@ -94,6 +96,61 @@ def place(
         # full rank, as the update's shard_map returns it: an equal but shorter spec is another
         # jit cache key (the second step compiled again)
         out[buf.name] = _global_array(host, NamedSharding(mesh, P(buf.axes or None, None)))
+    return out
+
+
+def init_placed(
+    mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], tables: Sequence, key: jax.Array
+) -> dict[str, jax.Array]:
+    """The weights `place(mesh, buffers, table_weights(ebc.init(key)))` gives (table i of
+    `tables`, the collection's layout order, draws with `fold_in(key, i)`), built on the
+    devices without whole-table host copies: each process draws, one table at a time, only
+    the tables its devices hold some rows of, and moves just those rows to each device.
+    Peak memory: the placed shards, one table, and one device's rows in pieces."""
+    index = {t.name: i for i, t in enumerate(tables)}
+    by_name = {t.name: t for t in tables}
+    out = {}
+    for buf in buffers:
+        shape = (buf.group_size * buf.rows_per_device, buf.width)
+        sharding = NamedSharding(mesh, P(buf.axes or None, None))
+        dtype = buf.data_type.numpy_dtype
+        spans = {
+            d: (idx[0].start or 0, shape[0] if idx[0].stop is None else idx[0].stop)
+            for d, idx in sharding.addressable_devices_indices_map(shape).items()
+        }
+        pieces: dict = {d: [] for d in spans}  # device -> [(first row, rows on the device)]
+        blocks: dict[str, list] = {}
+        for block in buf.stored_blocks():
+            blocks.setdefault(block[1], []).append(block)
+        for table, parts in blocks.items():
+            weights = None
+            for _, _, start, r0, rn, c0, cn in parts:
+                for d, (a, b) in spans.items():
+                    lo, hi = max(a, start), min(b, start + rn)
+                    if lo >= hi:
+                        continue
+                    if weights is None:  # drawn once, only if this process holds some of it
+                        w = by_name[table].initial_weights(jax.random.fold_in(key, index[table]))
+                        weights = jnp.asarray(w).astype(dtype)
+                    first, last = r0 + lo - start, r0 + hi - start
+                    whole = (first, last, c0, cn) == (0, *weights.shape[:1], 0, weights.shape[1])
+                    rows = weights if whole else weights[first:last, c0 : c0 + cn]
+                    pieces[d].append((lo, jax.device_put(rows, d)))
+                    del rows
+            del weights
+        shards = []
+        for d, (a, b) in spans.items():
+            parts, at = [], a
+            for lo, rows in sorted(pieces.pop(d), key=lambda x: x[0]):
+                if lo > at:  # rows no block fills (a device's padding)
+                    parts.append(jax.device_put(np.zeros((lo - at, buf.width), dtype), d))
+                parts.append(rows)
+                at = lo + rows.shape[0]
+            if b > at:
+                parts.append(jax.device_put(np.zeros((b - at, buf.width), dtype), d))
+            shards.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+            del parts
+        out[buf.name] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
     return out
 
 

@@ -155,9 +155,9 @@ class ShardedEmbeddingBagCollection(LayoutFacts):
 
     # -- weights and state (host copies; see `_placement.py`) -----------------------------------
     def init(self, key: jax.Array) -> dict[str, jax.Array]:
-        """The same weights as `ebc.init(key)`, placed on the mesh."""
-        weights = {k: np.asarray(v) for k, v in self.ebc.table_weights(self.ebc.init(key)).items()}
-        return _placement.place(self.mesh, self.buffers, weights)
+        """The same weights as `ebc.init(key)`, placed on the mesh (each process draws only
+        the blocks its devices hold, a table at a time: no whole-table host copies)."""
+        return _placement.init_placed(self.mesh, self.buffers, self.ebc.layout.tables, key)
 
     def table_weights(self, params) -> dict[str, np.ndarray]:
         """Full `[num_embeddings, dim]` weights per table, assembled from the shards (host copies)."""
