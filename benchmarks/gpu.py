@@ -224,8 +224,9 @@ def _time_torch(fns: dict, rounds: int, reps: int) -> dict:
 
 def _update_fns(c: _Case, rule, interpret: bool):
     """The update programs, each `(table, state, rows, bag, scale, bag_grads, ids)` with
-    `ids` the host-sorted stream: the Pallas kernel sorting in the program (as a batch
-    prepared without `sort_ids` runs) and reading the host's runs (no sort in the program),
+    `ids` the host-sorted stream: the Pallas kernels sorting in the program (per id with a
+    search for the run's end, "pallas"; runs found and long ones chunked in the program, as
+    a batch prepared without `sort_ids` and a sharded step run) and reading the host's runs,
     the pure-XLA in-program form and the XLA sorted-run form (`apply_sorted_runs`)."""
     num_rows = c.table.shape[0]
 
@@ -235,7 +236,7 @@ def _update_fns(c: _Case, rule, interpret: bool):
                 offsets, bag, scale = ids.offsets, ids.bag, ids.scale
                 if chunked:  # each chunk of a run summed by its own program first
                     bag_grads = _pallas.chunk_sums(
-                        ids.chunks, bag, scale, bag_grads, interpret=interpret
+                        ids.chunks[:-1], ids.chunks[1:], bag, scale, bag_grads, interpret=interpret
                     )
                     offsets = ids.run_chunks
                     bag = jnp.arange(bag_grads.shape[0], dtype=jnp.int32)
@@ -269,8 +270,15 @@ def _update_fns(c: _Case, rule, interpret: bool):
     def xla_runs(table, state, rows, bag, scale, bag_grads, ids):
         return apply_sorted_runs(rule, table, state, jnp.int32(1), ids, bag_grads)
 
+    def pallas_chunked(table, state, rows, bag, scale, bag_grads, ids):
+        """The library's form without host runs: runs found, long ones chunked, in the program."""
+        return _pallas.chunked_run_update(
+            rule, table, state, jnp.int32(1), rows, bag, scale, bag_grads, interpret=interpret
+        )
+
     fns = {
         "pallas": pallas_form(_pallas.UNROLL),
+        "pallas_in_program_runs": pallas_chunked,
         "xla": xla,
         "pallas_unroll1": pallas_form(1),
         "pallas_host_sorted": pallas_form(_pallas.UNROLL, host_sorted=True),
@@ -301,7 +309,14 @@ def _check(c: _Case, interpret: bool) -> dict:
             res[k] = np.asarray(fn(t, s, *_update_args(c))[0])
         diff = float(np.abs(res["pallas"] - res["xla"]).max())
         checks[f"{rule.name}_max_abs_diff"] = diff
-        again_of = [("pallas", ""), ("xla_sorted_runs", "xla_sorted_runs_")]
+        checks[f"{rule.name}_in_program_runs_max_abs_diff"] = float(
+            np.abs(res["pallas_in_program_runs"] - res["xla"]).max()
+        )
+        again_of = [
+            ("pallas", ""),
+            ("pallas_in_program_runs", "in_program_runs_"),
+            ("xla_sorted_runs", "xla_sorted_runs_"),
+        ]
         if "pallas_host_chunked" in res:
             again_of.append(("pallas_host_chunked", "chunked_"))
         for k, label in again_of:

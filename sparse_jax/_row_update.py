@@ -102,7 +102,7 @@ def update_rows(
                 unique, offsets, b, sc = ops[6:10]
                 if len(extra) == 6:
                     chunks, offsets = ops[10:12]
-                    g = _pallas.chunk_sums(chunks, b, sc, g, interpret=interpret)
+                    g = _pallas.chunk_sums(chunks[:-1], chunks[1:], b, sc, g, interpret=interpret)
                     b = jnp.arange(g.shape[0], dtype=jnp.int32)
                     sc = jnp.ones(g.shape[:1], jnp.float32)
                 return flat(
@@ -110,11 +110,9 @@ def update_rows(
                         rule, t, st, s, unique, offsets, b, sc, g, ok, interpret=interpret
                     )
                 )
-            rows_s, perm = _pallas.sorted_runs(r, num_rows)
+            # no host runs: found and chunked in the program
             return flat(
-                _pallas.sorted_run_update(
-                    rule, t, st, s, rows_s, perm, b, sc, g, ok, interpret=interpret
-                )
+                _pallas.chunked_run_update(rule, t, st, s, r, b, sc, g, ok, interpret=interpret)
             )
 
         return run

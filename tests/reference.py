@@ -116,6 +116,22 @@ def run_chunks(unique, offsets, size):
     return starts + [offsets[-1]], first + [len(starts)]
 
 
+def sorted_chunks_loop(rows, num_rows, size):
+    """What `_kernels._pallas.sorted_chunks` finds, by loops: per run (ascending rows, ids
+    outside `[0, num_rows)` left out) its row, its sorted positions, and for runs longer
+    than `size` their chunks of `size` positions (lists of (start, end))."""
+    order = sorted((r, i) for i, r in enumerate(rows) if 0 <= r < num_rows)
+    runs, p = [], 0
+    while p < len(order):
+        q = p
+        while q < len(order) and order[q][0] == order[p][0]:
+            q += 1
+        chunks = [(a, min(a + size, q)) for a in range(p, q, size)] if q - p > size else []
+        runs.append((order[p][0], p, q, chunks))
+        p = q
+    return runs
+
+
 def chunk_sums_loop(starts, bag, scale, bag_grads):
     """Per chunk `starts[c] : starts[c + 1]`, the sum of `scale * bag_grads[bag]` in order
     (bags outside `bag_grads` add nothing), by loops, fp64."""

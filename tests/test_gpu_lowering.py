@@ -254,7 +254,7 @@ def test_a_sequence_collection_step_lowered_for_cuda_is_gpu_right():
         "case_or_if": 0,
         "float_scatter_add_non_unique": 0,
         "cpu_custom_calls": 0,
-        "triton_kernels": 1,
+        "triton_kernels": 2,  # the long runs' chunk sums, then the update of every run
     }, got
 
 

@@ -321,7 +321,8 @@ def test_chunk_sums_equal_the_loops():
     cuts = np.sort(rng.integers(0, n, 24))
     starts = [0, *cuts.tolist(), n, n, n]  # empty chunks inside and at the end
     out = _pallas.chunk_sums(
-        jnp.asarray(np.array(starts, np.int32)),
+        jnp.asarray(np.array(starts[:-1], np.int32)),
+        jnp.asarray(np.array(starts[1:], np.int32)),
         jnp.asarray(bag),
         jnp.asarray(scale),
         jnp.asarray(g),
@@ -369,3 +370,80 @@ def test_run_update_over_host_runs_equals_the_per_id_kernel_bitwise(rule):
         jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves((table, state)), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sorted_chunks_find_the_runs_and_cut_only_the_long_ones():
+    rng = np.random.default_rng(9)
+    E, n, size = 30, 300, 16
+    rows = rng.integers(-1, E + 1, n).astype(np.int32)
+    rows[rng.choice(n, 70, replace=False)] = 4  # a run of 70+ ids: 5 chunks
+    rows[rng.choice(n, 17, replace=False)] = 11  # just over one chunk
+    c = jax.tree_util.tree_map(np.asarray, _pallas.sorted_chunks(jnp.asarray(rows), E, size))
+    want = reference.sorted_chunks_loop(rows.tolist(), E, size)
+    u = len(want)
+    assert (c.unique[u:] == E).all() and c.chunk_hi[u:].max(initial=0) == 0
+    chunk_list = []
+    for k, (row, start, end, chunks) in enumerate(want):
+        assert c.unique[k] == row
+        if chunks:  # a long run sums its chunks, not its ids
+            assert c.starts[k] == c.ends[k]
+            got = list(
+                zip(
+                    c.chunk_starts[c.chunk_lo[k] : c.chunk_hi[k]],
+                    c.chunk_ends[c.chunk_lo[k] : c.chunk_hi[k]],
+                    strict=True,
+                )
+            )
+            assert got == chunks, (row, got, chunks)
+            chunk_list += chunks
+        else:
+            assert (c.starts[k], c.ends[k], c.chunk_lo[k], c.chunk_hi[k]) == (start, end, 0, 0)
+    assert len(chunk_list) <= c.chunk_starts.size == 2 * (n // size) + 2
+    # the stream order within a run: perm sorts stably
+    np.testing.assert_array_equal(
+        c.perm[: sum(e - s for _, s, e, _ in want)],
+        [i for _, i in sorted((r, i) for i, r in enumerate(rows.tolist()) if 0 <= r < E)],
+    )
+
+
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad", "adam"])
+def test_the_in_program_chunked_update_equals_the_loops_and_repeats_its_bits(rule):
+    rng = np.random.default_rng(len(rule) + 40)
+    E, D, n, n_bags, step = 40, 16, 400, 30, 2
+    rows, bag, scale = _stream(rng, n, E, n_bags, zipf=False)
+    rows[rng.choice(np.arange(3, n), 150, replace=False)] = 7  # a hot row: several chunks
+    g = rng.normal(size=(n_bags, D)).astype(np.float32)
+    table = rng.normal(size=(E, D)).astype(np.float32)
+    r = getattr(optim, rule)(**RULES[rule])
+    state = jax.tree_util.tree_map(lambda x: x + 0.25, r.init_table(jnp.asarray(table)))
+    runs = [jnp.asarray(x) for x in (rows, bag, scale)]
+    outs = [
+        _pallas.chunked_run_update(
+            r,
+            jnp.asarray(table),
+            state,
+            jnp.int32(step),
+            *runs,
+            jnp.asarray(g),
+            interpret=INTERPRET,
+        )
+        for _ in range(2)
+    ]
+    for a, b in zip(*(jax.tree_util.tree_leaves(o) for o in outs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # no atomics
+    grads = {}
+    for i, b, s in zip(rows, bag, scale, strict=True):
+        if 0 <= i < E and b < n_bags:
+            grads[int(i)] = grads.get(int(i), 0.0) + float(s) * g[b].astype(np.float64)
+    weights = {"t": table.astype(np.float64)}
+    host = {
+        k: np.asarray(v, np.float64) for k, v in (state.items() if isinstance(state, dict) else [])
+    }
+    states = {"t": {i: {k: v[i] for k, v in host.items()} for i in grads}}
+    reference.fused_step(rule, r.hyperparams, weights, states, {"t": grads}, step)
+    np.testing.assert_allclose(np.asarray(outs[0][0]), weights["t"], rtol=1e-5, atol=1e-5)
+    kept = _pallas.chunked_run_update(
+        r, jnp.asarray(table), state, jnp.int32(step), *runs, jnp.asarray(g), jnp.zeros((), bool),
+        interpret=INTERPRET,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(kept[0]), table)  # a false guard writes nothing

@@ -32,6 +32,7 @@ whose state is per-row only (sgd, adagrad, rowwise_adagrad, adam).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +41,16 @@ from jax.experimental import pallas as pl
 UNROLL = 4  # ids read per loop step in the jagged kernels
 
 __all__ = [
+    "CHUNK",
     "UNROLL",
+    "SortedChunks",
     "chunk_sums",
+    "chunked_run_update",
     "jagged_pooled_sum",
     "per_row_state",
     "pooled_positions",
     "run_update",
+    "sorted_chunks",
     "sorted_run_update",
     "sorted_runs",
     "supports_dim",
@@ -213,12 +218,111 @@ def sorted_runs(rows, num_rows: int):
     return rows_s, perm
 
 
-def chunk_sums(offsets, bag, scale, bag_grads, *, interpret: bool = False, unroll: int = UNROLL):
-    """`[chunks, dim]` fp32: chunk c's `sum(scale[i] * bag_grads[bag[i]])` over the stream
-    positions `offsets[c] : offsets[c + 1]`, in order (`offsets` `[chunks + 1]`, non-
-    decreasing; an empty chunk sums to 0; bags outside `bag_grads` add nothing). One program
-    per chunk, one writer per row, no atomics."""
-    n_chunks = offsets.shape[0] - 1
+CHUNK = 32  # ids per chunk when the runs are found in the program (no host to size them)
+
+
+class SortedChunks(NamedTuple):
+    """A stream sorted in the program with its runs found (`sorted_chunks`), `[N]`-sized
+    with padding at the end. Run u is row `unique[u]`: a short run (at most `CHUNK` ids)
+    sums its sorted positions `starts[u] : ends[u]`; a long one has an empty id range and
+    sums chunk sums `chunk_lo[u] : chunk_hi[u]` instead. Chunk c (of a long run) is sorted
+    positions `chunk_starts[c] : chunk_ends[c]`; `perm[i]` is the stream position of sorted
+    position i. Chunks exist for long runs only, so their buffer is `[N // CHUNK * 2 + 2]`,
+    not `[N]`."""
+
+    unique: jax.Array
+    starts: jax.Array
+    ends: jax.Array
+    chunk_lo: jax.Array
+    chunk_hi: jax.Array
+    chunk_starts: jax.Array
+    chunk_ends: jax.Array
+    perm: jax.Array
+
+
+def sorted_chunks(rows, num_rows: int, size: int = CHUNK) -> SortedChunks:
+    """The id stream sorted by row (`sorted_runs`), its runs found and the long ones cut
+    into chunks of `size` ids, in the program: integer work only (a sort, scans, gathers
+    and scatters to unique positions), no host. Ids outside `[0, num_rows)` belong to no
+    run."""
+    n = rows.shape[0]
+    k_cap = 2 * (n // size) + 2  # a long run of L > size ids has ceil(L / size) < 2 L / size chunks
+    rows_s, perm = sorted_runs(rows, num_rows)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    valid = rows_s < num_rows
+    n_valid = valid.sum(dtype=jnp.int32)
+    prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), rows_s[:-1]])
+    new_run = valid & (rows_s != prev)
+    run_id = jnp.cumsum(new_run, dtype=jnp.int32) - 1
+    run_at = jnp.where(new_run, run_id, n + 1)  # out of range: dropped by the scatters
+    starts = (
+        jnp.full((n + 1,), n_valid, jnp.int32).at[run_at].set(pos, mode="drop", unique_indices=True)
+    )
+    ends = starts[1:]
+    starts = starts[:-1]
+    unique = (
+        jnp.full((n,), num_rows, jnp.int32).at[run_at].set(rows_s, mode="drop", unique_indices=True)
+    )
+    run_of = jnp.clip(run_id, 0, max(n - 1, 0))
+    offset = pos - starts[run_of]  # rank in the run
+    long_pos = valid & (ends[run_of] - starts[run_of] > size)
+    new_chunk = long_pos & (offset % size == 0)
+    chunk_id = jnp.cumsum(new_chunk, dtype=jnp.int32) - 1
+    chunk_at = jnp.where(new_chunk, chunk_id, k_cap + 1)
+    chunk_starts = (
+        jnp.full((k_cap,), n, jnp.int32).at[chunk_at].set(pos, mode="drop", unique_indices=True)
+    )
+    chunk_ends = (
+        jnp.full((k_cap,), n, jnp.int32)
+        .at[chunk_at]
+        .set(jnp.minimum(pos + size, ends[run_of]), mode="drop", unique_indices=True)
+    )
+    long_run = ends - starts > size
+    # a long run's first chunk starts at its first position: the chunk id there
+    first_chunk = (
+        jnp.zeros((n,), jnp.int32).at[run_at].set(chunk_id, mode="drop", unique_indices=True)
+    )
+    chunk_lo = jnp.where(long_run, first_chunk, 0)
+    chunk_hi = jnp.where(long_run, chunk_lo + (ends - starts + size - 1) // size, 0)
+    starts, ends = jnp.where(long_run, 0, starts), jnp.where(long_run, 0, ends)
+    return SortedChunks(unique, starts, ends, chunk_lo, chunk_hi, chunk_starts, chunk_ends, perm)
+
+
+def chunked_run_update(
+    rule,
+    table,
+    state,
+    step,
+    rows,
+    bag,
+    scale,
+    bag_grads,
+    good=None,
+    *,
+    interpret: bool = False,
+    size: int = CHUNK,
+):
+    """The fused update of an unsorted id stream with no host help (a sharded step's local
+    ids, a batch prepared without `sort_ids`): `sorted_chunks` finds the runs in the
+    program, `chunk_sums` sums each chunk of the long runs, and `run_update` steps each run
+    from its ids (short runs) or its chunk sums (long ones). No atomics, no binary search;
+    a hot row's ids are summed by many programs."""
+    c = sorted_chunks(rows, table.shape[0], size)
+    bag_s, scale_s = bag.astype(jnp.int32)[c.perm], scale.astype(jnp.float32)[c.perm]
+    sums = chunk_sums(c.chunk_starts, c.chunk_ends, bag_s, scale_s, bag_grads, interpret=interpret)
+    return run_update(
+        rule, table, state, step, c.unique, (c.starts, c.ends), bag_s, scale_s, bag_grads, good,
+        chunks=(c.chunk_lo, c.chunk_hi, sums), interpret=interpret,
+    )  # fmt: skip
+
+
+def chunk_sums(
+    starts, ends, bag, scale, bag_grads, *, interpret: bool = False, unroll: int = UNROLL
+):
+    """`[chunks, dim]` fp32: chunk c's `sum(scale[i] * bag_grads[bag[i]])` over the sorted
+    positions `starts[c] : ends[c]`, in order (an empty chunk sums to 0; bags outside
+    `bag_grads` add nothing). One program per chunk, one writer per row, no atomics."""
+    n_chunks = starts.shape[0]
     dim = bag_grads.shape[1]
     if not supports_dim(dim):
         raise ValueError(f"the Pallas update needs a power-of-two dim, got {dim}; use kernel='xla'")
@@ -232,10 +336,16 @@ def chunk_sums(offsets, bag, scale, bag_grads, *, interpret: bool = False, unrol
         interpret=interpret,
         compiler_params=_compiler_params(_warps(dim)),
         name="hybridrec_chunk_sums",
-    )(offsets.astype(jnp.int32), bag.astype(jnp.int32), scale.astype(jnp.float32), bag_grads)
+    )(
+        starts.astype(jnp.int32),
+        ends.astype(jnp.int32),
+        bag.astype(jnp.int32),
+        scale.astype(jnp.float32),
+        bag_grads,
+    )
 
 
-def _chunk_kernel(off_ref, bag_ref, scale_ref, g_ref, o_ref, *, num_bags, dim, unroll):
+def _chunk_kernel(start_ref, end_ref, bag_ref, scale_ref, g_ref, o_ref, *, num_bags, dim, unroll):
     c = pl.program_id(0)
 
     def add(i, in_chunk, acc):
@@ -244,7 +354,7 @@ def _chunk_kernel(off_ref, bag_ref, scale_ref, g_ref, o_ref, *, num_bags, dim, u
         s = jnp.where(keep, scale_ref[i], jnp.float32(0))
         return jnp.where(keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc)
 
-    acc = _in_steps(off_ref[c], off_ref[c + 1], unroll, add, jnp.zeros((dim,), jnp.float32))
+    acc = _in_steps(start_ref[c], end_ref[c], unroll, add, jnp.zeros((dim,), jnp.float32))
     o_ref[c, :] = acc
 
 
@@ -404,19 +514,28 @@ def run_update(
     bag_grads,
     good=None,
     *,
+    chunks=None,
     interpret: bool = False,
     unroll: int = UNROLL,
 ):
-    """`sorted_run_update` for runs the host already found (`sparse_jax._sorted_ids`):
-    one program per run u, row `unique[u]`, its ids at stream positions
-    `offsets[u] : offsets[u + 1]` (`bag`, `scale` in sorted order). No search for a run's
-    end and no idle program per id: the programs are the runs. Rows outside the table
-    (padding) and empty runs write nothing; the sums are in stream order, as
-    `sorted_run_update` forms them (the same bits)."""
+    """`sorted_run_update` for runs already found (on the host, `sparse_jax._sorted_ids`,
+    or by `sorted_chunks`): one program per run u, row `unique[u]`, its ids at sorted
+    positions `offsets[u] : offsets[u + 1]` (`offsets` `[U + 1]`, or a `(starts, ends)`
+    pair of `[U]`; `bag`, `scale` in sorted order). `chunks=(lo, hi, sums)`: run u also adds
+    rows `sums[lo[u] : hi[u]]` (its chunks' sums), after its ids. No search for a run's end
+    and no idle program per id: the programs are the runs. Rows outside the table (padding)
+    and empty runs write nothing; the sums are in stream order, as `sorted_run_update`
+    forms them (the same bits)."""
     num_rows, dim = table.shape
     _check_update(rule, state, num_rows, dim)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     n_runs = unique.shape[0]
+    starts, ends = offsets if isinstance(offsets, tuple) else (offsets[:-1], offsets[1:])
+    extra = (
+        []
+        if chunks is None
+        else [chunks[0].astype(jnp.int32), chunks[1].astype(jnp.int32), chunks[2]]
+    )
     good = jnp.ones((), bool) if good is None else good
     flags = jnp.stack(
         [jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())]
@@ -424,14 +543,16 @@ def run_update(
     operands = [
         flags,
         unique.astype(jnp.int32),
-        offsets.astype(jnp.int32),
+        starts.astype(jnp.int32),
+        ends.astype(jnp.int32),
         bag.astype(jnp.int32),
         scale.astype(jnp.float32),
         bag_grads,
+        *extra,
         table,
         *leaves,
     ]
-    first_buffer = 6
+    first_buffer = 7 + len(extra)
     kernel = functools.partial(
         _runs_kernel,
         rule=rule,
@@ -440,6 +561,7 @@ def run_update(
         num_bags=bag_grads.shape[0],
         dim=dim,
         unroll=max(1, int(unroll)),
+        chunked=chunks is not None,
     )
     outs = pl.pallas_call(
         kernel,
@@ -456,11 +578,11 @@ def run_update(
 def _runs_kernel(
     flags_ref,
     unique_ref,
-    off_ref,
+    start_ref,
+    end_ref,
     bag_ref,
     scale_ref,
     g_ref,
-    t_in,
     *refs,
     rule,
     treedef,
@@ -468,15 +590,24 @@ def _runs_kernel(
     num_bags,
     dim,
     unroll,
+    chunked,
 ):
+    if chunked:
+        lo_ref, hi_ref, sums_ref, *refs = refs
     k_leaves = treedef.num_leaves
-    s_in, t_out, s_out = refs[:k_leaves], refs[k_leaves], refs[k_leaves + 1 :]
+    t_in, s_in, t_out, s_out = (
+        refs[0],
+        refs[1 : 1 + k_leaves],
+        refs[1 + k_leaves],
+        refs[2 + k_leaves :],
+    )
     u = pl.program_id(0)
     row = unique_ref[u]
-    start, end = off_ref[u], off_ref[u + 1]
+    start, end = start_ref[u], end_ref[u]
+    lo, hi = (lo_ref[u], hi_ref[u]) if chunked else (0, 0)
     step, good = flags_ref[0], flags_ref[1]
 
-    @pl.when((row >= 0) & (row < num_rows) & (end > start) & (good != 0))
+    @pl.when((row >= 0) & (row < num_rows) & ((end > start) | (hi > lo)) & (good != 0))
     def _():
         def add(i, in_run, acc):
             b = bag_ref[i]
@@ -487,4 +618,10 @@ def _runs_kernel(
             )
 
         grad = _in_steps(start, end, unroll, add, jnp.zeros((dim,), jnp.float32))
+        if chunked:
+
+            def add_chunk(i, in_run, acc):
+                return jnp.where(in_run, acc + sums_ref[i, :], acc)
+
+            grad = _in_steps(lo, hi, unroll, add_chunk, grad)
         _step_row(rule, treedef, row, grad, step, t_in, s_in, t_out, s_out)
