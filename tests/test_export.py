@@ -213,6 +213,8 @@ def test_an_int8_artifact_carries_the_kernel_lookup_and_runs_it_with_the_same_sc
     fast, plain = serving.load(path), serving.load(path, lookup="xla")
     assert (fast.lookup, fast.lookup_fallback) == ("cpu_kernel", None)
     assert (plain.lookup, plain.lookup_fallback) == ("xla", None)
+    # the tower runs as the lean copy of its graph (dead views dropped, flat attributes)
+    assert fast._dense_forward.__self__ is not fast._dense
     dense, lists = exported["dense"], exported["lists"]
     assert torch.equal(fast(dense, lists), exported["expected_int8"])
     assert torch.equal(plain(dense, lists), exported["expected_int8"])

@@ -5,9 +5,10 @@ numpy (`_request.read_sparse`) into the program's static shapes (ids padded to a
 the artifact's id capacities, bags to the smallest of its batch rungs that holds the
 request: offsets `[features x rung + 1]`); the lookup runs as that rung's program compiled
 ahead of time for that id capacity (once, cached; `warm` compiles ahead), the dense
-tower as the `torch.export` program's graph called directly under `torch.inference_mode`
-(its own input-guard hook is skipped: `read_dense` has already checked what it checks),
-on the pooled array as DLPack hands it over (no copy).
+tower as the `torch.export` program's graph (`_lean_forward`: its dead nodes dropped, its
+parameters one attribute read each, no pytree wrapping) called directly under
+`torch.inference_mode` (the program's input-guard hook is skipped: `read_dense` has
+already checked what it checks), on the pooled array as DLPack hands it over (no copy).
 
 Which lookup runs (`Predictor.lookup`): an artifact of a quantized model may hold its
 lookups twice (`programs.sparse.cpu_kernel`), as XLA programs and as CPU programs whose
@@ -29,10 +30,11 @@ optimizer, no planner.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import pathlib
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -189,6 +191,54 @@ def _load_dense(path: pathlib.Path, where: str) -> torch.nn.Module:
     return program.module(check_guards=False)
 
 
+def _lean_forward(
+    module: torch.nn.Module, dense: tuple[int, torch.dtype], width: int, max_batch: int
+) -> Callable:
+    """`module`'s forward `(dense_features, pooled) -> logits` as the same graph with less
+    Python per call: nodes nothing reads dropped (the per-feature views of the KeyedTensor
+    the wrapper builds), each parameter and buffer a top-level attribute (not a walk down
+    `dense.over_arch.model...`, a `Module.__getattr__` per step), no pytree flattening of
+    the inputs nor unflattening of the output. The same aten ops on the same tensors: the
+    result is checked equal to the graph's on probe batches (of 1 and 2 samples: dense
+    features `dense` = (width, dtype), pooled `width` columns), else (or for a graph not of
+    that form) `module.forward` itself is returned."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return module.forward
+    try:
+        lean = torch.fx.Graph()
+        out = lean.graph_copy(graph, {})
+        inputs = [n for n in lean.nodes if n.op == "placeholder"]
+        if not (
+            isinstance(out, tuple | list)
+            and len(out) == 1
+            and isinstance(out[0], torch.fx.Node)
+            and len(inputs) == 2
+        ):
+            return module.forward
+        lean.output(out[0])
+        attrs = {}
+        for node in lean.nodes:
+            if node.op == "get_attr":
+                name = f"_attr{len(attrs)}"
+                attrs[name] = operator.attrgetter(node.target)(module)
+                node.target = name
+        lean.eliminate_dead_code()
+        forward = torch.fx.GraphModule(attrs, lean).forward
+        gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for batch in sorted({1, min(2, max_batch)}):
+                probe = (
+                    torch.randn(batch, dense[0], generator=gen).to(dense[1]),
+                    torch.randn(batch, width, generator=gen),
+                )
+                if not torch.equal(forward(*probe), module.forward(*probe)):
+                    return module.forward
+    except Exception:  # any graph the rewrite does not handle runs as exported
+        return module.forward
+    return forward
+
+
 class Predictor:
     """Scores requests with an exported model: `predictor(dense_features, sparse) -> logits`.
 
@@ -225,10 +275,13 @@ class Predictor:
         self._exported = exported  # batch rung -> its lookup program
         self._compiled: dict[tuple[int, int], Any] = {}  # (batch rung, id capacity) -> compiled
         self._dense = dense
+        self._dense_dtype = getattr(torch, manifest["dense"]["dtype"])
         # the graph itself: the module's __call__ adds torch.export's input-guard hook, which
         # re-checks (slowly) the shapes read_dense has checked
-        self._dense_forward = dense.forward
-        self._dense_dtype = getattr(torch, manifest["dense"]["dtype"])
+        pooled_width = sum(int(e["dim"]) for e in manifest["embeddings"])
+        self._dense_forward = _lean_forward(
+            dense, (self.n_dense, self._dense_dtype), pooled_width, self.max_batch_size
+        )
 
     @property
     def features(self) -> list[str]:
