@@ -10,12 +10,16 @@ side's own path), DLRM with 13 dense features, bags of `--pooling` ids. A reques
 ids (ours: `{feature: (values, lengths)}` arrays; TorchRec: a prebuilt KJT) and dense
 features; the time is the whole call until the logits exist (ours: id checks, padding, the
 jax lookup, the torch.export dense tower; TorchRec: eager forward under `no_grad`).
-Interleaved medians and per-round ratios, then TorchRec timed alone in a fresh process
-(`--side torchrec`), so its time in this harness can be compared with its time alone.
+Interleaved with them, the previous serving path on the same artifact (`before`: the XLA
+lookup programs, `load(..., lookup="xla")`, and the exported graph of the tower as it is,
+under `no_grad`), so the change is measured in the same run. Interleaved medians and
+per-round ratios, then TorchRec timed alone in a fresh process (`--side torchrec`), so its
+time in this harness can be compared with its time alone.
 Last, where our call's time goes (`host_breakdown`, medians of perf_counter stages): the
 request read and checked (`read_sparse`, `read_dense`), the lookup program (the call, as
 the host waits for it), the dense tower; the host path is all but the lookup's and the
-tower's compute.
+tower's compute. The lookup the predictor runs (`Predictor.lookup`: "cpu_kernel" or "xla")
+is printed; the run stops if the artifact's kernel lookup fell back to XLA.
 """
 
 from __future__ import annotations
@@ -168,6 +172,27 @@ def ours_case(predictor, args, batch: int):
     return lambda: predictor(x, sparse)
 
 
+def before_case(predictor, args, batch: int):
+    """The serving call as it was before the kernel lookup and the lean tower: `predictor`
+    loaded with lookup="xla", the tower's exported graph called as is under `no_grad`."""
+    import torch
+
+    from hybrid.serving._request import read_dense, read_sparse
+
+    dense, sparse = requests(args, batch)
+    x = torch.from_numpy(dense)
+    forward = predictor._dense.forward
+
+    def run():
+        arrays = read_sparse(sparse, predictor._spec)
+        d = read_dense(x, predictor.n_dense, arrays.batch_size, predictor._dense_dtype)
+        pooled = predictor._pool(arrays)
+        with torch.no_grad():
+            return forward(d, pooled)
+
+    return run
+
+
 def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
     """Median ms of each stage of `predictor(dense, sparse)` for a batch-`batch` request, as
     `Predictor.__call__` runs them (its private steps, called one by one)."""
@@ -188,7 +213,7 @@ def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
         t2 = time.perf_counter()
         pooled = predictor._pool(arrays)
         t3 = time.perf_counter()
-        with torch.no_grad():
+        with torch.inference_mode():
             predictor._dense_forward(d, pooled)
         t4 = time.perf_counter()
         predictor(x, sparse)
@@ -231,43 +256,54 @@ def main(argv=None) -> int:
         print(json.dumps(alone(args)))
         return 0
 
+    import hybrid.serving
     from benchmarks.e2e_step import competitor_alone, quietness_line, quietness_probe
     from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
 
-    before = quietness_probe()
+    probe_before = quietness_probe()
     w = weights(args)
     theirs_model = torchrec_model(args, w)
     with tempfile.TemporaryDirectory() as tmp:
         predictor = ours_predictor(args, w, f"{tmp}/dlrm_int8")
+        if predictor.lookup_fallback is not None:
+            raise SystemExit(f"the kernel lookup fell back to XLA: {predictor.lookup_fallback}")
+        previous = hybrid.serving.load(predictor.path, lookup="xla")
         cases = {}
         for b in BATCHES:
             ours, theirs = ours_case(predictor, args, b), torchrec_case(theirs_model, args, b)
+            before = before_case(previous, args, b)
             assert tuple(ours().shape) == tuple(theirs().shape) == (b, 1), (
                 b,
                 ours().shape,
                 theirs().shape,
             )
+            assert np.array_equal(ours().numpy(), before().numpy()), b  # the same scores
             cases[f"ours {b}"] = clocked(lambda c, f=ours: f())
+            cases[f"before {b}"] = clocked(lambda c, f=before: f())
             cases[f"torchrec {b}"] = clocked(lambda c, f=theirs: f())
         samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
         stages = {b: host_breakdown(predictor, args, b) for b in BATCHES}
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
     fresh = competitor_alone("benchmarks.serving_latency", "torchrec", argv)
     after = quietness_probe()
-    print(quietness_line(before, after))
+    print(quietness_line(probe_before, after))
     print(
         f"{args.tables} int8 tables of {args.rows} x {args.dim}, bags of {args.pooling}, DLRM [64, {args.dim}] / "
-        f"[64, 1]; {args.repeats} interleaved rounds, medians"
+        f"[64, 1]; {args.repeats} interleaved rounds, medians; our lookup: {predictor.lookup}; "
+        "before: XLA lookup, the tower's exported graph as is"
     )
     print(
-        "| batch | ours ms | TorchRec ms (here) | TorchRec ms (alone) | ours / TorchRec (paired) |"
+        "| batch | ours ms | before ms | TorchRec ms (here) | TorchRec ms (alone) | "
+        "ours / before (paired) | ours / TorchRec (paired) | before / TorchRec (paired) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for b in BATCHES:
-        r = paired_ratio(samples[f"ours {b}"]["total"], samples[f"torchrec {b}"]["total"])
+        ours, prev, theirs = (samples[f"{k} {b}"]["total"] for k in ("ours", "before", "torchrec"))
+        r, rb, bt = paired_ratio(ours, theirs), paired_ratio(ours, prev), paired_ratio(prev, theirs)
         print(
-            f"| {b} | {med[f'ours {b}']:.2f} | {med[f'torchrec {b}']:.2f} | {fresh[str(b)]:.2f} | "
-            f"{r['paired_median']:.2f}x |"
+            f"| {b} | {med[f'ours {b}']:.2f} | {med[f'before {b}']:.2f} | {med[f'torchrec {b}']:.2f} | "
+            f"{fresh[str(b)]:.2f} | {rb['paired_median']:.2f}x | {r['paired_median']:.2f}x | "
+            f"{bt['paired_median']:.2f}x |"
         )
     print("\nWhere our call's time goes (median ms per stage; the request read = host path):")
     print(

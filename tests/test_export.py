@@ -30,7 +30,7 @@ import dense_torch
 import hybrid
 import hybrid.serving as serving
 from hybrid.inference import export
-from sparse_jax import EmbeddingBagConfig
+from sparse_jax import EmbeddingBagConfig, _kernels
 from sparse_jax.optim import rowwise_adagrad
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -144,9 +144,12 @@ import numpy as np, torch
 import hybrid.serving
 request = json.load(open(sys.argv[2]))
 dense = torch.tensor(request["dense"])
+lookups = {}
 for name in ("fp32", "int8"):
     predictor = hybrid.serving.load(request[name])
     np.save(request["out"] + f"/{name}.npy", predictor(dense, request["sparse"]).numpy())
+    lookups[name] = [predictor.lookup, predictor.lookup_fallback]
+json.dump(lookups, open(request["out"] + "/lookups.json", "w"))
 json.dump(sorted(sys.modules), open(request["out"] + "/modules.json", "w"))
 """
 
@@ -180,6 +183,109 @@ def test_a_fresh_process_serves_both_artifacts_without_the_training_library(expo
         m for m in ours if m.startswith("hybrid.serving")
     }, ours
     assert not {"hybrid.train", "hybrid.model", "sparse_jax.planner", "sparse_jax.optim"} & modules
+    # the int8 lookup ran the C++ kernel there too, registered without importing sparse_jax
+    lookups = json.loads((tmp_path / "lookups.json").read_text())
+    assert lookups == {"fp32": ["xla", None], "int8": [_KERNEL, None]}, lookups
+
+
+_KERNEL = "cpu_kernel" if _kernels.available() else "xla"
+
+
+def test_an_int8_artifact_carries_the_kernel_lookup_and_runs_it_with_the_same_scores(exported):
+    """The int8 artifact holds each rung's lookup twice, the kernel's form holding the custom
+    call; a plain load runs that form (and says so), `lookup="xla"` the XLA one, same scores."""
+    if not _kernels.available():
+        pytest.skip("the C++ kernels are not built here")
+    path = exported["int8"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["programs"]["sparse"]["cpu_kernel"] == {
+        "target": "HybridrecQuantPooled",
+        "platforms": ["cpu"],
+    }
+    for name, holds in (
+        ("sparse_lookup.cpu_kernel.jaxexport", True),
+        ("sparse_lookup.b1.cpu_kernel.jaxexport", True),
+        ("sparse_lookup.jaxexport", False),
+        ("sparse_lookup.b1.jaxexport", False),
+    ):
+        program = jax.export.deserialize(bytearray((path / name).read_bytes()))
+        assert ("HybridrecQuantPooled" in program.mlir_module()) is holds, name
+    fast, plain = serving.load(path), serving.load(path, lookup="xla")
+    assert (fast.lookup, fast.lookup_fallback) == ("cpu_kernel", None)
+    assert (plain.lookup, plain.lookup_fallback) == ("xla", None)
+    # the tower runs as the lean copy of its graph (dead views dropped, flat attributes)
+    assert fast._dense_forward.__self__ is not fast._dense
+    dense, lists = exported["dense"], exported["lists"]
+    assert torch.equal(fast(dense, lists), exported["expected_int8"])
+    assert torch.equal(plain(dense, lists), exported["expected_int8"])
+    one = {f: bags[2:3] for f, bags in lists.items()}  # the 1-sample rung
+    assert torch.equal(fast(dense[2:3], one), exported["expected_int8"][2:3])
+    # a float model has no quantized lookup to hand to the kernel
+    fp32 = serving.load(exported["fp32"])
+    assert (fp32.lookup, fp32.lookup_fallback) == ("xla", None)
+    assert (
+        json.loads((exported["fp32"] / "manifest.json").read_text())["programs"]["sparse"][
+            "cpu_kernel"
+        ]
+        is None
+    )
+    with pytest.raises(serving.ArtifactError, match="lookup='cpu_kernel' was asked for"):
+        serving.load(exported["fp32"], lookup="cpu_kernel")
+
+
+# A serving process where the kernel cannot be had (no library in its cache, no compiler to
+# build one): the int8 artifact falls back to its XLA programs, says why, scores the same.
+NO_KERNEL = """
+import json, sys, types
+hybrid = types.ModuleType("hybrid")
+hybrid.__path__ = [sys.argv[1] + "/hybrid"]
+sys.modules["hybrid"] = hybrid
+import numpy as np, torch
+import hybrid.serving
+request = json.load(open(sys.argv[2]))
+predictor = hybrid.serving.load(request["int8"])
+np.save(request["out"] + "/int8.npy", predictor(torch.tensor(request["dense"]), request["sparse"]).numpy())
+try:
+    hybrid.serving.load(request["int8"], lookup="cpu_kernel")
+    refused = None
+except hybrid.serving.ArtifactError as e:
+    refused = str(e)
+json.dump([predictor.lookup, predictor.lookup_fallback, refused], open(request["out"] + "/lookup.json", "w"))
+"""
+
+
+def test_without_the_kernel_the_int8_artifact_falls_back_to_its_xla_lookup(exported, tmp_path):
+    request = {
+        "int8": str(exported["int8"]),
+        "out": str(tmp_path),
+        "dense": exported["dense"].tolist(),
+        "sparse": exported["lists"],
+    }
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    (tmp_path / "script.py").write_text(NO_KERNEL)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "HYBRIDREC_CACHE": str(tmp_path / "empty_cache"),
+        "CXX": str(tmp_path / "no-such-compiler"),
+    }
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "script.py"), str(ROOT), str(tmp_path / "request.json")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lookup, fallback, refused = json.loads((tmp_path / "lookup.json").read_text())
+    assert lookup == "xla"
+    assert "no C++ compiler" in fallback, fallback
+    assert "running the XLA lookup programs" in done.stderr  # the warning says so
+    assert "lookup='cpu_kernel' was asked for" in refused and "no C++ compiler" in refused
+    got = torch.from_numpy(np.load(tmp_path / "int8.npy"))
+    assert torch.equal(got, exported["expected_int8"])
 
 
 def test_every_sparse_form_gives_the_same_predictions(exported):

@@ -9,6 +9,12 @@ uint8 rows). The directory (layout in `hybrid.serving._artifact`):
 
 - `sparse_lookup.jaxexport`: the pooled lookup as a serialized `jax.export` program taking
   the tables and the batch's id arrays (`hybrid.inference._export_lookup`), lowered for `platforms`;
+- `sparse_lookup.cpu_kernel.jaxexport` (and one per batch rung): for a `QuantizedModel`
+  exported where sparse_jax's C++ kernels are built and `platforms` holds "cpu", the same
+  lookups lowered for CPU with the quantized tables read by the fused C++ kernel (a custom
+  call, `HybridrecQuantPooled`); `hybrid.serving` runs them when it can register the kernel
+  and the XLA programs otherwise (manifest: `programs.sparse.cpu_kernel`). Both forms are
+  run on the example at export and must agree bit for bit;
 - `tables/<i>_<name>.npy`: the tables, one file each;
 - `dense_tower.pt2`: `torch.export` of the dense tower behind a thin wrapper taking the pooled
   `[B, sum of dims]` tensor (it builds the `dense_torch.KeyedTensor` inside), so loading
@@ -43,7 +49,12 @@ from torch import nn
 
 from hybrid.inference._export_dense import dense_program
 from hybrid.inference._export_files import npy_bytes, stored_array, versions, write_artifact
-from hybrid.inference._export_lookup import OutputSlot, export_lookup, lookup_program
+from hybrid.inference._export_lookup import (
+    KERNEL_TARGET,
+    OutputSlot,
+    export_lookup,
+    lookup_program,
+)
 from hybrid.inference._quantize import QuantizedModel
 from hybrid.model import Model
 from hybrid.serving._artifact import (
@@ -240,11 +251,26 @@ def _batch_rungs(max_batch: int, rungs: Sequence[int] | None) -> tuple[int, ...]
     return rungs
 
 
+def _kernel_form(source: _Source, platforms: Sequence[str]) -> bool:
+    """Whether to write the lookups in the C++ kernel's form too: quantized tables, a CPU
+    program asked for, and the kernel built here (its custom call must be lowered)."""
+    if "cpu" not in platforms or not any(t.row_alignment is not None for t in source.tables):
+        return False
+    from sparse_jax import _kernels
+
+    return _kernels.available()
+
+
 def _sparse_program(
-    source: _Source, features: list[str], max_batch: int, platforms: Sequence[str]
+    source: _Source,
+    features: list[str],
+    max_batch: int,
+    platforms: Sequence[str],
+    form: str = "xla",
 ) -> bytes:
     """The serialized lookup program (`hybrid.inference._export_lookup`) for this model's
-    tables, taking `max_batch` bags per feature."""
+    tables, taking `max_batch` bags per feature; `form` "cpu_kernel": lowered for CPU only,
+    the quantized tables read by the C++ kernel's custom call."""
     index = {t.config.name: i for i, t in enumerate(source.tables)}
     slots = []
     for o in source.outputs:
@@ -259,10 +285,17 @@ def _sparse_program(
         max_batch,
         weighted=source.is_weighted,
         bounds_check=source.bounds_check,
+        form=form,
     )
     avals = [jax.ShapeDtypeStruct(t.array.shape, t.array.dtype) for t in source.tables]
     exported = export_lookup(
-        program, avals, len(features), max_batch, weighted=source.is_weighted, platforms=platforms
+        program,
+        avals,
+        len(features),
+        max_batch,
+        weighted=source.is_weighted,
+        platforms=platforms if form == "xla" else ("cpu",),
+        custom_calls=() if form == "xla" else (KERNEL_TARGET,),
     )
     return exported.serialize()
 
@@ -275,6 +308,7 @@ def _manifest(
     capacities: tuple[int, ...],
     platforms: Sequence[str],
     rungs: tuple[int, ...],
+    kernel: bool = False,
 ) -> dict[str, Any]:
     """The manifest without its "files" table (`_write` adds it)."""
     total = sum(o.table.embedding_dim for o in source.outputs)
@@ -318,6 +352,8 @@ def _manifest(
                 "platforms": list(platforms),
                 "inputs": sparse_inputs,
                 "output": f"pooled: float32[{max_batch}, {total}]",
+                # the same programs with the C++ kernel's custom call (CPU), or none
+                "cpu_kernel": {"target": KERNEL_TARGET, "platforms": ["cpu"]} if kernel else None,
             },
             "dense": {
                 "file": DENSE_FILE,
@@ -393,8 +429,18 @@ def export(
     args = [t.array for t in source.tables] + [request.values, request.offsets]
     if source.is_weighted:
         args.append(request.weights)
-    pooled = jax.export.deserialize(bytearray(sparse_bytes)).call(*args)
-    pooled = torch.from_numpy(np.array(pooled)[: request.batch_size])
+    pooled = np.array(jax.export.deserialize(bytearray(sparse_bytes)).call(*args))
+    kernel = _kernel_form(source, platforms)
+    if kernel:  # the kernel's program must pool what the XLA program pools, bit for bit
+        kernel_bytes = _sparse_program(source, features, max_batch, platforms, "cpu_kernel")
+        got = np.array(jax.export.deserialize(bytearray(kernel_bytes)).call(*args))
+        if not np.array_equal(got, pooled):
+            raise RuntimeError(
+                "hybrid.export: the C++ kernel's lookup program pools the example differently "
+                f"from the XLA program (max abs difference {np.abs(got - pooled).max()}); this "
+                "is a bug, please report it"
+            )
+    pooled = torch.from_numpy(pooled[: request.batch_size])
     keys, dims = [o.name for o in source.outputs], [o.table.embedding_dim for o in source.outputs]
     dense_bytes, outputs = dense_program(source.dense, keys, dims, dense_x, pooled, max_batch)
     files = {
@@ -410,12 +456,20 @@ def export(
     files[SPARSE_FILE] = sparse_bytes
     for b in rungs[:-1]:
         files[sparse_file(b, max_batch)] = _sparse_program(source, features, b, platforms)
+    if kernel:
+        files[sparse_file(max_batch, max_batch, "cpu_kernel")] = kernel_bytes
+        for b in rungs[:-1]:
+            files[sparse_file(b, max_batch, "cpu_kernel")] = _sparse_program(
+                source, features, b, platforms, "cpu_kernel"
+            )
     files[DENSE_FILE] = dense_bytes
     dense_info = {
         "in_features": int(dense_x.shape[1]),
         "dtype": str(dense_x.dtype).removeprefix("torch."),
         "out_features": outputs,
     }
-    manifest = _manifest(source, features, dense_info, max_batch, capacities, platforms, rungs)
+    manifest = _manifest(
+        source, features, dense_info, max_batch, capacities, platforms, rungs, kernel
+    )
     write_artifact(path, files, manifest, overwrite=overwrite)
     return path

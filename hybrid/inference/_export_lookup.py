@@ -14,9 +14,12 @@
 
 Per output feature (a feature read by two tables gives two blocks) the bags are pooled
 with one loop over bag positions up to the longest bag, each step gathering one row per
-bag: quantized tables through `quantized_pooled_lookup` in its XLA form (kernel="xla": no
-custom call in the artifact; the in-memory `QuantEmbeddingBagCollection` runs the C++ form
-on CPU, whose results are bit for bit the XLA form's, see `sparse_jax._quant`); float tables with
+bag: quantized tables through `quantized_pooled_lookup`, in one of two forms (`FORMS`):
+"xla" (kernel="xla": no custom call, any platform) or "cpu_kernel" (kernel="ffi": the fused
+C++ kernel as the custom call `KERNEL_TARGET`, CPU only, exported with that custom call's
+safety check disabled; only a process that registers the target can compile it, which
+`hybrid.serving` does when the kernel library is built). The two forms' results are bit
+for bit each other's (see `sparse_jax._quant`); float tables with
 `acc += w * row` in bag order, then MEAN scales by `1 / length` (the order of the CPU
 kernel; the XLA kernel divides each weight first, a difference of an ulp or so).
 Out-of-range ids: with bounds_check "clamp" they are clamped, otherwise they add nothing
@@ -33,7 +36,10 @@ import jax.numpy as jnp
 
 from sparse_jax import quantized_pooled_lookup
 
-__all__ = ["OutputSlot", "export_lookup", "lookup_program"]
+__all__ = ["FORMS", "KERNEL_TARGET", "OutputSlot", "export_lookup", "lookup_program"]
+
+FORMS = ("xla", "cpu_kernel")
+KERNEL_TARGET = "HybridrecQuantPooled"  # the custom call a "cpu_kernel" program holds
 
 
 class OutputSlot(NamedTuple):
@@ -84,8 +90,13 @@ def lookup_program(
     *,
     weighted: bool,
     bounds_check: str,
+    form: str = "xla",
 ) -> Callable:
-    """The program (module docstring) for these output blocks, as a plain function."""
+    """The program (module docstring) for these output blocks, as a plain function; `form`
+    (one of `FORMS`) picks the quantized tables' lookup."""
+    if form not in FORMS:
+        raise ValueError(f"form={form!r} is not one of {FORMS}")
+    kernel = "xla" if form == "xla" else "ffi"
     slots = tuple(slots)
     batch = max_batch_size
     clamp = bounds_check == "clamp"
@@ -102,8 +113,7 @@ def lookup_program(
                 continue
             # as QuantEmbeddingBagCollection._apply: clamp, or let the lookup skip them
             rows = jnp.clip(ids, 0, table.shape[0] - 1) if clamp else ids
-            # the XLA form: a CPU program with the C++ kernel would hold a custom call that
-            # only a process with sparse_jax's kernels registered can run (not the server)
+            # "ffi": the C++ kernel's custom call, which only a process that registered it runs
             blocks.append(
                 quantized_pooled_lookup(
                     table,
@@ -113,7 +123,7 @@ def lookup_program(
                     bags,
                     "MEAN" if s.mean else "SUM",
                     weights,
-                    kernel="xla",
+                    kernel=kernel,
                 )
             )
         return jnp.concatenate(blocks, axis=1)
@@ -129,8 +139,10 @@ def export_lookup(
     *,
     weighted: bool,
     platforms: Sequence[str],
+    custom_calls: Sequence[str] = (),
 ) -> jax.export.Exported:
-    """`jax.export` of `program` with a symbolic id count (serialize with `.serialize()`)."""
+    """`jax.export` of `program` with a symbolic id count (serialize with `.serialize()`);
+    `custom_calls`: the custom-call targets it may hold (their safety check disabled)."""
     (num_ids,) = jax.export.symbolic_shape("num_ids")
     args = [
         *tables,
@@ -139,4 +151,7 @@ def export_lookup(
     ]
     if weighted:
         args.append(jax.ShapeDtypeStruct((num_ids,), jnp.float32))
-    return jax.export.export(jax.jit(program), platforms=tuple(platforms))(*args)
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(name) for name in custom_calls]
+    return jax.export.export(
+        jax.jit(program), platforms=tuple(platforms), disabled_checks=disabled
+    )(*args)

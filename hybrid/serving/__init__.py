@@ -16,7 +16,9 @@ the check).
 
 What it imports: this package's modules need only jax, numpy, torch and the standard
 library (plus `hybrid._files` for sha256): no `hybrid.Model`, sparse_jax, optimizer,
-planner or training script; the HTTP server (`_server`, `_batcher`) adds fastapi, uvicorn
+planner or training script (to run an int8 artifact's C++ kernel lookup, `_kernel` runs
+sparse_jax's `_kernels/build.py` file alone to find the built library, without importing
+the sparse_jax package; without it the XLA lookup runs); the HTTP server (`_server`, `_batcher`) adds fastapi, uvicorn
 and prometheus-client (the `serve` extra), imported only by `serve`. `import hybrid.serving`
 still runs `hybrid/__init__.py`, which imports the training library (sparse_jax and its
 optimizers, `hybrid.Model`); never the planner nor `hybrid.train`. `tests/test_export.py`

@@ -7,6 +7,10 @@ An artifact is one directory written by `hybrid.export`:
                            `max_batch_size` bags per feature
     sparse_lookup.b<B>.jaxexport  the same lookup for B bags per feature, for each smaller
                            batch rung (manifest: programs.sparse.batch_rungs; optional)
+    sparse_lookup[.b<B>].cpu_kernel.jaxexport  the same lookups, CPU only, with the quantized
+                           tables read by the C++ kernel's custom call (manifest:
+                           programs.sparse.cpu_kernel; optional: quantized models exported
+                           where the kernel was built)
     dense_tower.pt2        the dense tower, a `torch.export.save`d ExportedProgram
     tables/<i>_<name>.npy  one file per table: fp32 (or fp16) rows, or packed uint8 rows
 
@@ -33,6 +37,7 @@ __all__ = [
     "SPARSE_FILE",
     "ArtifactError",
     "batch_rungs",
+    "kernel_program",
     "read_manifest",
     "sparse_file",
     "table_file",
@@ -82,9 +87,18 @@ class ArtifactError(Exception):
     the file and the reason."""
 
 
-def sparse_file(batch: int, max_batch_size: int) -> str:
-    """The lookup program taking `batch` bags per feature (`max_batch_size`: SPARSE_FILE)."""
-    return SPARSE_FILE if batch == max_batch_size else f"sparse_lookup.b{batch}.jaxexport"
+def sparse_file(batch: int, max_batch_size: int, form: str = "xla") -> str:
+    """The lookup program taking `batch` bags per feature (`max_batch_size`: SPARSE_FILE), in
+    `form` ("xla", or "cpu_kernel": the C++ kernel's custom call)."""
+    stem = "sparse_lookup" if batch == max_batch_size else f"sparse_lookup.b{batch}"
+    return f"{stem}.jaxexport" if form == "xla" else f"{stem}.{form}.jaxexport"
+
+
+def kernel_program(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """`programs.sparse.cpu_kernel`: `{"target": the custom call, "platforms": ["cpu"]}` when
+    the artifact also holds the lookups in the C++ kernel's form (one per batch rung), else
+    None (artifacts written before it, float models, exports where the kernel was not built)."""
+    return manifest["programs"].get("sparse", {}).get("cpu_kernel")
 
 
 def batch_rungs(manifest: dict[str, Any]) -> list[int]:
@@ -173,9 +187,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         programs = [sparse_file(b, top) for b in batch_rungs(manifest)]
         if any(b < 1 or b > top for b in batch_rungs(manifest)):
             raise ValueError("a batch rung outside [1, max_batch_size]")
+        kernel = kernel_program(manifest)
+        if kernel is not None:
+            if not isinstance(kernel, dict) or not isinstance(kernel.get("target"), str):
+                raise ValueError("programs.sparse.cpu_kernel needs a 'target'")
+            programs += [sparse_file(b, top, "cpu_kernel") for b in batch_rungs(manifest)]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ArtifactError(
-            f"{where}: {MANIFEST} is malformed: accepts.max_batch_size / programs.sparse.batch_rungs "
+            f"{where}: {MANIFEST} is malformed: accepts.max_batch_size / programs.sparse "
             f"({type(e).__name__}: {e}); re-export the model"
         ) from None
     needed = [*programs, DENSE_FILE, *(t["file"] for t in manifest["tables"])]

@@ -5,8 +5,20 @@ numpy (`_request.read_sparse`) into the program's static shapes (ids padded to a
 the artifact's id capacities, bags to the smallest of its batch rungs that holds the
 request: offsets `[features x rung + 1]`); the lookup runs as that rung's program compiled
 ahead of time for that id capacity (once, cached; `warm` compiles ahead), the dense
-tower as the `torch.export` program's graph called directly (its own input-guard hook is
-skipped: `read_dense` has already checked what it checks). The lookup (JAX) and the dense
+tower as the `torch.export` program's graph (`_lean_forward`: its dead nodes dropped, its
+parameters one attribute read each, no pytree wrapping) called directly under
+`torch.inference_mode` (the program's input-guard hook is skipped: `read_dense` has
+already checked what it checks), on the pooled array as DLPack hands it over (no copy).
+
+Which lookup runs (`Predictor.lookup`): an artifact of a quantized model may hold its
+lookups twice (`programs.sparse.cpu_kernel`), as XLA programs and as CPU programs whose
+quantized tables are read by sparse_jax's fused C++ kernel (a custom call). `load(path,
+lookup="auto")` runs the kernel's programs when JAX runs on CPU and the kernel library can
+be registered here (`_kernel`: found without importing sparse_jax, built if missing), and
+otherwise the XLA programs, with the reason in `Predictor.lookup_fallback` and a warning
+on the `hybridrec.serving` logger; the scores are the same bit for bit either way.
+`lookup="cpu_kernel"` refuses to fall back (ArtifactError), `lookup="xla"` never uses the
+kernel. The lookup (JAX) and the dense
 tower (torch) stay two calls: the artifact holds one program of each runtime, and nothing in
 `jax.export` or `torch.export` runs the other's program inside its own.
 
@@ -17,10 +29,12 @@ optimizer, no planner.
 
 from __future__ import annotations
 
+import logging
+import operator
 import os
 import pathlib
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -32,13 +46,17 @@ from hybrid.serving._artifact import (
     DENSE_FILE,
     ArtifactError,
     batch_rungs,
+    kernel_program,
     read_manifest,
     sparse_file,
     verify_files,
 )
 from hybrid.serving._request import RequestSpec, SparseArrays, read_dense, read_sparse
 
-__all__ = ["Predictor", "load"]
+__all__ = ["LOOKUPS", "Predictor", "load"]
+
+log = logging.getLogger("hybridrec.serving")
+LOOKUPS = ("auto", "cpu_kernel", "xla")
 
 
 def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, tuple]:
@@ -122,10 +140,15 @@ def _load_table(path: pathlib.Path, where: str, entry: dict[str, Any]) -> np.nda
 
 
 def _load_sparse(
-    path: pathlib.Path, where: str, tables: Sequence[np.ndarray], manifest, batch: int
+    path: pathlib.Path,
+    where: str,
+    tables: Sequence[np.ndarray],
+    manifest,
+    batch: int,
+    form: str = "xla",
 ) -> jax.export.Exported:
-    """The lookup program taking `batch` bags per feature, checked against the tables."""
-    name = sparse_file(batch, int(manifest["accepts"]["max_batch_size"]))
+    """The lookup program taking `batch` bags per feature in `form`, checked against the tables."""
+    name = sparse_file(batch, int(manifest["accepts"]["max_batch_size"]), form)
     try:
         exported = jax.export.deserialize(bytearray((path / name).read_bytes()))
     except ImportError:  # jax's serialization needs the flatbuffers package: say so as jax does
@@ -168,6 +191,54 @@ def _load_dense(path: pathlib.Path, where: str) -> torch.nn.Module:
     return program.module(check_guards=False)
 
 
+def _lean_forward(
+    module: torch.nn.Module, dense: tuple[int, torch.dtype], width: int, max_batch: int
+) -> Callable:
+    """`module`'s forward `(dense_features, pooled) -> logits` as the same graph with less
+    Python per call: nodes nothing reads dropped (the per-feature views of the KeyedTensor
+    the wrapper builds), each parameter and buffer a top-level attribute (not a walk down
+    `dense.over_arch.model...`, a `Module.__getattr__` per step), no pytree flattening of
+    the inputs nor unflattening of the output. The same aten ops on the same tensors: the
+    result is checked equal to the graph's on probe batches (of 1 and 2 samples: dense
+    features `dense` = (width, dtype), pooled `width` columns), else (or for a graph not of
+    that form) `module.forward` itself is returned."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return module.forward
+    try:
+        lean = torch.fx.Graph()
+        out = lean.graph_copy(graph, {})
+        inputs = [n for n in lean.nodes if n.op == "placeholder"]
+        if not (
+            isinstance(out, tuple | list)
+            and len(out) == 1
+            and isinstance(out[0], torch.fx.Node)
+            and len(inputs) == 2
+        ):
+            return module.forward
+        lean.output(out[0])
+        attrs = {}
+        for node in lean.nodes:
+            if node.op == "get_attr":
+                name = f"_attr{len(attrs)}"
+                attrs[name] = operator.attrgetter(node.target)(module)
+                node.target = name
+        lean.eliminate_dead_code()
+        forward = torch.fx.GraphModule(attrs, lean).forward
+        gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for batch in sorted({1, min(2, max_batch)}):
+                probe = (
+                    torch.randn(batch, dense[0], generator=gen).to(dense[1]),
+                    torch.randn(batch, width, generator=gen),
+                )
+                if not torch.equal(forward(*probe), module.forward(*probe)):
+                    return module.forward
+    except Exception:  # any graph the rewrite does not handle runs as exported
+        return module.forward
+    return forward
+
+
 class Predictor:
     """Scores requests with an exported model: `predictor(dense_features, sparse) -> logits`.
 
@@ -176,6 +247,9 @@ class Predictor:
 
     Attributes:
       manifest: the artifact's manifest (a dict).
+      lookup: which lookup programs run: "cpu_kernel" (the C++ kernel's) or "xla".
+      lookup_fallback: why the XLA programs run although the artifact holds the kernel's
+        (None when it does not, or when the kernel's run).
       features: the sparse features a request must give, in the program's order.
       max_batch_size: the most samples one call takes (pad nothing: fewer is fine).
       n_dense: the width of `dense_features`.
@@ -189,18 +263,25 @@ class Predictor:
         exported: dict[int, jax.export.Exported],
         dense: torch.nn.Module,
         id_maps=None,
+        lookup: str = "xla",
+        lookup_fallback: str | None = None,
     ):
         self.path = path
+        self.lookup = lookup
+        self.lookup_fallback = lookup_fallback
         self.manifest = manifest
         self._spec = _spec(manifest, id_maps)
         self._tables = [jax.device_put(t) for t in tables]
         self._exported = exported  # batch rung -> its lookup program
         self._compiled: dict[tuple[int, int], Any] = {}  # (batch rung, id capacity) -> compiled
         self._dense = dense
+        self._dense_dtype = getattr(torch, manifest["dense"]["dtype"])
         # the graph itself: the module's __call__ adds torch.export's input-guard hook, which
         # re-checks (slowly) the shapes read_dense has checked
-        self._dense_forward = dense.forward
-        self._dense_dtype = getattr(torch, manifest["dense"]["dtype"])
+        pooled_width = sum(int(e["dim"]) for e in manifest["embeddings"])
+        self._dense_forward = _lean_forward(
+            dense, (self.n_dense, self._dense_dtype), pooled_width, self.max_batch_size
+        )
 
     @property
     def features(self) -> list[str]:
@@ -280,27 +361,61 @@ class Predictor:
         arrays = read_sparse(sparse, self._spec)
         dense = read_dense(dense_features, self.n_dense, arrays.batch_size, self._dense_dtype)
         pooled = self._pool(arrays)
-        with torch.no_grad():
+        with torch.inference_mode():
             return self._dense_forward(dense, pooled)
 
     def __repr__(self) -> str:
         return (
             f"Predictor({str(self.path)!r}: {self.manifest['model']}, features {self.features}, "
-            f"max_batch_size {self.max_batch_size})"
+            f"max_batch_size {self.max_batch_size}, lookup {self.lookup})"
         )
 
 
-def load(path: str | os.PathLike) -> Predictor:
+def _choose_lookup(where: str, manifest, lookup: str) -> tuple[str, str | None]:
+    """(the form to run, why not the kernel's when the artifact holds it) for `lookup`."""
+    if lookup not in LOOKUPS:
+        raise ValueError(f"lookup={lookup!r} is not one of {LOOKUPS}")
+    kernel = kernel_program(manifest)
+    if lookup == "xla":
+        return "xla", None
+    if kernel is None:
+        problem = "the artifact holds no C++ kernel lookup (a float model, or exported where the kernel was not built)"
+    else:
+        from hybrid.serving import _kernel
+
+        problem = _kernel.register(kernel["target"])
+    if problem is None:
+        return "cpu_kernel", None
+    if lookup == "cpu_kernel":
+        raise ArtifactError(f"{where}: lookup='cpu_kernel' was asked for, but {problem}")
+    if kernel is not None:
+        log.warning("%s: running the XLA lookup programs: %s", where, problem)
+        return "xla", problem
+    return "xla", None
+
+
+def load(path: str | os.PathLike, *, lookup: str = "auto") -> Predictor:
     """Load the serving artifact `path` (a directory `hybrid.export` wrote).
 
     Every file is checked against the manifest's sha256 first; a missing, damaged or
     truncated file, a malformed manifest or one of another format version, or a table
-    whose shape is not the manifest's raises `ArtifactError` naming the file."""
+    whose shape is not the manifest's raises `ArtifactError` naming the file.
+
+    lookup: "auto" runs the artifact's C++ kernel lookups when it holds them and the kernel
+    can be registered here, else its XLA programs (module docstring); "cpu_kernel" the
+    kernel's or ArtifactError; "xla" the XLA programs."""
     path = pathlib.Path(path)
     where = f"serving artifact {str(path)!r}"
     manifest = read_manifest(path)
     verify_files(path, manifest)
     tables = [_load_table(path, where, entry) for entry in manifest["tables"]]
-    exported = {b: _load_sparse(path, where, tables, manifest, b) for b in batch_rungs(manifest)}
+    rungs = batch_rungs(manifest)
+    # the XLA programs are always read and checked: they are the fallback
+    exported = {b: _load_sparse(path, where, tables, manifest, b) for b in rungs}
+    form, fallback = _choose_lookup(where, manifest, lookup)
+    if form != "xla":
+        exported = {b: _load_sparse(path, where, tables, manifest, b, form) for b in rungs}
     id_maps = _load_id_maps(path, where, manifest)
-    return Predictor(path, manifest, tables, exported, _load_dense(path, where), id_maps)
+    return Predictor(
+        path, manifest, tables, exported, _load_dense(path, where), id_maps, form, fallback
+    )

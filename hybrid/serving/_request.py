@@ -271,6 +271,19 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
     return values
 
 
+_ALIGN = 64  # bytes: XLA:CPU takes a host array this aligned without copying it
+
+
+def _zeros(n: int, dtype) -> np.ndarray:
+    """`np.zeros(n, dtype)` starting on a 64-byte boundary: the lookup program then reads
+    the packed request in place (jax copies a numpy argument that is less aligned, ~0.1 ms
+    for a 512-sample request's ids)."""
+    dtype = np.dtype(dtype)
+    buffer = np.zeros(n * dtype.itemsize + _ALIGN, np.uint8)
+    start = -buffer.ctypes.data % _ALIGN
+    return buffer[start : start + n * dtype.itemsize].view(dtype)
+
+
 def _capacity(n: int, spec: RequestSpec) -> int:
     for rung in spec.id_capacities:
         if rung >= n:
@@ -372,13 +385,13 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
             )
     ids = _ids(columns, counts, spec)
     capacity = _capacity(ids.shape[0], spec)
-    offsets = np.zeros(lengths.size + 1, np.int32)
+    offsets = _zeros(lengths.size + 1, np.int32)
     np.cumsum(lengths.reshape(-1), out=offsets[1:])
-    padded = np.zeros(capacity, np.int32)
+    padded = _zeros(capacity, np.int32)
     padded[: ids.shape[0]] = ids
     w = None
     if spec.is_weighted:
-        w = np.zeros(capacity, np.float32)
+        w = _zeros(capacity, np.float32)
         w[: ids.shape[0]] = np.concatenate([columns[f].weights for f in features])
     return SparseArrays(padded, offsets, w, batch)
 
