@@ -345,17 +345,48 @@ def chunk_sums(
     )
 
 
+def _grad_adder(bag_ref, scale_ref, g_ref, num_bags: int, perm_ref=None):
+    """`add(i, in_range, acc)`: `acc + scale * g[bag]` of sorted position i (read through
+    `perm_ref` when given); bags outside `g` and positions out of range add nothing."""
+
+    def add(i, in_range, acc):
+        at = i if perm_ref is None else perm_ref[i]
+        b = bag_ref[at]
+        keep = in_range & (b >= 0) & (b < num_bags)
+        s = jnp.where(keep, scale_ref[at], jnp.float32(0))
+        return jnp.where(keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc)
+
+    return add
+
+
 def _chunk_kernel(start_ref, end_ref, bag_ref, scale_ref, g_ref, o_ref, *, num_bags, dim, unroll):
     c = pl.program_id(0)
 
-    def add(i, in_chunk, acc):
-        b = bag_ref[i]
-        keep = in_chunk & (b >= 0) & (b < num_bags)
-        s = jnp.where(keep, scale_ref[i], jnp.float32(0))
-        return jnp.where(keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc)
-
+    add = _grad_adder(bag_ref, scale_ref, g_ref, num_bags)
     acc = _in_steps(start_ref[c], end_ref[c], unroll, add, jnp.zeros((dim,), jnp.float32))
     o_ref[c, :] = acc
+
+
+def _flags(step, good):
+    """`[step, good]` int32: the 1-based step and the guard's flag (1: write)."""
+    good = jnp.ones((), bool) if good is None else good
+    return jnp.stack([jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())])
+
+
+def _call_in_place(kernel, inputs, table, leaves, treedef, *, grid: int, dim: int, name, interpret):
+    """`kernel` over `inputs`, then `table` and its state `leaves`, which it updates in place
+    (aliased to the outputs): `(new table, new state)`."""
+    first = len(inputs)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)],
+        grid=(max(grid, 1),),
+        input_output_aliases={first + i: i for i in range(1 + len(leaves))},
+        interpret=interpret,
+        compiler_params=_compiler_params(_warps(dim)),
+        name=name,
+    )(*inputs, table, *leaves)
+    return outs[0], jax.tree_util.tree_unflatten(treedef, outs[1:])
 
 
 def _check_update(rule, state, num_rows: int, dim: int) -> None:
@@ -397,21 +428,8 @@ def sorted_run_update(
     _check_update(rule, state, num_rows, dim)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     n = rows_s.shape[0]
-    good = jnp.ones((), bool) if good is None else good
-    flags = jnp.stack(
-        [jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())]
-    )
-    operands = [
-        flags,
-        rows_s,
-        perm,
-        bag.astype(jnp.int32),
-        scale.astype(jnp.float32),
-        bag_grads,
-        table,
-        *leaves,
-    ]
-    first_buffer = 6
+    inputs = [_flags(step, good), rows_s, perm, bag.astype(jnp.int32)]
+    inputs += [scale.astype(jnp.float32), bag_grads]
     kernel = functools.partial(
         _update_kernel,
         rule=rule,
@@ -422,16 +440,10 @@ def sorted_run_update(
         dim=dim,
         unroll=max(1, int(unroll)),
     )
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)],
-        grid=(max(n, 1),),
-        input_output_aliases={first_buffer + i: i for i in range(1 + len(leaves))},
-        interpret=interpret,
-        compiler_params=_compiler_params(_warps(dim)),
-        name="hybridrec_sorted_run_update",
-    )(*operands)
-    return outs[0], jax.tree_util.tree_unflatten(treedef, outs[1:])
+    return _call_in_place(
+        kernel, inputs, table, leaves, treedef, grid=n, dim=dim,
+        name="hybridrec_sorted_run_update", interpret=interpret,
+    )  # fmt: skip
 
 
 def _update_kernel(
@@ -470,15 +482,7 @@ def _update_kernel(
 
         _, end = jax.lax.fori_loop(0, max(n, 1).bit_length(), halve, (k, jnp.int32(n)))
 
-        def add(i, in_run, acc):
-            at = perm_ref[i]
-            b = bag_ref[at]
-            keep = in_run & (b >= 0) & (b < num_bags)
-            s = jnp.where(keep, scale_ref[at], jnp.float32(0))
-            return jnp.where(
-                keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc
-            )
-
+        add = _grad_adder(bag_ref, scale_ref, g_ref, num_bags, perm_ref)
         grad = _in_steps(k, end, unroll, add, jnp.zeros((dim,), jnp.float32))
         _step_row(rule, treedef, row, grad, step, t_in, s_in, t_out, s_out)
 
@@ -531,28 +535,11 @@ def run_update(
     leaves, treedef = jax.tree_util.tree_flatten(state)
     n_runs = unique.shape[0]
     starts, ends = offsets if isinstance(offsets, tuple) else (offsets[:-1], offsets[1:])
-    extra = (
-        []
-        if chunks is None
-        else [chunks[0].astype(jnp.int32), chunks[1].astype(jnp.int32), chunks[2]]
-    )
-    good = jnp.ones((), bool) if good is None else good
-    flags = jnp.stack(
-        [jnp.asarray(step, jnp.int32).reshape(()), good.astype(jnp.int32).reshape(())]
-    )
-    operands = [
-        flags,
-        unique.astype(jnp.int32),
-        starts.astype(jnp.int32),
-        ends.astype(jnp.int32),
-        bag.astype(jnp.int32),
-        scale.astype(jnp.float32),
-        bag_grads,
-        *extra,
-        table,
-        *leaves,
-    ]
-    first_buffer = 7 + len(extra)
+    inputs = [_flags(step, good), unique.astype(jnp.int32), starts.astype(jnp.int32)]
+    inputs += [ends.astype(jnp.int32), bag.astype(jnp.int32), scale.astype(jnp.float32)]
+    inputs += [bag_grads]
+    if chunks is not None:
+        inputs += [chunks[0].astype(jnp.int32), chunks[1].astype(jnp.int32), chunks[2]]
     kernel = functools.partial(
         _runs_kernel,
         rule=rule,
@@ -563,16 +550,10 @@ def run_update(
         unroll=max(1, int(unroll)),
         chunked=chunks is not None,
     )
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *leaves)],
-        grid=(max(n_runs, 1),),
-        input_output_aliases={first_buffer + i: i for i in range(1 + len(leaves))},
-        interpret=interpret,
-        compiler_params=_compiler_params(_warps(dim)),
-        name="hybridrec_run_update",
-    )(*operands)
-    return outs[0], jax.tree_util.tree_unflatten(treedef, outs[1:])
+    return _call_in_place(
+        kernel, inputs, table, leaves, treedef, grid=n_runs, dim=dim,
+        name="hybridrec_run_update", interpret=interpret,
+    )  # fmt: skip
 
 
 def _runs_kernel(
@@ -609,14 +590,7 @@ def _runs_kernel(
 
     @pl.when((row >= 0) & (row < num_rows) & ((end > start) | (hi > lo)) & (good != 0))
     def _():
-        def add(i, in_run, acc):
-            b = bag_ref[i]
-            keep = in_run & (b >= 0) & (b < num_bags)
-            s = jnp.where(keep, scale_ref[i], jnp.float32(0))
-            return jnp.where(
-                keep, acc + s * g_ref[jnp.where(keep, b, 0), :].astype(jnp.float32), acc
-            )
-
+        add = _grad_adder(bag_ref, scale_ref, g_ref, num_bags)
         grad = _in_steps(start, end, unroll, add, jnp.zeros((dim,), jnp.float32))
         if chunked:
 
