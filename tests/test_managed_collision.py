@@ -30,36 +30,22 @@ def _compiled(mc):
 
 
 @pytest.mark.parametrize(
-    ("policy", "interval", "threshold", "zch"),
-    [("lru", 1, 1, 16), ("lfu", 1, 1, 16), ("lru", 3, 2, 12), ("lfu", 2, 3, 9)],
-)
-def test_long_streams_match_the_loop_oracle(policy, interval, threshold, zch):
-    mc = MCHManagedCollisionModule(
-        zch,
-        history_capacity=BATCH * interval,
-        eviction_policy=policy,
-        eviction_interval=interval,
-        threshold=threshold,
-    )
-    oracle = ManagedCollisionLoop(zch, policy, interval, threshold)
-    assert (
-        _against_the_oracle(mc, oracle, _stream(seed=zch, steps=150)) >= zch
-    )  # filled (zch - 1 ids), evicted
-
-
-@pytest.mark.parametrize(
-    ("policy", "settings", "interval", "threshold", "zch"),
+    ("policy", "settings", "interval", "threshold", "zch", "steps"),
     [
+        ("lru", {}, 1, 1, 16, 150),
+        ("lfu", {}, 1, 1, 16, 150),
+        ("lru", {}, 3, 2, 12, 150),
+        ("lfu", {}, 2, 3, 9, 150),
         # (the exponent 1.0 against TorchRec below, 0.5 through the collection)
-        ("distance_lfu", {"decay_exponent": 2.0}, 3, 2, 12),
-        ("ttl", {"single_ttl": 2}, 1, 1, 16),
-        ("ttl", {"single_ttl": 5}, 2, 2, 12),
-        ("ttl", {"single_ttl": 1}, 3, 1, 9),
+        ("distance_lfu", {"decay_exponent": 2.0}, 3, 2, 12, 120),
+        ("ttl", {"single_ttl": 2}, 1, 1, 16, 120),
+        ("ttl", {"single_ttl": 5}, 2, 2, 12, 120),
+        ("ttl", {"single_ttl": 1}, 3, 1, 9, 120),
     ],
 )
-def test_distance_lfu_and_ttl_match_the_loop_oracle(policy, settings, interval, threshold, zch):
+def test_long_streams_match_the_loop_oracle(policy, settings, interval, threshold, zch, steps):
     """Slots, evicted slots (the rows a step resets) and remapped ids equal the oracle's every
-    step, over a stream that fills the map and evicts from it."""
+    step, over a stream that fills the map (zch - 1 ids) and evicts from it."""
     mc = MCHManagedCollisionModule(
         zch,
         history_capacity=BATCH * interval,
@@ -69,7 +55,7 @@ def test_distance_lfu_and_ttl_match_the_loop_oracle(policy, settings, interval, 
         **settings,
     )
     oracle = ManagedCollisionLoop(zch, policy, interval, threshold, **settings)
-    assert _against_the_oracle(mc, oracle, _stream(seed=zch, steps=120)) >= zch
+    assert _against_the_oracle(mc, oracle, _stream(seed=zch, steps=steps)) >= zch
 
 
 def test_ttl_takes_only_expired_rows():
