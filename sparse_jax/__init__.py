@@ -14,6 +14,7 @@ from sparse_jax._configs import (
 from sparse_jax._embedding import EmbeddingCollection
 from sparse_jax._embedding_bag import EmbeddingBagCollection
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor, jt_is_equal, kjt_is_equal
+from sparse_jax._kernels import cpu_kernels_problem
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._module import (
     ManagedSparseModule,
@@ -81,6 +82,7 @@ __all__ = [
     "WEIGHT_TYPES",
     "PoolingType",
     "capacity_for",
+    "cpu_kernels_problem",
     "dequantize_rows",
     "hashed_slots",
     "host_hashed_slots",

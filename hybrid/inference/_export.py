@@ -256,9 +256,9 @@ def _kernel_form(source: _Source, platforms: Sequence[str]) -> bool:
     program asked for, and the kernel built here (its custom call must be lowered)."""
     if "cpu" not in platforms or not any(t.row_alignment is not None for t in source.tables):
         return False
-    from sparse_jax import _kernels
+    from sparse_jax import cpu_kernels_problem
 
-    return _kernels.available()
+    return cpu_kernels_problem() is None
 
 
 def _sparse_program(

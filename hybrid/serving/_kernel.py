@@ -51,14 +51,9 @@ def register(target: str) -> str | None:
     CPU; None when it is registered, else why it cannot be (nothing raises)."""
     if jax.default_backend() != "cpu":
         return f"JAX's default backend is {jax.default_backend()}, the kernel runs on CPU only"
-    ffi = sys.modules.get("sparse_jax._kernels._ffi")
-    if ffi is not None:  # sparse_jax is loaded here: its registration covers the target
-        problem = ffi._register()
-        if problem is not None:
-            return problem
-        if hasattr(ffi._LIB[0], target):
-            return None
-        return f"sparse_jax's kernel library has no {target}"
+    sparse_jax = sys.modules.get("sparse_jax")
+    if sparse_jax is not None:  # loaded here: its registration covers the target
+        return sparse_jax.cpu_kernels_problem(target)
     try:
         library = _build_module().build()
         lib = ctypes.cdll.LoadLibrary(str(library))

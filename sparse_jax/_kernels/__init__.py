@@ -8,6 +8,7 @@ buildable). The lookups and the updates are traceable and run inside `jit` and
 from sparse_jax._kernels._ffi import (
     RULES,
     available,
+    cpu_kernels_problem,
     fused_update,
     jagged_fused_update,
     jagged_pooled_sum,
@@ -21,6 +22,7 @@ from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap, row
 __all__ = [
     "RULES",
     "available",
+    "cpu_kernels_problem",
     "fused_update",
     "jagged_fused_update",
     "jagged_pooled_sum",

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "cpu_kernels_problem",
     "RULES",
     "available",
     "fused_update",
@@ -53,6 +54,20 @@ def _register() -> str | None:
         "HybridrecRowBits",
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    return None
+
+
+def cpu_kernels_problem(target: str | None = None) -> str | None:
+    """None when the fused CPU kernel library is registered in this process (and holds
+    the custom-call `target`, when one is named); else why not: JAX's default backend is
+    not CPU, or the library cannot be built or loaded here."""
+    if jax.default_backend() != "cpu":
+        return f"JAX's default backend is {jax.default_backend()}, the kernels run on CPU only"
+    problem = _register()
+    if problem is not None:
+        return problem
+    if target is not None and getattr(_LIB[0], target, None) is None:
+        return f"the CPU kernel library has no {target}"
     return None
 
 
