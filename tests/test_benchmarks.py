@@ -418,3 +418,36 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
         "stream_throughput",
         "xla_vs_fbgemm",
     ]
+
+
+def test_mc_quality_tiny_trains_every_policy_on_both_libraries(tmp_path, capsys):
+    """`python -m benchmarks.mc_quality --tiny`: every hybridrec policy and TorchRec's LRU,
+    LFU and DistanceLFU trained on MovieLens raw ids (3 steps, one seed, one size), their
+    eval AUCs in the JSON and the Markdown table, and both sides admitting the same ids."""
+    pytest.importorskip("torchrec.modules.mc_modules")
+    from benchmarks import mc_quality
+
+    assert mc_quality.main(["--tiny", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "mc_quality_tiny.json").read_text())
+    [size] = results["sizes"]
+    cells = results["table"][size["label"]]
+    assert set(cells["hybridrec"]) == set(mc_quality.POLICIES)
+    assert set(cells["torchrec"]) == set(mc_quality.TORCHREC_POLICIES)
+    assert {"ttl", "distance_lfu_1", "distance_lfu_2"} <= set(mc_quality.POLICIES)
+    for lib, policies in cells.items():
+        for policy, c in policies.items():
+            assert len(c["seeds"]) == 1 and 0.0 < c["median"] < 1.0, (lib, policy, c)
+            assert c["min"] <= c["median"] <= c["max"]
+            assert c["admitted"][0]["t_user"] > 0, (lib, policy, c)
+    for policy, c in cells["torchrec"].items():  # the same remap: the same ids admitted
+        assert c["admitted"] == cells["hybridrec"][policy]["admitted"], policy
+    md = (tmp_path / "mc_quality_tiny.md").read_text()
+    for policy in mc_quality.POLICIES:
+        assert re.search(rf"\| hybridrec {policy} \| 0\.\d{{4}} \[", md), md
+    for policy in mc_quality.TORCHREC_POLICIES:
+        assert re.search(rf"\| torchrec {policy} \| 0\.\d{{4}} \[", md), md
+    [verdict] = results["verdicts"]
+    assert verdict["ours_best"] in mc_quality.POLICIES
+    assert verdict["torchrec_best"] in mc_quality.TORCHREC_POLICIES
+    assert re.search(r"- 50%: hybridrec \S+ 0\.\d{4} is (NOT )?above TorchRec", md), md
+    assert "the same on both sides" in md
