@@ -24,6 +24,12 @@ ids not admitted.
   every eviction (uniform +-sqrt(1/rows), TorchRec's default init, from a torch generator
   of the seed), as hybridrec's `reset_evicted` does (with its own draws).
 
+First a gate (`gate`, `--gate-steps`, 20 by default, none with `--tiny`): with no fresh
+rows on either side, both loops must give the same eval AUC (within 1e-5) on small tables
+for every TorchRec policy; and per run the ids each table admitted are recorded, which are
+the same on both sides (the remap is slot for slot TorchRec's). So the libraries' runs of a
+policy differ only in the fresh rows' random draws and float summation order.
+
 The table: per policy and size, the median eval AUC of the seeds and their min-max; the
 verdict per size compares our best policy's median with TorchRec's best.
 """
@@ -61,10 +67,14 @@ POLICIES = {
     "ttl": ("ttl", {"single_ttl": SINGLE_TTL}),
 }
 TORCHREC_POLICIES = ("lru", "lfu", "distance_lfu_1", "distance_lfu_2")  # TorchRec's MCH has no TTL
-FULL = dict(fractions=(0.5, 0.25), seeds=(0, 1, 2), steps=0, raw=RAW)
+FULL = dict(fractions=(0.5, 0.25), seeds=(0, 1, 2), steps=0, raw=RAW, gate_steps=20)
 # the smoke run: one size, one seed, 3 steps, only the user ids raw (one managed table: the
 # XLA form of DistanceLFU's training remap takes seconds to compile per table)
-TINY = dict(fractions=(0.5,), seeds=(0,), steps=3, raw=("user",))
+TINY = dict(fractions=(0.5,), seeds=(0,), steps=3, raw=("user",), gate_steps=0)
+# the gate's tables: sizes no run of the table uses (hybridrec shares a remap program
+# between modules of one static configuration, and the gate's is built without resets)
+GATE_ROWS = {"user": 37, "item": 61, "zip": 29}
+GATE_TOLERANCE = 1e-5
 
 
 def distinct_ids(raw=RAW) -> tuple[dict[str, int], int]:
@@ -130,9 +140,11 @@ def _torchrec_policy(policy: str):
     return mc_modules.DistanceLFU_EvictionPolicy(decay_exponent=extra["decay_exponent"])
 
 
-def theirs(config, policy: str, resets: dict | None = None) -> float:
+def theirs(config, policy: str, resets: dict | None = None, *, reset_evicted: bool = True) -> float:
     """TorchRec's eval AUC for the same config (see the module docstring). `resets`, when
-    given, gets per table the number of slots its module handed to new ids (each reset)."""
+    given, gets per table the number of slots its module handed to new ids (each reset).
+    `reset_evicted=False`: unsharded TorchRec's own behaviour (a new id takes the row, and
+    the optimizer state, its slot's previous id left)."""
     import torch
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -211,6 +223,8 @@ def theirs(config, policy: str, resets: dict | None = None) -> float:
         def reset(table: str, slots):  # the sharded module's _evict: init_fn rows, zero state
             if resets is not None:
                 resets[table] = resets.get(table, 0) + len(slots)
+            if not reset_evicted:
+                return
             weight = bags[table].weight
             bound = (1.0 / weight.shape[0]) ** 0.5
             with torch.no_grad():
@@ -241,6 +255,31 @@ def theirs(config, policy: str, resets: dict | None = None) -> float:
         return float(eval_metrics(torch.cat(logits), torch.from_numpy(evaluation.labels))["auc"])
     finally:
         torch.set_num_threads(threads)
+
+
+def gate(policies, raw=RAW, steps: int = 20, seed: int = 1) -> dict[str, dict]:
+    """Both training loops matched: with no fresh rows on either side (hybridrec's reset of
+    admitted slots switched off, TorchRec's unsharded behaviour), `steps` steps on small
+    tables (evictions every step) must give the same eval AUC within GATE_TOLERANCE. What
+    then differs in the table is only the fresh rows' random draws (and float order)."""
+    from unittest import mock
+
+    from sparse_jax.managed import _unsharded
+
+    rows = {f"t_{k}": GATE_ROWS[k] for k in raw}
+    out = {}
+    with mock.patch.object(_unsharded, "reset_by_plan", lambda plan, p, o, e, k: (p, o)):
+        for policy in policies:
+            config = config_for(policy, rows, seed, steps)
+            mine, _ = ours(config)
+            other = theirs(config, policy, reset_evicted=False)
+            out[policy] = {"hybridrec": mine, "torchrec": other, "diff": mine - other}
+            if abs(mine - other) > GATE_TOLERANCE:
+                raise AssertionError(
+                    f"gate: {policy}, no fresh rows, {steps} steps: AUC {mine:.7f} (hybridrec) vs "
+                    f"{other:.7f} (TorchRec); the two training loops are not the same"
+                )
+    return out
 
 
 def _summary(aucs: list[float]) -> dict:
@@ -323,6 +362,17 @@ def markdown(results: dict) -> str:
             else f"**differ** for {', '.join(differ)}."
         ),
     ]
+    g = results.get("gate", {})
+    if g.get("policies"):
+        worst = max(abs(x["diff"]) for x in g["policies"].values())
+        lines += [
+            "",
+            f"Gate: with no fresh rows on either side (hybridrec's reset of admitted slots off, "
+            f"as unsharded TorchRec), {g['steps']} steps on tables of "
+            + ", ".join(f"{k} {n}" for k, n in g["rows"].items())
+            + f" rows give the same eval AUC for {', '.join(g['policies'])} (largest difference "
+            f"{worst:.1e}).",
+        ]
     lines += ["", "Verdict (best policy's median per library):", ""]
     for v in results["verdicts"]:
         word = "above" if v["ours_above"] else "NOT above"
@@ -353,14 +403,19 @@ def run(
     steps: int = 0,
     policies=tuple(POLICIES),
     raw=RAW,
+    gate_steps: int = 0,
     echo=print,
 ) -> dict:
-    """Train every (library, policy, size, seed); the results dict (see `markdown`)."""
+    """Train every (library, policy, size, seed); the results dict (see `markdown`).
+    `gate_steps`: run `gate` first (0: not)."""
     import torch
     import torchrec
 
     t0 = time.perf_counter()
     distinct, train_samples = distinct_ids(raw)
+    checked = gate(TORCHREC_POLICIES, raw, gate_steps) if gate_steps else {}
+    for policy, g in checked.items():
+        echo(f"gate {policy}: AUC difference {g['diff']:+.2e} with no fresh rows on either side")
     sizes = []
     table: dict = {}
     for fraction in fractions:
@@ -410,6 +465,11 @@ def run(
         "policies": {k: {"eviction_policy": p, **e} for k, (p, e) in POLICIES.items()},
         "torchrec_policies": list(TORCHREC_POLICIES),
         "table": table,
+        "gate": {
+            "steps": gate_steps,
+            "rows": {k: GATE_ROWS[k] for k in raw},
+            "policies": checked,
+        },
         "config": config.to_dict(),
     }
     results["verdicts"] = _verdicts(results)
@@ -450,6 +510,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
     parser.add_argument("--fractions", type=float, nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=None, help="training steps (0: 2 epochs)")
+    parser.add_argument(
+        "--gate-steps",
+        type=int,
+        default=None,
+        help="steps of the matched-loop gate, run first (0: none; default 20, --tiny 0)",
+    )
     report.add_output_args(parser, "mc_quality")
     args = parser.parse_args(argv)
     out = report.output_dir(parser, args, "mc_quality")
@@ -459,6 +525,7 @@ def main(argv=None) -> int:
         seeds=tuple(args.seeds if args.seeds is not None else base["seeds"]),
         steps=base["steps"] if args.steps is None else args.steps,
         raw=base["raw"],
+        gate_steps=base["gate_steps"] if args.gate_steps is None else args.gate_steps,
         echo=lambda line: print(line, flush=True),
     )
     paths = write(results, out, "mc_quality_tiny" if args.tiny else "mc_quality")
