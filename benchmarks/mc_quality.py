@@ -78,17 +78,21 @@ GATE_TOLERANCE = 1e-5
 
 
 def distinct_ids(raw=RAW) -> tuple[dict[str, int], int]:
-    """({raw-id feature: its vocabulary size}, training samples) (MovieLens-100K: 943 users,
-    1682 items, 795 zips)."""
+    """({raw-id feature: its distinct ids in the train and eval sets}, training samples)
+    (MovieLens-100K: 943 users, 1682 items, 795 zip codes)."""
     from hybrid.data import load_movielens
 
-    train, _ = load_movielens()
-    sizes = dict(zip(train.keys, train.num_embeddings, strict=True))
-    return {k: int(sizes[k]) for k in raw}, len(train)
+    train, evaluation = load_movielens()
+    out = {}
+    for k in raw:
+        ids = [d.values[d.keys.index(k)] for d in (train, evaluation)]
+        out[k] = len(np.unique(np.concatenate(ids)))
+    return out, len(train)
 
 
 def table_rows(fraction: float, distinct: dict[str, int]) -> dict[str, int]:
-    return {f"t_{k}": max(2, round(fraction * n)) for k, n in distinct.items()}
+    """Rows per managed table: `fraction` of its distinct ids, rounded half up."""
+    return {f"t_{k}": max(2, int(fraction * n + 0.5)) for k, n in distinct.items()}
 
 
 def config_for(policy: str, rows: dict[str, int], seed: int, steps: int):
