@@ -67,10 +67,25 @@ POLICIES = {
     "ttl": ("ttl", {"single_ttl": SINGLE_TTL}),
 }
 TORCHREC_POLICIES = ("lru", "lfu", "distance_lfu_1", "distance_lfu_2")  # TorchRec's MCH has no TTL
-FULL = dict(fractions=(0.5, 0.25), seeds=(0, 1, 2), steps=0, raw=RAW, gate_steps=20)
-# the smoke run: one size, one seed, 3 steps, only the user ids raw (one managed table: the
-# XLA form of DistanceLFU's training remap takes seconds to compile per table)
-TINY = dict(fractions=(0.5,), seeds=(0,), steps=3, raw=("user",), gate_steps=0)
+FULL = dict(
+    fractions=(0.5, 0.25),
+    seeds=(0, 1, 2),
+    steps=0,
+    raw=RAW,
+    gate_steps=20,
+    policies=tuple(POLICIES),
+)
+# the smoke run: one size, one seed, 3 steps, only the user ids raw, each eviction policy
+# once (DistanceLFU with exponent 1): the XLA form of DistanceLFU's training remap takes
+# seconds to compile, per table and per exponent
+TINY = dict(
+    fractions=(0.5,),
+    seeds=(0,),
+    steps=3,
+    raw=("user",),
+    gate_steps=0,
+    policies=("lru", "lfu", "distance_lfu_1", "ttl"),
+)
 # the gate's tables: sizes no run of the table uses (hybridrec shares a remap program
 # between modules of one static configuration, and the gate's is built without resets)
 GATE_ROWS = {"user": 37, "item": 61, "zip": 29}
@@ -509,7 +524,9 @@ def write(results: dict, out_dir: str, stem: str = "mc_quality") -> dict[str, st
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--tiny", action="store_true", help="one seed, one size (50%%), 3 steps: a smoke run"
+        "--tiny",
+        action="store_true",
+        help="one seed, one size (50%%), 3 steps, each eviction policy once: a smoke run",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
     parser.add_argument("--fractions", type=float, nargs="+", default=None)
@@ -529,6 +546,7 @@ def main(argv=None) -> int:
         seeds=tuple(args.seeds if args.seeds is not None else base["seeds"]),
         steps=base["steps"] if args.steps is None else args.steps,
         raw=base["raw"],
+        policies=base["policies"],
         gate_steps=base["gate_steps"] if args.gate_steps is None else args.gate_steps,
         echo=lambda line: print(line, flush=True),
     )
