@@ -414,7 +414,42 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
         "explore_update",
         "gpu",
         "gpu_readiness",
+        "mc_quality",
         "serving_load",
         "stream_throughput",
         "xla_vs_fbgemm",
     ]
+
+
+def test_mc_quality_tiny_trains_every_policy_on_both_libraries(tmp_path):
+    """`python -m benchmarks.mc_quality --tiny`: each hybridrec eviction policy and TorchRec's
+    LRU, LFU and DistanceLFU trained on MovieLens raw ids (3 steps, one seed, one size), their
+    eval AUCs in the JSON and the Markdown table, and both sides admitting the same ids."""
+    pytest.importorskip("torchrec.modules.mc_modules")
+    from benchmarks import mc_quality
+
+    assert mc_quality.main(["--tiny", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "mc_quality_tiny.json").read_text())
+    [size] = results["sizes"]
+    cells = results["table"][size["label"]]
+    kinds = {lib: {mc_quality.POLICIES[p][0] for p in cells[lib]} for lib in cells}
+    assert kinds == {
+        "hybridrec": {"lru", "lfu", "distance_lfu", "ttl"},
+        "torchrec": {"lru", "lfu", "distance_lfu"},
+    }
+    for lib, policies in cells.items():
+        for policy, c in policies.items():
+            assert len(c["seeds"]) == 1 and 0.0 < c["median"] < 1.0, (lib, policy, c)
+            assert c["min"] <= c["median"] <= c["max"]
+            assert c["admitted"][0]["t_user"] > 0, (lib, policy, c)
+    for policy, c in cells["torchrec"].items():  # the same remap: the same ids admitted
+        assert c["admitted"] == cells["hybridrec"][policy]["admitted"], policy
+    md = (tmp_path / "mc_quality_tiny.md").read_text()
+    for lib, policies in cells.items():
+        for policy in policies:
+            assert re.search(rf"\| {lib} {policy} \| 0\.\d{{4}} \[", md), md
+    [verdict] = results["verdicts"]
+    assert verdict["ours_best"] in cells["hybridrec"]
+    assert verdict["torchrec_best"] in cells["torchrec"]
+    assert re.search(r"- 50%: hybridrec \S+ 0\.\d{4} is (NOT )?above TorchRec", md), md
+    assert "the same on both sides" in md
