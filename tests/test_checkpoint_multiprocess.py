@@ -6,7 +6,7 @@ step-2 checkpoint (1 -> 2 processes), saves step 4, and one rank is killed with 
 during the asynchronous save of step 6; the run then resumes from step 4 (the last committed)
 on 2 processes (the same layout: read shard by shard) and on 1 process with another mesh
 (data=2 x model=4: another plan, read whole and resharded), and every following step equals the reference: tables,
-optimizer state and step count, dense weights, dense optimizer, losses (the data position is
+optimizer state and step count, a managed-collision table's id maps, dense weights, dense optimizer, losses (the data position is
 the step here: each process reads its share of batch `step`). A damaged or missing shard
 file is detected and the previous checkpoint used.
 """
@@ -44,6 +44,7 @@ SETTINGS = [
     "train.eval_batch_size=128",
     "train.mesh='data=4,model=2'",
     "train.sharding={t_cat_0='row_wise', t_cat_1='table_wise'}",
+    "managed_collision.tables={t_cat_2=96}",  # its id maps are saved, resumed and resharded too
     "train.steps=8",
     "train.eval_every=0",
     "log.every=2",
