@@ -233,18 +233,10 @@ def _update_fns(c: _Case, rule, interpret: bool):
     def pallas_form(unroll: int, host_sorted: bool = False, chunked: bool = False):
         def run(table, state, rows, bag, scale, bag_grads, ids):
             if host_sorted:  # the library's form: one program per host run
-                offsets, bag, scale = ids.offsets, ids.bag, ids.scale
-                if chunked:  # each chunk of a run summed by its own program first
-                    bag_grads = _pallas.chunk_sums(
-                        ids.chunks[:-1], ids.chunks[1:], bag, scale, bag_grads, interpret=interpret
-                    )
-                    offsets = ids.run_chunks
-                    bag = jnp.arange(bag_grads.shape[0], dtype=jnp.int32)
-                    scale = jnp.ones(bag_grads.shape[:1], jnp.float32)
-                return _pallas.run_update(
-                    rule, table, state, jnp.int32(1), ids.unique, offsets, bag, scale,
-                    bag_grads, interpret=interpret, unroll=unroll,
-                )  # fmt: skip
+                runs = ids if chunked else ids._replace(chunks=None, run_chunks=None)
+                return _pallas.host_runs_update(
+                    rule, table, state, jnp.int32(1), runs, bag_grads, interpret=interpret
+                )
             rows_s, perm = _pallas.sorted_runs(rows, num_rows)
             return _pallas.sorted_run_update(
                 rule, table, state, jnp.int32(1), rows_s, perm, bag, scale, bag_grads,

@@ -17,6 +17,8 @@ with the traced flag: nothing is written when it is false, with no branch in the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -48,6 +50,17 @@ def pallas_rule(rule: RowRule, table, state) -> bool:
         and any(table.dtype == d for d in _NARROW)
         and _pallas.per_row_state(state, num_rows, dim)
     )
+
+
+class _HostRuns(NamedTuple):
+    """The host-sorted stream's fields the Pallas update reads (`_sorted_ids.SortedIds`)."""
+
+    unique: jax.Array
+    offsets: jax.Array
+    bag: jax.Array
+    scale: jax.Array
+    chunks: jax.Array | None
+    run_chunks: jax.Array | None
 
 
 def update_rows(
@@ -99,16 +112,10 @@ def update_rows(
         def run(*ops):
             t, st, s, r, b, sc, g, ok = unpack(ops)
             if extra:  # sorted on the host: one program per run (per chunk first if long)
-                unique, offsets, b, sc = ops[6:10]
-                if len(extra) == 6:
-                    chunks, offsets = ops[10:12]
-                    g = _pallas.chunk_sums(chunks[:-1], chunks[1:], b, sc, g, interpret=interpret)
-                    b = jnp.arange(g.shape[0], dtype=jnp.int32)
-                    sc = jnp.ones(g.shape[:1], jnp.float32)
+                unique, offsets, b, sc, *chunked = ops[6 : 6 + len(extra)]
+                runs = _HostRuns(unique, offsets, b, sc, *(chunked or (None, None)))
                 return flat(
-                    _pallas.run_update(
-                        rule, t, st, s, unique, offsets, b, sc, g, ok, interpret=interpret
-                    )
+                    _pallas.host_runs_update(rule, t, st, s, runs, g, ok, interpret=interpret)
                 )
             # no host runs: found and chunked in the program
             return flat(

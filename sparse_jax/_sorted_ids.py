@@ -26,7 +26,8 @@ Per buffer (group) a `SortedIds`, padded to ladder rungs so a steady loop keeps 
            chunks at `N`). The Pallas update sums each chunk in its own program, then each
            run's chunk sums (`_kernels._pallas.chunk_sums`): a hot row's thousands of ids
            are no longer one program's serial loop. None when every run is short.
-  chunk_row `[K_cap]` int32 or None: each chunk's row; padding `num_rows`.
+  run_chunks `[U_cap + 1]` int32 or None: run u is chunks `run_chunks[u] : run_chunks[u + 1]`
+           (padding runs: empty).
 The update sums the first `HEAD` ids of every run by gathers (one fused loop, no scatter) and
 adds the few longer runs' remaining ids with a sorted segment sum: with uniform ids almost
 every run is that short (W1: 7,576 tail ids of 327,680).

@@ -18,11 +18,13 @@ call per kernel.
   place (the buffers are aliased to the outputs). No `[rows, dim]` gradient, no per-id
   temporaries beyond the sort.
 
-* `chunk_sums` + `sorted_run_update`, for host-sorted streams with long runs (a hot row of
-  Zipf ids holds thousands of ids, and one program summing them in a row was the whole
-  update's time): the host splits every run into chunks of consecutive ids
-  (`sparse_jax._sorted_ids`); one program per chunk sums its gradient rows in order into a
-  `[chunks, dim]` buffer, then the update sums each run's chunk sums in order. Still one
+* `run_update`: one program per run already found (by the host, `sparse_jax._sorted_ids`,
+  or in the program, `sorted_chunks`), no search for the run's end. `host_runs_update`
+  reads a host-sorted batch; `chunked_run_update` an unsorted stream.
+* `chunk_sums`, for long runs (a hot row of Zipf ids holds thousands of ids, and one
+  program summing them in a row was the whole update's time): the runs are cut into chunks
+  of consecutive ids, one program per chunk sums its gradient rows in order into a
+  `[chunks, dim]` buffer, then each run's program adds its chunk sums in order. Still one
   writer per element and a fixed order: the same bits on every run.
 
 Limits (callers fall back to the XLA form): `dim` a power of two (Triton block shapes), rules
@@ -46,6 +48,7 @@ __all__ = [
     "SortedChunks",
     "chunk_sums",
     "chunked_run_update",
+    "host_runs_update",
     "jagged_pooled_sum",
     "per_row_state",
     "pooled_positions",
@@ -263,10 +266,10 @@ def sorted_chunks(rows, num_rows: int, size: int = CHUNK) -> SortedChunks:
     unique = (
         jnp.full((n,), num_rows, jnp.int32).at[run_at].set(rows_s, mode="drop", unique_indices=True)
     )
+    long_run = ends - starts > size
     run_of = jnp.clip(run_id, 0, max(n - 1, 0))
     offset = pos - starts[run_of]  # rank in the run
-    long_pos = valid & (ends[run_of] - starts[run_of] > size)
-    new_chunk = long_pos & (offset % size == 0)
+    new_chunk = valid & long_run[run_of] & (offset % size == 0)
     chunk_id = jnp.cumsum(new_chunk, dtype=jnp.int32) - 1
     chunk_at = jnp.where(new_chunk, chunk_id, k_cap + 1)
     chunk_starts = (
@@ -277,7 +280,6 @@ def sorted_chunks(rows, num_rows: int, size: int = CHUNK) -> SortedChunks:
         .at[chunk_at]
         .set(jnp.minimum(pos + size, ends[run_of]), mode="drop", unique_indices=True)
     )
-    long_run = ends - starts > size
     # a long run's first chunk starts at its first position: the chunk id there
     first_chunk = (
         jnp.zeros((n,), jnp.int32).at[run_at].set(chunk_id, mode="drop", unique_indices=True)
@@ -313,6 +315,28 @@ def chunked_run_update(
     return run_update(
         rule, table, state, step, c.unique, (c.starts, c.ends), bag_s, scale_s, bag_grads, good,
         chunks=(c.chunk_lo, c.chunk_hi, sums), interpret=interpret,
+    )  # fmt: skip
+
+
+def host_runs_update(
+    rule, table, state, step, ids, bag_grads, good=None, *, interpret: bool = False
+):
+    """The fused update of a host-sorted batch (`ids`: a buffer's `SortedIds`, or any object
+    with its `unique`, `offsets`, `bag`, `scale`, `chunks`, `run_chunks`): `run_update` over
+    the host's runs; when the host cut them into chunks, `chunk_sums` first and each run
+    adds its chunks' sums."""
+    if ids.chunks is None:
+        return run_update(
+            rule, table, state, step, ids.unique, ids.offsets, ids.bag, ids.scale, bag_grads,
+            good, interpret=interpret,
+        )  # fmt: skip
+    sums = chunk_sums(
+        ids.chunks[:-1], ids.chunks[1:], ids.bag, ids.scale, bag_grads, interpret=interpret
+    )
+    none = jnp.zeros(ids.unique.shape, jnp.int32)  # every id is in a chunk
+    return run_update(
+        rule, table, state, step, ids.unique, (none, none), ids.bag, ids.scale, bag_grads, good,
+        chunks=(ids.run_chunks[:-1], ids.run_chunks[1:], sums), interpret=interpret,
     )  # fmt: skip
 
 

@@ -25,10 +25,10 @@ from sparse_jax.sharding._work import ShardBuffer
 __all__ = [
     "batch_sharded",
     "batch_sharding",
+    "init_placed",
     "param_specs",
     "place",
     "place_batch",
-    "init_placed",
     "place_rows",
     "spec",
     "state_specs",
