@@ -725,7 +725,9 @@ def run(
         if not export_only:
             _refuse_to_replace_metrics(config, resume)  # before any data is read
         refuse_to_replace_export(config, processes=procs.world)
+        t_build = time.perf_counter()
         model, dense_opt, train, evaluation, num_devices = build(config, stream=stream)
+        build_s = time.perf_counter() - t_build  # data, model, the tables' initial draw
         # preflight before any step: writable, room, checkpointable, run identity
         ckpt_run = (
             _prepare_checkpoints(config, model, resume, echo) if config.checkpoint.dir else None
@@ -783,6 +785,7 @@ def run(
             )
             return {"export": str(path), "step": start}
         log = _JsonLines(config.log.metrics_path, start if resume else None)
+        log.write({"kind": "build", "step": start, "build_s": build_s})
         if restore_s is not None:
             log.write({"kind": "restore", "step": start, "restore_s": restore_s})
         echo(_describe_plan(model, num_devices))
@@ -849,6 +852,7 @@ def run(
         )
         t_last, n_last = time.perf_counter(), 0
         t_start = t_last
+        epoch_start = (t_last, start)  # (time, step) the current epoch's timing began at
         batch_size = config.train.batch_size
 
         positions: dict[int, dict] = {}  # --stream: the stream's position before batch `step`
@@ -947,6 +951,32 @@ def run(
                         f"step {done}/{total}  loss {tracker.windowed:.4f} (window)  {rate:.0f} samples/s  "
                         f"ETA {_duration(record['eta_s'])}"
                     )
+            if loader is not None and (done % loader.steps_per_epoch == 0 or done == total):
+                if pending:  # the epoch's steps computed (their losses read) before the clock
+                    read_losses(done - len(pending) + 1)
+                now = time.perf_counter()
+                seconds, steps = now - epoch_start[0], done - epoch_start[1]
+                epoch = -(-done // loader.steps_per_epoch)
+                log.write(
+                    {
+                        "kind": "epoch",
+                        "step": done,
+                        "epoch": epoch,
+                        "steps": steps,
+                        "seconds": seconds,
+                        "samples_per_s": steps * batch_size / max(seconds, 1e-9),
+                    }
+                )
+                echo(
+                    f"epoch {epoch}: {steps} steps in {seconds:.2f} s "
+                    f"({steps * batch_size / max(seconds, 1e-9):.0f} samples/s"
+                    + (
+                        f"; compiles included, build {build_s:.2f} s before it)"
+                        if epoch_start[1] == start
+                        else ")"
+                    )
+                )
+                epoch_start = (time.perf_counter(), done)
             evaluating = config.train.eval_every and done % config.train.eval_every == 0
             saving = config.checkpoint.every and done % config.checkpoint.every == 0
             if (evaluating or saving) and done != total:

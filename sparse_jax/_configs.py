@@ -177,14 +177,13 @@ class BaseEmbeddingConfig:
         """`[rows, embedding_dim]` fp32 starting rows (`rows` defaults to the whole table):
         `init_fn(key, shape, float32)`, else uniform in [weight_init_min, weight_init_max].
         A managed-collision table draws fresh rows for its evicted slots with `rows=k`."""
-        import jax
         import jax.numpy as jnp
 
         shape = (self.num_embeddings if rows is None else rows, self.embedding_dim)
         if self.init_fn is None:
-            return jax.random.uniform(
-                key, shape, jnp.float32, self.weight_init_min, self.weight_init_max
-            )
+            from sparse_jax._uniform_init import uniform_rows  # imports jax
+
+            return uniform_rows(key, *shape, self.weight_init_min, self.weight_init_max)
         w = jnp.asarray(self.init_fn(key, shape, jnp.float32))
         if w.shape != shape:
             raise ValueError(

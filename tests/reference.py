@@ -453,3 +453,38 @@ def serving_request_loop(bags, features, batch_rungs, max_batch_size, capacities
         out_w = np.zeros(capacity, np.float32)
         out_w[: len(w)] = w
     return out_ids, np.array(offsets, np.int32), out_w, batch
+
+
+def threefry2x32_loop(key, x0, x1):
+    """Threefry-2x32 with 20 rounds (Random123; jax's `threefry2x32`) of one counter pair
+    under `key` (two uint32), by plain integer arithmetic: (y0, y1)."""
+    mask = 0xFFFFFFFF
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    ks = (int(key[0]), int(key[1]), int(key[0]) ^ int(key[1]) ^ 0x1BD11BDA)
+    x0, x1 = (x0 + ks[0]) & mask, (x1 + ks[1]) & mask
+    for block in range(5):
+        for r in rotations[block % 2]:
+            x0 = (x0 + x1) & mask
+            x1 = ((x1 << r) | (x1 >> (32 - r))) & mask
+            x1 ^= x0
+        x0 = (x0 + ks[(block + 1) % 3]) & mask
+        x1 = (x1 + ks[(block + 2) % 3] + block + 1) & mask
+    return x0, x1
+
+
+def uniform_table_loop(key, first, count, dim, lo, hi):
+    """Rows `first : first + count` of `jax.random.uniform(key, (rows, dim), float32, lo,
+    hi)` under partitionable threefry (jax's default), element by element: the bits of flat
+    index n are threefry2x32 of the words (n >> 32, n & 0xffffffff), the two outputs xor-ed;
+    the float is `(bitcast(bits >> 9 | 1.0) - 1) * (hi - lo) + lo`, at least lo, in float32,
+    the product and sum fused (one rounding) as XLA:CPU contracts them on an FMA machine."""
+    lo32, hi32 = np.float32(lo), np.float32(hi)
+    out = np.zeros((count, dim), np.float32)
+    for i in range(count):
+        for j in range(dim):
+            n = (first + i) * dim + j
+            y0, y1 = threefry2x32_loop(key, n >> 32, n & 0xFFFFFFFF)
+            one = np.array([((y0 ^ y1) >> 9) | 0x3F800000], np.uint32).view(np.float32)[0]
+            fused = np.float64(one - np.float32(1.0)) * np.float64(hi32 - lo32) + np.float64(lo32)
+            out[i, j] = max(lo32, np.float32(fused))
+    return out

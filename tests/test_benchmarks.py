@@ -412,6 +412,7 @@ def test_benchmarks_write_a_fresh_run_directory_unless_told_to_update_the_commit
         "e2e_vs_torchrec",
         "explore_malloc",
         "explore_update",
+        "first_epoch",
         "gpu",
         "gpu_readiness",
         "mc_quality",
@@ -453,3 +454,21 @@ def test_mc_quality_tiny_trains_every_policy_on_both_libraries(tmp_path):
     assert verdict["torchrec_best"] in cells["torchrec"]
     assert re.search(r"- 50%: hybridrec \S+ 0\.\d{4} is (NOT )?above TorchRec", md), md
     assert "the same on both sides" in md
+
+
+def test_first_epoch_tiny_reads_build_and_epoch_times_of_both_configs(tmp_path, capsys):
+    """`python -m benchmarks.first_epoch --tiny`: the training script run on the managed
+    MovieLens config, its metrics' build and per-epoch records read back."""
+    from benchmarks import first_epoch
+
+    first_epoch.main(["--tiny", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "first_epoch.json").read_text())
+    assert "plain" not in result
+    for name in ("managed",):
+        [one] = result[name]["runs"]
+        assert len(one["epochs_s"]) == 2 and all(s > 0 for s in one["epochs_s"])
+        assert one["build_s"] > 0
+        ratio = one["epochs_s"][0] / one["epochs_s"][1]
+        assert result[name]["first_over_later"] == pytest.approx(ratio)
+    assert result["quiet"] is False  # --tiny never probes: its figures are never quoted
+    assert "VOID" in (tmp_path / "first_epoch.md").read_text()

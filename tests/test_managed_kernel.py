@@ -133,14 +133,19 @@ def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form):
         np.testing.assert_array_equal(np.asarray(xla(mask)), want)
 
 
-def test_fresh_rows_drawn_only_where_used_are_the_rows_of_the_whole_draw(xla_form):
+@pytest.mark.parametrize("bounds", [None, (-0.5, 0.5)])  # a span of 1.0: XLA would fold it
+def test_fresh_rows_drawn_only_where_used_are_the_rows_of_the_whole_draw(xla_form, bounds):
     """The reset's fresh rows on CPU (`row_bits`: only the rows a reset uses are drawn) are
-    bit for bit the first rows of `config.initial_weights(key, rows=k)` (jax.random.uniform)."""
-    config = EmbeddingBagConfig(name="t", num_embeddings=500, embedding_dim=6, feature_names=["f"])
+    bit for bit the first rows of an eager `jax.random.uniform(key, (k, dim))`."""
+    extra = {} if bounds is None else dict(weight_init_min=bounds[0], weight_init_max=bounds[1])
+    config = EmbeddingBagConfig(
+        name="t", num_embeddings=500, embedding_dim=6, feature_names=["f"], **extra
+    )
+    lo, hi = config.weight_init_min, config.weight_init_max
     mask = np.random.default_rng(1).random(500) < 0.05
     used = int(mask.sum())
     for key in (jax.random.key(3), jax.random.fold_in(jax.random.key(2**31 + 5), 7)):
-        want = np.asarray(config.initial_weights(key, rows=64))[:used]
+        want = np.asarray(jax.random.uniform(key, (64, 6), jnp.float32, lo, hi))[:used]
         for form in (jax.jit, xla_form):
             got = form(lambda k, m: _fresh_rows(config, k, _marked_rows(m, 64, 500)))(key, mask)
             np.testing.assert_array_equal(np.asarray(got)[:used], want)

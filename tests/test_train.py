@@ -134,6 +134,14 @@ def test_synthetic_run_learns_and_writes_metrics(tmp_path, capsys):
     assert {"loss", "loss_window", "loss_lifetime", "samples_per_s"} <= set(trains[0])
     (final,) = [r for r in records if r["kind"] == "eval"]
     assert final["auc"] > 0.6 and final["count"] == 1024
+    # the build's time, then each epoch's wall time (the last one cut short by --steps)
+    (build,) = [r for r in records if r["kind"] == "build"]
+    assert build["step"] == 0 and build["build_s"] > 0
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == list(range(1, len(epochs) + 1))
+    assert sum(r["steps"] for r in epochs) == 32 and epochs[-1]["step"] == 32
+    assert all(r["seconds"] > 0 and r["samples_per_s"] > 0 for r in epochs)
+    assert f"epoch 1: {epochs[0]['steps']} steps in " in out
 
 
 def test_a_second_run_refuses_to_replace_metrics_a_resume_appends_and_overwrite_replaces(
@@ -164,8 +172,8 @@ def test_a_second_run_refuses_to_replace_metrics_a_resume_appends_and_overwrite_
     first = metrics.read_text()
 
     assert train.main(argv) == 2  # the same command again: refused before any data is read
-    err = capsys.readouterr().err  # 3 lines: train, eval, checkpoint
-    assert f"log.metrics_path {metrics} already holds 3 metrics line(s) of an earlier run" in err
+    err = capsys.readouterr().err  # 5 lines: build, train, epoch, eval, checkpoint
+    assert f"log.metrics_path {metrics} already holds 5 metrics line(s) of an earlier run" in err
     for way_out in (
         "--overwrite",
         "--resume",
@@ -448,13 +456,17 @@ def test_movielens_raw_ids_in_smaller_managed_tables_come_near_the_vocabulary_au
     """Issue #16's comparison: user, item and zip as raw 64-bit ids in managed tables of
     about half their vocabularies (LRU) against the same model on vocabulary rows."""
     auc = {"movielens": movielens_fp32[0]["auc"]}
-    stats = {"movielens": movielens_fp32[1][-2].get("managed_collision")}
+
+    def last_train(records):
+        return [r for r in records if r["kind"] == "train"][-1]
+
+    stats = {"movielens": last_train(movielens_fp32[1]).get("managed_collision")}
     metrics = tmp_path / "raw.jsonl"
     config = load_config("configs/movielens_raw_ids.toml", [f"log.metrics_path='{metrics}'"])
     auc["movielens_raw_ids"] = train.run(config)["eval"]["auc"]
-    stats["movielens_raw_ids"] = [json.loads(line) for line in metrics.read_text().splitlines()][
-        -2
-    ].get("managed_collision")
+    stats["movielens_raw_ids"] = last_train(map(json.loads, metrics.read_text().splitlines())).get(
+        "managed_collision"
+    )
     print(
         f"MovieLens-100K eval AUC: vocabulary tables {auc['movielens']:.4f}, raw ids in managed tables "
         f"{auc['movielens_raw_ids']:.4f}; {stats['movielens_raw_ids']}"

@@ -17,7 +17,8 @@ from sparse_jax._kernels._ffi import (
     quant_pooled,
     when_built,
 )
-from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap, row_bits
+from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap
+from sparse_jax._kernels._random import row_bits, table_bits
 
 __all__ = [
     "RULES",
@@ -33,5 +34,6 @@ __all__ = [
     "pooled_sum",
     "quant_pooled",
     "row_bits",
+    "table_bits",
     "when_built",
 ]

@@ -52,6 +52,7 @@ def _register() -> str | None:
         "HybridrecMchRemap",
         "HybridrecMaskPositions",
         "HybridrecRowBits",
+        "HybridrecTableBits",
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None

@@ -1,7 +1,8 @@
 """Call wrappers of the managed-collision CPU kernels (`mc_remap_cpu.cc`): the fused training
 remap of one id map (`mch_profile`, its state updated in place), the eval lookup
-(`mch_remap`), the positions of a mask's set entries (`mask_positions`, the rows a reset
-draws) and the random bits of only the rows a reset draws (`row_bits`). `sparse_jax.managed` chooses them at CPU lowering (`when_built`)."""
+(`mch_remap`) and the positions of a mask's set entries (`mask_positions`, the rows a reset
+draws; their random bits are `_random.row_bits`). `sparse_jax.managed` chooses them at CPU
+lowering (`when_built`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from sparse_jax._kernels._ffi import _register
 
-__all__ = ["mask_positions", "mch_profile", "mch_remap", "row_bits"]
+__all__ = ["mask_positions", "mch_profile", "mch_remap"]
 
 _STATE_LEAVES = 11  # MCHState's fields, in order
 
@@ -58,15 +59,4 @@ def mask_positions(mask, size: int, fill: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((size,), jnp.int32)
     return jax.ffi.ffi_call("HybridrecMaskPositions", out)(
         mask.astype(jnp.bool_), fill=np.int32(fill)
-    )
-
-
-def row_bits(key_data, rows, dim: int, fill: int) -> jax.Array:
-    """uint32[len(rows), dim]: `jax.random.bits(key, (len(rows), dim))` (partitionable
-    threefry2x32, `key_data` its two words) for the rows before the first `fill` in `rows`,
-    0 after: the bits of the fresh rows a reset uses, and only those are computed."""
-    _register()
-    out = jax.ShapeDtypeStruct((rows.shape[0], dim), jnp.uint32)
-    return jax.ffi.ffi_call("HybridrecRowBits", out)(
-        key_data.astype(jnp.uint32), rows.astype(jnp.int32), fill=np.int32(fill)
     )

@@ -1,5 +1,5 @@
-"""Build the fused CPU kernels (`SOURCES`: `embedding_cpu.cc`, `mc_remap_cpu.cc`) into one shared
-library, once.
+"""Build the fused CPU kernels (`SOURCES`: `embedding_cpu.cc`, `mc_remap_cpu.cc`,
+`random_cpu.cc`) into one shared library, once.
 
 `make` runs `python -m sparse_jax._kernels.build` at set-up; otherwise the first use builds
 it. The library is cached under `$HYBRIDREC_CACHE` (default `~/.cache/hybridrec`), keyed by
@@ -31,7 +31,8 @@ __all__ = ["build", "library_path", "record_path"]
 log = logging.getLogger("hybridrec.kernels")
 
 SOURCES = tuple(
-    pathlib.Path(__file__).with_name(name) for name in ("embedding_cpu.cc", "mc_remap_cpu.cc")
+    pathlib.Path(__file__).with_name(name)
+    for name in ("embedding_cpu.cc", "mc_remap_cpu.cc", "random_cpu.cc")
 )
 FLAGS = [
     "-O3",

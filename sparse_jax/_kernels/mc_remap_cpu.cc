@@ -17,13 +17,9 @@
 //   outputs (updated in place). Also returns how many entries an id held before the call.
 // MaskPositions: the positions of a bool mask's first `size` set entries, ascending, then
 //   `fill` (jnp.nonzero(mask, size=size, fill_value=fill)): which rows a reset draws afresh.
-// RowBits: the random bits of the fresh rows a reset draws, only for the rows it resets: row
-//   i (of `rows`, up to the first `fill`) of a `[k, dim]` draw is threefry2x32 of the flat
-//   indices i * dim + j under the key, the two output words xor-ed: what
-//   `jax.random.bits(key, (k, dim))` gives with partitionable threefry (jax's default), so
-//   `jax.random.uniform` of it is bit for bit the same; the rows past `fill` stay 0.
 // MchRemap: the slot of each id (the default slot when not resident): the ids sorted by a
 //   radix sort, then found by galloping search, the sorted run split over threads.
+// (The fresh rows' random bits, `HybridrecRowBits`, are random_cpu.cc's.)
 #include <omp.h>
 
 #include <algorithm>
@@ -549,54 +545,7 @@ ffi::Error MaskPositionsImpl(ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffe
   return ffi::Error::Success();
 }
 
-inline uint32_t Rotl(uint32_t v, uint32_t r) { return (v << r) | (v >> (32 - r)); }
-
-// Threefry-2x32, 20 rounds (Random123's; jax's `threefry2x32`): the pair hashed under the key.
-inline void Threefry2x32(uint32_t k0, uint32_t k1, uint32_t& x0, uint32_t& x1) {
-  static constexpr uint32_t kRot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
-  const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
-  x0 += ks[0];
-  x1 += ks[1];
-  for (uint32_t block = 0; block < 5; ++block) {
-    for (int r = 0; r < 4; ++r) {
-      x0 += x1;
-      x1 = Rotl(x1, kRot[block & 1][r]);
-      x1 ^= x0;
-    }
-    x0 += ks[(block + 1) % 3];
-    x1 += ks[(block + 2) % 3] + block + 1;
-  }
-}
-
-ffi::Error RowBitsImpl(ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> rows,
-                       ffi::Result<ffi::Buffer<ffi::U32>> out, int32_t fill) {
-  const uint32_t k0 = key.typed_data()[0], k1 = key.typed_data()[1];
-  const int32_t* r = rows.typed_data();
-  const int64_t k = rows.element_count();
-  const int64_t dim = k == 0 ? 0 : out->element_count() / k;
-  uint32_t* o = out->typed_data();
-  int64_t used = 0;
-  while (used < k && r[used] != fill) ++used;
-#pragma omp parallel for schedule(static) if (used * dim >= (1 << 16))
-  for (int64_t i = 0; i < used; ++i)
-    for (int64_t j = 0; j < dim; ++j) {
-      const uint64_t n = static_cast<uint64_t>(i) * dim + j;
-      uint32_t x0 = static_cast<uint32_t>(n >> 32), x1 = static_cast<uint32_t>(n);
-      Threefry2x32(k0, k1, x0, x1);
-      o[n] = x0 ^ x1;
-    }
-  std::memset(o + used * dim, 0, sizeof(uint32_t) * (k - used) * dim);
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecRowBits, RowBitsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int32_t>("fill"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMaskPositions, MaskPositionsImpl,
                               ffi::Ffi::Bind()

@@ -12,10 +12,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sparse_jax._kernels import mask_positions, row_bits, when_built
 from sparse_jax._kernels._platform import by_platform
+from sparse_jax._uniform_init import bits_to_uniform
 
 __all__ = ["RowBlock", "reset_rows"]
 
@@ -49,24 +49,21 @@ def _fresh_rows(config, key: jax.Array, rows: jax.Array) -> jax.Array:
         or str(jax.random.key_impl(key)) != "threefry2x32"
     ):
         return whole
-    lo, hi = np.float32(config.weight_init_min), np.float32(config.weight_init_max)
 
-    def uniform(bits):  # jax.random.uniform's float32 step, from its bits
-        one = np.array(1.0, np.float32).view(np.uint32)
-        floats = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32)
-        return jnp.maximum(lo, (floats - np.float32(1.0)) * (hi - lo) + lo)
-
-    def xla(key_data, rows):
-        del rows
+    def xla(key_data, bounds, rows):
+        del bounds, rows
         return config.initial_weights(jax.random.wrap_key_data(key_data), rows=k)
 
-    def kernel(key_data, rows):
-        return uniform(row_bits(key_data, rows, dim, config.num_embeddings))
+    def kernel(key_data, bounds, rows):
+        return bits_to_uniform(row_bits(key_data, rows, dim, config.num_embeddings), *bounds)
 
     del whole
+    bounds = jax.lax.optimization_barrier(  # see bits_to_uniform
+        jnp.array([config.weight_init_min, config.weight_init_max], jnp.float32)
+    )
     out = jax.ShapeDtypeStruct((k, dim), jnp.float32)
     (fresh,) = by_platform(
-        [jax.random.key_data(key), rows], [out], default=xla, cpu=when_built(kernel, xla)
+        [jax.random.key_data(key), bounds, rows], [out], default=xla, cpu=when_built(kernel, xla)
     )
     return fresh
 

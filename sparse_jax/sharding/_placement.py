@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sparse_jax._uniform_init import draws_rows_alone, uniform_rows
 from sparse_jax.optim._base import SparseOptState, is_row_leaf
 from sparse_jax.sharding._work import ShardBuffer
 
@@ -99,6 +100,39 @@ def place(
     return out
 
 
+class _TableDraw:
+    """A table's initial weights (`config.initial_weights(key)`), by row ranges: a uniform
+    init drawn by the CPU kernel draws only the rows asked for (`uniform_rows`: the same
+    numbers as the whole draw); any other init (and the uniform one elsewhere) is drawn whole
+    once, and only if some rows are asked for. The last piece is kept: devices holding the
+    same rows (a replicated table) share one draw."""
+
+    def __init__(self, config, key: jax.Array, dtype):
+        self.config, self.key, self.dtype, self._whole, self._last = config, key, dtype, None, None
+        self._by_rows = config.init_fn is None and draws_rows_alone(key)
+
+    def rows(self, first: int, last: int, c0: int, cn: int) -> jax.Array:
+        t = self.config
+        if self._by_rows:
+            if self._last is None or self._last[0] != (first, last, c0, cn):
+                w = uniform_rows(
+                    self.key,
+                    t.num_embeddings,
+                    t.embedding_dim,
+                    t.weight_init_min,
+                    t.weight_init_max,
+                    first,
+                    last - first,
+                ).astype(self.dtype)
+                w = w if (c0, cn) == (0, t.embedding_dim) else w[:, c0 : c0 + cn]
+                self._last = ((first, last, c0, cn), w)
+            return self._last[1]
+        if self._whole is None:
+            self._whole = jnp.asarray(t.initial_weights(self.key)).astype(self.dtype)
+        whole = (first, last, c0, cn) == (0, *self._whole.shape)
+        return self._whole if whole else self._whole[first:last, c0 : c0 + cn]
+
+
 def init_placed(
     mesh: jax.sharding.Mesh, buffers: Sequence[ShardBuffer], tables: Sequence, key: jax.Array
 ) -> dict[str, jax.Array]:
@@ -123,21 +157,16 @@ def init_placed(
         for block in buf.stored_blocks():
             blocks.setdefault(block[1], []).append(block)
         for table, parts in blocks.items():
-            weights = None
+            draw = _TableDraw(by_name[table], jax.random.fold_in(key, index[table]), dtype)
             for _, _, start, r0, rn, c0, cn in parts:
                 for d, (a, b) in spans.items():
                     lo, hi = max(a, start), min(b, start + rn)
                     if lo >= hi:
                         continue
-                    if weights is None:  # drawn once, only if this process holds some of it
-                        w = by_name[table].initial_weights(jax.random.fold_in(key, index[table]))
-                        weights = jnp.asarray(w).astype(dtype)
-                    first, last = r0 + lo - start, r0 + hi - start
-                    whole = (first, last, c0, cn) == (0, *weights.shape[:1], 0, weights.shape[1])
-                    rows = weights if whole else weights[first:last, c0 : c0 + cn]
+                    rows = draw.rows(r0 + lo - start, r0 + hi - start, c0, cn)
                     pieces[d].append((lo, jax.device_put(rows, d)))
                     del rows
-            del weights
+            del draw
         shards = []
         for d, (a, b) in spans.items():
             parts, at = [], a

@@ -1,0 +1,95 @@
+// jax's random bits on CPU (XLA FFI), for only the rows that are used: table rows drawn with
+// partitionable threefry2x32 (jax's default), element (r, j) of a `[rows, dim]` draw being
+// threefry2x32 of the flat index n = r * dim + j (as the words n >> 32, n & 0xffffffff)
+// under the key, the two output words xor-ed: what `jax.random.bits(key, (rows, dim))`
+// gives, so `jax.random.uniform` computed from them is bit for bit the same.
+//
+// RowBits: a managed table's fresh rows (sparse_jax/managed/_reset.py): row i of `rows`
+//   (up to the first `fill`) gets row i of a `[len(rows), dim]` draw; the rows past `fill`
+//   stay 0.
+// TableBits: rows `first .. first + count` of a `[num_rows, dim]` draw (the output's shape
+//   is `[count, dim]`): a table's initial rows (sparse_jax/_uniform_init.py), whole or only
+//   those a device holds, with no counter arrays and no whole-table temporaries.
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline uint32_t Rotl(uint32_t v, uint32_t r) { return (v << r) | (v >> (32 - r)); }
+
+// Threefry-2x32, 20 rounds (Random123's; jax's `threefry2x32`): the pair hashed under the key.
+inline void Threefry2x32(uint32_t k0, uint32_t k1, uint32_t& x0, uint32_t& x1) {
+  static constexpr uint32_t kRot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+  x0 += ks[0];
+  x1 += ks[1];
+  for (uint32_t block = 0; block < 5; ++block) {
+    for (int r = 0; r < 4; ++r) {
+      x0 += x1;
+      x1 = Rotl(x1, kRot[block & 1][r]);
+      x1 ^= x0;
+    }
+    x0 += ks[(block + 1) % 3];
+    x1 += ks[(block + 2) % 3] + block + 1;
+  }
+}
+
+// o[i * dim + j] = bits of element (first + i, j), for i < count; threads over rows.
+void DrawRows(uint32_t k0, uint32_t k1, uint64_t first, int64_t count, int64_t dim, uint32_t* o) {
+#pragma omp parallel for schedule(static) if (count * dim >= (1 << 16))
+  for (int64_t i = 0; i < count; ++i) {
+    const uint64_t base = (first + static_cast<uint64_t>(i)) * static_cast<uint64_t>(dim);
+    uint32_t* row = o + i * dim;
+    for (int64_t j = 0; j < dim; ++j) {
+      const uint64_t n = base + static_cast<uint64_t>(j);
+      uint32_t x0 = static_cast<uint32_t>(n >> 32), x1 = static_cast<uint32_t>(n);
+      Threefry2x32(k0, k1, x0, x1);
+      row[j] = x0 ^ x1;
+    }
+  }
+}
+
+ffi::Error RowBitsImpl(ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> rows,
+                       ffi::Result<ffi::Buffer<ffi::U32>> out, int32_t fill) {
+  const int32_t* r = rows.typed_data();
+  const int64_t k = rows.element_count();
+  const int64_t dim = k == 0 ? 0 : out->element_count() / k;
+  uint32_t* o = out->typed_data();
+  int64_t used = 0;
+  while (used < k && r[used] != fill) ++used;
+  DrawRows(key.typed_data()[0], key.typed_data()[1], 0, used, dim, o);
+  std::memset(o + used * dim, 0, sizeof(uint32_t) * (k - used) * dim);
+  return ffi::Error::Success();
+}
+
+ffi::Error TableBitsImpl(ffi::Buffer<ffi::U32> key, ffi::Result<ffi::Buffer<ffi::U32>> out,
+                         int64_t first) {
+  const auto dims = out->dimensions();
+  if (dims.size() != 2 || first < 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "HybridrecTableBits: the output must be [count, dim] and first >= 0");
+  DrawRows(key.typed_data()[0], key.typed_data()[1], static_cast<uint64_t>(first), dims[0], dims[1],
+           out->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecRowBits, RowBitsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int32_t>("fill"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecTableBits, TableBitsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("first"));
