@@ -33,11 +33,11 @@ def _zeros(key, shape, dtype):  # noqa: ARG001 (fresh rows the test knows)
     return jax.numpy.zeros(shape, dtype)
 
 
-def _tables(init_fn=None):
+def _tables(init_fn=None, z=Z):
     return [
         EmbeddingBagConfig(
             name="users",
-            num_embeddings=Z,
+            num_embeddings=z,
             embedding_dim=DIM,
             feature_names=["user"],
             init_fn=init_fn,
@@ -48,16 +48,16 @@ def _tables(init_fn=None):
     ]
 
 
-def _model(plan=None, policy="lru", init_fn=None, managed=True, seed=0):
+def _model(plan=None, policy="lru", init_fn=None, managed=True, seed=0, z=Z, mesh=MESH):
     torch.manual_seed(seed)
     modules = (
-        {"users": MCHManagedCollisionModule(Z, history_capacity=256, eviction_policy=policy)}
+        {"users": MCHManagedCollisionModule(z, history_capacity=256, eviction_policy=policy)}
         if managed
         else None
     )
-    mesh = hybrid.make_mesh(MESH) if plan else None
+    mesh = hybrid.make_mesh(mesh) if plan else None
     model = hybrid.Model(
-        _tables(init_fn),
+        _tables(init_fn, z),
         dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
         mesh=mesh,
         plan=plan,
@@ -121,32 +121,46 @@ def test_one_replicated_map_trains_as_the_unsharded_model(plan):
     )
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy):
-    """Shard s owns the ids hashing to s and rows s*Z/4 ... (s+1)*Z/4 - 1, its last row its
+@pytest.mark.parametrize(
+    ("policy", "z", "mesh", "sizes"),
+    [
+        ("lru", Z, MESH, (4, 4, 4, 4)),
+        ("lfu", Z, MESH, (4, 4, 4, 4)),
+        ("lru", 10, MESH, (3, 3, 3, 1)),  # uneven: the last block's one row holds no map
+        ("lfu", 18, MESH, (5, 5, 5, 3)),  # uneven: maps of two sizes
+        ("lru", 13, "model=8", (2, 2, 2, 2, 2, 2, 1, 0)),  # an empty block too
+    ],
+    ids=["even_lru", "even_lfu", "10_over_4", "18_over_4_lfu", "13_over_8"],
+)
+def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy, z, mesh, sizes):
+    """Shard s owns the ids hashing to s (over the shards of at least 2 rows) and its row
+    block (TorchRec's ceil(Z / shards) rows a block, even or not), its last row its
     default; a plain model fed the oracles' rows, with the evicted rows reset by hand
     (zero init, zero state), trains to the same tables."""
     plan = {"users": "row_wise", "items": "table_wise"}
-    managed, mopt = _model(plan, policy, init_fn=_zeros)
+    managed, mopt = _model(plan, policy, init_fn=_zeros, z=z, mesh=mesh)
     split = managed.sparse_module.split["users"]
-    assert (split.shards, split.axes, split.rows) == (4, ("model",), Z // 4)
-    plain, popt = _model(plan, policy, init_fn=_zeros, managed=False)
-    oracles = [ManagedCollisionLoop(split.rows, policy) for _ in range(split.shards)]
+    assert (split.shards, split.rows, split.block_sizes) == (len(sizes), sizes[0], sizes)
+    assert split.axes == ("model",)
+    offsets = np.cumsum((0, *sizes[:-1])).tolist()
+    mapped = sum(size >= 2 for size in sizes)
+    plain, popt = _model(plan, policy, init_fn=_zeros, managed=False, z=z, mesh=mesh)
+    oracles = [ManagedCollisionLoop(size, policy) for size in sizes[:mapped]]
     resets = 0
     for users, items, dense, labels in _batches(20, seed=1):
         raw = [int(i) for b in users for i in b]
         owner = (
-            np.asarray(hashed_slots(RawIds.from_int64(np.array(raw, np.int64)), 4)).tolist()
+            np.asarray(hashed_slots(RawIds.from_int64(np.array(raw, np.int64)), mapped)).tolist()
             if raw
             else []
         )
         evicted = []
         for s, oracle in enumerate(oracles):
             evicted += [
-                s * split.rows + slot
+                offsets[s] + slot
                 for slot in oracle.profile([i for i, o in zip(raw, owner, strict=True) if o == s])
             ]
-        rows = [o * split.rows + oracles[o].remap([i])[0] for i, o in zip(raw, owner, strict=True)]
+        rows = [offsets[o] + oracles[o].remap([i])[0] for i, o in zip(raw, owner, strict=True)]
         if evicted:
             resets += 1
             weights = plain.table_weights()["users"].clone()
