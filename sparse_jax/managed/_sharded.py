@@ -60,6 +60,7 @@ from sparse_jax.managed._collection import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
 )
+from sparse_jax.managed._frozen import frozen_map
 from sparse_jax.managed._id_map import (
     MCHManagedCollisionModule,
     MCHState,
@@ -286,6 +287,28 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         ids evicted so far), summed over the table's id maps}: read them when you log."""
         return {name: jnp.sum(c, axis=0) for name, c in self.mc_counters.items()}
 
+    def frozen_maps(self):
+        """{managed table: its id maps frozen on the host (`FrozenIdMap`; a collective on a
+        multi-process mesh)}. A table split unevenly freezes when its maps are all of one
+        size (e.g. 10 rows over 4 shards: 3, 3, 3 and a row that holds no map); maps of two
+        sizes (e.g. 18 over 4: 5, 5, 5, 3) are refused, naming the table."""
+        states = self.host_state()[0]
+        out = {}
+        for name in self.managed_tables:
+            split = self.split[name]
+            try:
+                out[name] = frozen_map(
+                    states[name], split.block_sizes if split.shards > 1 else None
+                )
+            except ValueError as e:
+                raise ValueError(
+                    f"managed table {name!r} is split row-wise into blocks of {list(split.block_sizes)} rows: "
+                    f"{e}, as serving finds an id's default row (quantize, export). Load a checkpoint of "
+                    "it onto a plan whose blocks holding a map are all of one size (e.g. num_embeddings a "
+                    "multiple of the shards), or onto one device, to quantize or export it"
+                ) from None
+        return out
+
     def host_state(self):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays, gathered
         from every process (a collective: every process calls it)."""
@@ -503,9 +526,10 @@ def _uneven_map(split: TableSplit, module, st: MCHState, counters, ids: RawIds, 
     z_all = split.rows
     sizes = split.map_sizes()
     group = jnp.asarray([sizes.index(z) if z >= 2 else 0 for z in split.block_sizes], jnp.int32)[s]
-    pad = lambda x, full: (
-        jnp.concatenate([x, full[x.shape[0] :]]) if x.shape[0] < full.shape[0] else x
-    )  # noqa: E731
+
+    def pad(x, full):  # x's entries, then full's past them
+        return jnp.concatenate([x, full[x.shape[0] :]]) if x.shape[0] < full.shape[0] else x
+
     choices = []
     for z in sizes:
         sub_module = module if z == z_all else dataclasses.replace(module, zch_size=z)
