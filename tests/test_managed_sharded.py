@@ -328,11 +328,15 @@ def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan
 
 
 @pytest.mark.parametrize(
-    "plan",
-    [{"users": "row_wise", "items": "row_wise"}, {"users": "table_wise", "items": "row_wise"}],
-    ids=["per_shard", "one_map"],
+    ("plan", "z"),
+    [
+        ({"users": "row_wise", "items": "row_wise"}, Z),
+        ({"users": "row_wise", "items": "row_wise"}, 18),  # blocks of 5, 5, 5, 3
+        ({"users": "table_wise", "items": "row_wise"}, Z),
+    ],
+    ids=["per_shard", "per_shard_uneven", "one_map"],
 )
-def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
+def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan, z):
     """Each id of a table managed per shard is routed to the shard its hash names, counted
     exactly on the host. The ids are skewed so that an id counted at the wrong shard would
     undercount: every user id hashes to shard 1 and every item row lies in shard 1's block,
@@ -341,13 +345,13 @@ def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
     for input_dist in ("all_gather", "all_to_all"):
         torch.manual_seed(0)
         model = hybrid.Model(
-            _tables(),
+            _tables(z=z),
             dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
             mesh=hybrid.make_mesh(MESH),
             plan=plan,
             input_dist=input_dist,
             seed=0,
-            managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=256)},
+            managed_collision_modules={"users": MCHManagedCollisionModule(z, history_capacity=256)},
         )
         models.append((model, torch.optim.SGD(model.dense_parameters(), lr=0.2)))
     rng = np.random.default_rng(6)
@@ -375,25 +379,48 @@ def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
     assert local.route_capacity >= (24 if plan["users"] == "row_wise" else 16)
 
 
-def test_a_managed_table_over_unequal_row_blocks_is_refused_with_all_to_all():
+@pytest.mark.parametrize("rows", [4, 3])
+def test_a_row_wise_managed_table_of_no_more_rows_than_shards_is_refused_with_all_to_all(rows):
+    """4 rows over 4 shards (one a block) or 3 (one, one, one, none): no block holds a map
+    (its default row and one more); with all_gather the table keeps one replicated map."""
     tables = [
         EmbeddingBagConfig(
-            name="users", num_embeddings=18, embedding_dim=DIM, feature_names=["user"]
+            name="users", num_embeddings=rows, embedding_dim=DIM, feature_names=["user"]
         ),
         _tables()[1],
     ]
-    with pytest.raises(
-        ValueError,
-        match=r"^managed table 'users' splits its rows into blocks .* without an id map "
-        r"per block .* input_dist='all_gather'$",
-    ):
-        hybrid.Model(
+
+    def build(input_dist):
+        return hybrid.Model(
             tables,
             dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
             mesh=hybrid.make_mesh(MESH),
             plan={"users": "row_wise", "items": "row_wise"},
-            input_dist="all_to_all",
+            input_dist=input_dist,
             managed_collision_modules={
-                "users": MCHManagedCollisionModule(18, history_capacity=256)
+                "users": MCHManagedCollisionModule(rows, history_capacity=256)
             },
         )
+
+    with pytest.raises(
+        ValueError,
+        match=r"^managed table 'users' splits its rows into blocks .* without an id map "
+        rf"per block \(a map per row block needs at least 2 rows in each of the first "
+        rf"blocks: its num_embeddings={rows} must exceed its 4 shards; give it more rows or "
+        r"shard it over fewer devices\); .* input_dist='all_gather'$",
+    ):
+        build("all_to_all")
+    assert build("all_gather").sparse_module.split["users"].shards == 1
+
+
+def test_a_managed_table_split_into_maps_of_two_sizes_is_refused_by_quantize_and_export():
+    model, _ = _model({"users": "row_wise", "items": "table_wise"}, z=18)
+    assert model.sparse_module.split["users"].block_sizes == (5, 5, 5, 3)
+    with pytest.raises(
+        ValueError,
+        match=r"^managed table 'users' is split row-wise into blocks of \[5, 5, 5, 3\] rows: "
+        r"id maps over row blocks .* cannot be frozen: .* Load a checkpoint of it onto a plan "
+        r"whose blocks holding a map are all of one size .* or onto one device, to quantize "
+        r"or export it$",
+    ):
+        hybrid.quantize(model, "int8")
