@@ -281,6 +281,38 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
         hybrid.serving.load(path)
 
 
+def test_an_export_of_an_uneven_split_serves_raw_ids_as_eval_does(tmp_path):
+    """10 rows over 4 shards: maps of 3, 3 and 3 rows (ids hashed over those 3) and a last
+    block of one row that holds none; frozen as 3 shards of 3 rows, served as eval reads."""
+    z = 10
+    model, opt = _model({"users": "row_wise", "items": "data_parallel"}, z=z)
+    assert model.sparse_module.split["users"].block_sizes == (3, 3, 3, 1)
+    batches = list(_batches(12, seed=4))
+    for users, items, dense, labels in batches:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    frozen = model.sparse_module.frozen_maps()["users"]
+    assert (frozen.default_row, frozen.shards) == (2, 3) and len(frozen.ids) == 6
+    assert all(r < 9 and r % 3 != 2 for r in frozen.rows.tolist())
+    unseen = np.arange(2**40, 2**40 + 64, dtype=np.int64)
+    owner = np.asarray(hashed_slots(RawIds.from_int64(unseen), 3))
+    np.testing.assert_array_equal(frozen_rows(frozen, unseen), owner * 3 + 2)
+    users, items, dense, _ = batches[-1]
+    users = [*users[:5], unseen[:3], [int(frozen.ids[0]), int(unseen[5])], [-(2**63)]]
+    sparse = _kjt(users, items, [int(i) for b in users for i in b])
+    model.eval()
+    with torch.no_grad():
+        want = model(dense, sparse)
+    path = hybrid.export(model, tmp_path / "export", example=(dense, sparse))
+    entry = {t["name"]: t for t in json.loads((path / "manifest.json").read_text())["tables"]}
+    assert (entry["users"]["managed_collision"]["shards"], entry["users"]["num_embeddings"]) == (
+        3,
+        z,
+    )
+    torch.testing.assert_close(hybrid.serving.load(path)(dense, sparse), want, rtol=1e-6, atol=1e-6)
+    quantized = hybrid.quantize(model, "fp16")  # the same frozen maps, in process
+    torch.testing.assert_close(quantized(dense, sparse), want, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize(
     "plan", [None, {"users": "row_wise", "items": "table_wise"}], ids=["one_device", "row_wise"]
 )
