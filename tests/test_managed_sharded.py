@@ -191,6 +191,25 @@ def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy
     assert np.asarray(managed.managed_collision_stats()["users"])[0] == occupancy
 
 
+def test_the_planners_uneven_row_wise_plan_gets_a_map_per_shard():
+    """The planner places a managed table as it places any table: asked for row_wise over
+    the model axis, its 10 rows go out as 3, 3, 3, 1, and the table is managed per shard
+    (it used to fall back to one replicated map)."""
+    from sparse_jax.planner import ParameterConstraints, Planner, Topology
+
+    plan = Planner(
+        Topology(axes={"data": 2, "model": 4}),
+        {"users": ParameterConstraints(sharding_types=["row_wise"], axes=["model"])},
+    ).plan(_tables(z=10), batch_size=8)
+    assert [s.row_size for s in plan["users"].shards] == [3, 3, 3, 1]
+    model, opt = _model(plan, z=10)
+    split = model.sparse_module.split["users"]
+    assert (split.shards, split.block_sizes, split.mapped) == (4, (3, 3, 3, 1), 3)
+    for users, items, dense, labels in _batches(3, seed=7):
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    assert 0 < int(np.asarray(model.managed_collision_stats()["users"])[0]) <= 6
+
+
 def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
     plan = {"users": "row_wise", "items": "data_parallel"}
     model, opt = _model(plan)
