@@ -1,7 +1,8 @@
 """Managed-collision tables on a mesh (`sparse_jax.sharding.ShardedManagedCollisionModule`):
-one replicated id map for any placement but equal row blocks, which trains exactly as
-the unsharded model; per-shard maps for a row-wise table (ids hashed to shards, as
-TorchRec), checked against one plain-Python oracle per shard (tests/reference.py)."""
+one replicated id map for any placement but row-wise blocks, which trains exactly as
+the unsharded model; per-shard maps for a row-wise table, even or not (ids hashed to the
+shards holding a map, each its block's rows, as TorchRec), checked against one plain-Python
+oracle per shard (tests/reference.py)."""
 
 import json
 
