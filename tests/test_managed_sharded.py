@@ -476,3 +476,30 @@ def test_a_managed_table_split_into_maps_of_two_sizes_is_refused_by_quantize_and
         r"or export it$",
     ):
         hybrid.quantize(model, "int8")
+
+
+@pytest.mark.parametrize("z", [Z, 18], ids=["even", "uneven"])
+def test_the_sharded_training_remap_lowered_for_cuda_has_no_conditional(z):
+    """18 rows over 4 shards: maps of 5 and 3 rows, both run on every device and one kept by
+    a select; the program a GPU would run keeps no `case` and no data-dependent loop."""
+    from tests.test_gpu_lowering import audit
+
+    model, opt = _model({"users": "row_wise", "items": "table_wise"}, z=z)
+    users, items, dense, labels = next(_batches(1))
+    sparse = _kjt(users, items, [int(i) for b in users for i in b])
+    _step(model, opt, sparse, dense, labels)
+    module, batch = model.sparse_module, model.prepare(sparse)
+    program = module._program(True, model.sparse_opt_state)
+    args = (
+        model.sparse_params,
+        model.sparse_opt_state.tables,
+        module.mc_state,
+        module.mc_counters,
+        module.draw_key,
+        batch.inner.values,
+        batch.words,
+        batch.positions,
+    )
+    got = audit(program.remap.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    assert got["case_or_if"] == 0 and got["dynamic_loops"] == 0, got
+    assert got["cpu_custom_calls"] == 0, got
