@@ -211,15 +211,16 @@ def test_the_planners_uneven_row_wise_plan_gets_a_map_per_shard():
     assert 0 < int(np.asarray(model.managed_collision_stats()["users"])[0]) <= 6
 
 
-def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
+@pytest.mark.parametrize("z", [Z, 18], ids=["even", "uneven"])
+def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path, z):
     plan = {"users": "row_wise", "items": "data_parallel"}
-    model, opt = _model(plan)
+    model, opt = _model(plan, z=z)
     batches = list(_batches(16, seed=2))
     for users, items, dense, labels in batches[:7]:
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
     path = checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=opt)
     saved = checkpoint.sparse_state_arrays(model)
-    assert saved["mc/users/sorted_hi"].shape == (4, Z // 4) and saved[
+    assert saved["mc/users/sorted_hi"].shape == (4, -(-z // 4)) and saved[
         "mc/users/counters"
     ].shape == (4, 3)
     model.eval()
@@ -231,7 +232,7 @@ def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
     model.train()
     for users, items, dense, labels in batches[7:]:
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
-    resumed, ropt = _model(plan, seed=3)
+    resumed, ropt = _model(plan, seed=3, z=z)
     checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
     for users, items, dense, labels in batches[7:]:
         _step(resumed, ropt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
