@@ -335,12 +335,18 @@ def test_an_export_of_an_uneven_split_serves_raw_ids_as_eval_does(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "plan", [None, {"users": "row_wise", "items": "table_wise"}], ids=["one_device", "row_wise"]
+    ("plan", "z"),
+    [
+        (None, Z),
+        ({"users": "row_wise", "items": "table_wise"}, Z),
+        ({"users": "row_wise", "items": "table_wise"}, 18),
+    ],
+    ids=["one_device", "row_wise", "row_wise_uneven"],
 )
-def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan):
+def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan, z):
     from tests.host_reads import count_host_reads
 
-    model, opt = _model(plan)
+    model, opt = _model(plan, z=z)
     batches = [
         (dense, _kjt(users, items, [int(i) for b in users for i in b]), labels)
         for users, items, dense, labels in _batches(14, seed=5)
