@@ -1,7 +1,11 @@
 """A managed-collision training workload on a mesh, for one process or several
 (tests/test_managed_multiprocess.py runs it both ways and compares): a row-wise managed
 table of raw 64-bit ids and a table-wise plain table, six steps of remap, lookup and fused
-update; each process prepares only its own samples."""
+update; each process prepares only its own samples. The managed table has 32 rows, or
+`$HYBRIDREC_TEST_MANAGED_ROWS` (set by a test, inherited by its worker processes: 31 rows
+over 2 shards are blocks of 16 and 15, maps of two sizes)."""
+
+import os
 
 import jax
 import numpy as np
@@ -20,14 +24,15 @@ from sparse_jax.optim import rowwise_adagrad
 from sparse_jax.sharding import ShardedManagedCollisionModule, shard
 from sparse_jax.sharding._placement import _host
 
-Z, ITEMS, DIM, BATCH, STEPS = 32, 12, 4, 8, 6
+ROWS, ITEMS, DIM, BATCH, STEPS = 32, 12, 4, 8, 6
 
 
 def run_managed_workload(mesh) -> dict[str, np.ndarray]:
     me, n = jax.process_index(), jax.process_count()
+    size = int(os.environ.get("HYBRIDREC_TEST_MANAGED_ROWS", ROWS))
     tables = [
         EmbeddingBagConfig(
-            name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"]
+            name="users", num_embeddings=size, embedding_dim=DIM, feature_names=["user"]
         ),
         EmbeddingBagConfig(
             name="items", num_embeddings=ITEMS, embedding_dim=DIM, feature_names=["item"]
@@ -37,7 +42,7 @@ def run_managed_workload(mesh) -> dict[str, np.ndarray]:
         EmbeddingBagCollection(tables), mesh, {"users": "row_wise", "items": "table_wise"}
     )
     module = ShardedManagedCollisionModule(
-        sharded, {"users": MCHManagedCollisionModule(Z, history_capacity=256)}
+        sharded, {"users": MCHManagedCollisionModule(size, history_capacity=256)}
     )
     rule = rowwise_adagrad(lr=0.3)
     update = make_update(module, rule)
@@ -76,12 +81,16 @@ def run_managed_workload(mesh) -> dict[str, np.ndarray]:
     out["mc/counters"], out["mc/key"] = counters["users"], key
     out["stats"] = np.asarray(module.stats()["users"])
     ec = EmbeddingCollection(
-        [EmbeddingConfig(name="users", num_embeddings=Z, embedding_dim=DIM, feature_names=["user"])]
+        [
+            EmbeddingConfig(
+                name="users", num_embeddings=size, embedding_dim=DIM, feature_names=["user"]
+            )
+        ]
     )
     try:  # a sequence collection's managed tables: one process only
         ShardedManagedCollisionModule(
             shard(ec, mesh, {"users": "row_wise"}),
-            {"users": MCHManagedCollisionModule(Z, history_capacity=256)},
+            {"users": MCHManagedCollisionModule(size, history_capacity=256)},
         )
         out["sequence_refused"] = np.array(False)
     except NotImplementedError as e:

@@ -109,6 +109,54 @@ def test_ids_rows_and_windows_move_to_the_shard_their_hash_names_and_back(policy
     )
 
 
+def test_ids_move_between_even_and_uneven_splits_and_back():
+    """50 rows: one map -> 8 shards (ceil blocks 7 x 7 and 1 row: 7 maps, the last block
+    none) -> 2 even shards of 25 -> 4 shards of 13, 13, 13, 11 (maps of two sizes) -> one
+    map. Each id sits in the map its hash names among the shards holding one, its row
+    follows it through every move, and the windows, counts and step come back whole."""
+    z = 50
+    module = MCHManagedCollisionModule(z, history_capacity=64, eviction_interval=3)
+    state = _trained_map(module, 7, pool=14)
+    before = _resident(state, 0)
+    window = _window(state, 0)
+    assert len(before) == 14 and window
+    counters = np.array([[len(before), 40, 9]], np.int32)
+    moved, source = (state, counters), np.arange(z)
+    for shards, sizes in (
+        (8, [7] * 7 + [1]),
+        (2, [25, 25]),
+        (4, [13, 13, 13, 11]),
+        (1, [z]),
+    ):
+        split = reshard_id_maps(*moved, module, shards)
+        assert split.dropped == 0 and split.state.sorted_hi.shape == (shards, max(sizes))
+        source = source[split.row_source]  # the original row each row now holds
+        maps = sum(size >= 2 for size in sizes)
+        offsets = np.cumsum([0, *sizes[:-1]])
+        owner = (
+            np.asarray(hashed_slots(RawIds.from_int64(np.array(list(before))), maps))
+            if maps > 1
+            else np.zeros(len(before), int)
+        )
+        for s in range(shards):
+            mine = _resident(split.state, s)
+            assert set(mine) == {i for i, o in zip(before, owner, strict=True) if o == s}
+            for i, (slot, count, last) in mine.items():
+                assert slot < sizes[s] - 1  # within its block, never its default slot
+                assert source[offsets[s] + slot] == before[i][0]  # the row moved with its id
+                assert (count, last) == before[i][1:]
+            if sizes[s] >= 2:
+                assert source[offsets[s] + sizes[s] - 1] == z - 1  # the saved default row
+            assert int(split.state.step[s]) == 7 and int(split.state.last_eviction[s]) == 6
+        assert sorted(w for s in range(shards) for w in _window(split.state, s)) == window
+        assert split.counters[:, 0].sum() == len(before)
+        assert split.counters[0, 1:].tolist() == [40, 9]
+        moved = (split.state, split.counters)
+    assert {i: v[1:] for i, v in _resident(split.state, 0).items()} == {
+        i: v[1:] for i, v in before.items()
+    }
+
+
 @pytest.mark.parametrize(
     ("policy", "settings"),
     [
@@ -201,12 +249,12 @@ def test_leaf_types_default_entries_and_edge_ids_survive_a_split_and_a_merge():
 def test_splits_that_cannot_hold_the_map_are_refused():
     module = MCHManagedCollisionModule(12, history_capacity=64)
     state = _trained_map(module, 2)
-    for shards in (5, 12):  # 12: one row each, no default row
+    for shards in (12, 20):  # one row a block or none: no default row
         with pytest.raises(
             ValueError,
             match=rf"^id maps of a table of 12 rows cannot move from 1 to {shards} "
-            r"shard\(s\): every shard needs the same number of rows, at least 2 "
-            r"\(one is its default row\)$",
+            r"shard\(s\): a map per row block needs at least 2 rows in the first block "
+            r"\(one is its default row\); give the table more rows than shards$",
         ):
             reshard_id_maps(state, np.zeros((1, 3), np.int32), module, shards)
     for other in (
@@ -263,7 +311,7 @@ def test_splits_that_cannot_hold_the_map_are_refused():
         )
 
 
-def _model(plan, interval=1, seed=0, rows=Z, history=512):
+def _model(plan, interval=1, seed=0, rows=Z, history=512, mesh="data=2,model=4"):
     torch.manual_seed(seed)
     tables = [
         EmbeddingBagConfig(
@@ -277,12 +325,29 @@ def _model(plan, interval=1, seed=0, rows=Z, history=512):
     model = hybrid.Model(
         tables,
         dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
-        mesh=hybrid.make_mesh("data=2,model=4") if plan else None,
+        mesh=hybrid.make_mesh(mesh) if plan else None,
         plan=plan,
         managed_collision_modules={"users": module},
         seed=seed,
     )
     return model, torch.optim.SGD(model.dense_parameters(), lr=0.2)
+
+
+def _id_rows(model):
+    """(resident ids ascending, the table row of each) of `model`'s users map, read from its
+    host state (per-shard maps over uneven blocks freeze for serving only of one size)."""
+    module = model.sparse_module
+    state = module.host_state()[0]["users"]
+    split = getattr(module, "split", {}).get("users")
+    width = np.shape(state.sorted_hi)[-1]
+    sizes = split.block_sizes if split is not None and split.shards > 1 else (width,)
+    raw = RawIds(np.asarray(state.sorted_hi), np.asarray(state.sorted_lo)).to_int64()
+    raw, slots = raw.reshape(-1, width), np.asarray(state.slots).reshape(-1, width)
+    offsets = np.cumsum([0, *sizes[:-1]])
+    resident = (raw != EMPTY) & (np.arange(width)[None, :] < np.asarray(sizes)[:, None])
+    ids, rows = raw[resident], (slots + offsets[:, None])[resident]
+    order = np.argsort(ids)
+    return ids[order], rows[order]
 
 
 def _batches(steps, seed=0):
@@ -301,28 +366,49 @@ ROW_WISE = {"users": "row_wise", "items": "data_parallel"}
 
 
 @pytest.mark.parametrize(
-    ("saved", "loaded"),
-    [(ROW_WISE, None), ({"users": "table_wise", "items": "data_parallel"}, ROW_WISE)],
-    ids=["row_wise_to_one_device", "replicated_to_row_wise"],
+    ("saved", "loaded", "rows"),
+    [
+        ((ROW_WISE,), (None,), Z),
+        (({"users": "table_wise", "items": "data_parallel"},), (ROW_WISE,), Z),
+        # 66 rows: over 2 shards 33 + 33, over 4 blocks of 17, 17, 17 and 15
+        ((ROW_WISE, "data=4,model=2"), (ROW_WISE,), 66),
+        ((ROW_WISE,), (ROW_WISE, "data=4,model=2"), 66),
+        ((ROW_WISE,), (None,), 66),
+    ],
+    ids=[
+        "row_wise_to_one_device",
+        "replicated_to_row_wise",
+        "even_to_uneven",
+        "uneven_to_even",
+        "uneven_to_one_device",
+    ],
 )
 def test_a_checkpoint_loads_onto_another_split_and_reads_every_id_as_before(
-    tmp_path, saved, loaded
+    tmp_path, saved, loaded, rows
 ):
-    model, opt = _model(saved)
+    model, opt = (
+        _model(*saved, rows=rows) if len(saved) == 1 else _model(saved[0], rows=rows, mesh=saved[1])
+    )
+    splits = [getattr(model.sparse_module, "split", {}).get("users")]
     batches = list(_batches(10))
     for users, items, dense, labels in batches:
         _step(model, opt, _kjt(users, items), dense, labels)
     path = checkpoint.save_checkpoint(tmp_path, step=10, model=model, dense_optimizer=opt)
-    resumed, ropt = _model(loaded, seed=5)
-    checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
-    frozen, moved = (
-        model.sparse_module.frozen_maps()["users"],
-        resumed.sparse_module.frozen_maps()["users"],
+    resumed, ropt = (
+        _model(loaded[0], seed=5, rows=rows)
+        if len(loaded) == 1
+        else _model(loaded[0], seed=5, rows=rows, mesh=loaded[1])
     )
+    splits.append(getattr(resumed.sparse_module, "split", {}).get("users"))
+    if rows == 66:  # one side even over 2 shards or one device, the other 17, 17, 17, 15
+        blocks = {s.block_sizes for s in splits if s is not None}
+        assert blocks <= {(33, 33), (17, 17, 17, 15)} and (17, 17, 17, 15) in blocks
+    checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
+    frozen, moved = _id_rows(model), _id_rows(resumed)
     np.testing.assert_array_equal(
-        moved.ids, frozen.ids
+        moved[0], frozen[0]
     )  # 24 ids, 8 slots or more per shard: none dropped
-    users = [[int(i)] for i in frozen.ids]
+    users = [[int(i)] for i in frozen[0]]
     items = np.zeros(len(users), np.int64)
     dense = torch.zeros(len(users), 3)
     for m in (model, resumed):
@@ -336,7 +422,7 @@ def test_a_checkpoint_loads_onto_another_split_and_reads_every_id_as_before(
     state = checkpoint.sparse_state_arrays(resumed)  # the optimizer state moved with the rows
     want = checkpoint.sparse_state_arrays(model)
     for key in [k for k in want if k.startswith("state/users/")]:
-        np.testing.assert_array_equal(state[key][moved.rows], want[key][frozen.rows], err_msg=key)
+        np.testing.assert_array_equal(state[key][moved[1]], want[key][frozen[1]], err_msg=key)
     resumed.train()
     for users, items, dense, labels in _batches(3, seed=1):  # and training goes on
         _step(resumed, ropt, _kjt(users, items), dense, labels)

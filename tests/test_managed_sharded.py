@@ -1,7 +1,8 @@
 """Managed-collision tables on a mesh (`sparse_jax.sharding.ShardedManagedCollisionModule`):
-one replicated id map for any placement but equal row blocks, which trains exactly as
-the unsharded model; per-shard maps for a row-wise table (ids hashed to shards, as
-TorchRec), checked against one plain-Python oracle per shard (tests/reference.py)."""
+one replicated id map for any placement but row-wise blocks, which trains exactly as
+the unsharded model; per-shard maps for a row-wise table, even or not (ids hashed to the
+shards holding a map, each its block's rows, as TorchRec), checked against one plain-Python
+oracle per shard (tests/reference.py)."""
 
 import json
 
@@ -33,11 +34,11 @@ def _zeros(key, shape, dtype):  # noqa: ARG001 (fresh rows the test knows)
     return jax.numpy.zeros(shape, dtype)
 
 
-def _tables(init_fn=None):
+def _tables(init_fn=None, z=Z):
     return [
         EmbeddingBagConfig(
             name="users",
-            num_embeddings=Z,
+            num_embeddings=z,
             embedding_dim=DIM,
             feature_names=["user"],
             init_fn=init_fn,
@@ -48,16 +49,16 @@ def _tables(init_fn=None):
     ]
 
 
-def _model(plan=None, policy="lru", init_fn=None, managed=True, seed=0):
+def _model(plan=None, policy="lru", init_fn=None, managed=True, seed=0, z=Z, mesh=MESH):
     torch.manual_seed(seed)
     modules = (
-        {"users": MCHManagedCollisionModule(Z, history_capacity=256, eviction_policy=policy)}
+        {"users": MCHManagedCollisionModule(z, history_capacity=256, eviction_policy=policy)}
         if managed
         else None
     )
-    mesh = hybrid.make_mesh(MESH) if plan else None
+    mesh = hybrid.make_mesh(mesh) if plan else None
     model = hybrid.Model(
-        _tables(init_fn),
+        _tables(init_fn, z),
         dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
         mesh=mesh,
         plan=plan,
@@ -121,32 +122,46 @@ def test_one_replicated_map_trains_as_the_unsharded_model(plan):
     )
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy):
-    """Shard s owns the ids hashing to s and rows s*Z/4 ... (s+1)*Z/4 - 1, its last row its
+@pytest.mark.parametrize(
+    ("policy", "z", "mesh", "sizes"),
+    [
+        ("lru", Z, MESH, (4, 4, 4, 4)),
+        ("lfu", Z, MESH, (4, 4, 4, 4)),
+        ("lru", 10, MESH, (3, 3, 3, 1)),  # uneven: the last block's one row holds no map
+        ("lfu", 18, MESH, (5, 5, 5, 3)),  # uneven: maps of two sizes
+        ("lru", 13, "model=8", (2, 2, 2, 2, 2, 2, 1, 0)),  # an empty block too
+    ],
+    ids=["even_lru", "even_lfu", "10_over_4", "18_over_4_lfu", "13_over_8"],
+)
+def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy, z, mesh, sizes):
+    """Shard s owns the ids hashing to s (over the shards of at least 2 rows) and its row
+    block (TorchRec's ceil(Z / shards) rows a block, even or not), its last row its
     default; a plain model fed the oracles' rows, with the evicted rows reset by hand
     (zero init, zero state), trains to the same tables."""
     plan = {"users": "row_wise", "items": "table_wise"}
-    managed, mopt = _model(plan, policy, init_fn=_zeros)
+    managed, mopt = _model(plan, policy, init_fn=_zeros, z=z, mesh=mesh)
     split = managed.sparse_module.split["users"]
-    assert (split.shards, split.axes, split.rows) == (4, ("model",), Z // 4)
-    plain, popt = _model(plan, policy, init_fn=_zeros, managed=False)
-    oracles = [ManagedCollisionLoop(split.rows, policy) for _ in range(split.shards)]
+    assert (split.shards, split.rows, split.block_sizes) == (len(sizes), sizes[0], sizes)
+    assert split.axes == ("model",)
+    offsets = np.cumsum((0, *sizes[:-1])).tolist()
+    mapped = sum(size >= 2 for size in sizes)
+    plain, popt = _model(plan, policy, init_fn=_zeros, managed=False, z=z, mesh=mesh)
+    oracles = [ManagedCollisionLoop(size, policy) for size in sizes[:mapped]]
     resets = 0
     for users, items, dense, labels in _batches(20, seed=1):
         raw = [int(i) for b in users for i in b]
         owner = (
-            np.asarray(hashed_slots(RawIds.from_int64(np.array(raw, np.int64)), 4)).tolist()
+            np.asarray(hashed_slots(RawIds.from_int64(np.array(raw, np.int64)), mapped)).tolist()
             if raw
             else []
         )
         evicted = []
         for s, oracle in enumerate(oracles):
             evicted += [
-                s * split.rows + slot
+                offsets[s] + slot
                 for slot in oracle.profile([i for i, o in zip(raw, owner, strict=True) if o == s])
             ]
-        rows = [o * split.rows + oracles[o].remap([i])[0] for i, o in zip(raw, owner, strict=True)]
+        rows = [offsets[o] + oracles[o].remap([i])[0] for i, o in zip(raw, owner, strict=True)]
         if evicted:
             resets += 1
             weights = plain.table_weights()["users"].clone()
@@ -177,15 +192,35 @@ def test_a_row_wise_table_keeps_one_map_per_shard_as_one_oracle_per_shard(policy
     assert np.asarray(managed.managed_collision_stats()["users"])[0] == occupancy
 
 
-def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
+def test_the_planners_uneven_row_wise_plan_gets_a_map_per_shard():
+    """The planner places a managed table as it places any table: asked for row_wise over
+    the model axis, its 10 rows go out as 3, 3, 3, 1, and the table is managed per shard
+    (it used to fall back to one replicated map)."""
+    from sparse_jax.planner import ParameterConstraints, Planner, Topology
+
+    plan = Planner(
+        Topology(axes={"data": 2, "model": 4}),
+        {"users": ParameterConstraints(sharding_types=["row_wise"], axes=["model"])},
+    ).plan(_tables(z=10), batch_size=8)
+    assert [s.row_size for s in plan["users"].shards] == [3, 3, 3, 1]
+    model, opt = _model(plan, z=10)
+    split = model.sparse_module.split["users"]
+    assert (split.shards, split.block_sizes, split.mapped) == (4, (3, 3, 3, 1), 3)
+    for users, items, dense, labels in _batches(3, seed=7):
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    assert 0 < int(np.asarray(model.managed_collision_stats()["users"])[0]) <= 6
+
+
+@pytest.mark.parametrize("z", [Z, 18], ids=["even", "uneven"])
+def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path, z):
     plan = {"users": "row_wise", "items": "data_parallel"}
-    model, opt = _model(plan)
+    model, opt = _model(plan, z=z)
     batches = list(_batches(16, seed=2))
     for users, items, dense, labels in batches[:7]:
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
     path = checkpoint.save_checkpoint(tmp_path, step=7, model=model, dense_optimizer=opt)
     saved = checkpoint.sparse_state_arrays(model)
-    assert saved["mc/users/sorted_hi"].shape == (4, Z // 4) and saved[
+    assert saved["mc/users/sorted_hi"].shape == (4, -(-z // 4)) and saved[
         "mc/users/counters"
     ].shape == (4, 3)
     model.eval()
@@ -197,7 +232,7 @@ def test_eval_and_a_checkpoint_of_sharded_maps(tmp_path):
     model.train()
     for users, items, dense, labels in batches[7:]:
         _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
-    resumed, ropt = _model(plan, seed=3)
+    resumed, ropt = _model(plan, seed=3, z=z)
     checkpoint.load_checkpoint(path, model=resumed, dense_optimizer=ropt)
     for users, items, dense, labels in batches[7:]:
         _step(resumed, ropt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
@@ -267,13 +302,51 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
         hybrid.serving.load(path)
 
 
+def test_an_export_of_an_uneven_split_serves_raw_ids_as_eval_does(tmp_path):
+    """10 rows over 4 shards: maps of 3, 3 and 3 rows (ids hashed over those 3) and a last
+    block of one row that holds none; frozen as 3 shards of 3 rows, served as eval reads."""
+    z = 10
+    model, opt = _model({"users": "row_wise", "items": "data_parallel"}, z=z)
+    assert model.sparse_module.split["users"].block_sizes == (3, 3, 3, 1)
+    batches = list(_batches(12, seed=4))
+    for users, items, dense, labels in batches:
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    frozen = model.sparse_module.frozen_maps()["users"]
+    assert (frozen.default_row, frozen.shards) == (2, 3) and len(frozen.ids) == 6
+    assert all(r < 9 and r % 3 != 2 for r in frozen.rows.tolist())
+    unseen = np.arange(2**40, 2**40 + 64, dtype=np.int64)
+    owner = np.asarray(hashed_slots(RawIds.from_int64(unseen), 3))
+    np.testing.assert_array_equal(frozen_rows(frozen, unseen), owner * 3 + 2)
+    users, items, dense, _ = batches[-1]
+    users = [*users[:5], unseen[:3], [int(frozen.ids[0]), int(unseen[5])], [-(2**63)]]
+    sparse = _kjt(users, items, [int(i) for b in users for i in b])
+    model.eval()
+    with torch.no_grad():
+        want = model(dense, sparse)
+    path = hybrid.export(model, tmp_path / "export", example=(dense, sparse))
+    entry = {t["name"]: t for t in json.loads((path / "manifest.json").read_text())["tables"]}
+    assert (entry["users"]["managed_collision"]["shards"], entry["users"]["num_embeddings"]) == (
+        3,
+        z,
+    )
+    torch.testing.assert_close(hybrid.serving.load(path)(dense, sparse), want, rtol=1e-6, atol=1e-6)
+    quantized = hybrid.quantize(model, "fp16")  # the same frozen maps, in process
+    torch.testing.assert_close(quantized(dense, sparse), want, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize(
-    "plan", [None, {"users": "row_wise", "items": "table_wise"}], ids=["one_device", "row_wise"]
+    ("plan", "z"),
+    [
+        (None, Z),
+        ({"users": "row_wise", "items": "table_wise"}, Z),
+        ({"users": "row_wise", "items": "table_wise"}, 18),
+    ],
+    ids=["one_device", "row_wise", "row_wise_uneven"],
 )
-def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan):
+def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan, z):
     from tests.host_reads import count_host_reads
 
-    model, opt = _model(plan)
+    model, opt = _model(plan, z=z)
     batches = [
         (dense, _kjt(users, items, [int(i) for b in users for i in b]), labels)
         for users, items, dense, labels in _batches(14, seed=5)
@@ -314,11 +387,15 @@ def test_steady_managed_steps_read_nothing_prepare_once_and_compile_nothing(plan
 
 
 @pytest.mark.parametrize(
-    "plan",
-    [{"users": "row_wise", "items": "row_wise"}, {"users": "table_wise", "items": "row_wise"}],
-    ids=["per_shard", "one_map"],
+    ("plan", "z"),
+    [
+        ({"users": "row_wise", "items": "row_wise"}, Z),
+        ({"users": "row_wise", "items": "row_wise"}, 18),  # blocks of 5, 5, 5, 3
+        ({"users": "table_wise", "items": "row_wise"}, Z),
+    ],
+    ids=["per_shard", "per_shard_uneven", "one_map"],
 )
-def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
+def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan, z):
     """Each id of a table managed per shard is routed to the shard its hash names, counted
     exactly on the host. The ids are skewed so that an id counted at the wrong shard would
     undercount: every user id hashes to shard 1 and every item row lies in shard 1's block,
@@ -327,13 +404,13 @@ def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
     for input_dist in ("all_gather", "all_to_all"):
         torch.manual_seed(0)
         model = hybrid.Model(
-            _tables(),
+            _tables(z=z),
             dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
             mesh=hybrid.make_mesh(MESH),
             plan=plan,
             input_dist=input_dist,
             seed=0,
-            managed_collision_modules={"users": MCHManagedCollisionModule(Z, history_capacity=256)},
+            managed_collision_modules={"users": MCHManagedCollisionModule(z, history_capacity=256)},
         )
         models.append((model, torch.optim.SGD(model.dense_parameters(), lr=0.2)))
     rng = np.random.default_rng(6)
@@ -361,25 +438,75 @@ def test_the_all_to_all_input_dist_trains_managed_tables_as_all_gather(plan):
     assert local.route_capacity >= (24 if plan["users"] == "row_wise" else 16)
 
 
-def test_a_managed_table_over_unequal_row_blocks_is_refused_with_all_to_all():
+@pytest.mark.parametrize("rows", [4, 3])
+def test_a_row_wise_managed_table_of_no_more_rows_than_shards_is_refused_with_all_to_all(rows):
+    """4 rows over 4 shards (one a block) or 3 (one, one, one, none): no block holds a map
+    (its default row and one more); with all_gather the table keeps one replicated map."""
     tables = [
         EmbeddingBagConfig(
-            name="users", num_embeddings=18, embedding_dim=DIM, feature_names=["user"]
+            name="users", num_embeddings=rows, embedding_dim=DIM, feature_names=["user"]
         ),
         _tables()[1],
     ]
-    with pytest.raises(
-        ValueError,
-        match=r"^managed table 'users' splits its rows into blocks .* without an id map "
-        r"per block .* input_dist='all_gather'$",
-    ):
-        hybrid.Model(
+
+    def build(input_dist):
+        return hybrid.Model(
             tables,
             dense_torch.DLRM(DIM, 2, 3, [4, DIM], [4, 1]),
             mesh=hybrid.make_mesh(MESH),
             plan={"users": "row_wise", "items": "row_wise"},
-            input_dist="all_to_all",
+            input_dist=input_dist,
             managed_collision_modules={
-                "users": MCHManagedCollisionModule(18, history_capacity=256)
+                "users": MCHManagedCollisionModule(rows, history_capacity=256)
             },
         )
+
+    with pytest.raises(
+        ValueError,
+        match=r"^managed table 'users' splits its rows into blocks .* without an id map "
+        rf"per block \(a map per row block needs at least 2 rows in each of the first "
+        rf"blocks: its num_embeddings={rows} must exceed its 4 shards; give it more rows or "
+        r"shard it over fewer devices\); .* input_dist='all_gather'$",
+    ):
+        build("all_to_all")
+    assert build("all_gather").sparse_module.split["users"].shards == 1
+
+
+def test_a_managed_table_split_into_maps_of_two_sizes_is_refused_by_quantize_and_export():
+    model, _ = _model({"users": "row_wise", "items": "table_wise"}, z=18)
+    assert model.sparse_module.split["users"].block_sizes == (5, 5, 5, 3)
+    with pytest.raises(
+        ValueError,
+        match=r"^managed table 'users' is split row-wise into blocks of \[5, 5, 5, 3\] rows: "
+        r"id maps over row blocks .* cannot be frozen: .* Load a checkpoint of it onto a plan "
+        r"whose blocks holding a map are all of one size .* or onto one device, to quantize "
+        r"or export it$",
+    ):
+        hybrid.quantize(model, "int8")
+
+
+@pytest.mark.parametrize("z", [Z, 18], ids=["even", "uneven"])
+def test_the_sharded_training_remap_lowered_for_cuda_has_no_conditional(z):
+    """18 rows over 4 shards: maps of 5 and 3 rows, both run on every device and one kept by
+    a select; the program a GPU would run keeps no `case` and no data-dependent loop."""
+    from tests.test_gpu_lowering import audit
+
+    model, opt = _model({"users": "row_wise", "items": "table_wise"}, z=z)
+    users, items, dense, labels = next(_batches(1))
+    sparse = _kjt(users, items, [int(i) for b in users for i in b])
+    _step(model, opt, sparse, dense, labels)
+    module, batch = model.sparse_module, model.prepare(sparse)
+    program = module._program(True, model.sparse_opt_state)
+    args = (
+        model.sparse_params,
+        model.sparse_opt_state.tables,
+        module.mc_state,
+        module.mc_counters,
+        module.draw_key,
+        batch.inner.values,
+        batch.words,
+        batch.positions,
+    )
+    got = audit(program.remap.trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    assert got["case_or_if"] == 0 and got["dynamic_loops"] == 0, got
+    assert got["cpu_custom_calls"] == 0, got

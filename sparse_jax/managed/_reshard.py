@@ -1,13 +1,15 @@
 """A managed table's id maps moved onto another split of its rows (host, numpy).
 
 A managed table keeps one id map (`MCHState`) per shard: one for an unsharded or replicated
-table, one per row block for a row-wise table, whose ids go to shards by
-`hashed_slots(id, shards)`. A checkpoint saved with one split is loaded with another by
+table, one per row block for a row-wise table (the plan's blocks, `ceil(rows / shards)` rows
+each, the trailing ones smaller: `row_block_sizes`; maps stacked `[shards, largest block]`,
+a smaller block's map in its first entries; a block of fewer than 2 rows holds none), whose
+ids go to shards by `hashed_slots(id, K)` over the K shards holding a map. A checkpoint saved with one split is loaded with another by
 `reshard_id_maps`: every resident id moves to the shard it hashes to under the new split,
 keeping its count and last access, and takes a slot there; `row_source` says which saved
 table row each new row takes, so the rows (and their optimizer state) move with their ids.
 Free slots keep whatever row they had (a slot's row is reset when an id is given it); each
-new shard's default row is the saved default row of shard `s % old shards` (a split into
+new shard's default row is the saved default row of map `s % old maps` (a split into
 more shards copies the default rows, a merge keeps the first shard's).
 
 A shard with more resident ids than its slots (ids do not split evenly under a hash) keeps
@@ -33,6 +35,7 @@ from sparse_jax.managed._id_map import (
     _split_int64,
     hashed_slots,
 )
+from sparse_jax.plan._layout import row_block_sizes
 
 __all__ = ["ReshardedIdMaps", "reshard_id_maps"]
 
@@ -48,10 +51,16 @@ class ReshardedIdMaps(NamedTuple):
     dropped: int  # resident ids no new shard had a slot for
 
 
-def _owners(raw: np.ndarray, shards: int) -> np.ndarray:
-    if shards == 1 or raw.size == 0:
+def _owners(raw: np.ndarray, maps: int) -> np.ndarray:
+    """The map (0 .. maps - 1) each id belongs to."""
+    if maps == 1 or raw.size == 0:
         return np.zeros(raw.shape, np.int64)
-    return np.asarray(hashed_slots(RawIds.from_int64(raw), shards), np.int64)
+    return np.asarray(hashed_slots(RawIds.from_int64(raw), maps), np.int64)
+
+
+def _blocks(z: int, shards: int) -> list[int]:
+    """Rows of each shard's block: the whole table for one map, else the row-wise blocks."""
+    return [z] if shards == 1 else row_block_sizes(z, shards)
 
 
 def reshard_id_maps(
@@ -63,14 +72,17 @@ def reshard_id_maps(
     state = MCHState(*(np.asarray(leaf) for leaf in state))
     z = module.zch_size
     old = state.sorted_hi.shape[0]
-    if z % old or z % shards or z // shards < 2:
+    sizes_new = _blocks(z, shards)
+    if sizes_new[0] < 2:
         raise ValueError(
-            f"id maps of a table of {z} rows cannot move from {old} to {shards} shard(s): every shard "
-            "needs the same number of rows, at least 2 (one is its default row)"
+            f"id maps of a table of {z} rows cannot move from {old} to {shards} shard(s): a map per "
+            "row block needs at least 2 rows in the first block (one is its default row); give the "
+            "table more rows than shards"
         )
-    rows_old, rows_new = z // old, z // shards
-    saved_rows, saved_window = old * state.sorted_hi.shape[1], state.window_hi.shape[1]
-    if saved_rows != z or saved_window != module.history_capacity:
+    sizes_old = _blocks(z, old)  # a saved row-wise split is the plan's blocks of the same rows
+    width, saved_window = state.sorted_hi.shape[1], state.window_hi.shape[1]
+    if width != sizes_old[0] or saved_window != module.history_capacity:
+        saved_rows = z if width == sizes_old[0] else old * width
         raise ValueError(
             f"the saved id maps hold {saved_rows} rows and windows of {saved_window} ids, this table "
             f"{z} rows and history_capacity={module.history_capacity}; load them with the saved "
@@ -81,46 +93,68 @@ def reshard_id_maps(
             "the saved id maps of one table disagree on their step or last eviction; the checkpoint "
             "is not of one run"
         )
-    raw = RawIds(state.sorted_hi, state.sorted_lo).to_int64()  # [old, rows_old]
-    resident = raw != _EMPTY
-    shard_of = np.repeat(np.arange(old), rows_old).reshape(old, rows_old)
+    width_old, width_new = sizes_old[0], sizes_new[0]
+    offsets_old = np.cumsum([0, *sizes_old[:-1]])
+    offsets_new = np.cumsum([0, *sizes_new[:-1]])
+    maps_old = [o for o in range(old) if sizes_old[o] >= 2]
+    maps_new = [s for s in range(shards) if sizes_new[s] >= 2]
+    raw = RawIds(state.sorted_hi, state.sorted_lo).to_int64()  # [old, width_old]
+    in_map = np.arange(width_old)[None, :] < np.asarray(sizes_old)[:, None]
+    resident = (raw != _EMPTY) & in_map
+    shard_of = np.repeat(np.arange(old), width_old).reshape(old, width_old)
     ids = raw[resident]
-    source = (shard_of * rows_old + state.slots)[resident]
+    source = (offsets_old[shard_of] + state.slots)[resident]
     counts, lasts = state.counts[resident], state.last_access[resident]
-    owner = _owners(ids, shards)
+    owner = _owners(ids, len(maps_new))
     score = _strength(module, counts, lasts, int(state.step[0]))
 
     out = {f: [] for f in MCHState._fields}
     row_source = np.arange(
         z, dtype=np.int64
     )  # free rows: whatever they hold (reset when given to an id)
-    window = _moved_window(state, shards, module.history_capacity)
+    window = _moved_window(state, len(maps_new), module.history_capacity)
+    fresh = MCHManagedCollisionModule(width_new, history_capacity=module.history_capacity).init()
     dropped = 0
     for s in range(shards):
-        mine = np.flatnonzero(owner == s)
+        rows_new, first = sizes_new[s], int(offsets_new[s])
+        pad = width_new - rows_new
+        if rows_new < 2:  # no map: an empty one, its step the others'
+            for field in ("sorted_hi", "sorted_lo", "slots", "counts", "last_access"):
+                out[field].append(np.asarray(getattr(fresh, field)))
+            for field in ("window_hi", "window_lo", "window_step"):
+                out[field].append(np.zeros_like(np.asarray(getattr(fresh, field))))
+            out["window_used"].append(np.int32(0))
+            out["step"].append(state.step[0])
+            out["last_eviction"].append(state.last_eviction[0])
+            continue
+        k_map = maps_new.index(s)
+        mine = np.flatnonzero(owner == k_map)
         keep = mine[np.lexsort((ids[mine], -score[mine]))][
             : rows_new - 1
         ]  # strongest, then smaller id
         dropped += len(mine) - len(keep)
         keep = keep[np.argsort(ids[keep], kind="stable")]  # the map keeps its ids ascending
         k = len(keep)
-        hi, lo = _split_int64(np.concatenate([ids[keep], np.full(rows_new - k, _EMPTY)]))
-        row_source[s * rows_new : s * rows_new + k] = source[keep]
-        row_source[s * rows_new + rows_new - 1] = (
-            (s % old) * rows_old + rows_old - 1
-        )  # the default row
-        tail = (s % old, -1)  # the default entry's metadata (always the last sorted entry)
+        hi, lo = _split_int64(np.concatenate([ids[keep], np.full(width_new - k, _EMPTY)]))
+        row_source[first : first + k] = source[keep]
+        o = maps_old[k_map % len(maps_old)]
+        row_source[first + rows_new - 1] = offsets_old[o] + sizes_old[o] - 1  # the default row
+        tail = (o, sizes_old[o] - 1)  # the default entry's metadata (its map's last entry)
         out["sorted_hi"].append(hi)
         out["sorted_lo"].append(lo)
-        out["slots"].append(np.arange(rows_new, dtype=np.int32))
+        out["slots"].append(np.arange(width_new, dtype=np.int32))
         out["counts"].append(
-            np.concatenate([counts[keep], np.zeros(rows_new - k - 1), [state.counts[tail]]])
+            np.concatenate(
+                [counts[keep], np.zeros(rows_new - k - 1), [state.counts[tail]], np.zeros(pad)]
+            )
         )
         out["last_access"].append(
-            np.concatenate([lasts[keep], np.zeros(rows_new - k - 1), [state.last_access[tail]]])
+            np.concatenate(
+                [lasts[keep], np.zeros(rows_new - k - 1), [state.last_access[tail]], np.zeros(pad)]
+            )
         )
         for field, leaf in zip(
-            ("window_hi", "window_lo", "window_step", "window_used"), window[s], strict=True
+            ("window_hi", "window_lo", "window_step", "window_used"), window[k_map], strict=True
         ):
             out[field].append(leaf)
         out["step"].append(state.step[0])
@@ -147,7 +181,7 @@ def _strength(module: MCHManagedCollisionModule, counts, lasts, step: int) -> np
 
 
 def _moved_window(state: MCHState, shards: int, capacity: int) -> list[tuple]:
-    """Per new shard (window_hi, window_lo, window_step, window_used): the saved windows'
+    """Per new map (window_hi, window_lo, window_step, window_used): the saved windows'
     entries whose ids it owns, in saved order."""
     used = np.arange(capacity)[None, :] < state.window_used[:, None]
     raw = RawIds(state.window_hi[used], state.window_lo[used]).to_int64()

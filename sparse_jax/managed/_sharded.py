@@ -1,13 +1,29 @@
 """`ShardedManagedCollisionModule`: managed-collision tables on a mesh.
 
-A managed table stored row-wise in equal blocks over mesh axes (`row_wise`, `num_embeddings`
-divisible by the shard count S) is managed per shard, as TorchRec's sharded managed
-collision does: an id's owner shard is decided by a hash of the id (`hashed_slots(id, S)`),
-and shard s runs its own `MCHManagedCollisionModule` of `num_embeddings / S` slots over the
-rows it stores (`s * rows + slot`; its last slot is its default row). Any other placement
-(data-parallel, table-wise, column-wise, ...) keeps one id map for the whole table,
-replicated on every device. Either way the id maps live on the devices that hold the
-table, and replicas of a shard compute the same map from the same ids.
+A managed table stored row-wise over mesh axes (`row_wise`: the plan's row blocks, `ceil(E /
+S)` rows each over S shards, the trailing ones smaller or empty, as for any row-wise table)
+is managed per shard, as TorchRec's sharded managed collision does: shard s runs its own
+`MCHManagedCollisionModule` of its own block's rows (`TableSplit.sizes[s]`; its last row is
+its default row) over the rows it stores (`offset_s + slot`). An id's owner shard is decided
+by a hash of the id, `hashed_slots(id, K)` over the K shards of at least 2 rows (all S when
+the rows split evenly; a trailing block of one row or none holds no map and gets no ids:
+with ceil blocks these are the last shards). TorchRec does the same: its sharded managed
+collision (`torchrec/distributed/mc_modules.py`) rebuilds each rank's module over that
+rank's row-wise shard (`rebuild_with_output_id_range(shard_offset, shard_offset +
+shard_size)`, the shard sizes of `_calculate_rw_shard_sizes_and_offsets`: `ceil(E / S)`
+rows a rank, e.g. 10 over 4 as 3, 3, 3, 1), so each rank's zch size is its shard's rows; it
+routes ids by their value's range in the input hash space, uniformly over the ranks, where
+this module hashes them uniformly over the shards holding a map. A table of no more rows
+than shards (no block of 2 rows) keeps one map, as any other placement (data-parallel,
+table-wise, column-wise, ...) does: one id map for the whole table, replicated on every
+device. Either way the id maps live on the devices that hold the table, and replicas of a
+shard compute the same map from the same ids.
+
+Per-shard maps are stacked `[S, rows]` (`rows`: the largest block's); a smaller shard's map
+uses its first `sizes[s]` entries, the rest stays as `init` left it (empty ids). When the
+blocks differ in size the step runs each distinct size's map on every device and keeps the
+one of the device's own block (a select: no data-dependent control flow on a GPU), so an
+uneven split costs one remap per distinct size (two at most under ceil blocks).
 
 The step, as unsharded (`sparse_jax.ManagedCollisionSparseModule`): `prepare` does host
 work only (checks, the collection's own prepare with a placeholder at managed positions,
@@ -44,6 +60,7 @@ from sparse_jax.managed._collection import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
 )
+from sparse_jax.managed._frozen import frozen_map
 from sparse_jax.managed._id_map import (
     MCHManagedCollisionModule,
     MCHState,
@@ -53,6 +70,7 @@ from sparse_jax.managed._id_map import (
 )
 from sparse_jax.managed._programs import Program, ProgramCache
 from sparse_jax.managed._reset import RowBlock, reset_rows
+from sparse_jax.plan._layout import row_block_sizes
 from sparse_jax.sharding import _placement
 from sparse_jax.sharding._agree import ProcessAgreement
 from sparse_jax.sharding._local_batch import LocalBatches, split_batch
@@ -63,17 +81,50 @@ __all__ = ["ShardedManagedCollisionModule"]
 
 
 class TableSplit(NamedTuple):
-    """How a managed table's slots are split: `shards` id maps of `rows` slots each, one
-    per coordinate of `axes` (1 and `()`: one map for the whole table, replicated)."""
+    """How a managed table's slots are split: `shards` id maps stacked, one per coordinate
+    of `axes` (1 and `()`: one map for the whole table, replicated), `rows` entries each
+    (the largest block's), shard s using the first `sizes[s]` (its block's rows; a block
+    of fewer than 2 rows holds no map)."""
 
     shards: int
     axes: tuple[str, ...]
     rows: int
+    sizes: tuple[int, ...] = ()
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Rows of each shard's block (`sizes`, or `rows` each when left out)."""
+        return self.sizes or (self.rows,) * self.shards
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """The first table row of each shard's block."""
+        out, at = [], 0
+        for size in self.block_sizes:
+            out.append(at)
+            at += size
+        return tuple(out)
+
+    @property
+    def mapped(self) -> int:
+        """Shards holding an id map (at least 2 rows; with ceil blocks the first ones): an
+        id's shard is `hashed_slots(id, mapped)`."""
+        return sum(size >= 2 for size in self.block_sizes)
+
+    @property
+    def even(self) -> bool:
+        return all(size == self.rows for size in self.block_sizes)
+
+    def map_sizes(self) -> tuple[int, ...]:
+        """The distinct slot counts of the shards' maps, largest first."""
+        return tuple(sorted({z for z in self.block_sizes if z >= 2}, reverse=True))
 
 
 def table_split(sharded: ShardedEmbeddingBagCollection, table) -> TableSplit:
-    """Per shard maps for a table stored in equal full-width row blocks over a buffer's
-    axes (one block per coordinate, in order); one replicated map otherwise."""
+    """Per shard maps for a table stored in the plan's row-wise blocks (full width, one per
+    coordinate of a buffer's axes, in order, `row_block_sizes`: the blocks plain row-wise
+    tables use, even or not) when the first has at least 2 rows; one replicated map
+    otherwise."""
     for buf in sharded.buffers:
         blocks = sorted(
             (c, r0, rn, c0, cn) for name, c, _, r0, rn, c0, cn in buf.blocks if name == table.name
@@ -81,11 +132,28 @@ def table_split(sharded: ShardedEmbeddingBagCollection, table) -> TableSplit:
         if not blocks:
             continue
         s = buf.group_size
-        rows = table.num_embeddings // s
-        equal = [(c, c * rows, rows, 0, table.embedding_dim) for c in range(s)]
-        if s > 1 and table.num_embeddings % s == 0 and rows >= 2 and blocks == equal:
-            return TableSplit(s, tuple(buf.axes), rows)
-    return TableSplit(1, (), table.num_embeddings)
+        sizes = tuple(row_block_sizes(table.num_embeddings, s))
+        split = TableSplit(s, tuple(buf.axes), sizes[0], sizes)
+        expected = [
+            (c, r0, rn, 0, table.embedding_dim)
+            for c, (r0, rn) in enumerate(zip(split.offsets, sizes, strict=True))
+            if rn
+        ]
+        if s > 1 and sizes[0] >= 2 and blocks == expected:
+            return split
+    return TableSplit(1, (), table.num_embeddings, (table.num_embeddings,))
+
+
+def shard_of(split: TableSplit, ids: RawIds) -> jax.Array | int:
+    """The shard each id belongs to (traced; 0 for one map)."""
+    return hashed_slots(ids, split.mapped) if split.mapped > 1 else 0
+
+
+def host_shard_of(split: TableSplit, raw: np.ndarray) -> np.ndarray:
+    """`shard_of` of int64 ids on the host."""
+    if split.mapped > 1:
+        return host_hashed_slots(raw, split.mapped)
+    return np.zeros(np.shape(raw), np.int32)
 
 
 def _check_routable(
@@ -105,11 +173,21 @@ def _check_routable(
             if table == name
         }
         if parts.shards == 1 and rows != {(0, configs[name].num_embeddings)}:
+            kind = sharded.plan[name].sharding_type.value
+            shards = max(
+                b.group_size for b in sharded.buffers if any(x[0] == name for x in b.blocks)
+            )
+            why = (
+                f"a map per row block needs at least 2 rows in each of the first blocks: its "
+                f"num_embeddings={configs[name].num_embeddings} must exceed its {shards} shards; give "
+                "it more rows or shard it over fewer devices"
+                if kind == "row_wise"
+                else f"maps per block are kept for row_wise tables, not {kind}; use row_wise"
+            )
             raise ValueError(
                 f"managed table {name!r} splits its rows into blocks {sorted(rows)} without an id map per "
-                "block (that needs num_embeddings divisible by the shard count, at least 2 rows each); "
-                "with input_dist='all_to_all' the host cannot count where its ids go. Use equal "
-                "row-wise blocks, another placement, or input_dist='all_gather'"
+                f"block ({why}); with input_dist='all_to_all' the host cannot count where its ids go. "
+                "Or use a placement that does not split rows, or input_dist='all_gather'"
             )
 
 
@@ -209,6 +287,28 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         ids evicted so far), summed over the table's id maps}: read them when you log."""
         return {name: jnp.sum(c, axis=0) for name, c in self.mc_counters.items()}
 
+    def frozen_maps(self):
+        """{managed table: its id maps frozen on the host (`FrozenIdMap`; a collective on a
+        multi-process mesh)}. A table split unevenly freezes when its maps are all of one
+        size (e.g. 10 rows over 4 shards: 3, 3, 3 and a row that holds no map); maps of two
+        sizes (e.g. 18 over 4: 5, 5, 5, 3) are refused, naming the table."""
+        states = self.host_state()[0]
+        out = {}
+        for name in self.managed_tables:
+            split = self.split[name]
+            try:
+                out[name] = frozen_map(
+                    states[name], split.block_sizes if split.shards > 1 else None
+                )
+            except ValueError as e:
+                raise ValueError(
+                    f"managed table {name!r} is split row-wise into blocks of {list(split.block_sizes)} rows: "
+                    f"{e}, as serving finds an id's default row (quantize, export). Load a checkpoint of "
+                    "it onto a plan whose blocks holding a map are all of one size (e.g. num_embeddings a "
+                    "multiple of the shards), or onto one device, to quantize or export it"
+                ) from None
+        return out
+
     def host_state(self):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays, gathered
         from every process (a collective: every process calls it)."""
@@ -244,7 +344,8 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
             parts = self.split[name]
             if parts.shards > 1:
                 mine = owner == name
-                placeholder[mine] = host_hashed_slots(raw[mine], parts.shards) * parts.rows
+                offsets = np.asarray(parts.offsets, np.int64)
+                placeholder[mine] = offsets[host_shard_of(parts, raw[mine])]
         local = self.sharded.prepare(ids._replace(values=placeholder.astype(np.int32)))
         rows = self.sharded._local_rows
         capacity = local.values.shape[1]
@@ -389,15 +490,25 @@ def _map_local(spec: ShardedRemapSpec):
             pos = jax.lax.all_gather(positions[name][0], all_axes, tiled=True)
             s = jax.lax.axis_index(split.axes) if split.axes else 0
             owned = (pos < values.shape[0]) & (
-                hashed_slots(ids, split.shards) == s if split.shards > 1 else True
+                shard_of(split, ids) == s if split.shards > 1 else True
             )
             st = MCHState(*(x[0] for x in state[name]))
+            if split.even:
+                ev = None
+                if training:
+                    st, counted, ev = profile_counted(module, st, counters[name][0], ids, owned)
+                slots = module.remap(st, ids)
+                offset = s * module.zch_size
+            else:
+                st, counted, ev, slots = _uneven_map(
+                    split, module, st, counters[name][0], ids, owned, s, training
+                )
+                offset = jnp.asarray(split.offsets, jnp.int32)[s]
             if training:
-                st, counted, ev = profile_counted(module, st, counters[name][0], ids, owned)
                 counters[name] = counted[None]
                 state[name] = MCHState(*(x[None] for x in st))
                 evicted[name] = ev[None]
-            rows = jnp.where(owned, s * module.zch_size + module.remap(st, ids), 0)
+            rows = jnp.where(owned, offset + slots, 0)
             if split.axes:
                 rows = jax.lax.psum(rows, split.axes)  # one owner per position
             mine = jax.lax.dynamic_slice(rows, (me * cap,), (cap,))
@@ -405,6 +516,40 @@ def _map_local(spec: ShardedRemapSpec):
         return state, counters, values[None], evicted
 
     return body
+
+
+def _uneven_map(split: TableSplit, module, st: MCHState, counters, ids: RawIds, owned, s, training):
+    """One shard's map of a table whose blocks differ in size: each distinct size's module
+    runs on the first `size` entries of the stacked map, and the device keeps the one of
+    its own block (a shard with no map keeps the first size's, given no ids: its step
+    advances as the others'). (state, counters, evicted over `split.rows` slots, slots)."""
+    z_all = split.rows
+    sizes = split.map_sizes()
+    group = jnp.asarray([sizes.index(z) if z >= 2 else 0 for z in split.block_sizes], jnp.int32)[s]
+
+    def pad(x, full):  # x's entries, then full's past them
+        return jnp.concatenate([x, full[x.shape[0] :]]) if x.shape[0] < full.shape[0] else x
+
+    choices = []
+    for z in sizes:
+        sub_module = module if z == z_all else dataclasses.replace(module, zch_size=z)
+        sub = st._replace(**{f: getattr(st, f)[:z] for f in _SLOT_FIELDS})
+        counted, ev = counters, jnp.zeros(z_all, bool)
+        if training:
+            sub, counted, ev_z = profile_counted(sub_module, sub, counters, ids, owned)
+            ev = pad(ev_z, ev)
+        full = st._replace(**{f: pad(getattr(sub, f), getattr(st, f)) for f in _SLOT_FIELDS})
+        full = full._replace(
+            **{f: getattr(sub, f) for f in MCHState._fields if f not in _SLOT_FIELDS}
+        )
+        choices.append((full, counted, ev, sub_module.remap(sub, ids)))
+    out = choices[0]
+    for g in range(1, len(choices)):
+        out = jax.tree.map(lambda a, b, g=g: jnp.where(group == g, b, a), out, choices[g])
+    return out
+
+
+_SLOT_FIELDS = ("sorted_hi", "sorted_lo", "slots", "counts", "last_access")  # [zch_size] leaves
 
 
 def _reset_local(spec: ShardedRemapSpec, params, opt_tables, evicted, key):
@@ -416,8 +561,14 @@ def _reset_local(spec: ShardedRemapSpec, params, opt_tables, evicted, key):
         mask = evicted[name]  # [1, rows]: this shard's map
         if split.axes:
             mask = jax.lax.all_gather(mask[0], split.axes, tiled=True)  # every shard's, in order
-        masks[name] = mask.reshape(-1)  # over the table's rows
-        limits[name] = split.shards * min(module.zch_size, module.history_capacity)
+        if split.even:
+            masks[name] = mask.reshape(-1)  # over the table's rows
+        else:  # each shard's block: the first sizes[s] entries of its map's mask
+            mask = mask.reshape(split.shards, split.rows)
+            masks[name] = jnp.concatenate(
+                [mask[c, :z] for c, z in enumerate(split.block_sizes) if z]
+            )
+        limits[name] = sum(min(z, module.history_capacity) for z in split.block_sizes if z >= 2)
     for buf in spec.buffers:
         c = jax.lax.axis_index(buf.axes) if buf.axes else 0
         for table, coord, local, r0, rn, c0, cn in buf.blocks:
