@@ -113,10 +113,15 @@ def test_ids_out_of_range_error_clamp_skip():
         match=r"feature 'g' \(table 't', num_embeddings=4\): id 9 at batch position 0, index 1",
     ):
         ebc.apply(params, kjt)
-    clamp = EmbeddingBagCollection([t], bounds_check="clamp").apply(params, kjt).values()
-    skip = EmbeddingBagCollection([t], bounds_check="skip").apply(params, kjt).values()
-    np.testing.assert_allclose(np.asarray(clamp), [[2, 3, 4 + 6, 5 + 7], [0, 0, 0, 1]])
-    np.testing.assert_allclose(np.asarray(skip), [[2, 3, 4, 5], [0, 0, 0, 1]])
+    for kernel in ("auto", "xla"):
+        clamp = EmbeddingBagCollection([t], bounds_check="clamp", kernel=kernel)
+        skip = EmbeddingBagCollection([t], bounds_check="skip", kernel=kernel)
+        np.testing.assert_allclose(
+            np.asarray(clamp.apply(params, kjt).values()), [[2, 3, 4 + 6, 5 + 7], [0, 0, 0, 1]]
+        )
+        np.testing.assert_allclose(
+            np.asarray(skip.apply(params, kjt).values()), [[2, 3, 4, 5], [0, 0, 0, 1]]
+        )
     negative = KeyedJaggedTensor(["f", "g"], np.array([-1]), lengths=np.array([1, 0, 0, 0]))
     with pytest.raises(ValueError, match="id -1 at batch position 0"):
         ebc.apply(params, negative)
