@@ -395,6 +395,18 @@ class MCHManagedCollisionModule:
     ) -> tuple[MCHState, jax.Array, jax.Array]:
         """`profile`, and the entries an id held before it (int32, `occupancy(state)`): read
         in the same call, so the map updated in place needs no copy kept for the count."""
+        return self._profile_call(state, ids, valid, remap=False)
+
+    def profile_remap(
+        self, state: MCHState, ids: RawIds, valid: jax.Array | None = None
+    ) -> tuple[MCHState, jax.Array, jax.Array, jax.Array]:
+        """`profile_occupied`, then `remap(new state, ids)` (padding included): the training
+        remap as one call. The CPU kernel reads the slots off the eviction (every valid id
+        is in the window it just coalesced) instead of sorting and searching the batch
+        again; elsewhere this is the two calls. The same state, mask and slots, bit for bit."""
+        return self._profile_call(state, ids, valid, remap=True)
+
+    def _profile_call(self, state, ids, valid, *, remap: bool):
         n = ids.hi.shape[0]
         if n * self.eviction_interval > self.history_capacity:
             raise ValueError(
@@ -412,6 +424,8 @@ class MCHManagedCollisionModule:
             jax.ShapeDtypeStruct((self.zch_size,), jnp.bool_),
             jax.ShapeDtypeStruct((), jnp.int32),
         )
+        if remap:
+            out = (*out, jax.ShapeDtypeStruct((n,), jnp.int32))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
 
         def form(static: bool):
@@ -419,7 +433,8 @@ class MCHManagedCollisionModule:
                 state, ids, valid = jax.tree_util.tree_unflatten(tree, ops)
                 with _static_loops(static):
                     done = self._profile(state, ids, valid)
-                return jax.tree_util.tree_leaves((*done, occupancy(state)))
+                slots = (self.remap(done[0], ids),) if remap else ()
+                return jax.tree_util.tree_leaves((*done, occupancy(state), *slots))
 
             return run
 
@@ -430,6 +445,7 @@ class MCHManagedCollisionModule:
                 interval=self.eviction_interval,
                 threshold=self.threshold,
                 ttl=self.single_ttl or 0,
+                remap=remap,
             )
 
         # the kernel has no float scores: "distance_lfu" runs the XLA form on CPU too
