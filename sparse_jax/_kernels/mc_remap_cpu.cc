@@ -9,12 +9,19 @@
 //
 // MchProfile: append the batch's valid ids to the window; when an eviction is due, coalesce
 //   the window with an open-addressing hash table keyed by the 64-bit id (count, last
-//   access), sort only its distinct ids, find them among the residents by galloping search
-//   (the ids ascend), update the residents' metadata, rank the new ids, select the weakest
-//   residents by a radix selection over their scores (no sort of the table), give the losing
-//   entries' slots to the winning ids and move the entries in place to keep the order
-//   (only entries between changes move, each once). State buffers are aliased to the
-//   outputs (updated in place). Also returns how many entries an id held before the call.
+//   access), sort only its distinct ids, find them among the residents by a forward scan
+//   (the ids ascend: blocks of 8 by the high words, galloping past long gaps), update the
+//   residents' metadata, rank the new ids, select the weakest residents (one pass over the
+//   scores collecting those below a bound guessed from a sample; a radix selection over all
+//   of them when the guess fails; never a sort of the table), give the losing entries'
+//   slots to the winning ids and move the entries in place to keep the order (only entries
+//   between changes move, each once, all five columns per run, the runs split over two
+//   threads where no move crosses the split). State buffers are aliased to the outputs
+//   (updated in place). Also returns how many entries an id held before the call.
+// MchProfileRemap: MchProfile, then the slot of each of the batch's ids on the new state (what
+//   MchRemap would answer): when the call evicts, read off the eviction (each valid id's
+//   distinct window id: its entry's slot unless it lost it, a winner's new slot, else the
+//   default), padding searched; else by MchRemap's lookup. The training step's one call.
 // MaskPositions: the positions of a bool mask's first `size` set entries, ascending, then
 //   `fill` (jnp.nonzero(mask, size=size, fill_value=fill)): which rows a reset draws afresh.
 // RowBits: the random bits of the fresh rows a reset draws, only for the rows it resets: row
@@ -23,7 +30,8 @@
 //   `jax.random.bits(key, (k, dim))` gives with partitionable threefry (jax's default), so
 //   `jax.random.uniform` of it is bit for bit the same; the rows past `fill` stay 0.
 // MchRemap: the slot of each id (the default slot when not resident): the ids sorted by a
-//   radix sort, then found by galloping search, the sorted run split over threads.
+//   radix sort, then found by a forward scan of the residents, the sorted run split over
+//   threads.
 #include <omp.h>
 
 #include <algorithm>
@@ -36,32 +44,6 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-
-#ifdef HR_PHASES
-#include <chrono>
-static double hr_phases[16];
-extern "C" double* HrPhases() { return hr_phases; }
-extern "C" void HrPhasesReset() { std::memset(hr_phases, 0, sizeof(hr_phases)); }
-#include <time.h>
-static inline double HrClock() {
-  timespec ts;
-  clock_gettime(getenv("HR_WALL") ? CLOCK_MONOTONIC : CLOCK_THREAD_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-static inline double HrNow() {
-  return HrClock();
-}
-#define PHASE_START double hr_t0 = HrNow();
-#define PHASE(i)                 \
-  do {                           \
-    const double hr_t1 = HrNow(); \
-    hr_phases[i] += hr_t1 - hr_t0; \
-    hr_t0 = hr_t1;               \
-  } while (0)
-#else
-#define PHASE_START
-#define PHASE(i)
-#endif
 
 namespace {
 
@@ -532,11 +514,9 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
   const int64_t z = s.z;
   const int32_t step = *s.step;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(*s.used, 0), s.h);
-  PHASE_START
   Coalesced& win = const_cast<Coalesced&>(EvictWindow());  // the calling thread's, also inside
                                                            // the parallel regions below
   Coalesce(s.whi, s.wlo, s.wstep, n, win);
-  PHASE(1);
   const int64_t u = static_cast<int64_t>(win.ids.size());
   // distinct ids ascending (int64 order)
   std::vector<uint64_t> key(u), tmp_key(u);
@@ -546,7 +526,6 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
     order[i] = static_cast<uint32_t>(i);
   }
   RadixSort(key.data(), order.data(), tmp_key.data(), tmp_val.data(), u);
-  PHASE(2);
   // residents' metadata; the admitted ids that are not resident, ascending, with the count
   // of residents below each
   // (the ids split over the threads in order; each gallops through its part)
@@ -585,7 +564,6 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
     fresh.insert(fresh.end(), fresh_of[id].begin(), fresh_of[id].end());
     fresh_below.insert(fresh_below.end(), below_of[id].begin(), below_of[id].end());
   }
-  PHASE(3);
   s.counts[z - 1] = INT32_MAX;
   s.last[z - 1] = step;
   // the new ids best first: LFU count descending, LRU last access descending then count
@@ -600,7 +578,6 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
     best[i] = static_cast<uint32_t>(i);
   }
   RadixSort(rank_key.data(), best.data(), rank_tmp.data(), best_tmp.data(), f);
-  PHASE(4);
   // the i-th best new id wins iff it beats the i-th weakest resident (a resident wins ties);
   // TTL: an expired (step - last > ttl) or empty entry scores its last access (empty: 0), a
   // live one INT32_MAX, a new id the step
@@ -615,7 +592,6 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
   const int32_t* score = policy == kTtl ? ttl_score.data() : lfu ? s.counts : s.last;
   const int64_t m = std::min<int64_t>(f, z - 1);
   const std::vector<int64_t> weak = Weakest(score, z - 1, m);
-  PHASE(5);
   int64_t won = 0;
   while (won < m) {
     const uint32_t w = fresh[best[won]];
@@ -661,12 +637,10 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
       below.push_back(fresh_below[i]);
       winner.push_back(i);
     }
-  PHASE(6);
   const std::vector<Run> runs = Runs(lost, below, z);
   uint32_t* const cols[5] = {reinterpret_cast<uint32_t*>(s.hi), s.lo, reinterpret_cast<uint32_t*>(s.slots),
                              reinterpret_cast<uint32_t*>(s.counts), reinterpret_cast<uint32_t*>(s.last)};
   MoveAllRuns(cols, 5, runs, z >= (1 << 15));
-  PHASE(7);
   // winner j (in id order) lands after the survivors below it and the winners before it
   size_t li = 0;
   for (int64_t j = 0; j < won; ++j) {
@@ -681,7 +655,6 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
     s.counts[at] = win.count[w];
     s.last[at] = win.last[w];
   }
-  PHASE(8);
 }
 
 template <ffi::DataType T>
@@ -747,7 +720,6 @@ ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buff
                           ffi::Result<ffi::Buffer<ffi::PRED>> evicted,
                           ffi::Result<ffi::Buffer<ffi::S32>> occupied, int32_t* out,
                    int32_t policy, int32_t interval, int32_t threshold, int32_t ttl) {
-  PHASE_START
   State s{Take(hi, o_hi),         Take(lo, o_lo),       Take(slots, o_slots), Take(counts, o_counts),
           Take(last, o_last),     Take(whi, o_whi),     Take(wlo, o_wlo),     Take(wstep, o_wstep),
           Take(used, o_used),     Take(step, o_step),   Take(last_eviction, o_last_eviction),
@@ -775,12 +747,10 @@ ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buff
     ++at;
     ++taken;
   }
-  PHASE(0);
   *s.used += taken;
   if (now - *s.last_eviction == interval) {
     static thread_local std::vector<int32_t> slot_of;
     Evict(s, ev, policy, threshold, ttl, out ? &slot_of : nullptr);
-    PHASE(9);
     if (out) {
       const std::vector<int32_t>& of = EvictWindow().of;
       const int64_t window = static_cast<int64_t>(of.size());
@@ -802,7 +772,6 @@ ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buff
         }
         out[i] = answer;
       }
-      PHASE(10);
     }
   } else {
     std::memset(ev, 0, sizeof(bool) * s.z);
@@ -860,10 +829,8 @@ ffi::Error MchProfileRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> l
 ffi::Error MchRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> slots,
                         ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
                         ffi::Result<ffi::Buffer<ffi::S32>> out) {
-  PHASE_START
   Lookup(Residents{hi.typed_data(), lo.typed_data()}, slots.typed_data(), hi.element_count(),
          ids_hi.typed_data(), ids_lo.typed_data(), ids_hi.element_count(), out->typed_data());
-  PHASE(11);
   return ffi::Error::Success();
 }
 
