@@ -145,9 +145,7 @@ def test_the_kernel_gives_the_xla_forms_state_on_a_map_large_enough_for_its_samp
     policy, _, ttl = policy.partition(":")
     settings = {"single_ttl": int(ttl)} if ttl else {}
     zch, batch = 1 << 17, 8192
-    mc = MCHManagedCollisionModule(
-        zch, history_capacity=batch, eviction_policy=policy, **settings
-    )
+    mc = MCHManagedCollisionModule(zch, history_capacity=batch, eviction_policy=policy, **settings)
     kernel, xla = jax.jit(mc.profile_remap), xla_form(mc.profile_remap)
     k_state = x_state = mc.init()
     for step, (raw, valid) in enumerate(_stream(1, 32, batch, 3 * zch, zipf)):
