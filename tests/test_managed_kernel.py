@@ -159,14 +159,16 @@ def test_the_kernel_gives_the_xla_forms_state_on_a_map_large_enough_for_its_samp
     assert zipf or int(k_out[1]) == zch - 1  # uniform ids: the map filled and turned over
 
 
-def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form):
+@pytest.mark.parametrize("n", [1000, 1003])  # the kernel reads 8 entries at a time, then the tail
+def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form, n):
     rng = np.random.default_rng(0)
-    kernel = jax.jit(lambda m: _marked_rows(m, 64, 1000))
-    xla = xla_form(lambda m: _marked_rows(m, 64, 1000))
-    for density in (0.0, 0.01, 0.5):  # fill only, some rows then fill, more rows than fit
-        mask = rng.random(1000) < density
+    kernel = jax.jit(lambda m: _marked_rows(m, 64, n))
+    xla = xla_form(lambda m: _marked_rows(m, 64, n))
+    for density in (0.0, 0.01, 0.5, 1.0):  # fill only, some rows then fill, more rows than fit
+        mask = rng.random(n) < density
+        mask[-1] = density > 0  # the last entry (in the tail when n % 8)
         want = np.flatnonzero(mask)[:64]
-        want = np.concatenate([want, np.full(64 - len(want), 1000)])
+        want = np.concatenate([want, np.full(64 - len(want), n)])
         np.testing.assert_array_equal(np.asarray(kernel(mask)), want)
         np.testing.assert_array_equal(np.asarray(xla(mask)), want)
 

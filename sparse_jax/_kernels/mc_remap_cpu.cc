@@ -839,8 +839,15 @@ ffi::Error MaskPositionsImpl(ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffe
   const bool* m = mask.typed_data();
   const int64_t n = mask.element_count(), size = out->element_count();
   int32_t* o = out->typed_data();
-  int64_t k = 0;
-  for (int64_t i = 0; i < n && k < size; ++i)
+  int64_t k = 0, i = 0;
+  // 8 entries at a time (a mask of evicted slots is mostly false), then one by one
+  for (; i + 8 <= n && k < size; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, m + i, sizeof(word));
+    for (int64_t j = 0; word != 0 && k < size; ++j, word >>= 8)
+      if (word & 0xFF) o[k++] = static_cast<int32_t>(i + j);
+  }
+  for (; i < n && k < size; ++i)
     if (m[i]) o[k++] = static_cast<int32_t>(i);
   for (; k < size; ++k) o[k] = fill;
   return ffi::Error::Success();
