@@ -80,6 +80,8 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
     """Every step: all eleven state arrays, the evicted-slot mask and the remapped slots
     equal the XLA form's bit for bit, and the evicted slots and slots equal the loop
     oracle's; ids are new, resident, evicted and re-admitted (a pool over twice the map).
+    The fused training call (`profile_remap`, kernel and XLA form, on maps of their own)
+    gives the same state, mask, count and slots (padding included) as profile then remap.
     "ttl:N": the TTL policy with single_ttl=N."""
     policy, _, ttl = policy.partition(":")
     settings = {"single_ttl": int(ttl)} if ttl else {}
@@ -94,7 +96,8 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
     oracle = ManagedCollisionLoop(zch, policy, interval, threshold, **settings)
     k_profile, k_remap = jax.jit(mc.profile_occupied), jax.jit(mc.remap)
     x_profile, x_remap = xla_form(mc.profile_occupied), xla_form(mc.remap)
-    k_state = x_state = mc.init()
+    k_fused, x_fused = jax.jit(mc.profile_remap), xla_form(mc.profile_remap)
+    k_state = x_state = kf_state = xf_state = mc.init()
     resident, left, readmitted = set(), set(), 0
     for step, (raw, valid) in enumerate(_stream(zch, steps, batch, pool, zipf)):
         ids = RawIds.from_int64(raw)
@@ -112,6 +115,14 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
             jnp.concatenate([ids.lo, jnp.array([2**32 - 1], jnp.uint32)]),
         )
         slots = np.asarray(k_remap(k_state, query))
+        for fused, f_state in ((k_fused, kf_state), (x_fused, xf_state)):
+            f_state, f_evicted, f_before, f_slots = fused(f_state, ids, valid)
+            for field, a, b in zip(k_state._fields, f_state, k_state, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), f"fused {field} {step}")
+            np.testing.assert_array_equal(np.asarray(f_evicted), np.asarray(k_evicted), str(step))
+            assert int(f_before) == int(k_before), step
+            np.testing.assert_array_equal(np.asarray(f_slots), slots[:-1], f"fused slots {step}")
+            kf_state, xf_state = (f_state, xf_state) if fused is k_fused else (kf_state, f_state)
         np.testing.assert_array_equal(slots, np.asarray(x_remap(x_state, query)), str(step))
         np.testing.assert_array_equal(slots[:-1], oracle.remap([int(i) for i in raw]), str(step))
         now = {e["raw"] for e in oracle.entries if e["raw"] is not None}
@@ -121,14 +132,43 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
     assert len(left) >= 8 and readmitted > 0  # resident ids evicted, and some came back
 
 
-def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form):
+@pytest.mark.parametrize(
+    ("policy", "zipf"), [("lru", False), ("lfu", False), ("lfu", True), ("ttl:3", False)]
+)
+def test_the_kernel_gives_the_xla_forms_state_on_a_map_large_enough_for_its_sampled_passes(
+    xla_form, policy, zipf
+):
+    """2^17 slots, 8192 ids a batch: large enough for the kernel's sampled selection of the
+    weakest entries (empty entries all tied at first, then turnover), its scan of the
+    residents and its moves split over threads; every step's state, mask and slots (the
+    fused call's) equal the XLA form's bit for bit."""
+    policy, _, ttl = policy.partition(":")
+    settings = {"single_ttl": int(ttl)} if ttl else {}
+    zch, batch = 1 << 17, 8192
+    mc = MCHManagedCollisionModule(zch, history_capacity=batch, eviction_policy=policy, **settings)
+    kernel, xla = jax.jit(mc.profile_remap), xla_form(mc.profile_remap)
+    k_state = x_state = mc.init()
+    for step, (raw, valid) in enumerate(_stream(1, 32, batch, 3 * zch, zipf)):
+        ids = RawIds.from_int64(raw)
+        k_state, *k_out = kernel(k_state, ids, valid)
+        x_state, *x_out = xla(x_state, ids, valid)
+        for field, a, b in zip(k_state._fields, k_state, x_state, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{field} {step}")
+        for name, a, b in zip(("evicted", "before", "slots"), k_out, x_out, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} {step}")
+    assert zipf or int(k_out[1]) == zch - 1  # uniform ids: the map filled and turned over
+
+
+@pytest.mark.parametrize("n", [1000, 1003])  # the kernel reads 8 entries at a time, then the tail
+def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form, n):
     rng = np.random.default_rng(0)
-    kernel = jax.jit(lambda m: _marked_rows(m, 64, 1000))
-    xla = xla_form(lambda m: _marked_rows(m, 64, 1000))
-    for density in (0.0, 0.01, 0.5):  # fill only, some rows then fill, more rows than fit
-        mask = rng.random(1000) < density
+    kernel = jax.jit(lambda m: _marked_rows(m, 64, n))
+    xla = xla_form(lambda m: _marked_rows(m, 64, n))
+    for density in (0.0, 0.01, 0.5, 1.0):  # fill only, some rows then fill, more rows than fit
+        mask = rng.random(n) < density
+        mask[-1] = density > 0  # the last entry (in the tail when n % 8)
         want = np.flatnonzero(mask)[:64]
-        want = np.concatenate([want, np.full(64 - len(want), 1000)])
+        want = np.concatenate([want, np.full(64 - len(want), n)])
         np.testing.assert_array_equal(np.asarray(kernel(mask)), want)
         np.testing.assert_array_equal(np.asarray(xla(mask)), want)
 
@@ -179,8 +219,7 @@ def test_the_cpu_training_step_takes_the_kernels_when_built_and_xla_when_not(mon
     built = _training_remap_text(monkeypatch, built=True)
     assert sorted(set(re.findall(calls, built))) == [
         "HybridrecMaskPositions",
-        "HybridrecMchProfile",
-        "HybridrecMchRemap",
+        "HybridrecMchProfileRemap",  # the profile and the batch's slots in one call
         "HybridrecRowBits",
     ]
     assert "stablehlo.sort" not in built  # no sort of the table on the kernel path

@@ -49,6 +49,7 @@ def _register() -> str | None:
         "HybridrecJaggedFusedUpdate",
         "HybridrecQuantPooled",
         "HybridrecMchProfile",
+        "HybridrecMchProfileRemap",
         "HybridrecMchRemap",
         "HybridrecMaskPositions",
         "HybridrecRowBits",

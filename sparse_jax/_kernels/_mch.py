@@ -1,8 +1,8 @@
 """Call wrappers of the managed-collision CPU kernels (`mc_remap_cpu.cc`): the fused training
-remap of one id map (`mch_profile`, its state updated in place), the eval lookup
-(`mch_remap`) and the positions of a mask's set entries (`mask_positions`, the rows a reset
-draws; their random bits are `_random.row_bits`). `sparse_jax.managed` chooses them at CPU
-lowering (`when_built`)."""
+remap of one id map (`mch_profile`, its state updated in place, the batch's slots too on
+request), the eval lookup (`mch_remap`) and the positions of a mask's set entries
+(`mask_positions`, the rows a reset draws; their random bits are `_random.row_bits`).
+`sparse_jax.managed` chooses them at CPU lowering (`when_built`)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,27 @@ __all__ = ["mask_positions", "mch_profile", "mch_remap"]
 _STATE_LEAVES = 11  # MCHState's fields, in order
 
 
-def mch_profile(*leaves, policy: int, interval: int, threshold: int, ttl: int = 0) -> list:
+def mch_profile(
+    *leaves, policy: int, interval: int, threshold: int, ttl: int = 0, remap: bool = False
+) -> list:
     """`MCHManagedCollisionModule._profile` as one call: `leaves` are the state's 11 fields
     then the batch's `hi`, `lo` and `valid`; `policy` 0 LRU, 1 LFU, 2 TTL (`ttl`: its
     single_ttl; "distance_lfu" has no kernel); returns the new state's fields, the
-    bool[zch_size] mask of the slots given to new ids and the entries an id held before. The state's buffers are aliased to
-    the outputs (XLA donates them when the caller does)."""
+    bool[zch_size] mask of the slots given to new ids and the entries an id held before;
+    with `remap`, then the int32 slot of each of the batch's ids on the new state (`mch_remap`
+    of it, padding included), read off the eviction instead of searched. The state's buffers
+    are aliased to the outputs (XLA donates them when the caller does)."""
     _register()
     state, (hi, lo, valid) = leaves[:_STATE_LEAVES], leaves[_STATE_LEAVES:]
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outs.append(jax.ShapeDtypeStruct(state[0].shape, jnp.bool_))
     outs.append(jax.ShapeDtypeStruct((), jnp.int32))
+    if remap:
+        outs.append(jax.ShapeDtypeStruct(hi.shape, jnp.int32))
     call = jax.ffi.ffi_call(
-        "HybridrecMchProfile", outs, input_output_aliases={i: i for i in range(_STATE_LEAVES)}
+        "HybridrecMchProfileRemap" if remap else "HybridrecMchProfile",
+        outs,
+        input_output_aliases={i: i for i in range(_STATE_LEAVES)},
     )
     return call(
         *state,

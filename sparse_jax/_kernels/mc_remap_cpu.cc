@@ -9,22 +9,31 @@
 //
 // MchProfile: append the batch's valid ids to the window; when an eviction is due, coalesce
 //   the window with an open-addressing hash table keyed by the 64-bit id (count, last
-//   access), sort only its distinct ids, find them among the residents by galloping search
-//   (the ids ascend), update the residents' metadata, rank the new ids, select the weakest
-//   residents by a radix selection over their scores (no sort of the table), give the losing
-//   entries' slots to the winning ids and move the entries in place to keep the order
-//   (only entries between changes move, each once). State buffers are aliased to the
-//   outputs (updated in place). Also returns how many entries an id held before the call.
+//   access), sort only its distinct ids, find them among the residents by a forward scan
+//   (the ids ascend: blocks of 8 by the high words, galloping past long gaps), update the
+//   residents' metadata, rank the new ids, select the weakest residents (one pass over the
+//   scores collecting those below a bound guessed from a sample; a radix selection over all
+//   of them when the guess fails; never a sort of the table), give the losing entries'
+//   slots to the winning ids and move the entries in place to keep the order (only entries
+//   between changes move, each once, all five columns per run, the runs split over two
+//   threads where no move crosses the split). State buffers are aliased to the outputs
+//   (updated in place). Also returns how many entries an id held before the call.
+// MchProfileRemap: MchProfile, then the slot of each of the batch's ids on the new state (what
+//   MchRemap would answer): when the call evicts, read off the eviction (each valid id's
+//   distinct window id: its entry's slot unless it lost it, a winner's new slot, else the
+//   default), padding searched; else by MchRemap's lookup. The training step's one call.
 // MaskPositions: the positions of a bool mask's first `size` set entries, ascending, then
 //   `fill` (jnp.nonzero(mask, size=size, fill_value=fill)): which rows a reset draws afresh.
 // MchRemap: the slot of each id (the default slot when not resident): the ids sorted by a
-//   radix sort, then found by galloping search, the sorted run split over threads.
+//   radix sort, then found by a forward scan of the residents, the sorted run split over
+//   threads.
 // (The fresh rows' random bits, `HybridrecRowBits`, are random_cpu.cc's.)
 #include <omp.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -72,6 +81,28 @@ int64_t Gallop(const Residents& r, int64_t from, int64_t n, int64_t k) {
   return lo;
 }
 
+// `Gallop` for a query close to the last one (the ids of a sorted run of queries, dense
+// among the residents): a scan of 8 entries at a time by their high words (one
+// mispredicted branch per query instead of one per probe), then a branch-free count in the
+// block; after `kFar` blocks it gallops the rest.
+int64_t Scan(const Residents& r, int64_t from, int64_t n, int64_t k) {
+  constexpr int kFar = 8;
+  const int32_t khi = static_cast<int32_t>(static_cast<uint64_t>(k) >> 32);
+  for (int blocks = 0; from + 8 <= n; ++blocks) {
+    if (r.hi[from + 7] < khi) {
+      if (blocks == kFar) return Gallop(r, from + 8, n, k);
+      from += 8;
+      continue;
+    }
+    int c = 0;
+    for (int j = 0; j < 8; ++j) c += r.at(from + j) < k;
+    if (c < 8) return from + c;
+    from += 8;
+  }
+  while (from < n && r.at(from) < k) ++from;
+  return from;
+}
+
 // Stable LSD radix sort of `n` (uint64 key, uint32 payload) pairs, ascending by key, in
 // 11-bit digits; digits that are the same for every key are skipped. `key`, `val` are
 // sorted in place (`tmp_key`, `tmp_val`: scratch of n).
@@ -116,6 +147,7 @@ inline uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
 struct Coalesced {
   std::vector<int64_t> ids;
   std::vector<int32_t> count, last;
+  std::vector<int32_t> of;  // per window position: its distinct id's index
 };
 
 void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int64_t n,
@@ -129,6 +161,7 @@ void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int
   out.ids.clear();
   out.count.clear();
   out.last.clear();
+  out.of.resize(n);
   const uint64_t mask = cap - 1;
   constexpr int64_t kAhead = 8;  // the table's slot of the id kAhead on is prefetched
   for (int64_t i = 0; i < n; ++i) {
@@ -143,6 +176,7 @@ void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int
       const int32_t u = index[h];
       if (u < 0) {
         index[h] = static_cast<int32_t>(out.ids.size());
+        out.of[i] = index[h];
         keys[h] = k;
         out.ids.push_back(k);
         out.count.push_back(1);
@@ -150,6 +184,7 @@ void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int
         break;
       }
       if (keys[h] == k) {
+        out.of[i] = u;
         ++out.count[u];
         out.last[u] = std::max(out.last[u], wstep[i]);
         break;
@@ -181,7 +216,7 @@ struct State {
 // m-th), then one pass collecting the entries below the m-th score, and the latest ones at
 // it scanning back from the end; only those m are sorted. The passes over every entry are
 // split over the threads.
-std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
+std::vector<int64_t> WeakestOfAll(const int32_t* score, int64_t n, int64_t m) {
   std::vector<int64_t> out;
   if (m <= 0) return out;
   const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 10)));
@@ -255,6 +290,111 @@ std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
   return out;
 }
 
+// `WeakestOfAll` among the candidate positions `cand` (ascending), which hold every entry
+// whose score is at most the m-th lowest: the same positions in the same order.
+std::vector<int64_t> WeakestAmong(const int32_t* score, const std::vector<int64_t>& cand, int64_t m) {
+  const int64_t c = static_cast<int64_t>(cand.size());
+  int32_t low = INT32_MAX, high = INT32_MIN;
+  for (int64_t i = 0; i < c; ++i) {
+    low = std::min(low, score[cand[i]]);
+    high = std::max(high, score[cand[i]]);
+  }
+  const uint32_t range = static_cast<uint32_t>(static_cast<int64_t>(high) - low);
+  int range_bits = 0;
+  while (range_bits < 32 && (range >> range_bits) != 0) ++range_bits;
+  const int shift = std::max(0, range_bits - 16);
+  const int64_t bins = static_cast<int64_t>(range >> shift) + 1;
+  auto v = [score, low](int64_t j) {
+    return static_cast<uint32_t>(static_cast<int64_t>(score[j]) - low);
+  };
+  std::vector<int64_t> hist(bins, 0);
+  for (int64_t i = 0; i < c; ++i) ++hist[v(cand[i]) >> shift];
+  int64_t below = 0, bucket = 0;
+  for (; bucket < bins; ++bucket) {
+    if (below + hist[bucket] >= m) break;
+    below += hist[bucket];
+  }
+  uint32_t t = static_cast<uint32_t>(bucket) << shift;  // the m-th lowest v
+  if (shift > 0) {
+    const uint32_t mask = (uint32_t(1) << shift) - 1;
+    std::vector<int64_t> fine(size_t(1) << shift, 0);
+    for (int64_t i = 0; i < c; ++i) {
+      const uint32_t x = v(cand[i]);
+      if ((x >> shift) == static_cast<uint32_t>(bucket)) ++fine[x & mask];
+    }
+    for (uint32_t b = 0;; ++b) {
+      if (below + fine[b] >= m) {
+        t |= b;
+        break;
+      }
+      below += fine[b];
+    }
+  }
+  std::vector<int64_t> out;
+  out.reserve(m);
+  for (int64_t i = c - 1, ties = m - below; i >= 0 && ties > 0; --i)
+    if (v(cand[i]) == t) out.push_back(cand[i]), --ties;
+  for (int64_t i = 0; i < c; ++i)
+    if (v(cand[i]) < t) out.push_back(cand[i]);
+  std::vector<uint64_t> key(m), tmp_key(m);
+  std::vector<uint32_t> val(m), tmp_val(m);
+  for (int64_t i = 0; i < m; ++i) {
+    key[i] = (static_cast<uint64_t>(v(out[i])) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(out[i]));
+    val[i] = static_cast<uint32_t>(out[i]);
+  }
+  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), m);
+  for (int64_t i = 0; i < m; ++i) out[i] = val[i];
+  return out;
+}
+
+// `WeakestOfAll` in one pass over the scores when few of many entries lose: a bound near
+// the m-th lowest score is guessed from an evenly spaced sample (with a margin), and the
+// entries below it are collected while those at it are counted. At least m below: the m
+// weakest are among them. Fewer, but m with those at the bound: all of them lose, then the
+// latest at the bound (scanning back from the end). Else (a guess too low): over all.
+std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
+  constexpr int64_t kSample = 4096;
+  if (m <= 0) return {};
+  if (n < 16 * kSample || m * 8 > n) return WeakestOfAll(score, n, m);
+  std::vector<int32_t> sample(kSample);
+  for (int64_t i = 0; i < kSample; ++i) sample[i] = score[(2 * i + 1) * n / (2 * kSample)];
+  const double expect = static_cast<double>(m) * kSample / n;  // sampled entries below the m-th
+  const int64_t k = static_cast<int64_t>(expect * 1.25 + 4.0 * std::sqrt(expect) + 8.0);
+  if (k >= kSample) return WeakestOfAll(score, n, m);
+  std::nth_element(sample.begin(), sample.begin() + k, sample.end());
+  const int32_t bound = sample[k];
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 18)));
+  std::vector<std::vector<int64_t>> part(threads);
+  std::vector<int64_t> at_bound(threads, 0);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int id = 0; id < threads; ++id) {
+    const int64_t begin = n * id / threads, end = n * (id + 1) / threads;
+    std::vector<int64_t>& mine = part[id];
+    mine.reserve(static_cast<size_t>(2 * m / threads + 1024));
+    int64_t equal = 0;
+    for (int64_t j = begin; j < end; ++j) {
+      const int32_t x = score[j];
+      if (x < bound) mine.push_back(j);
+      equal += x == bound;
+    }
+    at_bound[id] = equal;
+  }
+  std::vector<int64_t> under;
+  int64_t equal = 0;
+  for (int id = 0; id < threads; ++id) {
+    under.insert(under.end(), part[id].begin(), part[id].end());
+    equal += at_bound[id];
+  }
+  const int64_t below = static_cast<int64_t>(under.size());
+  if (below >= m) return WeakestAmong(score, under, m);
+  if (below + equal < m) return WeakestOfAll(score, n, m);
+  std::vector<int64_t> out = below > 0 ? WeakestAmong(score, under, below) : std::vector<int64_t>{};
+  out.reserve(m);
+  for (int64_t j = n - 1; j >= 0 && static_cast<int64_t>(out.size()) < m; --j)
+    if (score[j] == bound) out.push_back(j);
+  return out;
+}
+
 // Moves `a`'s surviving entries to their places once the `lost` positions (ascending) leave
 // and winners join before the old entries `below` (ascending): runs moving right are moved
 // right to left, then runs moving left left to right, so no entry is overwritten before it
@@ -282,25 +422,96 @@ std::vector<Run> Runs(const std::vector<int64_t>& lost, const std::vector<int64_
   return runs;
 }
 
-template <typename T>
-void MoveRuns(T* a, const std::vector<Run>& runs) {
-  for (auto r = runs.rbegin(); r != runs.rend(); ++r)
-    if (r->shift > 0) std::memmove(a + r->begin + r->shift, a + r->begin, sizeof(T) * (r->end - r->begin));
-  for (const Run& r : runs)
-    if (r.shift < 0) std::memmove(a + r.begin + r.shift, a + r.begin, sizeof(T) * (r.end - r.begin));
+// One run's entries moved by its shift in each of the `k` columns (4-byte words): short
+// runs by a plain loop (a memmove call costs more than a few words), right moves from the
+// right end, left moves from the left end, so a run may overlap its own destination.
+inline void MoveRun(uint32_t* const* cols, int k, const Run& r) {
+  const int64_t len = r.end - r.begin;
+  for (int c = 0; c < k; ++c) {
+    uint32_t* a = cols[c];
+    if (len >= 32) {
+      std::memmove(a + r.begin + r.shift, a + r.begin, sizeof(uint32_t) * len);
+    } else if (r.shift > 0) {
+      for (int64_t j = r.end - 1; j >= r.begin; --j) a[j + r.shift] = a[j];
+    } else {
+      for (int64_t j = r.begin; j < r.end; ++j) a[j + r.shift] = a[j];
+    }
+  }
+}
+
+// Runs [first, last) of `runs` moved in the `k` columns: runs moving right right to left,
+// then runs moving left left to right, so no entry is overwritten before it moved.
+void MoveRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, size_t first, size_t last) {
+  for (size_t i = last; i-- > first;)
+    if (runs[i].shift > 0) MoveRun(cols, k, runs[i]);
+  for (size_t i = first; i < last; ++i)
+    if (runs[i].shift < 0) MoveRun(cols, k, runs[i]);
+}
+
+// Every run moved in the `k` columns, on up to two threads: split between runs A and B (at
+// the split nearest half the entries moved) where neither crosses the gap between them
+// (A's shift <= gap and -B's shift <= gap: every destination left of B's first entry stays
+// left of it, every one right of it stays right, so the halves touch disjoint entries);
+// where no such split exists, the columns are split instead.
+void MoveAllRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, bool parallel) {
+  const size_t nr = runs.size();
+  if (!parallel || nr < 2 || omp_get_max_threads() < 2) {
+    MoveRuns(cols, k, runs, 0, nr);
+    return;
+  }
+  int64_t total = 0;
+  for (const Run& r : runs) total += r.end - r.begin;
+  size_t best = 0;
+  int64_t best_miss = INT64_MAX, done = 0;
+  for (size_t i = 1; i < nr; ++i) {
+    done += runs[i - 1].end - runs[i - 1].begin;
+    const int64_t gap = runs[i].begin - runs[i - 1].end;
+    if (runs[i - 1].shift <= gap && -runs[i].shift <= gap) {
+      const int64_t miss = std::abs(2 * done - total);
+      if (miss < best_miss) best_miss = miss, best = i;
+    }
+  }
+  if (best != 0 && best_miss < total) {  // (a split leaving most work on one side: columns)
+#pragma omp parallel sections
+    {
+#pragma omp section
+      MoveRuns(cols, k, runs, 0, best);
+#pragma omp section
+      MoveRuns(cols, k, runs, best, nr);
+    }
+    return;
+  }
+  const int half = k / 2;
+#pragma omp parallel sections
+  {
+#pragma omp section
+    MoveRuns(cols, half, runs, 0, nr);
+#pragma omp section
+    MoveRuns(cols + half, k - half, runs, 0, nr);
+  }
 }
 
 // Eviction policies (the `policy` attribute): `sparse_jax.managed._id_map._KERNEL_POLICIES`.
 // "distance_lfu" (float scores) is not here: its CPU lowering is the XLA form.
 enum Policy : int32_t { kLru = 0, kLfu = 1, kTtl = 2 };
 
-void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t ttl) {
+// The eviction; with `slot_of`, also the slot each of the window's distinct ids (by their
+// index in `Evict`'s coalesced window, `EvictWindow()`) maps to after it, as `MchRemap`
+// would answer on the new state: a resident's slot unless it lost it, a winner's new slot,
+// else the default slot.
+const Coalesced& EvictWindow() {
+  static thread_local Coalesced scratch;  // (kept between calls: no reallocation)
+  return scratch;
+}
+
+void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t ttl,
+           std::vector<int32_t>* slot_of) {
   const bool lfu = policy == kLfu;
   const int64_t z = s.z;
   const int32_t step = *s.step;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(*s.used, 0), s.h);
-  static thread_local Coalesced scratch;  // (kept between calls: no reallocation)
-  Coalesced& win = scratch;  // the calling thread's, also inside the parallel regions below
+  Coalesced& win = const_cast<Coalesced&>(EvictWindow());  // the calling thread's, also inside
+                                                           // the parallel regions below
   Coalesce(s.whi, s.wlo, s.wstep, n, win);
   const int64_t u = static_cast<int64_t>(win.ids.size());
   // distinct ids ascending (int64 order)
@@ -316,6 +527,9 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
   // (the ids split over the threads in order; each gallops through its part)
   const Residents res{s.hi, s.lo};
   const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(u >> 9)));
+  // with `slot_of`: the entry of each resident id (-1: not resident), those below the
+  // threshold too (they keep their entries and map to them)
+  std::vector<int32_t> hit_at(slot_of ? u : 0, -1);
   std::vector<std::vector<uint32_t>> fresh_of(threads);
   std::vector<std::vector<int64_t>> below_of(threads);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
@@ -323,10 +537,13 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
     int64_t from = 0;
     for (int64_t i = u * id / threads; i < u * (id + 1) / threads; ++i) {
       const uint32_t w = order[i];
-      if (win.count[w] < threshold) continue;
+      const bool admitted = win.count[w] >= threshold;
+      if (!admitted && !slot_of) continue;
       const int64_t k = win.ids[w];
-      const int64_t pos = Gallop(res, from, z - 1, k);
+      const int64_t pos = Scan(res, from, z - 1, k);
       from = pos;
+      if (slot_of && res.at(pos) == k) hit_at[w] = static_cast<int32_t>(pos);
+      if (!admitted) continue;
       if (res.at(pos) == k) {
         const int32_t c = s.counts[pos];
         s.counts[pos] = c > INT32_MAX - win.count[w] ? INT32_MAX : c + win.count[w];
@@ -382,6 +599,11 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
   *s.used = 0;
   std::memset(s.wstep, 0, sizeof(int32_t) * s.h);
   *s.last_eviction = step;
+  if (slot_of) {  // residents keep their slots (the losers' are overwritten below)
+    slot_of->assign(u, static_cast<int32_t>(z - 1));
+    for (int64_t w = 0; w < u; ++w)
+      if (hit_at[w] >= 0) (*slot_of)[w] = s.slots[hit_at[w]];
+  }
   if (won == 0) return;
   // the best winner takes the best loser's (the won-th weakest) entry, and so on down
   std::vector<int32_t> won_slot(f, -1);
@@ -391,6 +613,13 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
     won_slot[best[i]] = s.slots[loser];
     evicted[s.slots[loser]] = true;
     lost_bits[loser >> 6] |= uint64_t(1) << (loser & 63);
+  }
+  if (slot_of) {
+    for (int64_t w = 0; w < u; ++w) {
+      const int32_t at = hit_at[w];
+      if (at >= 0 && (lost_bits[at >> 6] >> (at & 63) & 1)) (*slot_of)[w] = static_cast<int32_t>(z - 1);
+    }
+    for (int64_t i = 0; i < won; ++i) (*slot_of)[fresh[best[i]]] = won_slot[best[i]];
   }
   std::vector<int64_t> lost, below, winner;  // ascending; winners in id order
   lost.reserve(won);
@@ -405,19 +634,9 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
       winner.push_back(i);
     }
   const std::vector<Run> runs = Runs(lost, below, z);
-#pragma omp parallel sections if (z >= (1 << 15))
-  {
-#pragma omp section
-    MoveRuns(s.hi, runs);
-#pragma omp section
-    MoveRuns(s.lo, runs);
-#pragma omp section
-    MoveRuns(s.slots, runs);
-#pragma omp section
-    MoveRuns(s.counts, runs);
-#pragma omp section
-    MoveRuns(s.last, runs);
-  }
+  uint32_t* const cols[5] = {reinterpret_cast<uint32_t*>(s.hi), s.lo, reinterpret_cast<uint32_t*>(s.slots),
+                             reinterpret_cast<uint32_t*>(s.counts), reinterpret_cast<uint32_t*>(s.last)};
+  MoveAllRuns(cols, 5, runs, z >= (1 << 15));
   // winner j (in id order) lands after the survivors below it and the winners before it
   size_t li = 0;
   for (int64_t j = 0; j < won; ++j) {
@@ -441,67 +660,11 @@ auto* Take(ffi::Buffer<T> in, ffi::Result<ffi::Buffer<T>> out) {
   return dst;
 }
 
-ffi::Error MchProfileImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> slots,
-                          ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> last,
-                          ffi::Buffer<ffi::S32> whi, ffi::Buffer<ffi::U32> wlo,
-                          ffi::Buffer<ffi::S32> wstep, ffi::Buffer<ffi::S32> used,
-                          ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> last_eviction,
-                          ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
-                          ffi::Buffer<ffi::PRED> valid, ffi::Result<ffi::Buffer<ffi::S32>> o_hi,
-                          ffi::Result<ffi::Buffer<ffi::U32>> o_lo, ffi::Result<ffi::Buffer<ffi::S32>> o_slots,
-                          ffi::Result<ffi::Buffer<ffi::S32>> o_counts,
-                          ffi::Result<ffi::Buffer<ffi::S32>> o_last, ffi::Result<ffi::Buffer<ffi::S32>> o_whi,
-                          ffi::Result<ffi::Buffer<ffi::U32>> o_wlo,
-                          ffi::Result<ffi::Buffer<ffi::S32>> o_wstep,
-                          ffi::Result<ffi::Buffer<ffi::S32>> o_used,
-                          ffi::Result<ffi::Buffer<ffi::S32>> o_step,
-                          ffi::Result<ffi::Buffer<ffi::S32>> o_last_eviction,
-                          ffi::Result<ffi::Buffer<ffi::PRED>> evicted,
-                          ffi::Result<ffi::Buffer<ffi::S32>> occupied, int32_t policy, int32_t interval,
-                          int32_t threshold, int32_t ttl) {
-  State s{Take(hi, o_hi),         Take(lo, o_lo),       Take(slots, o_slots), Take(counts, o_counts),
-          Take(last, o_last),     Take(whi, o_whi),     Take(wlo, o_wlo),     Take(wstep, o_wstep),
-          Take(used, o_used),     Take(step, o_step),   Take(last_eviction, o_last_eviction),
-          static_cast<int64_t>(hi.element_count()), static_cast<int64_t>(whi.element_count())};
-  bool* ev = evicted->typed_data();
-  // the entries an id holds before this call: where the first empty entry is
-  *occupied->typed_data() = static_cast<int32_t>(Gallop(Residents{s.hi, s.lo}, 0, s.z - 1, kEmpty));
-  const int64_t n = ids_hi.element_count();
-  const int32_t now = *s.step + 1;
-  *s.step = now;
-  const int32_t* ih = ids_hi.typed_data();
-  const uint32_t* il = ids_lo.typed_data();
-  const bool* ok = valid.typed_data();
-  int64_t at = *s.used;
-  int32_t taken = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!ok[i]) continue;
-    if (at >= 0 && at < s.h) {  // (a window that would overflow is refused at trace time)
-      s.whi[at] = ih[i];
-      s.wlo[at] = il[i];
-      s.wstep[at] = now;
-    }
-    ++at;
-    ++taken;
-  }
-  *s.used += taken;
-  if (now - *s.last_eviction == interval) {
-    Evict(s, ev, policy, threshold, ttl);
-  } else {
-    std::memset(ev, 0, sizeof(bool) * s.z);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error MchRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> slots,
-                        ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
-                        ffi::Result<ffi::Buffer<ffi::S32>> out) {
-  const int64_t z = hi.element_count(), n = ids_hi.element_count();
-  const Residents res{hi.typed_data(), lo.typed_data()};
-  const int32_t* slot = slots.typed_data();
-  const int32_t* ih = ids_hi.typed_data();
-  const uint32_t* il = ids_lo.typed_data();
-  int32_t* o = out->typed_data();
+// The slot of each of the `n` ids (the default slot `z - 1` when not resident): the ids
+// sorted by a radix sort, then found by scanning the residents, the sorted run split over
+// threads.
+void Lookup(const Residents& res, const int32_t* slot, int64_t z, const int32_t* ih, const uint32_t* il,
+            int64_t n, int32_t* o) {
   std::vector<uint64_t> key(n), tmp_key(n);
   std::vector<uint32_t> at(n), tmp_val(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -521,7 +684,7 @@ ffi::Error MchRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi:
     for (int64_t i = begin; i < end; ++i) {
       const int64_t k = static_cast<int64_t>(key[i] ^ kSign);
       if (!have || k != prev) {
-        pos = Gallop(res, from, z - 1, k);
+        pos = Scan(res, from, z - 1, k);
         from = pos;
         answer = res.at(pos) == k ? slot[pos] : static_cast<int32_t>(z - 1);
         prev = k;
@@ -530,6 +693,140 @@ ffi::Error MchRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi:
       o[at[i]] = answer;
     }
   }
+}
+
+// MchProfile's work; with `out` (one int32 per id), also the slot of each id on the new
+// state (`MchRemap`'s answer): when the call evicts, read off the eviction (each valid id
+// is in the window: its distinct id's slot), the padding's by a search; else a `Lookup`.
+ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> last,
+                          ffi::Buffer<ffi::S32> whi, ffi::Buffer<ffi::U32> wlo,
+                          ffi::Buffer<ffi::S32> wstep, ffi::Buffer<ffi::S32> used,
+                          ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> last_eviction,
+                          ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
+                          ffi::Buffer<ffi::PRED> valid, ffi::Result<ffi::Buffer<ffi::S32>> o_hi,
+                          ffi::Result<ffi::Buffer<ffi::U32>> o_lo, ffi::Result<ffi::Buffer<ffi::S32>> o_slots,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_counts,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_last, ffi::Result<ffi::Buffer<ffi::S32>> o_whi,
+                          ffi::Result<ffi::Buffer<ffi::U32>> o_wlo,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_wstep,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_used,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_step,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_last_eviction,
+                          ffi::Result<ffi::Buffer<ffi::PRED>> evicted,
+                          ffi::Result<ffi::Buffer<ffi::S32>> occupied, int32_t* out,
+                   int32_t policy, int32_t interval, int32_t threshold, int32_t ttl) {
+  State s{Take(hi, o_hi),         Take(lo, o_lo),       Take(slots, o_slots), Take(counts, o_counts),
+          Take(last, o_last),     Take(whi, o_whi),     Take(wlo, o_wlo),     Take(wstep, o_wstep),
+          Take(used, o_used),     Take(step, o_step),   Take(last_eviction, o_last_eviction),
+          static_cast<int64_t>(hi.element_count()), static_cast<int64_t>(whi.element_count())};
+  bool* ev = evicted->typed_data();
+  const Residents res{s.hi, s.lo};
+  // the entries an id holds before this call: where the first empty entry is
+  *occupied->typed_data() = static_cast<int32_t>(Gallop(res, 0, s.z - 1, kEmpty));
+  const int64_t n = ids_hi.element_count();
+  const int32_t now = *s.step + 1;
+  *s.step = now;
+  const int32_t* ih = ids_hi.typed_data();
+  const uint32_t* il = ids_lo.typed_data();
+  const bool* ok = valid.typed_data();
+  const int64_t first = *s.used;  // the window position of the batch's first valid id
+  int64_t at = first;
+  int32_t taken = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) continue;
+    if (at >= 0 && at < s.h) {  // (a window that would overflow is refused at trace time)
+      s.whi[at] = ih[i];
+      s.wlo[at] = il[i];
+      s.wstep[at] = now;
+    }
+    ++at;
+    ++taken;
+  }
+  *s.used += taken;
+  if (now - *s.last_eviction == interval) {
+    static thread_local std::vector<int32_t> slot_of;
+    Evict(s, ev, policy, threshold, ttl, out ? &slot_of : nullptr);
+    if (out) {
+      const std::vector<int32_t>& of = EvictWindow().of;
+      const int64_t window = static_cast<int64_t>(of.size());
+      int64_t prev = 0;
+      int32_t answer = 0;
+      bool have = false;
+      for (int64_t i = 0, w = first; i < n; ++i) {
+        if (ok[i] && w >= 0 && w < window) {
+          out[i] = slot_of[of[w++]];
+          continue;
+        }
+        w += ok[i];
+        const int64_t k = Key(ih[i], il[i]);  // padding (often one id): searched
+        if (!have || k != prev) {
+          const int64_t pos = Gallop(res, 0, s.z - 1, k);
+          answer = res.at(pos) == k ? s.slots[pos] : static_cast<int32_t>(s.z - 1);
+          prev = k;
+          have = true;
+        }
+        out[i] = answer;
+      }
+    }
+  } else {
+    std::memset(ev, 0, sizeof(bool) * s.z);
+    if (out) Lookup(res, s.slots, s.z, ih, il, n, out);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error MchProfileImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> last,
+                          ffi::Buffer<ffi::S32> whi, ffi::Buffer<ffi::U32> wlo,
+                          ffi::Buffer<ffi::S32> wstep, ffi::Buffer<ffi::S32> used,
+                          ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> last_eviction,
+                          ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
+                          ffi::Buffer<ffi::PRED> valid, ffi::Result<ffi::Buffer<ffi::S32>> o_hi,
+                          ffi::Result<ffi::Buffer<ffi::U32>> o_lo, ffi::Result<ffi::Buffer<ffi::S32>> o_slots,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_counts,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_last, ffi::Result<ffi::Buffer<ffi::S32>> o_whi,
+                          ffi::Result<ffi::Buffer<ffi::U32>> o_wlo,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_wstep,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_used,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_step,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_last_eviction,
+                          ffi::Result<ffi::Buffer<ffi::PRED>> evicted,
+                          ffi::Result<ffi::Buffer<ffi::S32>> occupied, int32_t policy, int32_t interval,
+                          int32_t threshold, int32_t ttl) {
+  return Profile(hi, lo, slots, counts, last, whi, wlo, wstep, used, step, last_eviction, ids_hi, ids_lo, valid,
+                     o_hi, o_lo, o_slots, o_counts, o_last, o_whi, o_wlo, o_wstep, o_used, o_step,
+                     o_last_eviction, evicted, occupied, nullptr, policy, interval, threshold, ttl);
+}
+
+ffi::Error MchProfileRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> slots,
+                          ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> last,
+                          ffi::Buffer<ffi::S32> whi, ffi::Buffer<ffi::U32> wlo,
+                          ffi::Buffer<ffi::S32> wstep, ffi::Buffer<ffi::S32> used,
+                          ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> last_eviction,
+                          ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
+                          ffi::Buffer<ffi::PRED> valid, ffi::Result<ffi::Buffer<ffi::S32>> o_hi,
+                          ffi::Result<ffi::Buffer<ffi::U32>> o_lo, ffi::Result<ffi::Buffer<ffi::S32>> o_slots,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_counts,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_last, ffi::Result<ffi::Buffer<ffi::S32>> o_whi,
+                          ffi::Result<ffi::Buffer<ffi::U32>> o_wlo,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_wstep,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_used,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_step,
+                          ffi::Result<ffi::Buffer<ffi::S32>> o_last_eviction,
+                          ffi::Result<ffi::Buffer<ffi::PRED>> evicted,
+                          ffi::Result<ffi::Buffer<ffi::S32>> occupied, ffi::Result<ffi::Buffer<ffi::S32>> out, int32_t policy,
+                               int32_t interval, int32_t threshold, int32_t ttl) {
+  return Profile(hi, lo, slots, counts, last, whi, wlo, wstep, used, step, last_eviction, ids_hi, ids_lo, valid,
+                     o_hi, o_lo, o_slots, o_counts, o_last, o_whi, o_wlo, o_wstep, o_used, o_step,
+                     o_last_eviction, evicted, occupied, out->typed_data(), policy, interval, threshold, ttl);
+}
+
+ffi::Error MchRemapImpl(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buffer<ffi::S32> slots,
+                        ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
+                        ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  Lookup(Residents{hi.typed_data(), lo.typed_data()}, slots.typed_data(), hi.element_count(),
+         ids_hi.typed_data(), ids_lo.typed_data(), ids_hi.element_count(), out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -538,8 +835,15 @@ ffi::Error MaskPositionsImpl(ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffe
   const bool* m = mask.typed_data();
   const int64_t n = mask.element_count(), size = out->element_count();
   int32_t* o = out->typed_data();
-  int64_t k = 0;
-  for (int64_t i = 0; i < n && k < size; ++i)
+  int64_t k = 0, i = 0;
+  // 8 entries at a time (a mask of evicted slots is mostly false), then one by one
+  for (; i + 8 <= n && k < size; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, m + i, sizeof(word));
+    for (int64_t j = 0; word != 0 && k < size; ++j, word >>= 8)
+      if (word & 0xFF) o[k++] = static_cast<int32_t>(i + j);
+  }
+  for (; i < n && k < size; ++i)
     if (m[i]) o[k++] = static_cast<int32_t>(i);
   for (; k < size; ++k) o[k] = fill;
   return ffi::Error::Success();
@@ -581,6 +885,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchProfile, MchProfileImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("policy")
+                                  .Attr<int32_t>("interval")
+                                  .Attr<int32_t>("threshold")
+                                  .Attr<int32_t>("ttl"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchProfileRemap, MchProfileRemapImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("policy")
                                   .Attr<int32_t>("interval")

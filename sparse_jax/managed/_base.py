@@ -18,7 +18,7 @@ from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
 from sparse_jax.managed._id_map import MCHState, RawIds
 from sparse_jax.managed._id_map import occupancy as occupancy_of
 
-__all__ = ["ManagedModuleBase", "profile_counted"]
+__all__ = ["ManagedModuleBase", "profile_counted", "profile_counted_remap"]
 
 
 def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, valid: jax.Array):
@@ -30,10 +30,23 @@ def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, v
     # the count before is read by the profile call itself: read apart, XLA would keep a copy
     # of the sorted ids (~16 MB at 2^20 slots) for it while the kernel updates them in place
     state, evicted, before = module.profile_occupied(state, ids, valid=valid)
+    return state, _advanced(counters, state, evicted, before), evicted
+
+
+def profile_counted_remap(
+    module, state: MCHState, counters: jax.Array, ids: RawIds, valid: jax.Array
+):
+    """`profile_counted`, then the slot of each id on the new state (`module.remap`), in one
+    call (`MCHManagedCollisionModule.profile_remap`): (state, counters, evicted, slots)."""
+    state, evicted, before, slots = module.profile_remap(state, ids, valid=valid)
+    return state, _advanced(counters, state, evicted, before), evicted, slots
+
+
+def _advanced(counters, state, evicted, before):
     occupancy = occupancy_of(state)
     admitted = jnp.sum(evicted.astype(jnp.int32))
     displaced = before + admitted - occupancy
-    return state, jnp.stack([occupancy, counters[1] + admitted, counters[2] + displaced]), evicted
+    return jnp.stack([occupancy, counters[1] + admitted, counters[2] + displaced])
 
 
 class ManagedModuleBase(LayoutFacts):

@@ -25,6 +25,8 @@ state so that it runs inside a jitted step:
   the window, a radix selection of the weakest residents, entries moved in place; never a
   sort of the table) giving bit for bit the state and outputs of the XLA form below, for
   "lru", "lfu" and "ttl"; "distance_lfu" (float scores) lowers to the XLA form on CPU too.
+  `profile_remap` (the training step's call) is `profile` then `remap` of the batch as one
+  kernel call there: the slots are read off the eviction, not searched again.
 - On a GPU, `profile` has no data-dependent control flow (`by_platform`, `_static_loops`):
   the eviction is computed every call and kept only when due (a select, not a `lax.cond`,
   whose predicate a GPU copies to the host), the radix passes and the k-th score's
@@ -395,6 +397,18 @@ class MCHManagedCollisionModule:
     ) -> tuple[MCHState, jax.Array, jax.Array]:
         """`profile`, and the entries an id held before it (int32, `occupancy(state)`): read
         in the same call, so the map updated in place needs no copy kept for the count."""
+        return self._profile_call(state, ids, valid, remap=False)
+
+    def profile_remap(
+        self, state: MCHState, ids: RawIds, valid: jax.Array | None = None
+    ) -> tuple[MCHState, jax.Array, jax.Array, jax.Array]:
+        """`profile_occupied`, then `remap(new state, ids)` (padding included): the training
+        remap as one call. The CPU kernel reads the slots off the eviction (every valid id
+        is in the window it just coalesced) instead of sorting and searching the batch
+        again; elsewhere this is the two calls. The same state, mask and slots, bit for bit."""
+        return self._profile_call(state, ids, valid, remap=True)
+
+    def _profile_call(self, state, ids, valid, *, remap: bool):
         n = ids.hi.shape[0]
         if n * self.eviction_interval > self.history_capacity:
             raise ValueError(
@@ -412,6 +426,8 @@ class MCHManagedCollisionModule:
             jax.ShapeDtypeStruct((self.zch_size,), jnp.bool_),
             jax.ShapeDtypeStruct((), jnp.int32),
         )
+        if remap:
+            out = (*out, jax.ShapeDtypeStruct((n,), jnp.int32))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
 
         def form(static: bool):
@@ -419,7 +435,8 @@ class MCHManagedCollisionModule:
                 state, ids, valid = jax.tree_util.tree_unflatten(tree, ops)
                 with _static_loops(static):
                     done = self._profile(state, ids, valid)
-                return jax.tree_util.tree_leaves((*done, occupancy(state)))
+                slots = (self.remap(done[0], ids),) if remap else ()
+                return jax.tree_util.tree_leaves((*done, occupancy(state), *slots))
 
             return run
 
@@ -430,6 +447,7 @@ class MCHManagedCollisionModule:
                 interval=self.eviction_interval,
                 threshold=self.threshold,
                 ttl=self.single_ttl or 0,
+                remap=remap,
             )
 
         # the kernel has no float scores: "distance_lfu" runs the XLA form on CPU too

@@ -32,7 +32,7 @@ import numpy as np
 
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._module import PaddedBatch
-from sparse_jax.managed._base import ManagedModuleBase, profile_counted
+from sparse_jax.managed._base import ManagedModuleBase, profile_counted_remap
 from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
 from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
@@ -231,10 +231,10 @@ def _build(spec: RemapSpec) -> Program:
         state, counters, evicted, slots = dict(state), dict(counters), {}, {}
         for name, module, _, offset in spec.tables:
             ids, valid = RawIds.from_words(words[name]), positions[name] < limits[name]
-            state[name], counters[name], evicted[name] = profile_counted(
+            state[name], counters[name], evicted[name], mapped = profile_counted_remap(
                 module, state[name], counters[name], ids, valid
             )
-            slots[name] = module.remap(state[name], ids) + offset
+            slots[name] = mapped + offset
         key, draw = jax.random.split(key)
         params, opt_state = reset_by_plan(spec.reset, params, opt_state, evicted, draw)
         return params, opt_state, state, counters, key, slots
