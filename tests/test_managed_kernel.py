@@ -101,14 +101,18 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
     resident, left, readmitted = set(), set(), 0
     for step, (raw, valid) in enumerate(_stream(zch, steps, batch, pool, zipf)):
         ids = RawIds.from_int64(raw)
-        k_state, k_evicted, k_before = k_profile(k_state, ids, valid)
-        x_state, x_evicted, x_before = x_profile(x_state, ids, valid)
-        assert int(k_before) == int(x_before) == len(resident), step
+        k_state, k_evicted, k_counts = k_profile(k_state, ids, valid)
+        x_state, x_evicted, x_counts = x_profile(x_state, ids, valid)
+        # entries held before the call and after it, slots given to new ids
+        np.testing.assert_array_equal(np.asarray(k_counts), np.asarray(x_counts), str(step))
+        assert int(k_counts[0]) == len(resident), step
         for field, a, b in zip(k_state._fields, k_state, x_state, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{field} {step}")
         np.testing.assert_array_equal(np.asarray(k_evicted), np.asarray(x_evicted), str(step))
         expected = oracle.profile([int(i) for i, v in zip(raw, valid, strict=True) if v])
         assert set(np.flatnonzero(np.asarray(k_evicted)).tolist()) == expected, step
+        held = sum(e["raw"] is not None for e in oracle.entries)
+        assert (int(k_counts[1]), int(k_counts[2])) == (held, len(expected)), step
         # the batch (padding included), then the reserved empty-entry id as raw words
         query = RawIds(
             jnp.concatenate([ids.hi, jnp.array([2**31 - 1], jnp.int32)]),
@@ -116,11 +120,11 @@ def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
         )
         slots = np.asarray(k_remap(k_state, query))
         for fused, f_state in ((k_fused, kf_state), (x_fused, xf_state)):
-            f_state, f_evicted, f_before, f_slots = fused(f_state, ids, valid)
+            f_state, f_evicted, f_counts, f_slots = fused(f_state, ids, valid)
             for field, a, b in zip(k_state._fields, f_state, k_state, strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b), f"fused {field} {step}")
             np.testing.assert_array_equal(np.asarray(f_evicted), np.asarray(k_evicted), str(step))
-            assert int(f_before) == int(k_before), step
+            np.testing.assert_array_equal(np.asarray(f_counts), np.asarray(k_counts), str(step))
             np.testing.assert_array_equal(np.asarray(f_slots), slots[:-1], f"fused slots {step}")
             kf_state, xf_state = (f_state, xf_state) if fused is k_fused else (kf_state, f_state)
         np.testing.assert_array_equal(slots, np.asarray(x_remap(x_state, query)), str(step))
@@ -154,9 +158,9 @@ def test_the_kernel_gives_the_xla_forms_state_on_a_map_large_enough_for_its_samp
         x_state, *x_out = xla(x_state, ids, valid)
         for field, a, b in zip(k_state._fields, k_state, x_state, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{field} {step}")
-        for name, a, b in zip(("evicted", "before", "slots"), k_out, x_out, strict=True):
+        for name, a, b in zip(("evicted", "counts", "slots"), k_out, x_out, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} {step}")
-    assert zipf or int(k_out[1]) == zch - 1  # uniform ids: the map filled and turned over
+    assert zipf or int(k_out[1][0]) == zch - 1  # uniform ids: the map filled and turned over
 
 
 @pytest.mark.parametrize("n", [1000, 1003])  # the kernel reads 8 entries at a time, then the tail

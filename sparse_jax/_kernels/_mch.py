@@ -23,7 +23,8 @@ def mch_profile(
     """`MCHManagedCollisionModule._profile` as one call: `leaves` are the state's 11 fields
     then the batch's `hi`, `lo` and `valid`; `policy` 0 LRU, 1 LFU, 2 TTL (`ttl`: its
     single_ttl; "distance_lfu" has no kernel); returns the new state's fields, the
-    bool[zch_size] mask of the slots given to new ids and the entries an id held before;
+    bool[zch_size] mask of the slots given to new ids and int32[3] (entries held before the
+    call, after it, slots given to new ids);
     with `remap`, then the int32 slot of each of the batch's ids on the new state (`mch_remap`
     of it, padding included), read off the eviction instead of searched. The state's buffers
     are aliased to the outputs (XLA donates them when the caller does)."""
@@ -31,7 +32,7 @@ def mch_profile(
     state, (hi, lo, valid) = leaves[:_STATE_LEAVES], leaves[_STATE_LEAVES:]
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outs.append(jax.ShapeDtypeStruct(state[0].shape, jnp.bool_))
-    outs.append(jax.ShapeDtypeStruct((), jnp.int32))
+    outs.append(jax.ShapeDtypeStruct((3,), jnp.int32))
     if remap:
         outs.append(jax.ShapeDtypeStruct(hi.shape, jnp.int32))
     call = jax.ffi.ffi_call(

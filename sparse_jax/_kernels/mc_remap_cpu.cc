@@ -17,7 +17,8 @@
 //   slots to the winning ids and move the entries in place to keep the order (only entries
 //   between changes move, each once, all five columns per run, the runs split over two
 //   threads where no move crosses the split). State buffers are aliased to the outputs
-//   (updated in place). Also returns how many entries an id held before the call.
+//   (updated in place). Also returns how many entries an id held before the call and after
+//   it, and how many slots it gave to new ids (int32[3]).
 // MchProfileRemap: MchProfile, then the slot of each of the batch's ids on the new state (what
 //   MchRemap would answer): when the call evicts, read off the eviction (each valid id's
 //   distinct window id: its entry's slot unless it lost it, a winner's new slot, else the
@@ -722,8 +723,13 @@ ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buff
           static_cast<int64_t>(hi.element_count()), static_cast<int64_t>(whi.element_count())};
   bool* ev = evicted->typed_data();
   const Residents res{s.hi, s.lo};
-  // the entries an id holds before this call: where the first empty entry is
-  *occupied->typed_data() = static_cast<int32_t>(Gallop(res, 0, s.z - 1, kEmpty));
+  // the entries an id holds before this call: where the first empty entry is (then after
+  // it, and the slots given to new ids: the counters' update, without XLA searching the map
+  // and summing the mask)
+  int32_t* occ = occupied->typed_data();
+  occ[0] = static_cast<int32_t>(Gallop(res, 0, s.z - 1, kEmpty));
+  occ[1] = occ[0];
+  occ[2] = 0;
   const int64_t n = ids_hi.element_count();
   const int32_t now = *s.step + 1;
   *s.step = now;
@@ -747,6 +753,10 @@ ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buff
   if (now - *s.last_eviction == interval) {
     static thread_local std::vector<int32_t> slot_of;
     Evict(s, ev, policy, threshold, ttl, out ? &slot_of : nullptr);
+    occ[1] = static_cast<int32_t>(Gallop(res, 0, s.z - 1, kEmpty));
+    int64_t admitted = 0;
+    for (int64_t j = 0; j < s.z; ++j) admitted += ev[j];
+    occ[2] = static_cast<int32_t>(admitted);
     if (out) {
       const std::vector<int32_t>& of = EvictWindow().of;
       const int64_t window = static_cast<int64_t>(of.size());

@@ -16,7 +16,6 @@ from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity
 from sparse_jax.managed._collection import ManagedCollisionCollection
 from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
 from sparse_jax.managed._id_map import MCHState, RawIds
-from sparse_jax.managed._id_map import occupancy as occupancy_of
 
 __all__ = ["ManagedModuleBase", "profile_counted", "profile_counted_remap"]
 
@@ -27,10 +26,11 @@ def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, v
     given to new ids). A slot given to a new id either held an id (a displacement: the
     occupancy stays) or was empty (the occupancy grows by one), so the displaced count is
     read off the two occupancies, without a scatter over the slots."""
-    # the count before is read by the profile call itself: read apart, XLA would keep a copy
-    # of the sorted ids (~16 MB at 2^20 slots) for it while the kernel updates them in place
-    state, evicted, before = module.profile_occupied(state, ids, valid=valid)
-    return state, _advanced(counters, state, evicted, before), evicted
+    # the counts are read by the profile call itself: the count before read apart, XLA would
+    # keep a copy of the sorted ids (~16 MB at 2^20 slots) for it while the kernel updates
+    # them in place
+    state, evicted, counts = module.profile_occupied(state, ids, valid=valid)
+    return state, _advanced(counters, counts), evicted
 
 
 def profile_counted_remap(
@@ -38,13 +38,14 @@ def profile_counted_remap(
 ):
     """`profile_counted`, then the slot of each id on the new state (`module.remap`), in one
     call (`MCHManagedCollisionModule.profile_remap`): (state, counters, evicted, slots)."""
-    state, evicted, before, slots = module.profile_remap(state, ids, valid=valid)
-    return state, _advanced(counters, state, evicted, before), evicted, slots
+    state, evicted, counts, slots = module.profile_remap(state, ids, valid=valid)
+    return state, _advanced(counters, counts), evicted, slots
 
 
-def _advanced(counters, state, evicted, before):
-    occupancy = occupancy_of(state)
-    admitted = jnp.sum(evicted.astype(jnp.int32))
+def _advanced(counters, counts):
+    """The counters after a profile call whose `counts` are (entries before, entries after,
+    slots given to new ids)."""
+    before, occupancy, admitted = counts[0], counts[1], counts[2]
     displaced = before + admitted - occupancy
     return jnp.stack([occupancy, counters[1] + admitted, counters[2] + displaced])
 

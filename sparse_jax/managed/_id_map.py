@@ -395,8 +395,11 @@ class MCHManagedCollisionModule:
     def profile_occupied(
         self, state: MCHState, ids: RawIds, valid: jax.Array | None = None
     ) -> tuple[MCHState, jax.Array, jax.Array]:
-        """`profile`, and the entries an id held before it (int32, `occupancy(state)`): read
-        in the same call, so the map updated in place needs no copy kept for the count."""
+        """`profile`, and int32[3]: the entries an id held before it (`occupancy(state)`) and
+        after it, and the slots it gave to new ids (the mask's count): read in the same call,
+        so the map updated in place needs no copy kept for the count, and the step no search
+        of the new map and no pass over the mask (XLA:CPU compiles each of the search's
+        steps as a program of its own)."""
         return self._profile_call(state, ids, valid, remap=False)
 
     def profile_remap(
@@ -424,7 +427,7 @@ class MCHManagedCollisionModule:
         out = (
             state,
             jax.ShapeDtypeStruct((self.zch_size,), jnp.bool_),
-            jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((3,), jnp.int32),
         )
         if remap:
             out = (*out, jax.ShapeDtypeStruct((n,), jnp.int32))
@@ -436,7 +439,10 @@ class MCHManagedCollisionModule:
                 with _static_loops(static):
                     done = self._profile(state, ids, valid)
                 slots = (self.remap(done[0], ids),) if remap else ()
-                return jax.tree_util.tree_leaves((*done, occupancy(state), *slots))
+                counts = jnp.stack(
+                    [occupancy(state), occupancy(done[0]), jnp.sum(done[1].astype(jnp.int32))]
+                )
+                return jax.tree_util.tree_leaves((*done, counts, *slots))
 
             return run
 
