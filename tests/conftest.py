@@ -51,12 +51,23 @@ def rng():
 # `make test` hands whole files to two workers (`--dist loadfile`), each taking the next file
 # from one queue as it finishes the last. The wall time is shortest when the longest files go
 # first and the short ones fill in at the end. pytest-xdist's own order is by number of tests,
-# which queued the files of a few slow tests (multiprocess runs, the slow training runs) last,
-# where one of them alone could keep a worker busy a minute after the other had finished. So
-# files holding a test marked `slow` or `multiprocess` go first (the most such tests first),
-# then the rest, the most tests first, as pytest-xdist would; the tests of each file keep
-# their order. Only the order changes: every test still runs.
+# which queued the files of a few long tests (multiprocess runs, benchmarks' tiny runs) last,
+# where one of them alone could keep a worker busy a minute after the other had finished. So:
+# first the files holding tests marked `slow` or `multiprocess` (the most such tests first),
+# then the files below, of few tests that are long without the mark (benchmark and
+# fresh-process runs, each 15-40 s of a quiet 2-core machine's two workers, measured
+# 2026-11-27), then the rest, the most tests first, as pytest-xdist would. The tests of a file
+# keep their order. Only the order changes: every test still runs.
 _LONG = ("slow", "multiprocess")
+_FEW_LONG_TESTS = (
+    "tests/test_benchmarks.py",
+    "tests/test_benchmark_gpu.py",
+    "tests/test_export.py",
+    "tests/test_readme.py",
+    "tests/test_data_stream.py",
+    "tests/test_serving_server.py",
+    "tests/test_benchmark_serving_load.py",
+)
 
 
 def pytest_configure(config):
@@ -70,5 +81,10 @@ def pytest_collection_modifyitems(config, items):
         counts = files.setdefault(item.nodeid.split("::")[0], [0, 0])
         counts[0] += any(item.get_closest_marker(m) for m in _LONG)
         counts[1] += 1
-    rank = {f: i for i, f in enumerate(sorted(files, key=lambda f: (-files[f][0], -files[f][1])))}
+
+    def weight(f):
+        named = f in _FEW_LONG_TESTS
+        return (-files[f][0], not named, _FEW_LONG_TESTS.index(f) if named else 0, -files[f][1])
+
+    rank = {f: i for i, f in enumerate(sorted(files, key=weight))}
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
