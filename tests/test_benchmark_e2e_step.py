@@ -583,7 +583,11 @@ def test_tiny_run_writes_consistent_json_and_markdown(tmp_path, torchrec, capsys
     assert plain["sparse_update"] > 0
     pipe = seg("hybridrec pipeline")
     assert {"host_prep", "host_prep_critical", "lookup", "dense", "sparse_update"} <= set(pipe)
-    assert pipe["host_prep_critical"] <= pipe["host_prep"] + 1.0  # ms
+    # the main thread's wait for a batch happens inside its step, whatever the load; that it is
+    # no more than the batch's preparation is checked with a margin a loaded machine cannot
+    # cross (0.2 s batches) in test_pipeline_round_accounts_host_prep_per_step: two measured
+    # times here, 1 ms apart at most, failed on a loaded 2-core machine (3.1 ms vs 1.3 ms)
+    assert pipe["host_prep_critical"] <= step_ms["hybridrec pipeline"] * (1 + 1e-9)
     tr = seg("torchrec plain")  # synchronous: its four segments add up to no more than the step
     assert tr["host_prep"] == tr["host_prep_critical"]
     assert sum(tr[k] for k in ("host_prep", "lookup", "dense", "sparse_update")) <= step_ms[

@@ -132,7 +132,7 @@ def _run(
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # generous: a loaded machine slows a fresh jax + torch process many times
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
