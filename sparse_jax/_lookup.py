@@ -221,23 +221,9 @@ def _jagged_args(
 
 
 def _group_per_position(
-    table,
-    kjt,
-    layout: TableLayout,
-    group: str,
-    caps,
-    *,
-    weighted: bool,
-    bounds_check: str,
-    dynamic: bool = False,
+    table, kjt, layout: TableLayout, group: str, caps, *, weighted: bool, bounds_check: str
 ):
-    """The XLA form of one group: `[B, F_g * dim]`. Features of one cap are looked up
-    together, position by position: per position one gather of a row per bag, added to the
-    bags' sums (`_sum_bag_positions`). The id matrix is position-major (`[cap, bags]`: each
-    position's ids are contiguous; a bag-major matrix read column by column cost the Zipf
-    forward several times FBGEMM's time on CPU). `dynamic`: loop only up to the batch's
-    longest bag (a data-dependent trip count: CPU only, where a loop bound is not a host
-    sync)."""
+    """The XLA form of one group: `[B, F_g * dim]` (features of one cap looked up together)."""
     key_indices = layout.key_indices(kjt.keys())
     stride = kjt.stride()
     members = _group_members(layout, group)
@@ -245,75 +231,17 @@ def _group_per_position(
     by_cap: dict[int, list[int]] = {}
     for i in members:
         by_cap.setdefault(caps[i], []).append(i)
-    last = max(kjt.capacity() - 1, 0)
     for cap, same in by_cap.items():
-        slots = [layout.features[i] for i in same]
-        start = jnp.concatenate([_bag_starts(kjt, key_indices[i]) for i in same])
-        length = jnp.concatenate([_bag_lengths(kjt, key_indices[i]) for i in same])
-        row_offset = np.repeat([s.row_offset for s in slots], stride).astype(np.int32)
-        num_rows = np.repeat([s.num_rows for s in slots], stride).astype(np.int32)
-        pos = jnp.arange(cap, dtype=start.dtype)[:, None]
-        at = jnp.minimum(start[None, :] + pos, last)  # [cap, bags]
-        valid = pos < length[None, :]
-        ids = kjt.values()[at]
-        if bounds_check == "clamp":
-            ids = jnp.clip(ids, 0, num_rows[None, :] - 1)
-        else:
-            inside = (ids >= 0) & (ids < num_rows[None, :])
-            ids, valid = jnp.where(inside, ids, 0), valid & inside
-        # padding and skipped positions read the group's first row: one cache-hot line
-        rows = jnp.where(valid, ids + row_offset[None, :], 0)
-        mean = [s.pooling is PoolingType.MEAN for s in slots]
-        w = None
-        if weighted or any(mean):
-            w = jnp.where(valid, _per_id_weights(kjt, weighted)[at], 0.0)
-            if any(mean):
-                per_bag = jnp.where(
-                    np.repeat(mean, stride), 1.0 / jnp.maximum(length, 1).astype(w.dtype), 1.0
-                )
-                w = w * per_bag[None, :]
-        pooled = _sum_bag_positions(table, rows, w, valid, dynamic=dynamic)
+        mats = [
+            _position_matrix(kjt, key_indices[i], cap, layout.features[i], weighted, bounds_check)
+            for i in same
+        ]
+        pooled = _sum_positions(
+            table, jnp.concatenate([m[0] for m in mats]), jnp.concatenate([m[1] for m in mats])
+        )
         for j, i in enumerate(same):
             blocks[i] = pooled[j * stride : (j + 1) * stride]
     return jnp.concatenate([blocks[i] for i in members], axis=1)
-
-
-def _bag_starts(kjt: KeyedJaggedTensor, ki: int):
-    stride = kjt.stride()
-    return kjt.offsets()[ki * stride : (ki + 1) * stride]
-
-
-def _sum_bag_positions(table, rows, w, valid, *, dynamic: bool):
-    """`sum_p w[p] * table[rows[p]]` per bag in fp32 (`rows`, `w`, `valid`: `[cap, bags]`,
-    position-major); `w` None: 1 where `valid`, else 0 (a select, no weight matrix read).
-    One fused gather+add per position in a loop of `_UNROLL` positions an iteration, over
-    all `cap` positions, or (`dynamic`) only up to the last position any bag fills. A
-    narrow table rides in the loop carry behind an optimization barrier (`_sum_positions`)."""
-    cap, bags = rows.shape
-    acc = jnp.zeros((bags, table.shape[1]), jnp.float32)
-
-    def add(p, acc, t):
-        at = jnp.minimum(p, cap - 1)  # a dynamic loop's last iteration may pass cap
-        r = t.at[rows[at]].get(mode="promise_in_bounds").astype(jnp.float32)
-        keep = valid[at] & (p < cap)
-        if w is None:
-            return acc + jnp.where(keep[:, None], r, 0.0)
-        return acc + jnp.where(keep, w[at], 0.0)[:, None] * r
-
-    def step(i, carry):
-        acc, t = carry
-        if t.dtype != jnp.float32:
-            t = jax.lax.optimization_barrier(t)
-        for u in range(_UNROLL):
-            acc = add(i * _UNROLL + u, acc, t)
-        return acc, t
-
-    if dynamic:
-        filled = jnp.max(jnp.where(valid, jnp.arange(cap)[:, None] + 1, 0), initial=0)
-        steps = (filled + _UNROLL - 1) // _UNROLL
-    else:
-        steps = -(-cap // _UNROLL)
-    return jax.lax.fori_loop(0, steps, step, (acc, table))[0]
 
 
 def _group_segment_sum(
@@ -361,20 +289,17 @@ def pooled_group(
     caps = None if caps is None else [caps[ki] for ki in layout.key_indices(kjt.keys())]
     opts = dict(weighted=weighted, bounds_check=bounds_check)
 
-    def xla(table, kjt, dynamic=False):
+    def xla(table, kjt):
         if caps is None:
             return _group_segment_sum(table, kjt, layout, group, **opts)
-        return _group_per_position(table, kjt, layout, group, caps, dynamic=dynamic, **opts)
-
-    def xla_cpu(table, kjt):  # a loop bound read from the batch is no host sync on CPU
-        return xla(table, kjt, dynamic=True)
+        return _group_per_position(table, kjt, layout, group, caps, **opts)
 
     pallas_ok = _pallas.supports_dim(table.shape[1])
     if kernel == "xla":
         if caps is None:
             _caps(kjt, layout.key_indices(kjt.keys()))  # raises the prepare-first error
-        impls = dict(default=xla, cpu=xla_cpu)
-    elif kernel == "pallas":
+        return xla(table, kjt)
+    if kernel == "pallas":
         _require_pallas(pallas_ok, table)
         impls = dict(
             default=_jagged_kernel(
@@ -395,7 +320,7 @@ def pooled_group(
         cpu = _jagged_kernel(_kernels.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check)
         impls = dict(
             default=xla,
-            cpu=_kernels.when_built(cpu, xla_cpu) if ffi else xla_cpu,
+            cpu=_kernels.when_built(cpu, xla) if ffi else None,
             cuda=_jagged_kernel(
                 _pallas.jagged_pooled_sum, kjt, layout, group, weighted, bounds_check
             )
