@@ -231,6 +231,29 @@ def _from_keyed(keys, values, lengths, weights) -> dict[str, _Column]:
     return out
 
 
+def _numpy_columns(sparse, features: Sequence[str]) -> list[_Column] | None:
+    """The columns of `features` (in that order) when `sparse` is a dict giving each as
+    `(values, lengths)`, both 1-D numpy arrays, lengths int64 (what a program builds):
+    taken as they are, without a conversion; None for any other form (`_columns` reads it)."""
+    if type(sparse) is not dict:
+        return None
+    cols = []
+    for f in features:
+        entry = sparse.get(f)
+        if type(entry) is not tuple or len(entry) != 2:
+            return None
+        values, lengths = entry
+        if not (
+            type(values) is np.ndarray
+            and type(lengths) is np.ndarray
+            and values.ndim == lengths.ndim == 1
+            and lengths.dtype == np.int64
+        ):
+            return None
+        cols.append(_Column(values, lengths, None))
+    return cols
+
+
 def _columns(sparse) -> dict[str, _Column]:
     if isinstance(sparse, Mapping):
         return _from_mapping(sparse)
@@ -321,7 +344,9 @@ def id_bounds(spec: RequestSpec) -> IdBounds:
     bounds_check is "error", else int32's range (the program clamps or skips the rest)."""
     n = len(spec.features)
     if spec.bounds_check == "error":
-        high = np.array([min(rows for _, rows in spec.tables_of[f]) for f in spec.features], np.int64)
+        high = np.array(
+            [min(rows for _, rows in spec.tables_of[f]) for f in spec.features], np.int64
+        )
         low = np.zeros(n, np.int64)
     else:
         low, high = np.full(n, -_INT32_MAX - 1, np.int64), np.full(n, _INT32_MAX + 1, np.int64)
@@ -334,13 +359,13 @@ def with_bounds(spec: RequestSpec) -> RequestSpec:
     return spec._replace(bounds=id_bounds(spec))
 
 
-def _ids(columns: dict[str, _Column], counts: list[int], spec: RequestSpec) -> np.ndarray:
+def _ids(cols: list[_Column], counts: list[int], spec: RequestSpec) -> np.ndarray:
     """Every feature's ids as one int64 array, checked: one vectorised pass over all of them;
     only a request that fails it goes feature by feature (`_check_ids`) to name the id."""
     features = spec.features
-    ids = np.concatenate([columns[f].values for f in features]) if features else np.zeros(0)
+    ids = np.concatenate([c.values for c in cols]) if features else np.zeros(0)
     if ids.size and ids.dtype.kind not in "iu":  # floats from JSON, or not numbers: one by one
-        return np.concatenate([_check_ids(f, columns[f], spec) for f in features])
+        return np.concatenate([_check_ids(f, c, spec) for f, c in zip(features, cols, strict=True)])
     ids = ids.astype(np.int64, copy=False)
     if spec.id_maps:  # raw ids through the frozen maps (an id not in one reads its default row)
         ids = ids.copy()
@@ -355,10 +380,14 @@ def _ids(columns: dict[str, _Column], counts: list[int], spec: RequestSpec) -> n
         bad = ids.size and (ids.min() < bounds.uniform[0] or ids.max() >= bounds.uniform[1])
     else:
         counts = np.asarray(counts)
-        bad = ((ids < np.repeat(bounds.low, counts)) | (ids >= np.repeat(bounds.high, counts))).any()
+        bad = (
+            (ids < np.repeat(bounds.low, counts)) | (ids >= np.repeat(bounds.high, counts))
+        ).any()
     if bad:
-        for f in features:  # raises, naming the feature, table, sample and id
-            _check_ids(f, columns[f], spec)
+        for f, c in zip(
+            features, cols, strict=True
+        ):  # raises, naming the feature, table, sample and id
+            _check_ids(f, c, spec)
     return ids
 
 
@@ -368,16 +397,18 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
     Vectorised: the features' lengths, counts, ids and weights are each checked and packed
     with a few numpy calls over the whole request (`tests/reference.serving_request_loop` is
     its plain-loop twin); a request that fails a check is then walked to name the culprit."""
-    columns = _columns(sparse)
-    missing = [f for f in spec.features if f not in columns]
-    if missing:
-        raise RequestError(
-            "missing_feature",
-            f"the request lacks features {missing}; the artifact reads {list(spec.features)} "
-            "(give an empty list for a sample without ids)",
-        )
     features = spec.features
-    cols = [columns[f] for f in features]
+    cols = _numpy_columns(sparse, features)
+    if cols is None:  # any other form, or a feature missing
+        columns = _columns(sparse)
+        missing = [f for f in features if f not in columns]
+        if missing:
+            raise RequestError(
+                "missing_feature",
+                f"the request lacks features {missing}; the artifact reads {list(features)} "
+                "(give an empty list for a sample without ids)",
+            )
+        cols = [columns[f] for f in features]
     batch = cols[0].lengths.shape[0]
     if any(c.lengths.shape[0] != batch for c in cols):
         sizes = {f: int(c.lengths.shape[0]) for f, c in zip(features, cols, strict=True)}
@@ -411,7 +442,7 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
                 "weights",
                 f"feature {unweighted[0]!r} has no weights, but the model is weighted: give one weight per id",
             )
-    ids = _ids(columns, counts, spec)
+    ids = _ids(cols, counts, spec)
     capacity = _capacity(ids.shape[0], spec)
     wide = [(capacity, np.float32)] if spec.is_weighted else []
     padded, offsets, *w = _zeros((capacity, np.int32), (len(features) * rung + 1, np.int32), *wide)
