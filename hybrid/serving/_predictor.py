@@ -5,10 +5,12 @@ numpy (`_request.read_sparse`) into the program's static shapes (ids padded to a
 the artifact's id capacities, bags to the smallest of its batch rungs that holds the
 request: offsets `[features x rung + 1]`); the lookup runs as that rung's program compiled
 ahead of time for that id capacity (once, cached; `warm` compiles ahead), the dense
-tower as the `torch.export` program's graph (`_lean_forward`: its dead nodes dropped, its
-parameters one attribute read each, no pytree wrapping) called directly under
-`torch.inference_mode` (the program's input-guard hook is skipped: `read_dense` has
-already checked what it checks), on the pooled array as DLPack hands it over (no copy).
+tower as the `torch.export` program's graph made one plain function (`_lean_forward`: its
+dead nodes dropped, each aten op called directly, its parameters constants, no pytree
+wrapping, the interaction's advanced index as `index_select`; checked bit for bit at load)
+called under `torch.inference_mode` (the program's input-guard hook is skipped:
+`read_dense` has already checked what it checks), on the pooled array as DLPack hands it
+over (no copy; on CPU as the array's capsule).
 
 Which lookup runs (`Predictor.lookup`): an artifact of a quantized model may hold its
 lookups twice (`programs.sparse.cpu_kernel`), as XLA programs and as CPU programs whose
