@@ -235,6 +235,26 @@ def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
     return dict(zip(keys, m.tolist(), strict=True))
 
 
+def paired_calls(cases: dict, calls: int) -> dict:
+    """{name: per-call seconds}: the cases called one after another, one call each, `calls`
+    times, the order reversed every other time (no lead-in: on a loaded machine, a burst of
+    one case's calls is what the scheduler throttles; adjacent single calls see the same
+    load, so their per-call ratios hold where the rounds' medians do not)."""
+    import time
+
+    names = list(cases)
+    for _ in range(10):
+        for n in names:
+            cases[n]()
+    out = {n: [] for n in names}
+    for i in range(calls):
+        for n in names if i % 2 else names[::-1]:
+            t0 = time.perf_counter()
+            cases[n]()
+            out[n].append(time.perf_counter() - t0)
+    return {n: np.array(v) for n, v in out.items()}
+
+
 def alone(args) -> dict:
     """TorchRec timed by itself in this (fresh) process: {batch: median ms}."""
     from benchmarks.timing import clocked, interleaved, summarize
@@ -260,6 +280,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pooling", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--alone-repeats", type=int, default=15)
+    ap.add_argument(
+        "--paired-calls",
+        type=int,
+        default=300,
+        help="adjacent single calls of ours, before and TorchRec per batch (paired_calls)",
+    )
     ap.add_argument("--side", choices=["both", "torchrec"], default="both", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.side == "torchrec":
@@ -290,6 +316,13 @@ def main(argv=None) -> int:
             cases[f"before {b}"] = clocked(lambda c, f=before: f())
             cases[f"torchrec {b}"] = clocked(lambda c, f=theirs: f())
         samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
+        paired = {
+            b: paired_calls(
+                {k: (lambda f=cases[f"{k} {b}"]: f()) for k in ("ours", "before", "torchrec")},
+                args.paired_calls,
+            )
+            for b in BATCHES
+        }
         stages = {b: host_breakdown(predictor, args, b) for b in BATCHES}
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
     fresh = competitor_alone("benchmarks.serving_latency", "torchrec", argv)
@@ -312,6 +345,22 @@ def main(argv=None) -> int:
             f"| {b} | {med[f'ours {b}']:.2f} | {med[f'before {b}']:.2f} | {med[f'torchrec {b}']:.2f} | "
             f"{fresh[str(b)]:.2f} | {rb['paired_median']:.2f}x | {r['paired_median']:.2f}x | "
             f"{bt['paired_median']:.2f}x |"
+        )
+    print(
+        f"\nAdjacent single calls ({args.paired_calls} per batch, order alternating; medians, "
+        "and medians of the per-call ratios):"
+    )
+    print(
+        "| batch | ours ms | before ms | TorchRec ms | ours / before | ours / TorchRec | "
+        "before / TorchRec |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for b, t in paired.items():
+        o, p, q = t["ours"], t["before"], t["torchrec"]
+        print(
+            f"| {b} | {np.median(o) * 1e3:.3f} | {np.median(p) * 1e3:.3f} | "
+            f"{np.median(q) * 1e3:.3f} | {np.median(o / p):.2f}x | {np.median(o / q):.2f}x | "
+            f"{np.median(p / q):.2f}x |"
         )
     print("\nWhere our call's time goes (median ms per stage):")
     print(
