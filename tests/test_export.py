@@ -220,8 +220,8 @@ def test_an_int8_artifact_carries_the_kernel_lookup_and_runs_it_with_the_same_sc
     # the tower runs as the lean copy of its graph (dead views dropped, one plain function,
     # the interaction's advanced index as index_select)
     ops = {id(v) for v in fast._dense_forward.__globals__.values()}
-    assert id(torch.ops.aten.index_select.default._op) in ops
-    assert id(torch.ops.aten.index.Tensor._op) not in ops
+    assert id(torch.ops.aten.index_select.default) in ops
+    assert id(torch.ops.aten.index.Tensor) not in ops
     dense, lists = exported["dense"], exported["lists"]
     assert torch.equal(fast(dense, lists), exported["expected_int8"])
     assert torch.equal(plain(dense, lists), exported["expected_int8"])

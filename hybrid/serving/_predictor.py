@@ -244,8 +244,8 @@ def _gather_rewrite(graph: torch.fx.Graph, attrs: dict[str, Any]) -> None:
 
 
 def _as_function(graph: torch.fx.Graph, attrs: dict[str, Any]) -> Callable:
-    """`graph` as one plain Python function of its placeholders: each aten op called as its
-    C++ function (`OpOverload._op`, not the Python wrapper around it), each parameter and
+    """`graph` as one plain Python function of its placeholders: each op called as the
+    object the node names (no `torch.ops.aten...` lookups per call), each parameter and
     buffer a global of the function (not a `Module.__getattr__`), `aten.sym_size.int` as
     `Tensor.size`. Only placeholders, get_attr, call_function and one output."""
     consts: dict[str, Any] = {}
@@ -279,8 +279,6 @@ def _as_function(graph: torch.fx.Graph, attrs: dict[str, Any]) -> Callable:
             fn = node.target
             if fn is _ATEN.sym_size.int:
                 fn = torch.Tensor.size
-            elif isinstance(fn, torch._ops.OpOverload):
-                fn = fn._op
             call = [arg(a) for a in node.args] + [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
             lines.append(f"{names[node]} = {const(fn)}({', '.join(call)})")
         elif node.op == "output":

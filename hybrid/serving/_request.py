@@ -356,7 +356,7 @@ def id_bounds(spec: RequestSpec) -> IdBounds:
 
 def with_bounds(spec: RequestSpec) -> RequestSpec:
     """`spec` carrying its `id_bounds`, so that `read_sparse` does not derive them per call."""
-    return spec._replace(bounds=id_bounds(spec))
+    return RequestSpec(*spec[:-1], bounds=id_bounds(spec))  # bounds: the last field
 
 
 def _ids(cols: list[_Column], counts: list[int], spec: RequestSpec) -> np.ndarray:
