@@ -10,15 +10,16 @@ side's own path), DLRM with 13 dense features, bags of `--pooling` ids. A reques
 ids (ours: `{feature: (values, lengths)}` arrays; TorchRec: a prebuilt KJT) and dense
 features; the time is the whole call until the logits exist (ours: id checks, padding, the
 jax lookup, the torch.export dense tower; TorchRec: eager forward under `no_grad`).
-Interleaved with them, the previous serving path on the same artifact (`before`: the XLA
-lookup programs, `load(..., lookup="xla")`, and the exported graph of the tower as it is,
-under `no_grad`), so the change is measured in the same run. Interleaved medians and
+Interleaved with them, the previous serving path on the same predictor (`before`:
+`benchmarks.serving_before`, a frozen copy of the call as it was at commit 559e9ca: the
+same kernel lookup programs, with that version's request read, DLPack hand-over and lean
+tower), so the change is measured in the same run. Interleaved medians and
 per-round ratios, then TorchRec timed alone in a fresh process (`--side torchrec`), so its
 time in this harness can be compared with its time alone.
 Last, where our call's time goes (`host_breakdown`, medians of perf_counter stages): the
-request read and checked (`read_sparse`, `read_dense`), the lookup program (the call, as
-the host waits for it), the dense tower; the host path is all but the lookup's and the
-tower's compute. The lookup the predictor runs (`Predictor.lookup`: "cpu_kernel" or "xla")
+request read and checked (`read_sparse`, `read_dense`), the lookup program (its call, and
+its wait until the pooled array is ready), the DLPack hand-over to torch (and the slice
+to the request's samples), the dense tower, and the whole call. The lookup the predictor runs (`Predictor.lookup`: "cpu_kernel" or "xla")
 is printed; the run stops if the artifact's kernel lookup fell back to XLA.
 """
 
@@ -173,29 +174,23 @@ def ours_case(predictor, args, batch: int):
 
 
 def before_case(predictor, args, batch: int):
-    """The serving call as it was before the kernel lookup and the lean tower: `predictor`
-    loaded with lookup="xla", the tower's exported graph called as is under `no_grad`."""
+    """The serving call as it was at commit 559e9ca (`benchmarks.serving_before`) on
+    `predictor`'s artifact and lookup programs."""
     import torch
 
-    from hybrid.serving._request import read_dense, read_sparse
+    from benchmarks import serving_before
 
     dense, sparse = requests(args, batch)
     x = torch.from_numpy(dense)
-    forward = predictor._dense.forward
-
-    def run():
-        arrays = read_sparse(sparse, predictor._spec)
-        d = read_dense(x, predictor.n_dense, arrays.batch_size, predictor._dense_dtype)
-        pooled = predictor._pool(arrays)
-        with torch.no_grad():
-            return forward(d, pooled)
-
-    return run
+    run = serving_before.call(predictor)
+    return lambda: run(x, sparse)
 
 
 def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
     """Median ms of each stage of `predictor(dense, sparse)` for a batch-`batch` request, as
-    `Predictor.__call__` runs them (its private steps, called one by one)."""
+    `Predictor.__call__` runs them (its private steps, called one by one): the lookup is
+    its program's call and the wait until the pooled array is ready, the hand-over what
+    `Predictor._pool` does after (DLPack to torch, the slice to the request's samples)."""
     import time
 
     import torch
@@ -204,25 +199,60 @@ def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
 
     dense, sparse = requests(args, batch)
     x = torch.from_numpy(dense)
-    stages = np.zeros((repeats, 5))
+    stages = np.zeros((repeats, 7))
+    n_features = len(predictor.features)
     for i in range(repeats + 20):
         t0 = time.perf_counter()
         arrays = read_sparse(sparse, predictor._spec)
         t1 = time.perf_counter()
         d = read_dense(x, predictor.n_dense, arrays.batch_size, predictor._dense_dtype)
         t2 = time.perf_counter()
-        pooled = predictor._pool(arrays)
+        rung = (arrays.offsets.shape[0] - 1) // n_features
+        program = predictor._program(rung, arrays.values.shape[0])
+        out = program(*predictor._tables, arrays.values, arrays.offsets)
         t3 = time.perf_counter()
+        out.block_until_ready()
+        t4 = time.perf_counter()
+        pooled = torch.utils.dlpack.from_dlpack(out.__dlpack__())[: arrays.batch_size]
+        t5 = time.perf_counter()
         with torch.inference_mode():
             predictor._dense_forward(d, pooled)
-        t4 = time.perf_counter()
+        t6 = time.perf_counter()
         predictor(x, sparse)
-        t5 = time.perf_counter()
+        t7 = time.perf_counter()
         if i >= 20:
-            stages[i - 20] = [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4]
+            stages[i - 20] = [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6]
     m = np.median(stages, axis=0) * 1e3
-    keys = ("read_sparse", "read_dense", "lookup", "dense", "whole_call")
+    keys = (
+        "read_sparse",
+        "read_dense",
+        "lookup_call",
+        "lookup_wait",
+        "handover",
+        "dense",
+        "whole_call",
+    )
     return dict(zip(keys, m.tolist(), strict=True))
+
+
+def paired_calls(cases: dict, calls: int) -> dict:
+    """{name: per-call seconds}: the cases called one after another, one call each, `calls`
+    times, the order reversed every other time (no lead-in: on a loaded machine, a burst of
+    one case's calls is what the scheduler throttles; adjacent single calls see the same
+    load, so their per-call ratios hold where the rounds' medians do not)."""
+    import time
+
+    names = list(cases)
+    for _ in range(10):
+        for n in names:
+            cases[n]()
+    out = {n: [] for n in names}
+    for i in range(calls):
+        for n in names if i % 2 else names[::-1]:
+            t0 = time.perf_counter()
+            cases[n]()
+            out[n].append(time.perf_counter() - t0)
+    return {n: np.array(v) for n, v in out.items()}
 
 
 def alone(args) -> dict:
@@ -250,13 +280,18 @@ def main(argv=None) -> int:
     ap.add_argument("--pooling", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--alone-repeats", type=int, default=15)
+    ap.add_argument(
+        "--paired-calls",
+        type=int,
+        default=300,
+        help="adjacent single calls of ours, before and TorchRec per batch (paired_calls)",
+    )
     ap.add_argument("--side", choices=["both", "torchrec"], default="both", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.side == "torchrec":
         print(json.dumps(alone(args)))
         return 0
 
-    import hybrid.serving
     from benchmarks.e2e_step import competitor_alone, quietness_line, quietness_probe
     from benchmarks.timing import clocked, interleaved, paired_ratio, summarize
 
@@ -267,11 +302,10 @@ def main(argv=None) -> int:
         predictor = ours_predictor(args, w, f"{tmp}/dlrm_int8")
         if predictor.lookup_fallback is not None:
             raise SystemExit(f"the kernel lookup fell back to XLA: {predictor.lookup_fallback}")
-        previous = hybrid.serving.load(predictor.path, lookup="xla")
         cases = {}
         for b in BATCHES:
             ours, theirs = ours_case(predictor, args, b), torchrec_case(theirs_model, args, b)
-            before = before_case(previous, args, b)
+            before = before_case(predictor, args, b)
             assert tuple(ours().shape) == tuple(theirs().shape) == (b, 1), (
                 b,
                 ours().shape,
@@ -282,6 +316,13 @@ def main(argv=None) -> int:
             cases[f"before {b}"] = clocked(lambda c, f=before: f())
             cases[f"torchrec {b}"] = clocked(lambda c, f=theirs: f())
         samples = interleaved(cases, repeats=args.repeats, lead_in_s=LEAD_IN_S)
+        paired = {
+            b: paired_calls(
+                {k: (lambda f=cases[f"{k} {b}"]: f()) for k in ("ours", "before", "torchrec")},
+                args.paired_calls,
+            )
+            for b in BATCHES
+        }
         stages = {b: host_breakdown(predictor, args, b) for b in BATCHES}
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
     fresh = competitor_alone("benchmarks.serving_latency", "torchrec", argv)
@@ -290,7 +331,7 @@ def main(argv=None) -> int:
     print(
         f"{args.tables} int8 tables of {args.rows} x {args.dim}, bags of {args.pooling}, DLRM [64, {args.dim}] / "
         f"[64, 1]; {args.repeats} interleaved rounds, medians; our lookup: {predictor.lookup}; "
-        "before: XLA lookup, the tower's exported graph as is"
+        "before: the call at commit 559e9ca (benchmarks.serving_before)"
     )
     print(
         "| batch | ours ms | before ms | TorchRec ms (here) | TorchRec ms (alone) | "
@@ -305,16 +346,34 @@ def main(argv=None) -> int:
             f"{fresh[str(b)]:.2f} | {rb['paired_median']:.2f}x | {r['paired_median']:.2f}x | "
             f"{bt['paired_median']:.2f}x |"
         )
-    print("\nWhere our call's time goes (median ms per stage; the request read = host path):")
     print(
-        "| batch | read_sparse | read_dense | lookup call | dense tower | whole call | read share |"
+        f"\nAdjacent single calls ({args.paired_calls} per batch, order alternating; medians, "
+        "and medians of the per-call ratios):"
+    )
+    print(
+        "| batch | ours ms | before ms | TorchRec ms | ours / before | ours / TorchRec | "
+        "before / TorchRec |"
     )
     print("|---|---|---|---|---|---|---|")
+    for b, t in paired.items():
+        o, p, q = t["ours"], t["before"], t["torchrec"]
+        print(
+            f"| {b} | {np.median(o) * 1e3:.3f} | {np.median(p) * 1e3:.3f} | "
+            f"{np.median(q) * 1e3:.3f} | {np.median(o / p):.2f}x | {np.median(o / q):.2f}x | "
+            f"{np.median(p / q):.2f}x |"
+        )
+    print("\nWhere our call's time goes (median ms per stage):")
+    print(
+        "| batch | read_sparse | read_dense | lookup call | lookup wait | DLPack hand-over | "
+        "dense tower | whole call | read share |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for b, s in stages.items():
         read = s["read_sparse"] + s["read_dense"]
         print(
-            f"| {b} | {s['read_sparse']:.3f} | {s['read_dense']:.3f} | {s['lookup']:.3f} | "
-            f"{s['dense']:.3f} | {s['whole_call']:.3f} | {read / s['whole_call']:.0%} |"
+            f"| {b} | {s['read_sparse']:.3f} | {s['read_dense']:.3f} | {s['lookup_call']:.3f} | "
+            f"{s['lookup_wait']:.3f} | {s['handover']:.3f} | {s['dense']:.3f} | "
+            f"{s['whole_call']:.3f} | {read / s['whole_call']:.0%} |"
         )
     return 0
 

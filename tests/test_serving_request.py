@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.serving._request import RequestError, RequestSpec, read_sparse
+from hybrid.serving._request import RequestError, RequestSpec, read_sparse, with_bounds
 from tests.reference import serving_request_loop
 
 FEATURES = ("a", "b", "c")
@@ -123,6 +123,11 @@ def test_flat_form_checks_lengths_and_json_floats():
         read_sparse({**ok, "c": (np.array([1, 2]), np.array([2, 1]))}, spec)
     with pytest.raises(RequestError, match=r"feature 'a' has no weights"):
         read_sparse(ok, _spec(weighted=True))
+    # lengths whose int64 sum wraps around to the id count are refused, not packed
+    big = np.iinfo(np.int64).max
+    three = {f: (np.array([1, 2, 3]), np.array([1, 1, 1])) for f in FEATURES}
+    with pytest.raises(RequestError, match=r"feature 'a': sample 0 has length \d+ but there are 5"):
+        read_sparse({**three, "a": (np.arange(5), np.array([big, big, 7]))}, spec)
 
 
 def test_the_packed_arrays_start_on_64_byte_boundaries_so_xla_reads_them_in_place():
@@ -140,3 +145,15 @@ def test_the_packed_arrays_start_on_64_byte_boundaries_so_xla_reads_them_in_plac
         for array in (got.values, got.offsets, weighted.values, weighted.offsets, weighted.weights):
             assert array.ctypes.data % 64 == 0
             assert array.flags.c_contiguous and array.flags.writeable
+
+
+def test_bounds_shared_by_every_feature_are_checked_by_one_min_and_max():
+    """With bounds_check "clamp" every feature's ids share int32's range (`id_bounds` gives
+    one pair): the ids still reach the program untruncated, and the culprit is named."""
+    spec = with_bounds(_spec(bounds_check="clamp"))
+    assert spec.bounds.uniform == (-(2**31), 2**31)
+    assert with_bounds(_spec()).bounds.uniform is None  # tables of 50, 40 and 30 rows
+    ok = {f: (np.array([1, 2]), np.array([2, 0])) for f in FEATURES}
+    np.testing.assert_array_equal(read_sparse(ok, spec).values, read_sparse(ok, _spec()).values)
+    with pytest.raises(RequestError, match=r"feature 'c' \(ids must fit int32\): id 2147483648"):
+        read_sparse({**ok, "c": (np.array([1, 2**31]), np.array([2, 0]))}, spec)

@@ -5,10 +5,12 @@ numpy (`_request.read_sparse`) into the program's static shapes (ids padded to a
 the artifact's id capacities, bags to the smallest of its batch rungs that holds the
 request: offsets `[features x rung + 1]`); the lookup runs as that rung's program compiled
 ahead of time for that id capacity (once, cached; `warm` compiles ahead), the dense
-tower as the `torch.export` program's graph (`_lean_forward`: its dead nodes dropped, its
-parameters one attribute read each, no pytree wrapping) called directly under
-`torch.inference_mode` (the program's input-guard hook is skipped: `read_dense` has
-already checked what it checks), on the pooled array as DLPack hands it over (no copy).
+tower as the `torch.export` program's graph made one plain function (`_lean_forward`: its
+dead nodes dropped, each aten op called directly, its parameters constants, no pytree
+wrapping, the interaction's advanced index as `index_select`; checked bit for bit at load)
+called under `torch.inference_mode` (the program's input-guard hook is skipped:
+`read_dense` has already checked what it checks), on the pooled array as DLPack hands it
+over (no copy; on CPU as the array's capsule).
 
 Which lookup runs (`Predictor.lookup`): an artifact of a quantized model may hold its
 lookups twice (`programs.sparse.cpu_kernel`), as XLA programs and as CPU programs whose
@@ -51,7 +53,13 @@ from hybrid.serving._artifact import (
     sparse_file,
     verify_files,
 )
-from hybrid.serving._request import RequestSpec, SparseArrays, read_dense, read_sparse
+from hybrid.serving._request import (
+    RequestSpec,
+    SparseArrays,
+    read_dense,
+    read_sparse,
+    with_bounds,
+)
 
 __all__ = ["LOOKUPS", "Predictor", "load"]
 
@@ -112,7 +120,7 @@ def _spec(manifest: dict[str, Any], id_maps=None) -> RequestSpec:
         for f in t["features"]:
             tables_of[f].append((t["name"], int(t["num_embeddings"])))
     accepts = manifest["accepts"]
-    return RequestSpec(
+    spec = RequestSpec(
         features=tuple(manifest["features"]),
         tables_of={f: tuple(v) for f, v in tables_of.items()},
         is_weighted=manifest["is_weighted"],
@@ -122,6 +130,7 @@ def _spec(manifest: dict[str, Any], id_maps=None) -> RequestSpec:
         id_maps=id_maps,
         batch_rungs=tuple(batch_rungs(manifest)),
     )
+    return with_bounds(spec)
 
 
 def _load_table(path: pathlib.Path, where: str, entry: dict[str, Any]) -> np.ndarray:
@@ -194,17 +203,111 @@ def _load_dense(path: pathlib.Path, where: str) -> torch.nn.Module:
     return program.module(check_guards=False)
 
 
+_ATEN = torch.ops.aten
+
+
+def _gather_rewrite(graph: torch.fx.Graph, attrs: dict[str, Any]) -> None:
+    """Each `x[:, rows, cols]` of a 3-D `x` by constant index vectors (the interaction's
+    upper triangle: `aten.index.Tensor`, an advanced index) becomes the same gather as
+    `x.flatten(1).index_select(1, rows * x.shape[2] + cols)`: the same values (a gather
+    moves them untouched) for a fraction of the advanced index's cost."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _ATEN.index.Tensor:
+            continue
+        x, index = node.args
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not (
+            isinstance(index, list | tuple)
+            and len(index) == 3
+            and index[0] is None
+            and all(isinstance(i, torch.fx.Node) and i.op == "get_attr" for i in index[1:])
+            and isinstance(val, torch.Tensor)
+            and val.ndim == 3
+            and all(isinstance(d, int) for d in val.shape[1:])
+        ):
+            continue
+        rows, cols = (attrs[i.target] for i in index[1:])
+        d1, d2 = val.shape[1:]
+        if not (
+            rows.ndim == cols.ndim == 1
+            and rows.shape == cols.shape
+            and not rows.is_floating_point()
+            and not cols.is_floating_point()
+            and bool(((rows >= 0) & (rows < d1) & (cols >= 0) & (cols < d2)).all())
+        ):
+            continue
+        name = f"_attr{len(attrs)}"
+        attrs[name] = (rows.long() * d2 + cols.long()).contiguous()
+        with graph.inserting_before(node):
+            flat = graph.call_function(_ATEN.flatten.using_ints, (x, 1))
+            where = graph.get_attr(name)
+            gather = graph.call_function(_ATEN.index_select.default, (flat, 1, where))
+        node.replace_all_uses_with(gather)
+        graph.erase_node(node)
+
+
+def _as_function(graph: torch.fx.Graph, attrs: dict[str, Any]) -> Callable:
+    """`graph` as one plain Python function of its placeholders: each op called as the
+    object the node names (no `torch.ops.aten...` lookups per call), each parameter and
+    buffer a global of the function (not a `Module.__getattr__`), `aten.sym_size.int` as
+    `Tensor.size`. Only placeholders, get_attr, call_function and one output."""
+    consts: dict[str, Any] = {}
+
+    def const(obj) -> str:
+        name = f"_k{len(consts)}"
+        consts[name] = obj
+        return name
+
+    names: dict[torch.fx.Node, str] = {}
+
+    def arg(a) -> str:
+        if isinstance(a, torch.fx.Node):
+            return names[a]
+        if isinstance(a, list):
+            return "[" + ", ".join(map(arg, a)) + "]"
+        if isinstance(a, tuple):
+            return "(" + "".join(arg(x) + ", " for x in a) + ")"
+        if a is None or type(a) in (bool, int):
+            return repr(a)
+        return const(a)
+
+    params, lines = [], []
+    for i, node in enumerate(graph.nodes):
+        names[node] = f"v{i}"
+        if node.op == "placeholder":
+            params.append(names[node])
+        elif node.op == "get_attr":
+            names[node] = const(attrs[node.target])
+        elif node.op == "call_function":
+            fn = node.target
+            if fn is _ATEN.sym_size.int:
+                fn = torch.Tensor.size
+            call = [arg(a) for a in node.args] + [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
+            lines.append(f"{names[node]} = {const(fn)}({', '.join(call)})")
+        elif node.op == "output":
+            lines.append(f"return {arg(node.args[0])}")
+        else:
+            raise NotImplementedError(f"graph node {node.op}")
+    source = f"def forward({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in lines)
+    namespace = dict(consts)
+    exec(compile(source, "<hybrid.serving lean tower>", "exec"), namespace)  # noqa: S102
+    forward = namespace["forward"]
+    forward.source = source
+    return forward
+
+
 def _lean_forward(
     module: torch.nn.Module, dense: tuple[int, torch.dtype], width: int, max_batch: int
 ) -> Callable:
-    """`module`'s forward `(dense_features, pooled) -> logits` as the same graph with less
-    Python per call: nodes nothing reads dropped (the per-feature views of the KeyedTensor
-    the wrapper builds), each parameter and buffer a top-level attribute (not a walk down
-    `dense.over_arch.model...`, a `Module.__getattr__` per step), no pytree flattening of
-    the inputs nor unflattening of the output. The same aten ops on the same tensors: the
-    result is checked equal to the graph's on probe batches (of 1 and 2 samples: dense
-    features `dense` = (width, dtype), pooled `width` columns), else (or for a graph not of
-    that form) `module.forward` itself is returned."""
+    """`module`'s forward `(dense_features, pooled) -> logits` as the same computation with
+    less Python per call: nodes nothing reads dropped (the per-feature views of the
+    KeyedTensor the wrapper builds), the interaction's advanced index as the same gather by
+    `index_select` (`_gather_rewrite`), no pytree flattening of the inputs nor unflattening
+    of the output, and the graph as one plain function (`_as_function`: ops called
+    directly, parameters as constants). The result is checked equal (bit for bit) to the
+    graph's on probe batches (of 1, 2 and `max_batch` samples: dense features `dense` =
+    (width, dtype), pooled `width` columns), else (or for a graph not of that form)
+    `module.forward` itself is returned."""
     graph = getattr(module, "graph", None)
     if not isinstance(graph, torch.fx.Graph):
         return module.forward
@@ -227,10 +330,12 @@ def _lean_forward(
                 attrs[name] = operator.attrgetter(node.target)(module)
                 node.target = name
         lean.eliminate_dead_code()
-        forward = torch.fx.GraphModule(attrs, lean).forward
+        _gather_rewrite(lean, attrs)
+        lean.eliminate_dead_code()
+        forward = _as_function(lean, attrs)
         gen = torch.Generator().manual_seed(0)
         with torch.inference_mode():
-            for batch in sorted({1, min(2, max_batch)}):
+            for batch in sorted({1, min(2, max_batch), max_batch}):
                 probe = (
                     torch.randn(batch, dense[0], generator=gen).to(dense[1]),
                     torch.randn(batch, width, generator=gen),
@@ -275,6 +380,9 @@ class Predictor:
         self.manifest = manifest
         self._spec = _spec(manifest, id_maps)
         self._tables = [jax.device_put(t) for t in tables]
+        # on CPU the pooled array is handed to torch as its DLPack capsule (no copy, none of
+        # torch.from_dlpack's device and version negotiation); elsewhere by from_dlpack
+        self._host = all(d.platform == "cpu" for t in self._tables for d in t.devices())
         self._exported = exported  # batch rung -> its lookup program
         self._compiled: dict[tuple[int, int], Any] = {}  # (batch rung, id capacity) -> compiled
         self._dense = dense
@@ -338,12 +446,19 @@ class Predictor:
         return pairs
 
     def _pool(self, arrays: SparseArrays) -> torch.Tensor:
-        args = [*self._tables, arrays.values, arrays.offsets]
-        if arrays.weights is not None:
-            args.append(arrays.weights)
         batch = (arrays.offsets.shape[0] - 1) // len(self._spec.features)
-        pooled = self._program(batch, arrays.values.shape[0])(*args)
-        return torch.from_dlpack(pooled)[: arrays.batch_size].cpu()  # (no copy on CPU)
+        program = self._compiled.get((batch, arrays.values.shape[0]))
+        if program is None:
+            program = self._program(batch, arrays.values.shape[0])
+        if arrays.weights is None:
+            pooled = program(*self._tables, arrays.values, arrays.offsets)
+        else:
+            pooled = program(*self._tables, arrays.values, arrays.offsets, arrays.weights)
+        if self._host:  # (no copy)
+            pooled = torch.utils.dlpack.from_dlpack(pooled.__dlpack__())
+        else:
+            pooled = torch.from_dlpack(pooled).cpu()
+        return pooled if arrays.batch_size == batch else pooled[: arrays.batch_size]
 
     def pooled(self, sparse) -> torch.Tensor:
         """The pooled embeddings `[B, sum of dims]` (fp32, the model's feature order) of a

@@ -66,6 +66,17 @@ class RequestSpec(NamedTuple):
     # batch sizes with a lookup program of their own (ascending; () or the largest:
     # max_batch_size): a request's bags are padded to the smallest that holds it
     batch_rungs: tuple[int, ...] = ()
+    # `id_bounds(spec)`, computed once (`with_bounds`); None: read_sparse computes it per call
+    bounds: IdBounds | None = None
+
+
+class IdBounds(NamedTuple):
+    """The ids' allowed [low, high) per feature (program order), and the single pair every
+    feature shares when they all share one (then one min and one max check a request)."""
+
+    low: np.ndarray  # int64 [features]
+    high: np.ndarray  # int64 [features]
+    uniform: tuple[int, int] | None
 
 
 class SparseArrays(NamedTuple):
@@ -96,6 +107,8 @@ def _is_list_of_lists(x) -> bool:
 
 
 def _array(x, what: str) -> np.ndarray:
+    if type(x) is np.ndarray and x.ndim == 1:  # the common case, without conversions
+        return x
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
     a = np.asarray(x)
@@ -168,7 +181,7 @@ def _per_sample(feature: str, entry) -> _Column:
 
 def _flat(feature: str, entry) -> _Column:
     values = _array(entry[0], f"feature {feature!r}: values")
-    lengths = _array(entry[1], f"feature {feature!r}: lengths").astype(np.int64)
+    lengths = _array(entry[1], f"feature {feature!r}: lengths").astype(np.int64, copy=False)
     weights = (
         None
         if len(entry) < 3 or entry[2] is None
@@ -180,7 +193,11 @@ def _flat(feature: str, entry) -> _Column:
 def _from_mapping(sparse: Mapping) -> dict[str, _Column]:
     out = {}
     for feature, entry in sparse.items():
-        is_flat = isinstance(entry, tuple | list) and len(entry) in (2, 3) and _is_array(entry[0])
+        is_flat = (
+            isinstance(entry, tuple | list)
+            and len(entry) in (2, 3)
+            and (type(entry[0]) is np.ndarray or _is_array(entry[0]))
+        )
         out[feature] = _flat(feature, entry) if is_flat else _per_sample(feature, entry)
     return out
 
@@ -188,7 +205,7 @@ def _from_mapping(sparse: Mapping) -> dict[str, _Column]:
 def _from_keyed(keys, values, lengths, weights) -> dict[str, _Column]:
     keys = [str(k) for k in keys]
     values = _array(values, "the KJT's values")
-    lengths = _array(lengths, "the KJT's lengths").astype(np.int64)
+    lengths = _array(lengths, "the KJT's lengths").astype(np.int64, copy=False)
     weights = None if weights is None else _array(weights, "the KJT's weights")
     if not keys or lengths.shape[0] % len(keys):
         raise RequestError(
@@ -212,6 +229,29 @@ def _from_keyed(keys, values, lengths, weights) -> dict[str, _Column]:
             None if weights is None else weights[a:b],
         )
     return out
+
+
+def _numpy_columns(sparse, features: Sequence[str]) -> list[_Column] | None:
+    """The columns of `features` (in that order) when `sparse` is a dict giving each as
+    `(values, lengths)`, both 1-D numpy arrays, lengths int64 (what a program builds):
+    taken as they are, without a conversion; None for any other form (`_columns` reads it)."""
+    if type(sparse) is not dict:
+        return None
+    cols = []
+    for f in features:
+        entry = sparse.get(f)
+        if type(entry) is not tuple or len(entry) != 2:
+            return None
+        values, lengths = entry
+        if not (
+            type(values) is np.ndarray
+            and type(lengths) is np.ndarray
+            and values.ndim == lengths.ndim == 1
+            and lengths.dtype == np.int64
+        ):
+            return None
+        cols.append(_Column(values, lengths, None))
+    return cols
 
 
 def _columns(sparse) -> dict[str, _Column]:
@@ -274,14 +314,18 @@ def _check_ids(feature: str, col: _Column, spec: RequestSpec) -> np.ndarray:
 _ALIGN = 64  # bytes: XLA:CPU takes a host array this aligned without copying it
 
 
-def _zeros(n: int, dtype) -> np.ndarray:
-    """`np.zeros(n, dtype)` starting on a 64-byte boundary: the lookup program then reads
-    the packed request in place (jax copies a numpy argument that is less aligned, ~0.1 ms
-    for a 512-sample request's ids)."""
-    dtype = np.dtype(dtype)
-    buffer = np.zeros(n * dtype.itemsize + _ALIGN, np.uint8)
+def _zeros(*sizes: tuple[int, np.dtype]) -> list[np.ndarray]:
+    """`np.zeros(n, dtype)` for each `(n, dtype)`, carved from one allocation, each starting
+    on a 64-byte boundary: the lookup program then reads the packed request in place (jax
+    copies a numpy argument that is less aligned, ~0.1 ms for a 512-sample request's ids)."""
+    spans = [-(-n * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN for n, dtype in sizes]
+    buffer = np.zeros(sum(spans) + _ALIGN, np.uint8)
     start = -buffer.ctypes.data % _ALIGN
-    return buffer[start : start + n * dtype.itemsize].view(dtype)
+    out = []
+    for (n, dtype), span in zip(sizes, spans, strict=True):
+        out.append(buffer[start : start + n * np.dtype(dtype).itemsize].view(dtype))
+        start += span
+    return out
 
 
 def _capacity(n: int, spec: RequestSpec) -> int:
@@ -295,36 +339,55 @@ def _capacity(n: int, spec: RequestSpec) -> int:
     )
 
 
-def _limits(spec: RequestSpec) -> tuple[np.ndarray, np.ndarray]:
+def id_bounds(spec: RequestSpec) -> IdBounds:
     """Per feature (program order) the ids' [low, high): the smallest table it reads when
     bounds_check is "error", else int32's range (the program clamps or skips the rest)."""
-    if spec.bounds_check == "error":
-        high = [min(rows for _, rows in spec.tables_of[f]) for f in spec.features]
-        return np.zeros(len(high), np.int64), np.array(high, np.int64)
     n = len(spec.features)
-    return np.full(n, -_INT32_MAX - 1, np.int64), np.full(n, _INT32_MAX + 1, np.int64)
+    if spec.bounds_check == "error":
+        high = np.array(
+            [min(rows for _, rows in spec.tables_of[f]) for f in spec.features], np.int64
+        )
+        low = np.zeros(n, np.int64)
+    else:
+        low, high = np.full(n, -_INT32_MAX - 1, np.int64), np.full(n, _INT32_MAX + 1, np.int64)
+    pairs = set(zip(low.tolist(), high.tolist(), strict=True))
+    return IdBounds(low, high, next(iter(pairs)) if len(pairs) == 1 else None)
 
 
-def _ids(columns: dict[str, _Column], counts: np.ndarray, spec: RequestSpec) -> np.ndarray:
+def with_bounds(spec: RequestSpec) -> RequestSpec:
+    """`spec` carrying its `id_bounds`, so that `read_sparse` does not derive them per call."""
+    return RequestSpec(*spec[:-1], bounds=id_bounds(spec))  # bounds: the last field
+
+
+def _ids(cols: list[_Column], counts: list[int], spec: RequestSpec) -> np.ndarray:
     """Every feature's ids as one int64 array, checked: one vectorised pass over all of them;
     only a request that fails it goes feature by feature (`_check_ids`) to name the id."""
     features = spec.features
-    ids = np.concatenate([columns[f].values for f in features]) if features else np.zeros(0)
+    ids = np.concatenate([c.values for c in cols]) if features else np.zeros(0)
     if ids.size and ids.dtype.kind not in "iu":  # floats from JSON, or not numbers: one by one
-        return np.concatenate([_check_ids(f, columns[f], spec) for f in features])
+        return np.concatenate([_check_ids(f, c, spec) for f, c in zip(features, cols, strict=True)])
     ids = ids.astype(np.int64, copy=False)
     if spec.id_maps:  # raw ids through the frozen maps (an id not in one reads its default row)
-        ends = np.cumsum(counts)
         ids = ids.copy()
-        for k, f in enumerate(features):
+        a = 0
+        for f, n in zip(features, counts, strict=True):
             id_map = spec.id_maps.get(f)
             if id_map is not None:
-                a, b = int(ends[k] - counts[k]), int(ends[k])
-                ids[a:b] = frozen_rows(id_map, ids[a:b])
-    low, high = _limits(spec)
-    if ((ids < np.repeat(low, counts)) | (ids >= np.repeat(high, counts))).any():
-        for f in features:  # raises, naming the feature, table, sample and id
-            _check_ids(f, columns[f], spec)
+                ids[a : a + n] = frozen_rows(id_map, ids[a : a + n])
+            a += n
+    bounds = spec.bounds or id_bounds(spec)
+    if bounds.uniform is not None:  # one min and one max over all features' ids
+        bad = ids.size and (ids.min() < bounds.uniform[0] or ids.max() >= bounds.uniform[1])
+    else:
+        counts = np.asarray(counts)
+        bad = (
+            (ids < np.repeat(bounds.low, counts)) | (ids >= np.repeat(bounds.high, counts))
+        ).any()
+    if bad:
+        for f, c in zip(
+            features, cols, strict=True
+        ):  # raises, naming the feature, table, sample and id
+            _check_ids(f, c, spec)
     return ids
 
 
@@ -332,19 +395,23 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
     """`sparse` (any form in the module docstring) checked and padded for the program.
 
     Vectorised: the features' lengths, counts, ids and weights are each checked and packed
-    with a few numpy calls over the whole request (`tests/reference.read_sparse_loop` is
+    with a few numpy calls over the whole request (`tests/reference.serving_request_loop` is
     its plain-loop twin); a request that fails a check is then walked to name the culprit."""
-    columns = _columns(sparse)
-    missing = [f for f in spec.features if f not in columns]
-    if missing:
-        raise RequestError(
-            "missing_feature",
-            f"the request lacks features {missing}; the artifact reads {list(spec.features)} "
-            "(give an empty list for a sample without ids)",
-        )
-    sizes = {f: int(columns[f].lengths.shape[0]) for f in spec.features}
-    batch = sizes[spec.features[0]]
-    if len(set(sizes.values())) > 1:
+    features = spec.features
+    cols = _numpy_columns(sparse, features)
+    if cols is None:  # any other form, or a feature missing
+        columns = _columns(sparse)
+        missing = [f for f in features if f not in columns]
+        if missing:
+            raise RequestError(
+                "missing_feature",
+                f"the request lacks features {missing}; the artifact reads {list(features)} "
+                "(give an empty list for a sample without ids)",
+            )
+        cols = [columns[f] for f in features]
+    batch = cols[0].lengths.shape[0]
+    if any(c.lengths.shape[0] != batch for c in cols):
+        sizes = {f: int(c.lengths.shape[0]) for f, c in zip(features, cols, strict=True)}
         raise RequestError(
             "batch_size",
             f"features have different batch sizes {sizes}; every feature needs one bag per sample",
@@ -357,43 +424,62 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
             f"the request has {batch} samples, more than this artifact's max_batch_size {spec.max_batch_size}; "
             f"split the request, or re-export with hybrid.export(..., max_batch_size={batch})",
         )
-    features = spec.features
     rung = next((r for r in spec.batch_rungs if r >= batch), spec.max_batch_size)
-    lengths = np.zeros((len(features), rung), np.int64)  # empty bags past the request
-    lengths[:, :batch] = [columns[f].lengths for f in features]
-    counts = np.array([columns[f].values.shape[0] for f in features], np.int64)
-    sums = lengths.sum(axis=1)
-    if (lengths < 0).any() or (sums != counts).any():
-        for k, f in enumerate(features):  # the first bad feature, named
-            if (lengths[k] < 0).any():
-                b = int(np.flatnonzero(lengths[k] < 0)[0])
-                raise RequestError(
-                    "malformed",
-                    f"feature {f!r}: sample {b} has length {int(lengths[k, b])}; lengths must be >= 0",
-                )
-            if sums[k] != counts[k]:
-                raise RequestError(
-                    "malformed",
-                    f"feature {f!r}: lengths add up to {int(sums[k])} but there are {int(counts[k])} ids",
-                )
+    counts = [c.values.shape[0] for c in cols]
+    lengths = np.concatenate([c.lengths for c in cols])  # int64 [features * batch]
+    ends = np.cumsum(lengths)  # each bag's end, feature-major, no padding bags
+    # lengths in [0, ids] cannot overflow the sum; then each feature's last end is its count
+    if (
+        lengths.min() < 0
+        or lengths.max() > sum(counts)
+        or ends[batch - 1 :: batch].tolist() != list(itertools.accumulate(counts))
+    ):
+        _name_bad_lengths(features, lengths.reshape(len(features), batch), counts)
     if spec.is_weighted:
-        unweighted = [f for f in features if columns[f].weights is None]
+        unweighted = [f for f, c in zip(features, cols, strict=True) if c.weights is None]
         if unweighted:
             raise RequestError(
                 "weights",
                 f"feature {unweighted[0]!r} has no weights, but the model is weighted: give one weight per id",
             )
-    ids = _ids(columns, counts, spec)
+    ids = _ids(cols, counts, spec)
     capacity = _capacity(ids.shape[0], spec)
-    offsets = _zeros(lengths.size + 1, np.int32)
-    np.cumsum(lengths.reshape(-1), out=offsets[1:])
-    padded = _zeros(capacity, np.int32)
+    wide = [(capacity, np.float32)] if spec.is_weighted else []
+    padded, offsets, *w = _zeros((capacity, np.int32), (len(features) * rung + 1, np.int32), *wide)
+    if rung == batch:
+        offsets[1:] = ends
+    else:  # the bags past the request are empty: each feature's last end repeated
+        ends = ends.reshape(len(features), batch)
+        bags = offsets[1:].reshape(len(features), rung)
+        bags[:, :batch] = ends
+        bags[:, batch:] = ends[:, -1:]
     padded[: ids.shape[0]] = ids
-    w = None
-    if spec.is_weighted:
-        w = _zeros(capacity, np.float32)
-        w[: ids.shape[0]] = np.concatenate([columns[f].weights for f in features])
-    return SparseArrays(padded, offsets, w, batch)
+    if w:
+        w[0][: ids.shape[0]] = np.concatenate([c.weights for c in cols])
+    return SparseArrays(padded, offsets, w[0] if w else None, batch)
+
+
+def _name_bad_lengths(features, lengths: np.ndarray, counts: list[int]) -> None:
+    """Raise naming the first feature whose lengths are negative or do not add up to its ids."""
+    for k, f in enumerate(features):
+        if (lengths[k] < 0).any():
+            b = int(np.flatnonzero(lengths[k] < 0)[0])
+            raise RequestError(
+                "malformed",
+                f"feature {f!r}: sample {b} has length {int(lengths[k, b])}; lengths must be >= 0",
+            )
+        if (lengths[k] > counts[k]).any():
+            b = int(np.flatnonzero(lengths[k] > counts[k])[0])
+            raise RequestError(
+                "malformed",
+                f"feature {f!r}: sample {b} has length {int(lengths[k, b])} but there are {counts[k]} ids",
+            )
+        if int(lengths[k].sum()) != counts[k]:
+            raise RequestError(
+                "malformed",
+                f"feature {f!r}: lengths add up to {int(lengths[k].sum())} but there are {counts[k]} ids",
+            )
+    raise AssertionError("lengths were found bad, but no feature's are")
 
 
 def read_dense(dense_features, n_dense: int, batch_size: int, dtype: torch.dtype) -> torch.Tensor:
