@@ -15,7 +15,8 @@ to both sides before this version); more ids than slots, so the table keeps turn
 sides first run the same `--check` batches and must give the same slots; then they are
 timed interleaved (medians, per-round ratios; every JAX result waited for), and TorchRec is
 timed again alone in a fresh process (`--side torchrec`): the two TorchRec figures should
-agree within ~15%, else the harness is unfair to it. `--with-xla` adds the XLA form (the
+agree within ~15%, else the harness is unfair to it; the last column is ours against
+TorchRec's alone median, and issue 34's verdict takes the lower of the two ratios. `--with-xla` adds the XLA form (the
 sorted form a GPU runs, as lowered on CPU with the kernels switched off).
 
 The share of a training step: a `hybrid.Model` (DLRM, one managed table of the largest
@@ -338,17 +339,21 @@ def main(argv=None) -> int:
     print(
         "| slots | stream | policy | call | ours ms | ours Mids/s | "
         + ("XLA form ms | " if xla else "")
-        + "TorchRec ms (here) | TorchRec ms (alone) | speedup |"
+        + "TorchRec ms (here) | TorchRec ms (alone) | speedup | vs TorchRec alone |"
     )
-    print("|---" * (9 + xla) + "|")
+    print("|---" * (10 + xla) + "|")
     for row in rows:
         zch, kind, policy = row["case"].split()
         ms = row["ours_ms"]
         alone = fresh[f"{row['case']} torchrec {row['call']}"]
+        # TorchRec beside ours can run slower than alone (the harness then flatters us): the
+        # bar takes the lower of the paired ratio and ours against TorchRec's alone median
+        row["speedup_vs_alone"] = alone / ms
         print(
             f"| {zch} | {kind} | {policy} | {row['call']} | {ms:.2f} | {args.ids / ms / 1e3:.2f} | "
             + (f"{row['xla_ms']:.2f} | " if xla else "")
-            + f"{row['torchrec_ms']:.2f} | {alone:.2f} | {row['ours_speedup']:.2f}x{void} |"
+            + f"{row['torchrec_ms']:.2f} | {alone:.2f} | {row['ours_speedup']:.2f}x{void} | "
+            + f"{row['speedup_vs_alone']:.2f}x |"
         )
     for name, share in shares.items():
         managed, plain = share["managed"], share["plain"]
@@ -359,9 +364,10 @@ def main(argv=None) -> int:
             f"managed step{void}"
         )
     largest = [n for n in speedups if int(n.split()[0]) == max(args.zch)]
+    vs_alone = {r["case"]: r["speedup_vs_alone"] for r in rows if r["call"] == "train"}
     met = (
         bool(shares)
-        and all(speedups[n] >= DONE_SPEEDUP for n in largest)
+        and all(min(speedups[n], vs_alone[n]) >= DONE_SPEEDUP for n in largest)
         and all(s["remap_share"] <= DONE_SHARE for s in shares.values())
     )
     print(
