@@ -15,7 +15,9 @@ Interleaved with them, the previous serving path on the same predictor (`before`
 same kernel lookup programs, with that version's request read, DLPack hand-over and lean
 tower), so the change is measured in the same run. Interleaved medians and
 per-round ratios, then TorchRec timed alone in a fresh process (`--side torchrec`), so its
-time in this harness can be compared with its time alone.
+time in this harness can be compared with its time alone, and ours alone the same way
+(`--side ours`): beside each other the two runtimes' threads slow each other, so issue 33's
+bar is read off the two alone times.
 Last, where our call's time goes (`host_breakdown`, medians of perf_counter stages): the
 request read and checked (`read_sparse`, `read_dense`), the lookup program (its call, and
 its wait until the pooled array is ready), the DLPack hand-over to torch (and the slice
@@ -255,18 +257,27 @@ def paired_calls(cases: dict, calls: int) -> dict:
     return {n: np.array(v) for n, v in out.items()}
 
 
-def alone(args) -> dict:
-    """TorchRec timed by itself in this (fresh) process: {batch: median ms}."""
+def alone(args, side: str = "torchrec") -> dict:
+    """One side timed by itself in this (fresh) process, nothing of the other in it:
+    {batch: median ms}. TorchRec's quantized DLRM, or (`side="ours"`) our predictor on the
+    same weights: beside each other the two runtimes' threads slow each other down."""
     from benchmarks.timing import clocked, interleaved, summarize
 
-    model = torchrec_model(args, weights(args))
-    out = {}
-    for b in BATCHES:
-        run = torchrec_case(model, args, b)
-        samples = interleaved(
-            {b: clocked(lambda c, run=run: run())}, repeats=args.alone_repeats, lead_in_s=LEAD_IN_S
-        )
-        out[b] = summarize(samples[b]["total"])["median_ms"]
+    with tempfile.TemporaryDirectory() as tmp:
+        if side == "ours":
+            predictor = ours_predictor(args, weights(args), f"{tmp}/dlrm_int8")
+            runs = {b: ours_case(predictor, args, b) for b in BATCHES}
+        else:
+            model = torchrec_model(args, weights(args))
+            runs = {b: torchrec_case(model, args, b) for b in BATCHES}
+        out = {}
+        for b, run in runs.items():
+            samples = interleaved(
+                {b: clocked(lambda c, run=run: run())},
+                repeats=args.alone_repeats,
+                lead_in_s=LEAD_IN_S,
+            )
+            out[b] = summarize(samples[b]["total"])["median_ms"]
     return out
 
 
@@ -286,10 +297,12 @@ def main(argv=None) -> int:
         default=300,
         help="adjacent single calls of ours, before and TorchRec per batch (paired_calls)",
     )
-    ap.add_argument("--side", choices=["both", "torchrec"], default="both", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--side", choices=["both", "torchrec", "ours"], default="both", help=argparse.SUPPRESS
+    )
     args = ap.parse_args(argv)
-    if args.side == "torchrec":
-        print(json.dumps(alone(args)))
+    if args.side != "both":
+        print(json.dumps(alone(args, args.side)))
         return 0
 
     from benchmarks.e2e_step import competitor_alone, quietness_line, quietness_probe
@@ -326,6 +339,7 @@ def main(argv=None) -> int:
         stages = {b: host_breakdown(predictor, args, b) for b in BATCHES}
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
     fresh = competitor_alone("benchmarks.serving_latency", "torchrec", argv)
+    ours_alone = competitor_alone("benchmarks.serving_latency", "ours", argv)
     after = quietness_probe()
     print(quietness_line(probe_before, after))
     print(
@@ -346,6 +360,15 @@ def main(argv=None) -> int:
             f"{fresh[str(b)]:.2f} | {rb['paired_median']:.2f}x | {r['paired_median']:.2f}x | "
             f"{bt['paired_median']:.2f}x |"
         )
+    print(
+        "\nEach side alone in a fresh process (the same rounds, nothing of the other side "
+        "running): issue 33's bar is ours alone <= TorchRec alone at every batch"
+    )
+    print("| batch | ours ms (alone) | TorchRec ms (alone) | ours / TorchRec (alone) |")
+    print("|---|---|---|---|")
+    for b in BATCHES:
+        o, t = ours_alone[str(b)], fresh[str(b)]
+        print(f"| {b} | {o:.3f} | {t:.3f} | {o / t:.2f}x |")
     print(
         f"\nAdjacent single calls ({args.paired_calls} per batch, order alternating; medians, "
         "and medians of the per-call ratios):"
