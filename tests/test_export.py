@@ -307,6 +307,35 @@ def test_every_sparse_form_gives_the_same_predictions(exported):
     assert torch.equal(predictor(dense[:5], few), want[:5])
 
 
+def test_the_tower_runs_with_its_torch_threads_and_gives_the_process_its_own_back(
+    exported, monkeypatch
+):
+    """`load(torch_threads=1)` (the default) runs the dense tower with one intra-op thread and
+    restores the process's count; None leaves it alone; the scores do not change."""
+    dense, lists, want = exported["dense"], exported["lists"], exported["expected_int8"]
+    seen = []
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads, during in ((1, 1), (None, 2), (2, 2)):
+            predictor = serving.load(exported["int8"], torch_threads=threads)
+            assert predictor.torch_threads == threads
+            forward = predictor._dense_forward
+
+            def spy(*args, forward=forward):
+                seen.append(torch.get_num_threads())
+                return forward(*args)
+
+            monkeypatch.setattr(predictor, "_dense_forward", spy)
+            assert torch.equal(predictor(dense, lists), want)
+            assert seen[-1] == during and torch.get_num_threads() == 2, (threads, seen)
+    finally:
+        torch.set_num_threads(prev)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"torch_threads=.*give a positive int, or None"):
+            serving.load(exported["int8"], torch_threads=bad)
+
+
 def test_a_small_request_runs_the_program_of_its_batch_rung_with_the_same_pooling(exported):
     """max_batch_size 8 gives lookup programs for 1 and 8 bags per feature; one sample runs
     the first (compiled on its own) and pools exactly what the 8-bag program pools."""

@@ -361,6 +361,8 @@ class Predictor:
       features: the sparse features a request must give, in the program's order.
       max_batch_size: the most samples one call takes (pad nothing: fewer is fine).
       n_dense: the width of `dense_features`.
+      torch_threads: torch's intra-op threads while the dense tower runs (None: the
+        process's setting, untouched).
     """
 
     def __init__(
@@ -373,8 +375,19 @@ class Predictor:
         id_maps=None,
         lookup: str = "xla",
         lookup_fallback: str | None = None,
+        torch_threads: int | None = 1,
     ):
+        if torch_threads is not None and (
+            isinstance(torch_threads, bool)
+            or not isinstance(torch_threads, int)
+            or torch_threads < 1
+        ):
+            raise ValueError(
+                f"torch_threads={torch_threads!r}: give a positive int, or None to leave torch's "
+                "thread count as the process set it"
+            )
         self.path = path
+        self.torch_threads = torch_threads
         self.lookup = lookup
         self.lookup_fallback = lookup_fallback
         self.manifest = manifest
@@ -479,8 +492,17 @@ class Predictor:
         arrays = read_sparse(sparse, self._spec)
         dense = read_dense(dense_features, self.n_dense, arrays.batch_size, self._dense_dtype)
         pooled = self._pool(arrays)
-        with torch.inference_mode():
-            return self._dense_forward(dense, pooled)
+        threads = self.torch_threads
+        prev = torch.get_num_threads()
+        if threads is None or threads == prev:
+            with torch.inference_mode():
+                return self._dense_forward(dense, pooled)
+        torch.set_num_threads(threads)
+        try:
+            with torch.inference_mode():
+                return self._dense_forward(dense, pooled)
+        finally:
+            torch.set_num_threads(prev)
 
     def __repr__(self) -> str:
         return (
@@ -512,7 +534,9 @@ def _choose_lookup(where: str, manifest, lookup: str) -> tuple[str, str | None]:
     return "xla", None
 
 
-def load(path: str | os.PathLike, *, lookup: str = "auto") -> Predictor:
+def load(
+    path: str | os.PathLike, *, lookup: str = "auto", torch_threads: int | None = 1
+) -> Predictor:
     """Load the serving artifact `path` (a directory `hybrid.export` wrote).
 
     Every file is checked against the manifest's sha256 first; a missing, damaged or
@@ -521,7 +545,13 @@ def load(path: str | os.PathLike, *, lookup: str = "auto") -> Predictor:
 
     lookup: "auto" runs the artifact's C++ kernel lookups when it holds them and the kernel
     can be registered here, else its XLA programs (module docstring); "cpu_kernel" the
-    kernel's or ArtifactError; "xla" the XLA programs."""
+    kernel's or ArtifactError; "xla" the XLA programs.
+
+    torch_threads: torch's intra-op threads while a call's dense tower runs (the process's
+    count is restored after it); None leaves them alone. One by default: beside JAX's CPU
+    threads and the lookup kernel's, torch's second thread waited for a core on a 2-core
+    machine, and a call took 2.4x (batch 1), 3.2x (64) and 1.7x (512) its time with one
+    (benchmarks.serving_latency's int8 DLRM, each alone in a fresh process)."""
     path = pathlib.Path(path)
     where = f"serving artifact {str(path)!r}"
     manifest = read_manifest(path)
@@ -535,5 +565,13 @@ def load(path: str | os.PathLike, *, lookup: str = "auto") -> Predictor:
         exported = {b: _load_sparse(path, where, tables, manifest, b, form) for b in rungs}
     id_maps = _load_id_maps(path, where, manifest)
     return Predictor(
-        path, manifest, tables, exported, _load_dense(path, where), id_maps, form, fallback
+        path,
+        manifest,
+        tables,
+        exported,
+        _load_dense(path, where),
+        id_maps,
+        form,
+        fallback,
+        torch_threads=torch_threads,
     )
