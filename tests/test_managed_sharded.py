@@ -270,12 +270,7 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
             serving_hash(some, shards), hashed_slots(RawIds.from_int64(some), shards)
         )
     np.testing.assert_array_equal(frozen_rows(frozen, frozen.ids), frozen.rows)
-    users, items, dense, _ = batches[-1]
-    users = [*users[:5], unseen[:3], [int(frozen.ids[0]), int(unseen[5])], [-(2**63)]]
-    sparse = _kjt(users, items, [int(i) for b in users for i in b])
-    model.eval()
-    with torch.no_grad():
-        want = model(dense, sparse)
+    dense, sparse, want = _eval_request(model, batches[-1], unseen, frozen)
     path = hybrid.export(model, tmp_path / "export", example=(dense, sparse))
     manifest = json.loads((path / "manifest.json").read_text())
     entry = {t["name"]: t for t in manifest["tables"]}["users"]["managed_collision"]
@@ -302,6 +297,18 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
         hybrid.serving.load(path)
 
 
+def _eval_request(model, batch, unseen, frozen):
+    """A request of the last batch's first users, ids never seen, a resident id beside an
+    unseen one and the lowest int64, with what the model in eval mode scores for it."""
+    users, items, dense, _ = batch
+    users = [*users[:5], unseen[:3], [int(frozen.ids[0]), int(unseen[5])], [-(2**63)]]
+    sparse = _kjt(users, items, [int(i) for b in users for i in b])
+    model.eval()
+    with torch.no_grad():
+        want = model(dense, sparse)
+    return dense, sparse, want
+
+
 def test_an_export_of_an_uneven_split_serves_raw_ids_as_eval_does(tmp_path):
     """10 rows over 4 shards: maps of 3, 3 and 3 rows (ids hashed over those 3) and a last
     block of one row that holds none; frozen as 3 shards of 3 rows, served as eval reads."""
@@ -317,12 +324,7 @@ def test_an_export_of_an_uneven_split_serves_raw_ids_as_eval_does(tmp_path):
     unseen = np.arange(2**40, 2**40 + 64, dtype=np.int64)
     owner = np.asarray(hashed_slots(RawIds.from_int64(unseen), 3))
     np.testing.assert_array_equal(frozen_rows(frozen, unseen), owner * 3 + 2)
-    users, items, dense, _ = batches[-1]
-    users = [*users[:5], unseen[:3], [int(frozen.ids[0]), int(unseen[5])], [-(2**63)]]
-    sparse = _kjt(users, items, [int(i) for b in users for i in b])
-    model.eval()
-    with torch.no_grad():
-        want = model(dense, sparse)
+    dense, sparse, want = _eval_request(model, batches[-1], unseen, frozen)
     path = hybrid.export(model, tmp_path / "export", example=(dense, sparse))
     entry = {t["name"]: t for t in json.loads((path / "manifest.json").read_text())["tables"]}
     assert (entry["users"]["managed_collision"]["shards"], entry["users"]["num_embeddings"]) == (
