@@ -464,3 +464,15 @@ def test_sigterm_scores_the_queued_requests_and_exits_0(artifacts, tmp_path):
     assert ours <= {"hybrid", "hybrid._files"} | {
         m for m in ours if m.startswith("hybrid.serving")
     }, ours
+
+
+def test_the_server_loads_with_its_torch_threads_and_refuses_a_negative_count(artifacts, capsys):
+    """`serve --torch-threads N` reaches the predictor it loads (and each reload): 1 by
+    default, 0 leaves torch's own count (None); a negative count is refused before loading."""
+    from hybrid.serving import _server
+
+    for given, want in (([], 1), (["--torch-threads", "2"], 2), (["--torch-threads", "0"], None)):
+        args = _server._parser().parse_args(["--artifact", "x", "--port", "1", *given])
+        assert _server._loader(args)(str(artifacts["int8"])).torch_threads == want, given
+    assert _server.main(["--artifact", "x", "--port", "1", "--torch-threads", "-1"]) == 2
+    assert "--torch-threads >= 0" in capsys.readouterr().out

@@ -124,12 +124,12 @@ class _Metrics:
         self.batch_latency.observe(done.seconds)
 
 
-def _load_warm(path: str, warm_ids: int = 0) -> Predictor:
-    """`load(path)` (every file checked), its lookup compiled for every batch rung at each id
-    capacity up to `warm_ids` (at least the smallest), and one call, so the first requests
-    after a swap find their programs compiled and a model that cannot run is refused before
-    it serves."""
-    predictor = load(path)
+def _load_warm(path: str, warm_ids: int = 0, torch_threads: int | None = 1) -> Predictor:
+    """`load(path, torch_threads=...)` (every file checked), its lookup compiled for every
+    batch rung at each id capacity up to `warm_ids` (at least the smallest), and one call, so
+    the first requests after a swap find their programs compiled and a model that cannot run
+    is refused before it serves."""
+    predictor = load(path, torch_threads=torch_threads)
     predictor.warm(warm_ids)
     weighted = predictor.manifest["is_weighted"]
     empty = {"ids": [[]], "weights": [[]]} if weighted else [[]]
@@ -488,8 +488,21 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the smallest only; others compile when a batch first needs them, which stalls "
         "the batches behind it)",
     )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch's intra-op threads while a call's dense tower runs (default 1: beside "
+        "JAX's threads a second one waited for a core; 0: leave torch's own setting)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn's log level")
     return p
+
+
+def _loader(args) -> Callable[[str], Predictor]:
+    """What loads (and reloads) the artifact for the command line's `args`."""
+    threads = args.torch_threads or None  # 0: torch's own count
+    return functools.partial(_load_warm, warm_ids=args.warm_ids, torch_threads=threads)
 
 
 def main(
@@ -497,9 +510,10 @@ def main(
 ) -> int:
     """`python -m hybrid.serving serve ARGS`; `loader`: see `create_app`."""
     args = _parser().parse_args(argv)
-    if args.max_batch_size < 1 or args.max_wait_us < 0:
+    if args.max_batch_size < 1 or args.max_wait_us < 0 or args.torch_threads < 0:
         print(
-            "python -m hybrid.serving serve: --max-batch-size must be >= 1 and --max-wait-us >= 0",
+            "python -m hybrid.serving serve: --max-batch-size must be >= 1, --max-wait-us >= 0 "
+            "and --torch-threads >= 0",
             flush=True,
         )
         return 2
@@ -508,7 +522,7 @@ def main(
         args.artifact,
         max_batch_size=args.max_batch_size,
         max_wait_s=args.max_wait_us / 1e6,
-        loader=loader or functools.partial(_load_warm, warm_ids=args.warm_ids),
+        loader=loader or _loader(args),
     )
     config = uvicorn.Config(
         app,
