@@ -217,11 +217,7 @@ def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
         t4 = time.perf_counter()
         pooled = torch.utils.dlpack.from_dlpack(out.__dlpack__())[: arrays.batch_size]
         t5 = time.perf_counter()
-        prev = torch.get_num_threads()
-        torch.set_num_threads(predictor.torch_threads or prev)  # as the call runs its tower
-        with torch.inference_mode():
-            predictor._dense_forward(d, pooled)
-        torch.set_num_threads(prev)
+        predictor.tower(d, pooled)
         t6 = time.perf_counter()
         predictor(x, sparse)
         t7 = time.perf_counter()

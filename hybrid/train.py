@@ -957,6 +957,7 @@ def run(
                 now = time.perf_counter()
                 seconds, steps = now - epoch_start[0], done - epoch_start[1]
                 epoch = -(-done // loader.steps_per_epoch)
+                epoch_rate = steps * batch_size / max(seconds, 1e-9)
                 log.write(
                     {
                         "kind": "epoch",
@@ -964,12 +965,11 @@ def run(
                         "epoch": epoch,
                         "steps": steps,
                         "seconds": seconds,
-                        "samples_per_s": steps * batch_size / max(seconds, 1e-9),
+                        "samples_per_s": epoch_rate,
                     }
                 )
                 echo(
-                    f"epoch {epoch}: {steps} steps in {seconds:.2f} s "
-                    f"({steps * batch_size / max(seconds, 1e-9):.0f} samples/s"
+                    f"epoch {epoch}: {steps} steps in {seconds:.2f} s ({epoch_rate:.0f} samples/s"
                     + (
                         f"; compiles included, build {build_s:.2f} s before it)"
                         if epoch_start[1] == start

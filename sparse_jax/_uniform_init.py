@@ -23,7 +23,7 @@ import numpy as np
 from sparse_jax._kernels import table_bits, when_built
 from sparse_jax._kernels._platform import by_platform
 
-__all__ = ["bits_to_uniform", "draws_rows_alone", "uniform_rows"]
+__all__ = ["bits_to_uniform", "draws_rows_alone", "threefry_key_data", "uniform_rows"]
 
 
 def bits_to_uniform(bits, lo, hi):
@@ -56,7 +56,7 @@ def _draw(key_data, bounds, num_rows: int, dim: int, first: int, count: int):
     return rows
 
 
-def _threefry_key_data(key) -> jax.Array | None:
+def threefry_key_data(key) -> jax.Array | None:
     """The key's two uint32 words when it is a partitionable threefry2x32 key, else None."""
     if not jax.config.jax_threefry_partitionable:
         return None
@@ -64,11 +64,8 @@ def _threefry_key_data(key) -> jax.Array | None:
         if str(jax.random.key_impl(key)) != "threefry2x32":
             return None
         return jax.random.key_data(key)
-    if (
-        key.shape != (2,)
-        or key.dtype != jnp.uint32
-        or jax.config.jax_default_prng_impl != ("threefry2x32")
-    ):
+    raw_threefry = jax.config.jax_default_prng_impl == "threefry2x32"
+    if key.shape != (2,) or key.dtype != jnp.uint32 or not raw_threefry:
         return None
     return key
 
@@ -81,7 +78,7 @@ def draws_rows_alone(key) -> bool:
 
     return (
         jax.default_backend() == "cpu"
-        and _threefry_key_data(key) is not None
+        and threefry_key_data(key) is not None
         and _register() is None
     )
 
@@ -96,7 +93,7 @@ def uniform_rows(
         raise ValueError(
             f"uniform_rows: rows {first}:{first + count} are not inside a draw of {num_rows} rows"
         )
-    key_data = _threefry_key_data(key)
+    key_data = threefry_key_data(key)
     if key_data is None:  # another PRNG: its own draw, then the rows
         whole = jax.random.uniform(key, (num_rows, dim), jnp.float32, lo, hi)
         return whole[first : first + count]

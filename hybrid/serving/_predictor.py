@@ -491,18 +491,21 @@ class Predictor:
         it cannot score raises `RequestError` (a ValueError) naming the problem."""
         arrays = read_sparse(sparse, self._spec)
         dense = read_dense(dense_features, self.n_dense, arrays.batch_size, self._dense_dtype)
-        pooled = self._pool(arrays)
-        threads = self.torch_threads
-        prev = torch.get_num_threads()
-        if threads is None or threads == prev:
-            with torch.inference_mode():
-                return self._dense_forward(dense, pooled)
-        torch.set_num_threads(threads)
+        return self.tower(dense, self._pool(arrays))
+
+    def tower(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """The dense tower on read dense features and pooled embeddings, under
+        `inference_mode`, with `torch_threads` intra-op threads (the process's count given
+        back after)."""
+        threads, prev = self.torch_threads, torch.get_num_threads()
+        if threads is not None and threads != prev:
+            torch.set_num_threads(threads)
         try:
             with torch.inference_mode():
                 return self._dense_forward(dense, pooled)
         finally:
-            torch.set_num_threads(prev)
+            if threads is not None and threads != prev:
+                torch.set_num_threads(prev)
 
     def __repr__(self) -> str:
         return (

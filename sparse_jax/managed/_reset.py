@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from sparse_jax._kernels import mask_positions, row_bits, when_built
 from sparse_jax._kernels._platform import by_platform
-from sparse_jax._uniform_init import bits_to_uniform
+from sparse_jax._uniform_init import bits_to_uniform, threefry_key_data
 
 __all__ = ["RowBlock", "reset_rows"]
 
@@ -42,13 +42,9 @@ def _fresh_rows(config, key: jax.Array, rows: jax.Array) -> jax.Array:
     whole draw of `min(zch_size, history_capacity)` rows costs about as much as the remap)
     and turned into floats exactly as `jax.random.uniform` does: the same numbers."""
     k, dim = rows.shape[0], config.embedding_dim
-    whole = config.initial_weights(key, rows=k)
-    if (
-        config.init_fn is not None
-        or not jax.config.jax_threefry_partitionable
-        or str(jax.random.key_impl(key)) != "threefry2x32"
-    ):
-        return whole
+    key_data = threefry_key_data(key) if config.init_fn is None else None
+    if key_data is None:  # another init or PRNG: its whole draw
+        return config.initial_weights(key, rows=k)
 
     def xla(key_data, bounds, rows):
         del bounds, rows
@@ -57,13 +53,12 @@ def _fresh_rows(config, key: jax.Array, rows: jax.Array) -> jax.Array:
     def kernel(key_data, bounds, rows):
         return bits_to_uniform(row_bits(key_data, rows, dim, config.num_embeddings), *bounds)
 
-    del whole
     bounds = jax.lax.optimization_barrier(  # see bits_to_uniform
         jnp.array([config.weight_init_min, config.weight_init_max], jnp.float32)
     )
     out = jax.ShapeDtypeStruct((k, dim), jnp.float32)
     (fresh,) = by_platform(
-        [jax.random.key_data(key), bounds, rows], [out], default=xla, cpu=when_built(kernel, xla)
+        [key_data, bounds, rows], [out], default=xla, cpu=when_built(kernel, xla)
     )
     return fresh
 
