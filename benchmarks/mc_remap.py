@@ -108,10 +108,12 @@ def ours(case, kernels: bool = True):
         contextlib.nullcontext() if kernels else mock.patch.object(_ffi, "_register", lambda: "off")
     )
     with off:  # lowered here, once: the choice of kernels is made at lowering
+        jax.clear_caches()  # (jax reuses cached lowerings: the other form's, if lowered before)
         state = mc.init()
         ids = RawIds.from_int64(np.arange(case.ids, dtype=np.int64))
         train_exe = jax.jit(train, donate_argnums=0).lower(state, ids).compile()
         eval_exe = jax.jit(mc.remap).lower(state, ids).compile()
+        jax.clear_caches()
     box = {"state": state}
 
     def train_call(batch):

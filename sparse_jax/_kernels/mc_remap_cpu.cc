@@ -8,9 +8,9 @@
 // int64 `hi << 32 | lo`, so the words' order is the int64 order.
 //
 // MchProfile: append the batch's valid ids to the window; when an eviction is due, coalesce
-//   the window with an open-addressing hash table keyed by the 64-bit id (count, last
-//   access), sort only its distinct ids, find them among the residents by a forward scan
-//   (the ids ascend: blocks of 8 by the high words, galloping past long gaps), update the
+//   the window by one radix sort of (id, position) (distinct ids ascending, with their
+//   count and last access; two threads for large windows), find them among the residents by
+//   a forward scan (blocks of 8 by the high words, galloping past long gaps), update the
 //   residents' metadata, rank the new ids, select the weakest residents (one pass over the
 //   scores collecting those below a bound guessed from a sample; a radix selection over all
 //   of them when the guess fails; never a sort of the table), give the losing entries'
@@ -105,46 +105,61 @@ int64_t Scan(const Residents& r, int64_t from, int64_t n, int64_t k) {
 }
 
 // Stable LSD radix sort of `n` (uint64 key, uint32 payload) pairs, ascending by key, in
-// 11-bit digits; digits that are the same for every key are skipped. `key`, `val` are
-// sorted in place (`tmp_key`, `tmp_val`: scratch of n).
+// 11-bit digits; digits that are the same for every key (no bit of them differs between
+// the keys) are skipped. `key`, `val` are sorted in place (`tmp_key`, `tmp_val`: scratch of
+// n). Large sorts run on two threads: each counts and places a contiguous half of the
+// keys, the second half's places after the first's in every bin, so the order is the
+// serial sort's.
 void RadixSort(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_val, int64_t n) {
   constexpr int kBits = 11, kPasses = 6, kBins = 1 << kBits;
   if (n <= 1) return;
-  std::vector<int64_t> hist(static_cast<size_t>(kPasses) * kBins, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t k = key[i];
-    for (int p = 0; p < kPasses; ++p) ++hist[p * kBins + ((k >> (p * kBits)) & (kBins - 1))];
-  }
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 14)));
+  uint64_t all = ~uint64_t(0), any = 0;
+#pragma omp parallel for num_threads(threads) reduction(& : all) reduction(| : any) schedule(static)
+  for (int64_t i = 0; i < n; ++i) all &= key[i], any |= key[i];
+  const uint64_t differ = all ^ any;
+  std::vector<int64_t> hist(static_cast<size_t>(threads) * kBins);
+  uint64_t *from_key = key, *to_key = tmp_key;  // the passes ping-pong between the buffers
+  uint32_t *from_val = val, *to_val = tmp_val;
   for (int p = 0; p < kPasses; ++p) {
-    int64_t* h = hist.data() + p * kBins;
     const int shift = p * kBits;
-    if (h[(key[0] >> shift) & (kBins - 1)] == n) continue;  // one digit value: nothing moves
-    int64_t sum = 0;
-    for (int b = 0; b < kBins; ++b) {
-      const int64_t c = h[b];
-      h[b] = sum;
-      sum += c;
+    if (((differ >> shift) & (kBins - 1)) == 0) continue;  // one digit value: nothing moves
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num();
+      const int64_t begin = n * t / threads, end = n * (t + 1) / threads;
+      int64_t* h = hist.data() + static_cast<size_t>(t) * kBins;
+      std::fill(h, h + kBins, 0);
+      for (int64_t i = begin; i < end; ++i) ++h[(from_key[i] >> shift) & (kBins - 1)];
+#pragma omp barrier
+#pragma omp single
+      {
+        int64_t sum = 0;
+        for (int b = 0; b < kBins; ++b)
+          for (int q = 0; q < threads; ++q) {
+            int64_t& c = hist[static_cast<size_t>(q) * kBins + b];
+            const int64_t count = c;
+            c = sum;
+            sum += count;
+          }
+      }
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t at = h[(from_key[i] >> shift) & (kBins - 1)]++;
+        to_key[at] = from_key[i];
+        to_val[at] = from_val[i];
+      }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t at = h[(key[i] >> shift) & (kBins - 1)]++;
-      tmp_key[at] = key[i];
-      tmp_val[at] = val[i];
-    }
-    std::memcpy(key, tmp_key, sizeof(uint64_t) * n);
-    std::memcpy(val, tmp_val, sizeof(uint32_t) * n);
+    std::swap(from_key, to_key);
+    std::swap(from_val, to_val);
+  }
+  if (from_key != key) {
+    std::memcpy(key, from_key, sizeof(uint64_t) * n);
+    std::memcpy(val, from_val, sizeof(uint32_t) * n);
   }
 }
 
-inline uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-// The window's distinct ids with their counts and last access, in order of first
-// appearance: open addressing (linear probing) keyed by the 64-bit id.
+// The window's distinct ids ascending (int64 order) with their counts and last access: one
+// radix sort of (id, window position), then its runs.
 struct Coalesced {
   std::vector<int64_t> ids;
   std::vector<int32_t> count, last;
@@ -153,45 +168,29 @@ struct Coalesced {
 
 void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int64_t n,
               Coalesced& out) {
-  int64_t cap = 16;
-  while (cap < 2 * n) cap <<= 1;
-  static thread_local std::vector<int64_t> keys;
-  static thread_local std::vector<int32_t> index;
-  keys.resize(cap);
-  index.assign(cap, -1);
+  static thread_local std::vector<uint64_t> key, tmp_key;
+  static thread_local std::vector<uint32_t> at, tmp_at;
+  key.resize(n), tmp_key.resize(n), at.resize(n), tmp_at.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    key[i] = static_cast<uint64_t>(Key(whi[i], wlo[i])) ^ kSign;
+    at[i] = static_cast<uint32_t>(i);
+  }
+  RadixSort(key.data(), at.data(), tmp_key.data(), tmp_at.data(), n);
   out.ids.clear();
   out.count.clear();
   out.last.clear();
   out.of.resize(n);
-  const uint64_t mask = cap - 1;
-  constexpr int64_t kAhead = 8;  // the table's slot of the id kAhead on is prefetched
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      const uint64_t ahead = Mix(static_cast<uint64_t>(Key(whi[i + kAhead], wlo[i + kAhead]))) & mask;
-      __builtin_prefetch(&index[ahead]);
-      __builtin_prefetch(&keys[ahead]);
+    const uint32_t j = at[i];
+    if (i == 0 || key[i] != key[i - 1]) {
+      out.ids.push_back(static_cast<int64_t>(key[i] ^ kSign));
+      out.count.push_back(0);
+      out.last.push_back(wstep[j]);
     }
-    const int64_t k = Key(whi[i], wlo[i]);
-    uint64_t h = Mix(static_cast<uint64_t>(k)) & mask;
-    while (true) {
-      const int32_t u = index[h];
-      if (u < 0) {
-        index[h] = static_cast<int32_t>(out.ids.size());
-        out.of[i] = index[h];
-        keys[h] = k;
-        out.ids.push_back(k);
-        out.count.push_back(1);
-        out.last.push_back(wstep[i]);
-        break;
-      }
-      if (keys[h] == k) {
-        out.of[i] = u;
-        ++out.count[u];
-        out.last[u] = std::max(out.last[u], wstep[i]);
-        break;
-      }
-      h = (h + 1) & mask;
-    }
+    const int32_t u = static_cast<int32_t>(out.ids.size()) - 1;
+    ++out.count[u];
+    out.last[u] = std::max(out.last[u], wstep[j]);
+    out.of[j] = u;
   }
 }
 
@@ -406,6 +405,7 @@ struct Run {
 
 std::vector<Run> Runs(const std::vector<int64_t>& lost, const std::vector<int64_t>& below, int64_t z) {
   std::vector<Run> runs;
+  runs.reserve(lost.size() + below.size() + 1);
   size_t li = 0, wi = 0;
   int64_t shift = 0, at = 0;
   while (at < z) {
@@ -428,15 +428,15 @@ std::vector<Run> Runs(const std::vector<int64_t>& lost, const std::vector<int64_
 // right end, left moves from the left end, so a run may overlap its own destination.
 inline void MoveRun(uint32_t* const* cols, int k, const Run& r) {
   const int64_t len = r.end - r.begin;
-  for (int c = 0; c < k; ++c) {
-    uint32_t* a = cols[c];
-    if (len >= 32) {
-      std::memmove(a + r.begin + r.shift, a + r.begin, sizeof(uint32_t) * len);
-    } else if (r.shift > 0) {
-      for (int64_t j = r.end - 1; j >= r.begin; --j) a[j + r.shift] = a[j];
-    } else {
-      for (int64_t j = r.begin; j < r.end; ++j) a[j + r.shift] = a[j];
-    }
+  if (len >= 32) {
+    for (int c = 0; c < k; ++c)
+      std::memmove(cols[c] + r.begin + r.shift, cols[c] + r.begin, sizeof(uint32_t) * len);
+  } else if (r.shift > 0) {  // short runs: each entry's columns together
+    for (int64_t j = r.end - 1; j >= r.begin; --j)
+      for (int c = 0; c < k; ++c) cols[c][j + r.shift] = cols[c][j];
+  } else {
+    for (int64_t j = r.begin; j < r.end; ++j)
+      for (int c = 0; c < k; ++c) cols[c][j + r.shift] = cols[c][j];
   }
 }
 
@@ -499,14 +499,14 @@ enum Policy : int32_t { kLru = 0, kLfu = 1, kTtl = 2 };
 // The eviction; with `slot_of`, also the slot each of the window's distinct ids (by their
 // index in `Evict`'s coalesced window, `EvictWindow()`) maps to after it, as `MchRemap`
 // would answer on the new state: a resident's slot unless it lost it, a winner's new slot,
-// else the default slot.
+// else the default slot. Returns how many entries it gave to new ids (each a distinct slot).
 const Coalesced& EvictWindow() {
   static thread_local Coalesced scratch;  // (kept between calls: no reallocation)
   return scratch;
 }
 
-void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t ttl,
-           std::vector<int32_t>* slot_of) {
+int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t ttl,
+              std::vector<int32_t>* slot_of) {
   const bool lfu = policy == kLfu;
   const int64_t z = s.z;
   const int32_t step = *s.step;
@@ -514,15 +514,7 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
   Coalesced& win = const_cast<Coalesced&>(EvictWindow());  // the calling thread's, also inside
                                                            // the parallel regions below
   Coalesce(s.whi, s.wlo, s.wstep, n, win);
-  const int64_t u = static_cast<int64_t>(win.ids.size());
-  // distinct ids ascending (int64 order)
-  std::vector<uint64_t> key(u), tmp_key(u);
-  std::vector<uint32_t> order(u), tmp_val(u);
-  for (int64_t i = 0; i < u; ++i) {
-    key[i] = static_cast<uint64_t>(win.ids[i]) ^ kSign;
-    order[i] = static_cast<uint32_t>(i);
-  }
-  RadixSort(key.data(), order.data(), tmp_key.data(), tmp_val.data(), u);
+  const int64_t u = static_cast<int64_t>(win.ids.size());  // ascending
   // residents' metadata; the admitted ids that are not resident, ascending, with the count
   // of residents below each
   // (the ids split over the threads in order; each gallops through its part)
@@ -531,19 +523,25 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
   // with `slot_of`: the entry of each resident id (-1: not resident), those below the
   // threshold too (they keep their entries and map to them)
   std::vector<int32_t> hit_at(slot_of ? u : 0, -1);
+  // residents keep their slots (the losers' are overwritten below), read while the search
+  // passes their entries
+  if (slot_of) slot_of->assign(u, static_cast<int32_t>(z - 1));
   std::vector<std::vector<uint32_t>> fresh_of(threads);
   std::vector<std::vector<int64_t>> below_of(threads);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int id = 0; id < threads; ++id) {
     int64_t from = 0;
     for (int64_t i = u * id / threads; i < u * (id + 1) / threads; ++i) {
-      const uint32_t w = order[i];
+      const uint32_t w = static_cast<uint32_t>(i);
       const bool admitted = win.count[w] >= threshold;
       if (!admitted && !slot_of) continue;
       const int64_t k = win.ids[w];
       const int64_t pos = Scan(res, from, z - 1, k);
       from = pos;
-      if (slot_of && res.at(pos) == k) hit_at[w] = static_cast<int32_t>(pos);
+      if (slot_of && res.at(pos) == k) {
+        hit_at[w] = static_cast<int32_t>(pos);
+        (*slot_of)[w] = s.slots[pos];
+      }
       if (!admitted) continue;
       if (res.at(pos) == k) {
         const int32_t c = s.counts[pos];
@@ -600,17 +598,13 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
   *s.used = 0;
   std::memset(s.wstep, 0, sizeof(int32_t) * s.h);
   *s.last_eviction = step;
-  if (slot_of) {  // residents keep their slots (the losers' are overwritten below)
-    slot_of->assign(u, static_cast<int32_t>(z - 1));
-    for (int64_t w = 0; w < u; ++w)
-      if (hit_at[w] >= 0) (*slot_of)[w] = s.slots[hit_at[w]];
-  }
-  if (won == 0) return;
+  if (won == 0) return 0;
   // the best winner takes the best loser's (the won-th weakest) entry, and so on down
   std::vector<int32_t> won_slot(f, -1);
   std::vector<uint64_t> lost_bits((z + 63) / 64, 0);
   for (int64_t i = 0; i < won; ++i) {
     const int64_t loser = weak[won - 1 - i];
+    if (i + 16 < won) __builtin_prefetch(&s.slots[weak[won - 17 - i]]);
     won_slot[best[i]] = s.slots[loser];
     evicted[s.slots[loser]] = true;
     lost_bits[loser >> 6] |= uint64_t(1) << (loser & 63);
@@ -652,6 +646,7 @@ void Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t t
     s.counts[at] = win.count[w];
     s.last[at] = win.last[w];
   }
+  return won;
 }
 
 template <ffi::DataType T>
@@ -752,10 +747,8 @@ ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buff
   *s.used += taken;
   if (now - *s.last_eviction == interval) {
     static thread_local std::vector<int32_t> slot_of;
-    Evict(s, ev, policy, threshold, ttl, out ? &slot_of : nullptr);
+    const int64_t admitted = Evict(s, ev, policy, threshold, ttl, out ? &slot_of : nullptr);
     occ[1] = static_cast<int32_t>(Gallop(res, 0, s.z - 1, kEmpty));
-    int64_t admitted = 0;
-    for (int64_t j = 0; j < s.z; ++j) admitted += ev[j];
     occ[2] = static_cast<int32_t>(admitted);
     if (out) {
       const std::vector<int32_t>& of = EvictWindow().of;
