@@ -24,6 +24,7 @@ from sparse_jax import (
     host_hashed_slots,
 )
 from tests.reference import ManagedCollisionLoop
+from tests.test_export import ROOT, _run
 from tests.test_managed_model import _step
 
 Z, ITEMS, DIM = 16, 12, 4
@@ -474,6 +475,21 @@ def test_a_row_wise_managed_table_of_no_more_rows_than_shards_is_refused_with_al
     assert build("all_gather").sparse_module.split["users"].shards == 1
 
 
+# an artifact scored where `hybrid` is a bare namespace (its training library never imported)
+_FRESH = """
+import json, sys, types
+hybrid = types.ModuleType("hybrid")
+hybrid.__path__ = [sys.argv[1] + "/hybrid"]
+sys.modules["hybrid"] = hybrid
+import numpy as np, torch
+import hybrid.serving
+request = json.load(open(sys.argv[2]))
+predictor = hybrid.serving.load(request["path"])
+np.save(request["out"] + "/scores.npy", predictor(torch.tensor(request["dense"]), request["sparse"]).numpy())
+json.dump(sorted(sys.modules), open(request["out"] + "/modules.json", "w"))
+"""
+
+
 @pytest.mark.parametrize(
     ("z", "mesh", "sizes"),
     [
@@ -540,6 +556,18 @@ def test_quantize_and_export_of_maps_of_two_sizes_serve_raw_ids_as_eval_does(
         got = qmodel(dense, sparse)
     qpath = hybrid.export(qmodel, tmp_path / "int8", example=(dense, sparse))
     assert torch.equal(hybrid.serving.load(qpath)(dense, sparse), got)
+    request = {  # and in a process without the training library (serving's own id hash)
+        "path": str(qpath),
+        "out": str(tmp_path),
+        "dense": dense.tolist(),
+        "sparse": {"user": users, "item": [[int(i)] for i in items]},
+    }
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    _run(_FRESH, tmp_path, str(ROOT), str(tmp_path / "request.json"))
+    assert torch.equal(torch.from_numpy(np.load(tmp_path / "scores.npy")), got)
+    assert not {"sparse_jax", "hybrid.model"} & set(
+        json.loads((tmp_path / "modules.json").read_text())
+    )
 
     manifest = json.loads(manifest_path.read_text())  # as an artifact written before default_rows
     del {t["name"]: t for t in manifest["tables"]}["users"]["managed_collision"]["default_rows"]
