@@ -275,10 +275,11 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
     path = hybrid.export(model, tmp_path / "export", example=(dense, sparse))
     manifest = json.loads((path / "manifest.json").read_text())
     entry = {t["name"]: t for t in manifest["tables"]}["users"]["managed_collision"]
-    assert (entry["shards"], entry["default_row"], entry["resident"]) == (
+    assert (entry["shards"], entry["default_row"], entry["resident"], entry["default_rows"]) == (
         4,
         Z // 4 - 1,
         len(frozen.ids),
+        [3, 7, 11, 15],
     )
     predictor = hybrid.serving.load(path)
     torch.testing.assert_close(predictor(dense, sparse), want, rtol=1e-6, atol=1e-6)
@@ -288,6 +289,9 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
         pooled[:, :DIM], table[torch.from_numpy(owner[:8] * (Z // 4) + Z // 4 - 1)]
     )
     manifest_path = path / "manifest.json"
+    del entry["default_rows"]  # as written before default_rows: blocks of default_row + 1 rows
+    manifest_path.write_text(json.dumps(manifest))
+    assert torch.equal(hybrid.serving.load(path)(dense, sparse), predictor(dense, sparse))
     bad = manifest_path.read_text().replace('"shards": 4', '"shards": 3')
     manifest_path.write_text(bad)
     with pytest.raises(
