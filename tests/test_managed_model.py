@@ -212,11 +212,11 @@ def test_an_export_serves_raw_ids_through_the_frozen_map_as_eval_does(tmp_path):
     model.eval()
     with torch.no_grad():
         want = model(dense, sparse)
-    ids, rows, default, shards = model.sparse_module.frozen_maps()["users"]
+    ids, rows, defaults = model.sparse_module.frozen_maps()["users"]
     assert (
         len(ids) == Z - 1
         and sorted(rows.tolist()) == list(range(Z - 1))
-        and (default, shards) == (Z - 1, 1)
+        and defaults.tolist() == [Z - 1]
     )
     path = hybrid.export(model, tmp_path / "mc", example=(dense, sparse))
     manifest = json.loads((path / "manifest.json").read_text())
@@ -226,6 +226,7 @@ def test_an_export_serves_raw_ids_through_the_frozen_map_as_eval_does(tmp_path):
         "resident": Z - 1,
         "default_row": Z - 1,
         "shards": 1,
+        "default_rows": [Z - 1],
     }
     assert entry["items"]["managed_collision"] is None
     predictor = hybrid.serving.load(path)

@@ -334,20 +334,9 @@ def _model(plan, interval=1, seed=0, rows=Z, history=512, mesh="data=2,model=4")
 
 
 def _id_rows(model):
-    """(resident ids ascending, the table row of each) of `model`'s users map, read from its
-    host state (per-shard maps over uneven blocks freeze for serving only of one size)."""
-    module = model.sparse_module
-    state = module.host_state()[0]["users"]
-    split = getattr(module, "split", {}).get("users")
-    width = np.shape(state.sorted_hi)[-1]
-    sizes = split.block_sizes if split is not None and split.shards > 1 else (width,)
-    raw = RawIds(np.asarray(state.sorted_hi), np.asarray(state.sorted_lo)).to_int64()
-    raw, slots = raw.reshape(-1, width), np.asarray(state.slots).reshape(-1, width)
-    offsets = np.cumsum([0, *sizes[:-1]])
-    resident = (raw != EMPTY) & (np.arange(width)[None, :] < np.asarray(sizes)[:, None])
-    ids, rows = raw[resident], (slots + offsets[:, None])[resident]
-    order = np.argsort(ids)
-    return ids[order], rows[order]
+    """(resident ids ascending, the table row of each) of `model`'s users map."""
+    frozen = model.sparse_module.frozen_maps()["users"]
+    return frozen.ids, frozen.rows
 
 
 def _batches(steps, seed=0):

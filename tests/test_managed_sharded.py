@@ -24,6 +24,7 @@ from sparse_jax import (
     host_hashed_slots,
 )
 from tests.reference import ManagedCollisionLoop
+from tests.test_export import ROOT, _run
 from tests.test_managed_model import _step
 
 Z, ITEMS, DIM = 16, 12, 4
@@ -274,10 +275,11 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
     path = hybrid.export(model, tmp_path / "export", example=(dense, sparse))
     manifest = json.loads((path / "manifest.json").read_text())
     entry = {t["name"]: t for t in manifest["tables"]}["users"]["managed_collision"]
-    assert (entry["shards"], entry["default_row"], entry["resident"]) == (
+    assert (entry["shards"], entry["default_row"], entry["resident"], entry["default_rows"]) == (
         4,
         Z // 4 - 1,
         len(frozen.ids),
+        [3, 7, 11, 15],
     )
     predictor = hybrid.serving.load(path)
     torch.testing.assert_close(predictor(dense, sparse), want, rtol=1e-6, atol=1e-6)
@@ -287,6 +289,9 @@ def test_an_export_of_per_shard_maps_serves_raw_ids_as_eval_does(tmp_path):
         pooled[:, :DIM], table[torch.from_numpy(owner[:8] * (Z // 4) + Z // 4 - 1)]
     )
     manifest_path = path / "manifest.json"
+    del entry["default_rows"]  # as written before default_rows: blocks of default_row + 1 rows
+    manifest_path.write_text(json.dumps(manifest))
+    assert torch.equal(hybrid.serving.load(path)(dense, sparse), predictor(dense, sparse))
     bad = manifest_path.read_text().replace('"shards": 4', '"shards": 3')
     manifest_path.write_text(bad)
     with pytest.raises(
@@ -474,17 +479,109 @@ def test_a_row_wise_managed_table_of_no_more_rows_than_shards_is_refused_with_al
     assert build("all_gather").sparse_module.split["users"].shards == 1
 
 
-def test_a_managed_table_split_into_maps_of_two_sizes_is_refused_by_quantize_and_export():
-    model, _ = _model({"users": "row_wise", "items": "table_wise"}, z=18)
-    assert model.sparse_module.split["users"].block_sizes == (5, 5, 5, 3)
+# an artifact scored where `hybrid` is a bare namespace (its training library never imported)
+_FRESH = """
+import json, sys, types
+hybrid = types.ModuleType("hybrid")
+hybrid.__path__ = [sys.argv[1] + "/hybrid"]
+sys.modules["hybrid"] = hybrid
+import numpy as np, torch
+import hybrid.serving
+request = json.load(open(sys.argv[2]))
+predictor = hybrid.serving.load(request["path"])
+np.save(request["out"] + "/scores.npy", predictor(torch.tensor(request["dense"]), request["sparse"]).numpy())
+json.dump(sorted(sys.modules), open(request["out"] + "/modules.json", "w"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("z", "mesh", "sizes"),
+    [
+        (18, MESH, (5, 5, 5, 3)),
+        (17, "model=8", (3, 3, 3, 3, 3, 2, 0, 0)),  # two empty blocks too
+    ],
+    ids=["18_over_4", "17_over_8"],
+)
+def test_quantize_and_export_of_maps_of_two_sizes_serve_raw_ids_as_eval_does(
+    tmp_path, z, mesh, sizes
+):
+    """Maps of two sizes: each shard's unseen ids read its own block's last row (18 over 4:
+    rows 4, 9, 14 and 17), in the frozen map, the float export (as eval scores, to 1e-6 as
+    an even split's), the quantized model and its export (int8: bit for bit)."""
+    model, opt = _model({"users": "row_wise", "items": "data_parallel"}, z=z, mesh=mesh)
+    split = model.sparse_module.split["users"]
+    assert split.block_sizes == sizes
+    for users, items, dense, labels in _batches(12, seed=4):
+        _step(model, opt, _kjt(users, items, [int(i) for b in users for i in b]), dense, labels)
+    mapped = [s for s, size in enumerate(sizes) if size >= 2]
+    defaults = [split.offsets[s] + sizes[s] - 1 for s in mapped]
+    frozen = model.sparse_module.frozen_maps()["users"]
+    assert frozen.default_rows.tolist() == defaults and frozen.shards == len(mapped)
+    assert frozen.default_row == sizes[0] - 1
+    assert not set(frozen.rows.tolist()) & set(defaults) and max(frozen.rows) < defaults[-1]
+    np.testing.assert_array_equal(frozen_rows(frozen, frozen.ids), frozen.rows)
+    unseen = np.arange(2**40, 2**40 + 64, dtype=np.int64)
+    owner = np.asarray(hashed_slots(RawIds.from_int64(unseen), len(mapped)))
+    np.testing.assert_array_equal(frozen_rows(frozen, unseen), np.asarray(defaults)[owner])
+    held = np.asarray(hashed_slots(RawIds.from_int64(frozen.ids), len(mapped)))
+    resident = [int(frozen.ids[held == s][0]) for s in mapped]  # one resident id per shard
+    fresh = [int(unseen[owner == s][0]) for s in mapped]  # one unseen id per shard
+    users = [[r, f] for r, f in zip(resident, fresh, strict=True)]
+    users += [[fresh[1]], [-(2**63)], [], [resident[2]]][: 8 - len(users)]
+    _, items, dense, _ = next(_batches(1, seed=5))
+    sparse = _kjt(users, items, [i for b in users for i in b])
+    model.eval()
+    with torch.no_grad():
+        want = model(dense, sparse)
+
+    path = hybrid.export(model, tmp_path / "float", example=(dense, sparse))
+    manifest_path = path / "manifest.json"
+    entry = {t["name"]: t for t in json.loads(manifest_path.read_text())["tables"]}["users"]
+    assert {
+        k: entry["managed_collision"][k] for k in ("shards", "default_row", "default_rows")
+    } == {
+        "shards": len(mapped),
+        "default_row": sizes[0] - 1,
+        "default_rows": defaults,
+    }
+    predictor = hybrid.serving.load(path)
+    torch.testing.assert_close(predictor(dense, sparse), want, rtol=1e-6, atol=1e-6)
+    table = model.table_weights()["users"]
+    for ids, rows in ((resident, frozen_rows(frozen, resident)), (fresh, defaults)):
+        pooled = predictor.pooled({"user": [[i] for i in ids], "item": [[1]] * len(ids)})
+        torch.testing.assert_close(pooled[:, :DIM], table[torch.as_tensor(rows)], rtol=0, atol=0)
+
+    with torch.no_grad():
+        fp16 = hybrid.quantize(model, "fp16")(dense, sparse)
+    torch.testing.assert_close(fp16, want, rtol=2e-3, atol=2e-3)
+    qmodel = hybrid.quantize(model, "int8")
+    assert qmodel.id_maps["users"].default_rows.tolist() == defaults
+    with torch.no_grad():
+        got = qmodel(dense, sparse)
+    qpath = hybrid.export(qmodel, tmp_path / "int8", example=(dense, sparse))
+    assert torch.equal(hybrid.serving.load(qpath)(dense, sparse), got)
+    request = {  # and in a process without the training library (serving's own id hash)
+        "path": str(qpath),
+        "out": str(tmp_path),
+        "dense": dense.tolist(),
+        "sparse": {"user": users, "item": [[int(i)] for i in items]},
+    }
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    _run(_FRESH, tmp_path, str(ROOT), str(tmp_path / "request.json"))
+    assert torch.equal(torch.from_numpy(np.load(tmp_path / "scores.npy")), got)
+    assert not {"sparse_jax", "hybrid.model"} & set(
+        json.loads((tmp_path / "modules.json").read_text())
+    )
+
+    manifest = json.loads(manifest_path.read_text())  # as an artifact written before default_rows
+    del {t["name"]: t for t in manifest["tables"]}["users"]["managed_collision"]["default_rows"]
+    manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(
-        ValueError,
-        match=r"^managed table 'users' is split row-wise into blocks of \[5, 5, 5, 3\] rows: "
-        r"id maps over row blocks .* cannot be frozen: .* Load a checkpoint of it onto a plan "
-        r"whose blocks holding a map are all of one size .* or onto one device, to quantize "
-        r"or export it$",
+        hybrid.serving.ArtifactError,
+        match=rf"table 'users''s id map names {len(mapped)} shard\(s\) with default row "
+        rf"{sizes[0] - 1}, which does not split its {z} rows",
     ):
-        hybrid.quantize(model, "int8")
+        hybrid.serving.load(path)
 
 
 @pytest.mark.parametrize("z", [Z, 18], ids=["even", "uneven"])

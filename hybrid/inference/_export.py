@@ -236,6 +236,7 @@ def _table_entry(i: int, table: _Table, outputs: list[_Output], id_map=None) -> 
             "resident": int(len(id_map.ids)),
             "default_row": int(id_map.default_row),
             "shards": int(id_map.shards),
+            "default_rows": [int(r) for r in id_map.default_rows],
         },
     }
 

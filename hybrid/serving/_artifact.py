@@ -13,6 +13,9 @@ An artifact is one directory written by `hybrid.export`:
                            where the kernel was built)
     dense_tower.pt2        the dense tower, a `torch.export.save`d ExportedProgram
     tables/<i>_<name>.npy  one file per table: fp32 (or fp16) rows, or packed uint8 rows
+    id_maps/<i>_<name>.npz  a managed-collision table's frozen id map: resident raw ids and
+                           their rows (manifest: the table's managed_collision, with the
+                           default row of each shard holding a map, default_rows)
 
 `read_manifest` parses and checks the manifest; `verify_files` checks every listed file
 against its sha256 and size. Both raise `ArtifactError` naming the artifact, the file and

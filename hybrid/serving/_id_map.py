@@ -2,9 +2,10 @@
 imports nothing of the training library).
 
 The map (`sparse_jax.FrozenIdMap`, written by `hybrid.export`): resident raw ids ascending,
-the row of each, the default row and the shard count. An id not resident reads its shard's
-default row; with several shards (a row-wise table managed per shard) the shard is
-`sparse_jax.hashed_slots(id, shards)`, which `hashed_slots` below computes bit for bit.
+the row of each, and the default row of each shard holding a map (one for one map). An id
+not resident reads its shard's default row; with several shards (a row-wise table managed
+per shard, its blocks of one size or two) the shard is `sparse_jax.hashed_slots(id,
+shards)`, which `hashed_slots` below computes bit for bit.
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ def hashed_slots(values: np.ndarray, num_embeddings: int) -> np.ndarray:
 
 
 def frozen_rows(id_map, values: np.ndarray) -> np.ndarray:
-    """int64 table rows of int64 raw ids `values` through `id_map` (ids, rows, default row,
-    shards): a resident id's row, else the default row of its shard (`default_row + 1`
-    rows a shard)."""
-    ids, rows, default_row, shards = id_map
+    """int64 table rows of int64 raw ids `values` through `id_map` (ids, rows, default rows:
+    one per shard holding a map, int64): a resident id's row, else the default row of its
+    shard (`hashed_slots(id, shards)` with several)."""
+    ids, rows, default_rows = id_map
     values = np.asarray(values, np.int64)
-    default = np.full(values.shape, default_row, np.int64)
-    if shards > 1:
-        default += hashed_slots(values, shards) * (default_row + 1)
+    if len(default_rows) > 1:
+        default = np.asarray(default_rows, np.int64)[hashed_slots(values, len(default_rows))]
+    else:
+        default = np.full(values.shape, default_rows[0], np.int64)
     at = np.minimum(np.searchsorted(ids, values), max(len(ids) - 1, 0))
     hit = (ids[at] == values) if len(ids) else np.zeros(values.shape, bool)
     return np.where(hit, rows[at] if len(ids) else 0, default).astype(np.int64)

@@ -68,8 +68,8 @@ LOOKUPS = ("auto", "cpu_kernel", "xla")
 
 
 def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, tuple]:
-    """feature -> the frozen id map of its managed-collision table (ids, rows, default row,
-    shards; none: {})."""
+    """feature -> the frozen id map of its managed-collision table (ids, rows, the default
+    row of each shard holding a map; none: {})."""
     maps = {}
     for entry in manifest["tables"]:
         mc = entry.get("managed_collision")  # absent in artifacts written before managed collision
@@ -84,18 +84,7 @@ def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, tuple]:
                 "model"
             ) from None
         rows_ok = rows.size == 0 or (rows.min() >= 0 and rows.max() < int(entry["num_embeddings"]))
-        shards = int(
-            mc.get("shards", 1)
-        )  # absent in artifacts written before sharded maps: one map
-        # the shards' maps cover the rows, but for one row of an uneven row-wise split's last
-        # block that holds no map (e.g. 10 rows over 4 shards: maps of 3, 3, 3 and a row)
-        spare = int(entry["num_embeddings"]) - shards * (int(mc["default_row"]) + 1)
-        if shards < 1 or spare not in (0, 1):
-            raise ArtifactError(
-                f"{where}: table {entry['name']!r}'s id map names {shards} shard(s) with default row "
-                f"{mc['default_row']}, which does not split its {entry['num_embeddings']} rows; "
-                "re-export the model"
-            )
+        default_rows = _default_rows(where, entry, mc)
         if (
             ids.dtype != np.int64
             or rows.dtype != np.int32
@@ -110,8 +99,34 @@ def _load_id_maps(path: pathlib.Path, where: str, manifest) -> dict[str, tuple]:
                 f"[0, {entry['num_embeddings']})); re-export the model"
             )
         for feature in entry["features"]:
-            maps[feature] = (ids, rows, int(mc["default_row"]), shards)
+            maps[feature] = (ids, rows, default_rows)
     return maps
+
+
+def _default_rows(where: str, entry, mc) -> np.ndarray:
+    """The default row of each shard holding a map of a managed table (int64, ascending):
+    the manifest's `default_rows` (artifacts written before it: `shards` blocks of
+    `default_row + 1` rows), checked to end the table's rows, but for the one row of an
+    uneven row-wise split's last block that holds no map (10 rows over 4 shards: maps of 3,
+    3, 3 and a row)."""
+    num, default_row = int(entry["num_embeddings"]), int(mc["default_row"])
+    shards = int(mc.get("shards", 1))  # absent in artifacts written before sharded maps: one map
+    written = mc.get("default_rows", [(default_row + 1) * s + default_row for s in range(shards)])
+    ints = isinstance(written, list) and all(type(v) is int for v in written)
+    out = np.asarray(written if ints else [], np.int64)
+    if not (
+        shards >= 1
+        and out.shape == (shards,)
+        and out[0] == default_row >= 0
+        and (np.diff(out) > 0).all()
+        and num - 1 - out[-1] in (0, 1)
+    ):
+        raise ArtifactError(
+            f"{where}: table {entry['name']!r}'s id map names {shards} shard(s) with default row "
+            f"{mc['default_row']}, which does not split its {entry['num_embeddings']} rows (default "
+            f"rows {written}); re-export the model"
+        )
+    return out
 
 
 def _spec(manifest: dict[str, Any], id_maps=None) -> RequestSpec:

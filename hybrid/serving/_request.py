@@ -60,8 +60,8 @@ class RequestSpec(NamedTuple):
     bounds_check: str  # "error", "clamp" or "skip"
     max_batch_size: int
     id_capacities: tuple[int, ...]
-    # managed-collision features: feature -> its table's frozen id map (ids, rows, default row,
-    # shards: sparse_jax.FrozenIdMap's fields; hybrid.serving._id_map)
+    # managed-collision features: feature -> its table's frozen id map (ids, rows, each shard's
+    # default row: sparse_jax.FrozenIdMap's fields; hybrid.serving._id_map)
     id_maps: Mapping[str, tuple] | None = None
     # batch sizes with a lookup program of their own (ascending; () or the largest:
     # max_batch_size): a request's bags are padded to the smallest that holds it

@@ -289,25 +289,17 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
 
     def frozen_maps(self):
         """{managed table: its id maps frozen on the host (`FrozenIdMap`; a collective on a
-        multi-process mesh)}. A table split unevenly freezes when its maps are all of one
-        size (e.g. 10 rows over 4 shards: 3, 3, 3 and a row that holds no map); maps of two
-        sizes (e.g. 18 over 4: 5, 5, 5, 3) are refused, naming the table."""
+        multi-process mesh)}. A table split unevenly freezes each shard's map with its own
+        block's default row (e.g. 18 rows over 4 shards: blocks of 5, 5, 5 and 3, default rows
+        4, 9, 14 and 17; 10 over 4: 3, 3, 3 and a row that holds no map, default rows 2, 5
+        and 8)."""
         states = self.host_state()[0]
-        out = {}
-        for name in self.managed_tables:
-            split = self.split[name]
-            try:
-                out[name] = frozen_map(
-                    states[name], split.block_sizes if split.shards > 1 else None
-                )
-            except ValueError as e:
-                raise ValueError(
-                    f"managed table {name!r} is split row-wise into blocks of {list(split.block_sizes)} rows: "
-                    f"{e}, as serving finds an id's default row (quantize, export). Load a checkpoint of "
-                    "it onto a plan whose blocks holding a map are all of one size (e.g. num_embeddings a "
-                    "multiple of the shards), or onto one device, to quantize or export it"
-                ) from None
-        return out
+        return {
+            name: frozen_map(
+                states[name], self.split[name].block_sizes if self.split[name].shards > 1 else None
+            )
+            for name in self.managed_tables
+        }
 
     def host_state(self):
         """(`{table: MCHState}`, `{table: counters}`, draw key data) as host arrays, gathered
