@@ -459,14 +459,15 @@ def test_kernel_equals_the_xla_form_bit_for_bit_and_the_loops(weight_type, dim, 
 
 
 def test_kernel_on_batches_of_every_size_and_on_a_table_of_no_rows():
-    """Bag counts around the thread split (one bag, a few, thousands), all bags empty, and a
-    table of 0 rows (under jit: every id is outside, so every bag is zeros or clamped to none)."""
+    """Bag counts around the thread split (one bag, a few, thousands; bags that start deep in
+    the ids, as a served feature's do), all bags empty, and a table of 0 rows (under jit:
+    every id is outside, so every bag is zeros or clamped to none)."""
     _need_kernel()
     rng = np.random.default_rng(11)
     packed = quantize_rows(_lookup_table(rng, 16), "int4")
-    for bags in (1, 3, 5000):
+    for bags, start in ((1, 0), (3, 0), (5000, 0), (3, 9000), (5000, 9000)):
         lengths = rng.integers(0, 6, bags)
-        offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+        offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32) + start
         ids = rng.integers(0, ROWS, offsets[-1] + 3).astype(np.int32)
         np.testing.assert_array_equal(
             quantized_pooled_lookup(packed, "int4", 16, ids, offsets, "MEAN", kernel="ffi"),

@@ -567,9 +567,10 @@ def load(
 
     torch_threads: torch's intra-op threads while a call's dense tower runs (the process's
     count is restored after it); None leaves them alone. One by default: beside JAX's CPU
-    threads and the lookup kernel's, torch's second thread waited for a core on a 2-core
-    machine, and a call took 2.4x (batch 1), 3.2x (64) and 1.7x (512) its time with one
-    (benchmarks.serving_latency's int8 DLRM, each alone in a fresh process)."""
+    threads (which the lookup kernel's bags also run on), torch's second thread waited for a
+    core on a 2-core machine, and a call took 2.4x (batch 1), 3.2x (64) and 1.7x (512) its
+    time with one (benchmarks.serving_latency's int8 DLRM, each alone in a fresh process);
+    two lost at every batch again once the kernel left OpenMP (benchmarks/NOTES.md)."""
     path = pathlib.Path(path)
     where = f"serving artifact {str(path)!r}"
     manifest = read_manifest(path)

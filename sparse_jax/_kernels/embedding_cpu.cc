@@ -7,16 +7,22 @@
 //                    place. Both group the ids by row with a parallel radix sort, sum each
 //                    row's gradient once and apply the rule in place (table and state are
 //                    aliased to the outputs; XLA donates them).
-// All are multi-threaded (OpenMP): bags split over threads for the lookups; for the updates
-// the sort passes split the ids, and each thread owns a contiguous range of unique rows.
+// QuantPooled:       pooled bags of packed (int8 / int4 / int2 / fp16) rows: the served lookup.
+// All are multi-threaded: bags split over OpenMP threads for the float lookups; for the
+// updates the sort passes split the ids, and each thread owns a contiguous range of unique
+// rows. The quantized lookup alone splits its bags over XLA's own CPU threads (`SplitBags`),
+// not an OpenMP team (see there why).
 #include <omp.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -376,10 +382,80 @@ struct AccInt4Pairs16 {
 #define QUANT_PREFETCH 32  // ids ahead (measured: 32 a little faster than 16 or 8 at 1M x 64, L20)
 #endif
 
-// The share of threads for `ids` ids, and the bounds of bag b.
-inline int QuantThreads(int64_t ids) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(1, omp_get_max_threads()), ids / 4096 + 1)));
+// ---- the quantized lookup's threads ------------------------------------------------------
+// The quantized lookup is what a served model runs, beside torch's dense tower in the same
+// process. Where torch was imported first (hybrid.serving's process), torch's bundled
+// libgomp is the process's only OpenMP runtime (the kernel library's libgomp.so.1 resolves
+// to it; /proc/self/maps shows no other), and a team's idle workers spin for their next
+// region (GOMP_SPINCOUNT) on cores that torch's and JAX's threads need: on a loaded 2-core
+// machine a lookup's team stalled the call for milliseconds (benchmarks/NOTES.md). So the
+// lookup splits its bags over XLA's intra-op thread pool (JAX's own CPU threads, running
+// in the process anyway, which block when idle) instead: chunks of 16 bags claimed from a shared
+// counter by the calling thread and by helpers scheduled on the pool. The caller works
+// until no chunk is left, so a helper the pool starts late (or never: a busy pool) costs
+// nothing but its wake-up; a helper that starts after the caller closed the split returns
+// without touching the bags. Each bag is pooled whole by one thread, in id order: the
+// result is the same bit for bit whoever pools it.
+
+// Ids per helper: one helper for each QUANT_IDS_PER_THREAD ids of the call beyond the first.
+#ifndef QUANT_IDS_PER_THREAD
+#define QUANT_IDS_PER_THREAD 4096
+#endif
+
+// The threads (caller included) for a call that reads `ids` ids, at most `most`.
+inline int64_t QuantThreads(int64_t ids, int64_t most) {
+  return std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(1, most), ids / QUANT_IDS_PER_THREAD + 1));
 }
+
+// body(b) for every bag b < bags, over `threads` threads of `pool` (the caller one of them).
+template <typename F>
+void SplitBags(ffi::ThreadPool* pool, int64_t bags, int64_t threads, const F& body) {
+  constexpr int64_t kChunk = 16;
+  if (pool == nullptr || threads <= 1 || bags <= kChunk) {
+    for (int64_t b = 0; b < bags; ++b) body(b);
+    return;
+  }
+  struct Split {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> state{0};  // kClosed | helpers inside
+    std::mutex m;
+    std::condition_variable cv;
+  };
+  constexpr int64_t kClosed = int64_t{1} << 40;
+  auto split = std::make_shared<Split>();
+  auto chunks = [bags, &body](Split& s) {
+    for (int64_t start; (start = s.next.fetch_add(kChunk)) < bags;) {
+      const int64_t stop = std::min(bags, start + kChunk);
+      for (int64_t b = start; b < stop; ++b) body(b);
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) {
+    pool->Schedule([split, chunks]() {
+      Split& s = *split;
+      int64_t st = s.state.load();
+      do {
+        if (st & kClosed) return;  // the caller is done: `body` may be gone
+      } while (!s.state.compare_exchange_weak(st, st + 1));
+      chunks(s);
+      if (s.state.fetch_sub(1) - 1 == kClosed) {
+        { std::lock_guard<std::mutex> lock(s.m); }
+        s.cv.notify_all();
+      }
+    });
+  }
+  chunks(*split);
+  Split& s = *split;
+  if (s.state.fetch_or(kClosed) != 0) {  // helpers still pooling their last chunk
+    std::unique_lock<std::mutex> lock(s.m);
+    s.cv.wait(lock, [&s] { return s.state.load() == kClosed; });
+  }
+}
+
+// Where a quantized lookup's bags run: `threads` threads of `pool` (the caller included).
+struct QuantSplit {
+  ffi::ThreadPool* pool;
+  int64_t threads;
+};
 
 struct BagRange {
   int64_t start, end, stop;  // stop: end, or start + max_length
@@ -420,12 +496,10 @@ inline float MeanScale(bool mean, const BagRange& r) {
 template <typename ACC, int KIND, bool WEIGHTED>
 void PoolFixed(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
                const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
-               int64_t max_length) {
+               int64_t max_length, const QuantSplit& split) {
   constexpr int64_t head = KIND == 16 ? 0 : 4;  // fp16 scale and bias in front
   const int64_t ids_end = std::min<int64_t>(std::max<int64_t>(off[bags], 0), n_ids);
-  // chunks of 16 bags handed out as threads ask: a descheduled thread holds up less
-#pragma omp parallel for schedule(dynamic, 16) num_threads(QuantThreads(ids_end))
-  for (int64_t b = 0; b < bags; ++b) {
+  SplitBags(split.pool, bags, split.threads, [&](int64_t b) {
     const BagRange r = BagAt(off, b, n_ids, max_length);
     ACC acc;
     acc.zero();
@@ -437,7 +511,7 @@ void PoolFixed(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t*
       acc.add(row + head, RowFactors<KIND, WEIGHTED>(row, w, i));
     }
     acc.store(o + b * dim, MeanScale(mean, r));
-  }
+  });
 }
 #endif
 
@@ -445,11 +519,10 @@ void PoolFixed(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t*
 template <int KIND, bool WEIGHTED>
 void PoolAny(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
              const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
-             int64_t max_length) {
+             int64_t max_length, const QuantSplit& split) {
   constexpr int64_t head = KIND == 16 ? 0 : 4;
   const int64_t ids_end = std::min<int64_t>(std::max<int64_t>(off[bags], 0), n_ids);
-#pragma omp parallel for schedule(dynamic, 16) num_threads(QuantThreads(ids_end))
-  for (int64_t b = 0; b < bags; ++b) {
+  SplitBags(split.pool, bags, split.threads, [&](int64_t b) {
     const BagRange r = BagAt(off, b, n_ids, max_length);
     float* out = o + b * dim;
     std::memset(out, 0, sizeof(float) * dim);
@@ -481,13 +554,13 @@ void PoolAny(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* i
       const float scale = MeanScale(mean, r);
       for (int64_t k = 0; k < dim; ++k) out[k] *= scale;
     }
-  }
+  });
 }
 
 template <int KIND, bool WEIGHTED>
 void PoolQuantDim(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
                   const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
-                  int64_t max_length) {
+                  int64_t max_length, const QuantSplit& split) {
 #ifdef HYBRIDREC_QUANT_VECTOR
 #ifdef __AVX512F__
 #define HYBRIDREC_WIDE(D) (D % 16 == 0 && (KIND == 8 || KIND == 16))
@@ -499,7 +572,7 @@ void PoolQuantDim(const uint8_t* t, int64_t num_rows, int64_t width, const int32
 #define HYBRIDREC_ACC(D) std::conditional_t<KIND == 4 && D % 16 == 0, AccInt4Pairs<D>, Acc8<KIND, D>>
 #endif
 #define HYBRIDREC_QUANT(D) \
-  PoolFixed<HYBRIDREC_ACC(D), KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, clamp, mean, max_length)
+  PoolFixed<HYBRIDREC_ACC(D), KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, clamp, mean, max_length, split)
   switch (dim) {
     case 8: HYBRIDREC_QUANT(8); return;
     case 16: HYBRIDREC_QUANT(16); return;
@@ -512,12 +585,13 @@ void PoolQuantDim(const uint8_t* t, int64_t num_rows, int64_t width, const int32
 #undef HYBRIDREC_ACC
 #undef HYBRIDREC_WIDE
 #endif
-  PoolAny<KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, clamp, mean, max_length);
+  PoolAny<KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, clamp, mean, max_length, split);
 }
 
-ffi::Error QuantPooledImpl(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> offsets,
-                           ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::F32> out, int32_t kind,
-                           int32_t weighted, int32_t clamp, int32_t mean, int64_t max_length) {
+ffi::Error QuantPooledImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> ids,
+                           ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::F32> weights,
+                           ffi::ResultBuffer<ffi::F32> out, int32_t kind, int32_t weighted, int32_t clamp,
+                           int32_t mean, int64_t max_length) {
   const auto pdims = packed.dimensions();
   const auto odims = out->dimensions();
   if (pdims.size() != 2 || odims.size() != 2 || offsets.element_count() != odims[0] + 1) {
@@ -536,13 +610,17 @@ ffi::Error QuantPooledImpl(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> id
     std::memset(o, 0, sizeof(float) * bags * dim);
     return ffi::Error::Success();
   }
+  // the threads by this call's own ids (its bags' offsets may start anywhere in `ids`)
+  const int64_t n_ids = ids.element_count();
+  const int32_t* off = offsets.typed_data();
+  const int64_t first = std::min<int64_t>(std::max<int64_t>(off[0], 0), n_ids);
+  const int64_t last = std::min<int64_t>(std::max<int64_t>(off[bags], first), n_ids);
+  const QuantSplit split{&pool, QuantThreads(last - first, pool.num_threads())};
 #define HYBRIDREC_QUANT_KIND(K)                                                                             \
-  (weighted ? PoolQuantDim<K, true>(packed.typed_data(), num_rows, width, ids.typed_data(), ids.element_count(),  \
-                                    offsets.typed_data(), bags, weights.typed_data(), o, dim, clamp != 0,         \
-                                    mean != 0, max_length)                                                        \
-            : PoolQuantDim<K, false>(packed.typed_data(), num_rows, width, ids.typed_data(), ids.element_count(), \
-                                     offsets.typed_data(), bags, weights.typed_data(), o, dim, clamp != 0,        \
-                                     mean != 0, max_length))
+  (weighted ? PoolQuantDim<K, true>(packed.typed_data(), num_rows, width, ids.typed_data(), n_ids, off, bags,     \
+                                    weights.typed_data(), o, dim, clamp != 0, mean != 0, max_length, split)       \
+            : PoolQuantDim<K, false>(packed.typed_data(), num_rows, width, ids.typed_data(), n_ids, off, bags,    \
+                                     weights.typed_data(), o, dim, clamp != 0, mean != 0, max_length, split))
   switch (kind) {
     case 8: HYBRIDREC_QUANT_KIND(8); break;
     case 4: HYBRIDREC_QUANT_KIND(4); break;
@@ -930,6 +1008,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecJaggedPooledSum, JaggedPooledSumImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecQuantPooled, QuantPooledImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
