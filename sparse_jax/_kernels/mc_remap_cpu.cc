@@ -8,9 +8,10 @@
 // int64 `hi << 32 | lo`, so the words' order is the int64 order.
 //
 // MchProfile: append the batch's valid ids to the window; when an eviction is due, coalesce
-//   the window by one radix sort of (id, position) (distinct ids ascending, with their
-//   count and last access; two threads for large windows), find them among the residents by
-//   a forward scan (blocks of 8 by the high words, galloping past long gaps), update the
+//   the window by one sort of (id, position) (a counting pass by the ids' top bits, then
+//   small buckets: the distinct ids ascending, with their count and last access), find them
+//   among the residents by a forward scan (blocks of 8 by the high words, galloping past
+//   long gaps), update the
 //   residents' metadata, rank the new ids, select the weakest residents (one pass over the
 //   scores collecting those below a bound guessed from a sample; a radix selection over all
 //   of them when the guess fails; never a sort of the table), give the losing entries'
@@ -158,8 +159,52 @@ void RadixSort(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_va
   }
 }
 
+// `n` (uint64 key, uint32 payload) pairs ascending by key, equal keys in no particular
+// order: one counting pass by the keys' highest differing bits (about one bucket per key),
+// then each bucket by insertion (or, when many keys share a bucket, by `RadixSort`). For
+// the window's ids, which are mostly distinct and spread: one pass instead of up to six.
+void SortKeys(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_val, int64_t n) {
+  if (n <= 1) return;
+  uint64_t all = ~uint64_t(0), any = 0;
+  for (int64_t i = 0; i < n; ++i) all &= key[i], any |= key[i];
+  const uint64_t differ = all ^ any;
+  if (differ == 0) return;
+  int bits = 8;
+  while (bits < 16 && (int64_t(1) << bits) < n) ++bits;
+  const int top = 63 - __builtin_clzll(differ);
+  const int shift = std::max(0, top + 1 - bits);
+  const int64_t bins = int64_t(1) << bits;
+  const uint64_t mask = static_cast<uint64_t>(bins - 1);
+  std::vector<int32_t> start(bins + 1, 0);
+  for (int64_t i = 0; i < n; ++i) ++start[((key[i] >> shift) & mask) + 1];
+  for (int64_t b = 1; b <= bins; ++b) start[b] += start[b - 1];
+  std::vector<int32_t> at(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t j = at[(key[i] >> shift) & mask]++;
+    tmp_key[j] = key[i];
+    tmp_val[j] = val[i];
+  }
+  for (int64_t b = 0; b < bins; ++b) {
+    const int64_t begin = start[b], end = start[b + 1];
+    if (end - begin > 64) {
+      RadixSort(tmp_key + begin, tmp_val + begin, key + begin, val + begin, end - begin);
+      continue;
+    }
+    for (int64_t i = begin + 1; i < end; ++i) {
+      const uint64_t k = tmp_key[i];
+      const uint32_t x = tmp_val[i];
+      int64_t j = i;
+      for (; j > begin && tmp_key[j - 1] > k; --j) tmp_key[j] = tmp_key[j - 1], tmp_val[j] = tmp_val[j - 1];
+      tmp_key[j] = k;
+      tmp_val[j] = x;
+    }
+  }
+  std::memcpy(key, tmp_key, sizeof(uint64_t) * n);
+  std::memcpy(val, tmp_val, sizeof(uint32_t) * n);
+}
+
 // The window's distinct ids ascending (int64 order) with their counts and last access: one
-// radix sort of (id, window position), then its runs.
+// sort of (id, window position) (`SortKeys`), then its runs.
 struct Coalesced {
   std::vector<int64_t> ids;
   std::vector<int32_t> count, last;
@@ -175,7 +220,7 @@ void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int
     key[i] = static_cast<uint64_t>(Key(whi[i], wlo[i])) ^ kSign;
     at[i] = static_cast<uint32_t>(i);
   }
-  RadixSort(key.data(), at.data(), tmp_key.data(), tmp_at.data(), n);
+  SortKeys(key.data(), at.data(), tmp_key.data(), tmp_at.data(), n);
   out.ids.clear();
   out.count.clear();
   out.last.clear();
@@ -209,6 +254,34 @@ struct State {
   int32_t* last_eviction;
   int64_t z, h;
 };
+
+// The weakest entries `out` in their order of loss: lowest score `v` first, then the later
+// position first. `out` holds the first `ties` entries at the highest score `t`, latest
+// first, then those below it by ascending position. Scores spanning under 2^16 values
+// (LRU steps, most LFU counts) are placed by one counting pass (a score's entries come from
+// one of the two lists, each walked latest first); wider ones by a radix sort.
+template <class V>
+void OrderWeakest(std::vector<int64_t>& out, size_t ties, V v, uint32_t t) {
+  const size_t m = out.size();
+  if (t < (uint32_t(1) << 16)) {
+    std::vector<int64_t> start(static_cast<size_t>(t) + 2, 0);
+    for (size_t i = 0; i < m; ++i) ++start[v(out[i]) + 1];
+    for (size_t b = 1; b < start.size(); ++b) start[b] += start[b - 1];
+    std::vector<int64_t> sorted(m);
+    for (size_t i = 0; i < ties; ++i) sorted[start[t]++] = out[i];
+    for (size_t i = m; i-- > ties;) sorted[start[v(out[i])]++] = out[i];
+    out.swap(sorted);
+    return;
+  }
+  std::vector<uint64_t> key(m), tmp_key(m);
+  std::vector<uint32_t> val(m), tmp_val(m);
+  for (size_t i = 0; i < m; ++i) {
+    key[i] = (static_cast<uint64_t>(v(out[i])) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(out[i]));
+    val[i] = static_cast<uint32_t>(out[i]);
+  }
+  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), static_cast<int64_t>(m));
+  for (size_t i = 0; i < m; ++i) out[i] = val[i];
+}
 
 // Positions of the `m` weakest of the resident entries [0, n) by `score` (lowest first;
 // among equal scores the later position first), by radix selection over the scores' range
@@ -278,15 +351,7 @@ std::vector<int64_t> WeakestOfAll(const int32_t* score, int64_t n, int64_t m) {
   for (int64_t j = n - 1, ties = m - below; j >= 0 && ties > 0; --j)
     if (v(j) == t) out.push_back(j), --ties;
   for (int id = 0; id < threads; ++id) out.insert(out.end(), under[id].begin(), under[id].end());
-  // lowest score first, then the later position first
-  std::vector<uint64_t> key(m), tmp_key(m);
-  std::vector<uint32_t> val(m), tmp_val(m);
-  for (int64_t i = 0; i < m; ++i) {
-    key[i] = (static_cast<uint64_t>(v(out[i])) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(out[i]));
-    val[i] = static_cast<uint32_t>(out[i]);
-  }
-  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), m);
-  for (int64_t i = 0; i < m; ++i) out[i] = val[i];
+  OrderWeakest(out, static_cast<size_t>(m - below), v, t);
   return out;
 }
 
@@ -336,14 +401,7 @@ std::vector<int64_t> WeakestAmong(const int32_t* score, const std::vector<int64_
     if (v(cand[i]) == t) out.push_back(cand[i]), --ties;
   for (int64_t i = 0; i < c; ++i)
     if (v(cand[i]) < t) out.push_back(cand[i]);
-  std::vector<uint64_t> key(m), tmp_key(m);
-  std::vector<uint32_t> val(m), tmp_val(m);
-  for (int64_t i = 0; i < m; ++i) {
-    key[i] = (static_cast<uint64_t>(v(out[i])) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(out[i]));
-    val[i] = static_cast<uint32_t>(out[i]);
-  }
-  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), m);
-  for (int64_t i = 0; i < m; ++i) out[i] = val[i];
+  OrderWeakest(out, static_cast<size_t>(m - below), v, t);
   return out;
 }
 
