@@ -447,3 +447,105 @@ def test_the_in_program_chunked_update_equals_the_loops_and_repeats_its_bits(rul
         interpret=INTERPRET,
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(kept[0]), table)  # a false guard writes nothing
+
+
+# ---------------------------------------------------------------- the quantized pooled lookup
+
+# (weight type, power-of-two dim, row alignment): every type, narrow and wide rows (one to
+# four warps), rows packed tight (1) and padded as FBGEMM's GPU TBE pads them (16)
+QUANT_CASES = [
+    ("int8", 16, 1),
+    ("int8", 128, 16),
+    ("int4", 8, 16),
+    ("int4", 64, 1),
+    ("int2", 4, 1),
+    ("int2", 32, 16),
+    ("fp16", 2, 1),
+    ("fp16", 64, 16),
+]
+# (pooling, weighted, bounds_check): each setting both ways in four compiles per case
+QUANT_MODES = [
+    ("SUM", False, "skip"),
+    ("MEAN", True, "clamp"),
+    ("SUM", True, "skip"),
+    ("MEAN", False, "clamp"),
+]
+
+
+def _quant_bags(rng, E):
+    """ids, offsets, weights: an empty first bag and an empty bag inside, a long bag (40),
+    one row three times over, ids -1 (pruned), 0, E - 1, E and 2^30, padding past the end."""
+    lengths = np.array([0, 3, 5, 0, 40, 1, 6, 2])
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+    ids = rng.integers(0, E, offsets[-1] + 5)
+    ids[offsets[1] : offsets[1] + 3] = 7  # a duplicate row
+    ids[offsets[2] : offsets[2] + 5] = [0, E - 1, -1, E, 0]
+    ids[offsets[4] + 39] = E - 1  # the long bag's last id (an off-by-one in its end drops it)
+    ids[offsets[6] + 2] = 1 << 30
+    ids[offsets[-1] :] = -7  # padding: never read
+    weights = rng.uniform(-2.0, 2.0, ids.size).astype(np.float32)
+    return ids.astype(np.int32), offsets, weights
+
+
+@pytest.mark.parametrize("weight_type,dim,row_alignment", QUANT_CASES)
+def test_quant_pooled_sum_equals_the_loops_and_the_xla_form_bitwise(
+    weight_type, dim, row_alignment
+):
+    """The Pallas kernel against the plain loop (`reference.quantized_pooled_loop`, float64:
+    1e-6 of the largest |w| * |row| sum a bag reaches) and against the XLA form bit for bit:
+    the same operations in the same order (in interpret mode; compiled by Triton, an fma is
+    the compiler's choice, see `sparse_jax._quant`)."""
+    from sparse_jax._quant import quantize_rows, quantized_pooled_lookup
+
+    rng = np.random.default_rng([dim, row_alignment, len(weight_type)])
+    E = 24
+    table = rng.normal(size=(E, dim)) * 10.0 ** rng.uniform(-3, 3, size=(E, 1))
+    table += rng.normal(size=(E, 1)) * 10.0 ** rng.uniform(-2, 2, size=(E, 1))
+    packed = quantize_rows(table.astype(np.float32), weight_type, row_alignment=row_alignment)
+    ids, offsets, weights = _quant_bags(rng, E)
+    lookup = jax.jit(
+        quantized_pooled_lookup,
+        static_argnames=("weight_type", "dim", "pooling", "bounds_check", "kernel"),
+    )
+    rows = np.abs(reference.dequantize_rows_loop(np.asarray(packed), weight_type, dim)).max()
+    for pooling, weighted, bounds in QUANT_MODES:
+        w = weights if weighted else None
+        args = (packed, weight_type, dim, ids, offsets, pooling, w)
+        got = np.asarray(lookup(*args, bounds_check=bounds, kernel="pallas"))
+        what = f"{pooling}, weighted {weighted}, {bounds}"
+        np.testing.assert_array_equal(
+            got, lookup(*args, bounds_check=bounds, kernel="xla"), err_msg=what
+        )
+        if bounds == "clamp":
+            oracle_ids = np.clip(ids, 0, E - 1)
+        else:
+            oracle_ids = np.where((ids >= 0) & (ids < E), ids, -1)
+        want = reference.quantized_pooled_loop(
+            np.asarray(packed), weight_type, dim, oracle_ids, offsets, pooling, w
+        )
+        mags = np.ones(ids.size) if w is None else np.abs(w)
+        reach = max(mags[a:b].sum() for a, b in zip(offsets[:-1], offsets[1:], strict=True))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * rows * reach, err_msg=what)
+        assert not got[[0, 3]].any(), what  # the empty bags
+
+
+def test_quant_pooled_sum_reads_at_most_max_length_ids_and_int64_ids():
+    """`max_length` (the XLA form's static loop) cuts each bag's reads but MEAN still divides
+    by the full length; int64 ids past int32 add nothing (skip) instead of wrapping into the
+    table. Bit for bit the XLA form's."""
+    from sparse_jax._kernels._pallas_quant import quant_pooled_sum
+    from sparse_jax._quant import _xla_form, quantize_rows
+
+    rng = np.random.default_rng(2)
+    packed = quantize_rows(rng.normal(size=(24, 16)).astype(np.float32), "int4")
+    ids, offsets, weights = _quant_bags(rng, 24)
+    for max_length, id_dtype in ((3, np.int32), (None, np.int64)):
+        big = ids.astype(id_dtype)
+        if id_dtype == np.int64:
+            big[offsets[1]] = (1 << 32) + 5  # row 5 if wrapped to int32
+        opts = dict(weight_type="int4", dim=16, mean=True, clamp=False, max_length=max_length)
+        with jax.enable_x64(id_dtype == np.int64):
+            operands = (packed, jnp.asarray(big), jnp.asarray(offsets), jnp.asarray(weights))
+            got = quant_pooled_sum(*operands, **opts, interpret=INTERPRET)
+            want = jax.jit(_xla_form(*opts.values()))(*operands)[0]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(max_length))
