@@ -5,7 +5,8 @@ Every program a GPU runs is traced here and lowered for `cuda`
 helpers are `tests/test_gpu_lowering.py`'s). Programs: the W1 forward (T8 E1e5 D64 B2048
 L20, uniform ids) and the W1 guarded training update for sgd, rowwise_adagrad and adam, each
 with the default kernel (Pallas on CUDA) and with kernel="xla" (the pure-XLA fallback,
-host-sorted runs); a sharded step (T4 E4096 B256 L8, row_wise and table_wise on a 2 x 4
+host-sorted runs); the quantized forward (int8 rows, FBGEMM's IntN layout), default (Pallas
+on CUDA) and kernel="xla"; a sharded step (T4 E4096 B256 L8, row_wise and table_wise on a 2 x 4
 mesh; needs 8 XLA devices); the managed-collision training remap. Per program:
 
 - launches: the custom calls (Triton kernels counted apart) and the heavy ops in the CUDA
@@ -165,12 +166,12 @@ def read_program(lowered) -> dict:
     }
 
 
-def fbgemm_bytes(kind: str, *, n_ids, unique, T, D, B, rule=None, itemsize=4) -> int:
+def fbgemm_bytes(kind: str, *, n_ids, unique, T, D, B, rule=None, itemsize=4, row=None) -> int:
     """FBGEMM's minimum bytes for the batch: `kind` "forward" or "update" (see the module
-    docstring); int32 ids and offsets."""
+    docstring); int32 ids and offsets; `row`: bytes per table row (default `itemsize * D`)."""
     ids = 4 * n_ids + 4 * (T * B + 1)
     pooled = 4 * B * T * D
-    row = itemsize * D
+    row = itemsize * D if row is None else row
     if kind == "forward":
         return ids + unique * row + pooled
     return ids + pooled + 2 * unique * (row + STATE_BYTES_PER_ROW[rule](D))
@@ -236,6 +237,50 @@ def _dense_programs(shape) -> list[dict]:
             per_row = row + STATE_BYTES_PER_ROW[name](D)
             step["kernel_row_bytes"] = step["triton_kernels"] and 2 * unique * per_row
             out.append(step)
+    return out
+
+
+def _quant_programs(shape) -> list[dict]:
+    """The quantized pooled forward (int8 rows, FBGEMM's IntN layout, one packed table per
+    feature), the default kernel (Pallas on CUDA) and kernel="xla" (a static bag loop, as a
+    padded batch's length caps give it)."""
+    from sparse_jax import quantized_pooled_lookup, row_bytes
+
+    kjt, n_ids, unique = _kjt(shape)
+    T, E, D, B, L = (shape[k] for k in ("T", "E", "D", "B", "L"))
+    width = row_bytes("int8", D)
+    tables = [jax.ShapeDtypeStruct((E, width), jnp.uint8)] * T
+    values = jnp.asarray(kjt.values(), jnp.int32)
+    offsets = jnp.asarray(kjt.offsets(), jnp.int32)
+    out = []
+    for kernel in ("auto", "xla"):
+
+        def forward(tables, values, offsets, kernel=kernel):
+            return jnp.concatenate(
+                [
+                    quantized_pooled_lookup(
+                        t,
+                        "int8",
+                        D,
+                        values,
+                        offsets[i * B : (i + 1) * B + 1],
+                        max_length=L,
+                        kernel=kernel,
+                    )  # fmt: skip
+                    for i, t in enumerate(tables)
+                ],
+                axis=1,
+            )
+
+        lowered = (
+            jax.jit(forward).trace(tables, values, offsets).lower(lowering_platforms=("cuda",))
+        )
+        row = {"program": f"quantized forward int8 ({kernel})", **read_program(lowered)}
+        row["fbgemm_bytes"] = fbgemm_bytes(
+            "forward", n_ids=n_ids, unique=unique, T=T, D=D, B=B, row=width
+        )
+        row["kernel_row_bytes"] = row["triton_kernels"] and n_ids * width
+        out.append(row)
     return out
 
 
@@ -316,7 +361,7 @@ def _managed_programs() -> list[dict]:
 
 def run(*, tiny: bool) -> dict:
     shape = TINY if tiny else W1
-    rows = _dense_programs(shape)
+    rows = _dense_programs(shape) + _quant_programs(shape)
     if jax.device_count() >= 8:
         rows.append(_sharded_program(SHARDED_TINY if tiny else SHARDED))
     rows += _managed_programs()
