@@ -179,34 +179,49 @@ QUANT_ALIGNMENT = 16  # the GPU TBE's row alignment: every side reads the same b
 
 
 class _QuantCase:
-    """One weight type's packed rows of the workload's tables (stacked, key-major, as `_Case`'s
-    table; aligned to 16 bytes as FBGEMM's GPU TBE holds them) and the forms of the lookup, each
-    `[B, T * D]` fp32: the Pallas kernel (one program per bag, offsets read as they are) and
-    the XLA form with the batch's bag length as its static bound (as a padded batch's caps)."""
+    """One weight type's packed rows of the workload's tables (one table per feature, aligned
+    to 16 bytes as FBGEMM's GPU TBE holds them) and the forms of the lookup, each
+    `[B, T * D]` fp32: the Pallas kernel (every feature in one call, one program per bag,
+    offsets read as they are) and the XLA form per feature with the batch's bag length as its
+    static bound (as a padded batch's caps), side by side."""
 
     def __init__(self, c: _Case, weight_type: str, interpret: bool):
-        from sparse_jax._kernels._pallas_quant import quant_pooled_sum
+        from sparse_jax._kernels._pallas_quant import QuantFeature, quant_pooled_sum
         from sparse_jax._quant import _xla_form, quantize_rows, row_bytes
 
         w = c.w
         self.c, self.weight_type = c, weight_type
         self.row_bytes = row_bytes(weight_type, w.D, QUANT_ALIGNMENT)
-        self.packed = quantize_rows(c.table, weight_type, row_alignment=QUANT_ALIGNMENT)
-        opts = dict(weight_type=weight_type, dim=w.D, mean=False, clamp=False, max_length=w.L)
-        xla = _xla_form(*opts.values())
+        packed = quantize_rows(c.table, weight_type, row_alignment=QUANT_ALIGNMENT)
+        self.tables = [packed[t * w.E : (t + 1) * w.E] for t in range(w.T)]
+        features = [QuantFeature(t, t, weight_type, w.D, False, w.L) for t in range(w.T)]
+        xla = _xla_form(weight_type, w.D, False, False, w.L)
 
-        def key_major(pooled):  # [T*B, D] -> [B, T*D]
-            return pooled.reshape(w.T, w.B, w.D).transpose(1, 0, 2).reshape(w.B, w.T * w.D)
+        def per_feature(tables, ids, offsets):
+            return jnp.concatenate(
+                [
+                    xla(t, ids, offsets[k * w.B : (k + 1) * w.B + 1])[0]
+                    for k, t in enumerate(tables)
+                ],
+                axis=1,
+            )
 
         self.forms = {
             "pallas": jax.jit(
-                lambda p, r, o: key_major(
-                    quant_pooled_sum(p, r, o, None, **opts, interpret=interpret)
-                )
+                lambda tables, ids, offsets: quant_pooled_sum(
+                    tables,
+                    ids,
+                    offsets,
+                    None,
+                    stride=w.B,
+                    features=features,
+                    clamp=False,
+                    interpret=interpret,
+                )  # fmt: skip
             ),
-            "xla": jax.jit(lambda p, r, o: key_major(xla(p, r, o)[0])),
+            "xla": jax.jit(per_feature),
         }
-        self.args = (self.packed, c.rows, c.offsets)
+        self.args = (self.tables, c.values, c.offsets)
 
     def fwd_bytes(self) -> int:
         """FBGEMM's convention: packed rows read, pooled fp32 output written."""
@@ -244,9 +259,8 @@ class _QuantCase:
                 bounds_check_mode=BoundsCheckMode.NONE,
             )
             tbe.initialize_weights()
-            packed = np.asarray(self.packed).reshape(w.T, w.E, -1)
             for t, (rows, _) in enumerate(tbe.split_embedding_weights(split_scale_shifts=False)):
-                rows.copy_(torch.from_numpy(packed[t]))
+                rows.copy_(torch.from_numpy(np.asarray(self.tables[t])))
             ids = np.asarray(self.c.values).astype(np.int64)  # per-table ids
             t_ids = torch.from_numpy(ids).cuda()
             t_off = torch.from_numpy(np.asarray(self.c.offsets).astype(np.int64)).cuda()

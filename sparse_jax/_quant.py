@@ -346,19 +346,18 @@ def _pallas_form(
     """The Pallas (Triton) jagged lookup (`_kernels._pallas_quant`) over the same operands."""
 
     def run(packed, ids, offsets, weights=None):
-        from sparse_jax._kernels._pallas_quant import quant_pooled_sum
+        from sparse_jax._kernels._pallas_quant import QuantFeature, quant_pooled_sum
 
+        feature = QuantFeature(0, 0, weight_type, dim, mean, max_length)
         return [
             quant_pooled_sum(
-                packed,
+                [packed],
                 ids,
                 offsets,
                 weights,
-                weight_type=weight_type,
-                dim=dim,
-                mean=mean,
+                stride=offsets.shape[0] - 1,
+                features=[feature],
                 clamp=clamp,
-                max_length=max_length,
                 interpret=interpret,
             )
         ]

@@ -340,9 +340,8 @@ QUANT_TABLES = (("int8", 16), ("int4", 32), ("fp16", 8), ("int2", 12))
 
 
 def quantized_lookup_case(weighted: bool = False, tables=QUANT_TABLES):
-    """A quantized collection's forward traced once on this host: `(trace, n_pallas)`, the
-    trace of `QuantEmbeddingBagCollection.apply`'s program on a prepared batch and the count of
-    its features the Pallas kernel takes on CUDA (power-of-two dims)."""
+    """A quantized collection's forward traced once on this host: `(trace, qebc)`, the trace
+    of `QuantEmbeddingBagCollection.apply`'s program on a prepared batch, and the collection."""
     from sparse_jax import PoolingType, QuantEmbeddingBagCollection
 
     configs = [
@@ -370,26 +369,28 @@ def quantized_lookup_case(weighted: bool = False, tables=QUANT_TABLES):
     )
     batch = qebc.prepare(kjt)
     trace = qebc._apply_jit.trace(qebc.packed_tables, batch.kjt.without_length_caps())
-    return trace, sum(_kernels._pallas.supports_dim(d) for _, d in tables)
+    return trace, qebc
 
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_quantized_lookup_lowered_for_cuda_takes_the_pallas_kernel(weighted):
-    """One trace on this CPU host: lowered for CUDA, one Triton call per power-of-two feature
-    (the others the XLA form) and no CPU-only call, no conditional; lowered for CPU, the C++
-    kernel per feature (when built) and no Triton call."""
-    trace, n_pallas = quantized_lookup_case(weighted)
-    cuda = audit(trace.lower(lowering_platforms=("cuda",)).as_text())
-    assert cuda["triton_kernels"] == n_pallas == 3, cuda
-    assert cuda["cpu_custom_calls"] == 0 and cuda["case_or_if"] == 0, cuda
-    assert cuda["float_scatter_add_non_unique"] == 0, cuda
-    cpu = audit(trace.lower(lowering_platforms=("cpu",)).as_text())
-    assert cpu["triton_kernels"] == 0, cpu
-    if _kernels.available():
-        assert cpu["cpu_custom_calls"] == len(QUANT_TABLES), cpu
-    all_pallas, n = quantized_lookup_case(weighted, QUANT_TABLES[:3])
-    text = all_pallas.lower(lowering_platforms=("cuda",)).as_text()
-    assert audit(text)["triton_kernels"] == n and "stablehlo.while" not in text  # no bag loop
+    """One trace on this CPU host: lowered for CUDA, a collection whose dims are all powers of
+    two is one Triton call (every feature, `[B, sum of dims]` written once) and no bag loop;
+    with an int2 x 12 table, one Triton call per power-of-two feature and that table's XLA
+    form. Never a CPU-only call or a conditional. Lowered for CPU: the C++ kernel per feature
+    (when built) and no Triton call."""
+    for tables, n_triton in ((QUANT_TABLES[:3], 1), (QUANT_TABLES, 3)):
+        trace, _ = quantized_lookup_case(weighted, tables)
+        text = trace.lower(lowering_platforms=("cuda",)).as_text()
+        cuda = audit(text)
+        assert cuda["triton_kernels"] == n_triton, (tables, cuda)
+        assert cuda["cpu_custom_calls"] == 0 and cuda["case_or_if"] == 0, cuda
+        assert cuda["float_scatter_add_non_unique"] == 0, cuda
+        assert ("stablehlo.while" in text) == (n_triton > 1)  # the int2 table's bag loop
+        cpu = audit(trace.lower(lowering_platforms=("cpu",)).as_text())
+        assert cpu["triton_kernels"] == 0, cpu
+        if _kernels.available():
+            assert cpu["cpu_custom_calls"] == len(tables), cpu
 
 
 def test_the_exported_quantized_lookup_keeps_the_xla_form_for_cuda():

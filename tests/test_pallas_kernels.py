@@ -529,23 +529,104 @@ def test_quant_pooled_sum_equals_the_loops_and_the_xla_form_bitwise(
         assert not got[[0, 3]].any(), what  # the empty bags
 
 
-def test_quant_pooled_sum_reads_at_most_max_length_ids_and_int64_ids():
-    """`max_length` (the XLA form's static loop) cuts each bag's reads but MEAN still divides
-    by the full length; int64 ids past int32 add nothing (skip) instead of wrapping into the
-    table. Bit for bit the XLA form's."""
-    from sparse_jax._kernels._pallas_quant import quant_pooled_sum
+def test_quant_pooled_sum_pools_a_collection_in_one_call():
+    """Four features over three packed tables (int8, int4, fp16; one table read by two
+    features, SUM and MEAN), one call writing `[B, sum of dims]`: bit for bit each feature's
+    XLA form side by side, and the loops; a feature's `max_length` cuts its reads (MEAN still
+    divides by the full length); int64 ids past int32 add nothing instead of wrapping."""
+    from sparse_jax._kernels._pallas_quant import QuantFeature, quant_pooled_sum
     from sparse_jax._quant import _xla_form, quantize_rows
 
     rng = np.random.default_rng(2)
-    packed = quantize_rows(rng.normal(size=(24, 16)).astype(np.float32), "int4")
-    ids, offsets, weights = _quant_bags(rng, 24)
-    for max_length, id_dtype in ((3, np.int32), (None, np.int64)):
-        big = ids.astype(id_dtype)
-        if id_dtype == np.int64:
-            big[offsets[1]] = (1 << 32) + 5  # row 5 if wrapped to int32
-        opts = dict(weight_type="int4", dim=16, mean=True, clamp=False, max_length=max_length)
-        with jax.enable_x64(id_dtype == np.int64):
-            operands = (packed, jnp.asarray(big), jnp.asarray(offsets), jnp.asarray(weights))
-            got = quant_pooled_sum(*operands, **opts, interpret=INTERPRET)
-            want = jax.jit(_xla_form(*opts.values()))(*operands)[0]
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(max_length))
+    types, dims, rows = ("int8", "int4", "fp16"), (16, 8, 4), (24, 30, 24)
+    tables = [
+        quantize_rows(rng.normal(size=(e, d)).astype(np.float32), t, row_alignment=a)
+        for t, d, e, a in zip(types, dims, rows, (1, 16, 1), strict=True)
+    ]
+    B = 6
+    features = [  # key, table, type, dim, MEAN, max_length
+        QuantFeature(0, 0, "int8", 16, False),
+        QuantFeature(1, 1, "int4", 8, True, 2),
+        QuantFeature(2, 0, "int8", 16, True),
+        QuantFeature(3, 2, "fp16", 4, False),
+    ]
+    lengths = rng.integers(0, 7, 4 * B)
+    lengths[[0, 9]] = 0
+    lengths[2 * B + 1] = 30  # a long bag
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+    ids = rng.integers(-1, 25, offsets[-1] + 3).astype(np.int64)  # -1, 0 ... E - 1, E
+    ids[offsets[B + 1]] = (1 << 32) + 5  # row 5 if wrapped to int32
+    weights = rng.uniform(-2.0, 2.0, ids.size).astype(np.float32)
+    for weighted, clamp in ((True, False), (False, True)):
+        w = jnp.asarray(weights) if weighted else None
+        with jax.enable_x64(True):
+            got = quant_pooled_sum(
+                tables, jnp.asarray(ids), jnp.asarray(offsets), w, stride=B,
+                features=features, clamp=clamp, interpret=INTERPRET,
+            )  # fmt: skip
+            blocks = []
+            for f in features:
+                form = _xla_form(f.weight_type, f.dim, f.mean, clamp, f.max_length)
+                bags = jnp.asarray(offsets[f.key * B : (f.key + 1) * B + 1])
+                blocks.append(jax.jit(form)(tables[f.table], jnp.asarray(ids), bags, w)[0])
+        what = f"weighted {weighted}, clamp {clamp}"
+        np.testing.assert_array_equal(np.asarray(got), np.concatenate(blocks, axis=1), what)
+        col = 0
+        for f in features:
+            e = rows[f.table]
+            bag_ids = np.clip(ids, 0, e - 1) if clamp else np.where((ids >= 0) & (ids < e), ids, -1)
+            bags = offsets[f.key * B : (f.key + 1) * B + 1]
+            if f.max_length is not None:  # the loop reads every id: drop those past the bound
+                bag_ids = bag_ids.copy()
+                for a, z in zip(bags[:-1], bags[1:], strict=True):
+                    bag_ids[a + f.max_length : z] = -1
+            want = reference.quantized_pooled_loop(
+                np.asarray(tables[f.table]), f.weight_type, f.dim, bag_ids, bags,
+                "MEAN" if f.mean else "SUM", weights if weighted else None,
+            )  # fmt: skip
+            np.testing.assert_allclose(got[:, col : col + f.dim], want, rtol=1e-5, atol=1e-4)
+            col += f.dim
+
+
+@pytest.mark.parametrize("weighted,bounds", [(False, "error"), (True, "clamp")])
+def test_the_quantized_collection_pools_every_feature_in_one_pallas_call(weighted, bounds):
+    """`QuantEmbeddingBagCollection(kernel="pallas")` (the call a CUDA program makes, here in
+    interpret mode): int8, int4 and fp16 tables, one read by two features (SUM and MEAN),
+    bit for bit the collection's XLA form, and its default (the C++ kernel on CPU)."""
+    from sparse_jax import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        KeyedJaggedTensor,
+        PoolingType,
+        QuantEmbeddingBagCollection,
+    )
+
+    configs = [
+        EmbeddingBagConfig(
+            name="a", num_embeddings=40, embedding_dim=16, feature_names=["f", "g"],
+            pooling=PoolingType.MEAN,
+        ),
+        EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=8, feature_names=["h"]),
+        EmbeddingBagConfig(name="c", num_embeddings=20, embedding_dim=32, feature_names=["k"]),
+    ]  # fmt: skip
+    ebc = EmbeddingBagCollection(configs, is_weighted=weighted, bounds_check=bounds)
+    params = ebc.init(jax.random.key(1))
+    rng = np.random.default_rng(7)
+    B = 5
+    lengths = rng.integers(0, 6, 4 * B)
+    lengths[[1, 12]] = 0
+    lengths[3] = 25  # a long bag
+    ids = rng.integers(0, 20, lengths.sum())
+    ids[:2] = [0, 19]
+    w = rng.uniform(0.5, 1.5, ids.size).astype(np.float32) if weighted else None
+    kjt = KeyedJaggedTensor(["f", "g", "h", "k"], ids, lengths=lengths, weights=w)
+    types = {"a": "int8", "b": "int4", "c": "fp16"}
+    out = {}
+    for kernel in ("pallas", "xla", "auto"):
+        qebc = QuantEmbeddingBagCollection.from_float(
+            ebc, params, per_table_weight_type=types, kernel=kernel
+        )
+        out[kernel] = np.asarray(qebc(kjt).values())
+    assert out["pallas"].shape == (B, 16 + 16 + 8 + 32)
+    np.testing.assert_array_equal(out["pallas"], out["xla"])
+    np.testing.assert_array_equal(out["pallas"], out["auto"])
