@@ -241,40 +241,25 @@ def _dense_programs(shape) -> list[dict]:
 
 
 def _quant_programs(shape) -> list[dict]:
-    """The quantized pooled forward (int8 rows, FBGEMM's IntN layout, one packed table per
-    feature), the default kernel (Pallas on CUDA) and kernel="xla" (a static bag loop, as a
-    padded batch's length caps give it)."""
-    from sparse_jax import quantized_pooled_lookup, row_bytes
+    """The quantized collection's forward (`QuantEmbeddingBagCollection`, int8 rows in
+    FBGEMM's IntN layout, one table per feature) on a prepared batch, the default kernel (one
+    Pallas call on CUDA) and kernel="xla" (per feature, a static bag loop from the batch's
+    length caps)."""
+    from sparse_jax import QuantEmbeddingBagCollection, row_bytes
 
     kjt, n_ids, unique = _kjt(shape)
-    T, E, D, B, L = (shape[k] for k in ("T", "E", "D", "B", "L"))
+    T, E, D, B = (shape[k] for k in ("T", "E", "D", "B"))
     width = row_bytes("int8", D)
-    tables = [jax.ShapeDtypeStruct((E, width), jnp.uint8)] * T
-    values = jnp.asarray(kjt.values(), jnp.int32)
-    offsets = jnp.asarray(kjt.offsets(), jnp.int32)
+    configs = _collection(shape, "auto").tables
+    packed = {c.name: np.zeros((E, width), np.uint8) for c in configs}
+    tables = {c.name: jax.ShapeDtypeStruct((E, width), jnp.uint8) for c in configs}
     out = []
     for kernel in ("auto", "xla"):
-
-        def forward(tables, values, offsets, kernel=kernel):
-            return jnp.concatenate(
-                [
-                    quantized_pooled_lookup(
-                        t,
-                        "int8",
-                        D,
-                        values,
-                        offsets[i * B : (i + 1) * B + 1],
-                        max_length=L,
-                        kernel=kernel,
-                    )  # fmt: skip
-                    for i, t in enumerate(tables)
-                ],
-                axis=1,
-            )
-
-        lowered = (
-            jax.jit(forward).trace(tables, values, offsets).lower(lowering_platforms=("cuda",))
+        qebc = QuantEmbeddingBagCollection(
+            configs, packed, {c.name: "int8" for c in configs}, kernel=kernel
         )
+        batch = qebc.prepare(kjt)
+        lowered = qebc._apply_jit.trace(tables, batch.kjt).lower(lowering_platforms=("cuda",))
         row = {"program": f"quantized forward int8 ({kernel})", **read_program(lowered)}
         row["fbgemm_bytes"] = fbgemm_bytes(
             "forward", n_ids=n_ids, unique=unique, T=T, D=D, B=B, row=width
