@@ -619,7 +619,8 @@ def test_the_quantized_collection_pools_every_feature_in_one_pallas_call(weighte
     ids = rng.integers(0, 20, lengths.sum())
     ids[:2] = [0, 19]
     w = rng.uniform(0.5, 1.5, ids.size).astype(np.float32) if weighted else None
-    kjt = KeyedJaggedTensor(["f", "g", "h", "k"], ids, lengths=lengths, weights=w)
+    # the KJT in another key order than the outputs: a bag block is found by its key
+    kjt = KeyedJaggedTensor(["h", "k", "f", "g"], ids, lengths=lengths, weights=w)
     types = {"a": "int8", "b": "int4", "c": "fp16"}
     out = {}
     for kernel in ("pallas", "xla", "auto"):
