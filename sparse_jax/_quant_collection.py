@@ -12,7 +12,9 @@ Each table is packed by `quantize_rows` (FBGEMM's IntN TBE row layout: fp16 scal
 in front, then the values) and held as its own uint8 array on one device; features that
 share a table read the same array. The forward pools every feature with
 `quantized_pooled_lookup` (FBGEMM's CPU TBE forward: SUM or MEAN, per-id weights for a
-weighted collection). There is no update: the collection is eval only.
+weighted collection; the C++ kernel on CPU); a program lowered for CUDA, every dim a power of
+two, pools every feature in one Pallas call instead (`_kernels._pallas_quant`, the same
+operations per bag). There is no update: the collection is eval only.
 
 Differences from TorchRec's module: the output keys follow the tables' config order (as
 `EmbeddingBagCollection.apply`), where TorchRec groups them by pooling type first; rows are
