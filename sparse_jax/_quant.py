@@ -439,7 +439,7 @@ def quantized_pooled_lookup(
     (`_kernels._pallas_quant`: one program per bag, power-of-two dims; others the XLA
     form); "ffi" the same, but an error when the C++ kernel is unavailable; "pallas" the
     Pallas kernel on CUDA and in interpret mode elsewhere (tests; power-of-two dims); "xla"
-    always the XLA form. The choice is made when the program is lowered, not traced: a
+    always the XLA form (what `hybrid.export` serializes: no custom call). The choice is made when the program is lowered, not traced: a
     program traced on a CPU host and lowered for CUDA holds the Triton call and no CPU call.
 
     Jittable with `weight_type`, `dim`, `pooling`, `bounds_check` and `kernel` static. All
