@@ -7,6 +7,8 @@ T8 E1e5 D64 B2048 L20, uniform and Zipf(1.15) ids):
   TBE when `fbgemm_gpu` (the CUDA build) is installed;
 - the fused update (rowwise Adagrad, SGD): the Pallas sorted-run kernel (sort included) and
   the pure-XLA update (the dedup form, no scatter-add, on a GPU); FBGEMM's TBE backward + fused optimizer when installed;
+- the quantized pooled forward (int8, int4 rows in FBGEMM's IntN layout, 16-byte aligned):
+  the Pallas kernel, its XLA form, and FBGEMM's IntN GPU TBE when installed (the same bytes);
 - the HBM roofline: a device copy of 1 GiB (bytes read + written per second).
 It checks first that the Pallas results equal the XLA ones (forward to fp32 rounding; the
 update's rows and state) and that two Pallas updates from the same start are bitwise equal
@@ -170,6 +172,138 @@ def _forward_cases(c: _Case, interpret: bool):
         "xla_segment_sum": (xla_seg, (c.table, c.rows, c.bag)),
     }
     return cases
+
+
+QUANT_TYPES = ("int8", "int4")  # the quantized lookup's rows: FBGEMM's IntN layout
+QUANT_ALIGNMENT = 16  # the GPU TBE's row alignment: every side reads the same bytes
+
+
+class _QuantCase:
+    """One weight type's packed rows of the workload's tables (one table per feature, aligned
+    to 16 bytes as FBGEMM's GPU TBE holds them) and the forms of the lookup, each
+    `[B, T * D]` fp32: the Pallas kernel (every feature in one call, one program per bag,
+    offsets read as they are) and the XLA form per feature with the batch's bag length as its
+    static bound (as a padded batch's caps), side by side."""
+
+    def __init__(self, c: _Case, weight_type: str, interpret: bool):
+        from sparse_jax._kernels._pallas_quant import QuantFeature, quant_pooled_sum
+        from sparse_jax._quant import _xla_form, quantize_rows, row_bytes
+
+        w = c.w
+        self.c, self.weight_type = c, weight_type
+        self.row_bytes = row_bytes(weight_type, w.D, QUANT_ALIGNMENT)
+        packed = quantize_rows(c.table, weight_type, row_alignment=QUANT_ALIGNMENT)
+        self.tables = [packed[t * w.E : (t + 1) * w.E] for t in range(w.T)]
+        features = [QuantFeature(t, t, weight_type, w.D, False, w.L) for t in range(w.T)]
+        xla = _xla_form(weight_type, w.D, False, False, w.L)
+
+        def per_feature(tables, ids, offsets):
+            return jnp.concatenate(
+                [
+                    xla(t, ids, offsets[k * w.B : (k + 1) * w.B + 1])[0]
+                    for k, t in enumerate(tables)
+                ],
+                axis=1,
+            )
+
+        self.forms = {
+            "pallas": jax.jit(
+                lambda tables, ids, offsets: quant_pooled_sum(
+                    tables,
+                    ids,
+                    offsets,
+                    None,
+                    stride=w.B,
+                    features=features,
+                    clamp=False,
+                    interpret=interpret,
+                )  # fmt: skip
+            ),
+            "xla": jax.jit(per_feature),
+        }
+        self.args = (self.tables, c.values, c.offsets)
+
+    def fwd_bytes(self) -> int:
+        """FBGEMM's convention: packed rows read, pooled fp32 output written."""
+        w = self.c.w
+        return w.B * w.T * w.L * self.row_bytes + w.B * w.T * w.D * 4
+
+    def fbgemm_tbe(self):
+        """FBGEMM's IntN GPU TBE (`IntNBitTableBatchedEmbeddingBagsCodegen`, DEVICE) holding
+        the same packed rows, one table per feature: `(run, output)`, or None without a GPU
+        build of fbgemm_gpu."""
+        try:
+            import torch
+            from fbgemm_gpu.split_embedding_configs import SparseType
+            from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+                BoundsCheckMode,
+                EmbeddingLocation,
+                PoolingMode,
+            )
+            from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+                IntNBitTableBatchedEmbeddingBagsCodegen,
+            )
+
+            if not torch.cuda.is_available():
+                return None
+            w = self.c.w
+            tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+                embedding_specs=[
+                    (f"t{t}", w.E, w.D, SparseType(self.weight_type), EmbeddingLocation.DEVICE)
+                    for t in range(w.T)
+                ],
+                pooling_mode=PoolingMode.SUM,
+                device=torch.device("cuda"),
+                output_dtype=SparseType.FP32,
+                row_alignment=QUANT_ALIGNMENT,
+                bounds_check_mode=BoundsCheckMode.NONE,
+            )
+            tbe.initialize_weights()
+            for t, (rows, _) in enumerate(tbe.split_embedding_weights(split_scale_shifts=False)):
+                rows.copy_(torch.from_numpy(np.asarray(self.tables[t])))
+            ids = np.asarray(self.c.values).astype(np.int64)  # per-table ids
+            t_ids = torch.from_numpy(ids).cuda()
+            t_off = torch.from_numpy(np.asarray(self.c.offsets).astype(np.int64)).cuda()
+
+            def run():
+                with torch.no_grad():
+                    return tbe(t_ids, t_off)
+
+            return run, run().cpu().numpy()
+        except Exception:  # noqa: BLE001 - absent, a CPU-only build, or no IntN GPU kernel
+            return None
+
+
+def _quant_entry(c: _Case, interpret: bool, rounds: int, reps: int) -> dict:
+    """Per weight type: the Pallas kernel against the XLA form (and FBGEMM's IntN GPU TBE when
+    installed): checks (Pallas equals XLA: bit for bit in interpret mode; compiled, within an
+    fma's rounding per id), median times, GB/s and launches."""
+    out = {}
+    for weight_type in QUANT_TYPES:
+        q = _QuantCase(c, weight_type, interpret)
+        outs = {k: np.asarray(fn(*q.args)) for k, fn in q.forms.items()}
+        cases = {k: (lambda fn=fn, a=q.args: fn(*a)) for k, fn in q.forms.items()}
+        checks = {
+            "max_abs_diff": float(np.abs(outs["pallas"] - outs["xla"]).max()),
+            "bitwise_equal": bool(np.array_equal(outs["pallas"], outs["xla"])),
+            "reproducible": bool(
+                np.array_equal(np.asarray(q.forms["pallas"](*q.args)), outs["pallas"])
+            ),
+        }
+        timed = _timeit(cases, rounds, reps)
+        tbe = q.fbgemm_tbe()
+        if tbe is not None:
+            run_tbe, got = tbe
+            checks["fbgemm_max_abs_diff"] = float(np.abs(got - outs["pallas"]).max())
+            timed.update(_time_torch({"fbgemm_intn_tbe": run_tbe}, rounds, reps))
+        out[weight_type] = {
+            "row_bytes": q.row_bytes,
+            "fwd_bytes": q.fwd_bytes(),
+            "checks": checks,
+            "forward": timed,
+            "launches": {k: _launches(fn, *q.args) for k, fn in q.forms.items()},
+        }
+    return out
 
 
 def _torch_forward(c: _Case):
@@ -423,6 +557,7 @@ def run(workloads: list[Workload], *, interpret: bool, rounds: int, reps: int) -
                 k: _launches(fn, probe, rule.init_table(probe), *_update_args(c))
                 for k, fn in fns.items()
             }
+        entry["quantized"] = _quant_entry(c, interpret, rounds, reps)
         entry["library_step"] = _library_steps(w, interpret, rounds, reps)
         results["workloads"].append(entry)
     return results
@@ -465,6 +600,16 @@ def markdown(results: dict) -> str:
                     f"| update {rule} {k} | {v['median_ms']:.3f} | {v['median_ms'] / base:.2f}x | {gbs:.0f} | "
                     f"{100 * gbs / roof:.0f}% | {launch['fusions']}f+{launch['custom_calls']}c, "
                     f"{launch['sorts']} sort, {launch['scatters']} scatter |"
+                )
+        for weight_type, q in e.get("quantized", {}).items():
+            base = q["forward"]["pallas"]["median_ms"]
+            for k, v in q["forward"].items():
+                gbs = q["fwd_bytes"] / (v["median_ms"] * 1e-3) / 1e9
+                launch = q["launches"].get(k, {})
+                lines.append(
+                    f"| quantized forward {weight_type} {k} | {v['median_ms']:.3f} | "
+                    f"{v['median_ms'] / base:.2f}x | {gbs:.0f} | {100 * gbs / roof:.0f}% | "
+                    f"{launch.get('fusions', '-')}f+{launch.get('custom_calls', '-')}c |"
                 )
         steps = dict(e.get("library_step", {}))
         prepare = steps.pop("host_prepare_ms", {})

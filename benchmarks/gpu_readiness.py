@@ -5,7 +5,8 @@ Every program a GPU runs is traced here and lowered for `cuda`
 helpers are `tests/test_gpu_lowering.py`'s). Programs: the W1 forward (T8 E1e5 D64 B2048
 L20, uniform ids) and the W1 guarded training update for sgd, rowwise_adagrad and adam, each
 with the default kernel (Pallas on CUDA) and with kernel="xla" (the pure-XLA fallback,
-host-sorted runs); a sharded step (T4 E4096 B256 L8, row_wise and table_wise on a 2 x 4
+host-sorted runs); the quantized forward (int8 rows, FBGEMM's IntN layout), default (Pallas
+on CUDA) and kernel="xla"; a sharded step (T4 E4096 B256 L8, row_wise and table_wise on a 2 x 4
 mesh; needs 8 XLA devices); the managed-collision training remap. Per program:
 
 - launches: the custom calls (Triton kernels counted apart) and the heavy ops in the CUDA
@@ -165,12 +166,12 @@ def read_program(lowered) -> dict:
     }
 
 
-def fbgemm_bytes(kind: str, *, n_ids, unique, T, D, B, rule=None, itemsize=4) -> int:
+def fbgemm_bytes(kind: str, *, n_ids, unique, T, D, B, rule=None, itemsize=4, row=None) -> int:
     """FBGEMM's minimum bytes for the batch: `kind` "forward" or "update" (see the module
-    docstring); int32 ids and offsets."""
+    docstring); int32 ids and offsets; `row`: bytes per table row (default `itemsize * D`)."""
     ids = 4 * n_ids + 4 * (T * B + 1)
     pooled = 4 * B * T * D
-    row = itemsize * D
+    row = itemsize * D if row is None else row
     if kind == "forward":
         return ids + unique * row + pooled
     return ids + pooled + 2 * unique * (row + STATE_BYTES_PER_ROW[rule](D))
@@ -236,6 +237,35 @@ def _dense_programs(shape) -> list[dict]:
             per_row = row + STATE_BYTES_PER_ROW[name](D)
             step["kernel_row_bytes"] = step["triton_kernels"] and 2 * unique * per_row
             out.append(step)
+    return out
+
+
+def _quant_programs(shape) -> list[dict]:
+    """The quantized collection's forward (`QuantEmbeddingBagCollection`, int8 rows in
+    FBGEMM's IntN layout, one table per feature) on a prepared batch, the default kernel (one
+    Pallas call on CUDA) and kernel="xla" (per feature, a static bag loop from the batch's
+    length caps)."""
+    from sparse_jax import QuantEmbeddingBagCollection, row_bytes
+
+    kjt, n_ids, unique = _kjt(shape)
+    T, E, D, B = (shape[k] for k in ("T", "E", "D", "B"))
+    width = row_bytes("int8", D)
+    configs = _collection(shape, "auto").tables
+    packed = {c.name: np.zeros((E, width), np.uint8) for c in configs}
+    tables = {c.name: jax.ShapeDtypeStruct((E, width), jnp.uint8) for c in configs}
+    out = []
+    for kernel in ("auto", "xla"):
+        qebc = QuantEmbeddingBagCollection(
+            configs, packed, {c.name: "int8" for c in configs}, kernel=kernel
+        )
+        batch = qebc.prepare(kjt)
+        lowered = qebc._apply_jit.trace(tables, batch.kjt).lower(lowering_platforms=("cuda",))
+        row = {"program": f"quantized forward int8 ({kernel})", **read_program(lowered)}
+        row["fbgemm_bytes"] = fbgemm_bytes(
+            "forward", n_ids=n_ids, unique=unique, T=T, D=D, B=B, row=width
+        )
+        row["kernel_row_bytes"] = row["triton_kernels"] and n_ids * width
+        out.append(row)
     return out
 
 
@@ -316,7 +346,7 @@ def _managed_programs() -> list[dict]:
 
 def run(*, tiny: bool) -> dict:
     shape = TINY if tiny else W1
-    rows = _dense_programs(shape)
+    rows = _dense_programs(shape) + _quant_programs(shape)
     if jax.device_count() >= 8:
         rows.append(_sharded_program(SHARDED_TINY if tiny else SHARDED))
     rows += _managed_programs()

@@ -35,6 +35,10 @@ in order: `acc = (acc + w * bias) + (w * scale) * q` (fp16 rows: `acc + w * x`),
 multiplies by `fp32(1 / len)`; an empty bag gives zeros. XLA:CPU fuses the `(w * scale) * q`
 product into that add (an fma, as FBGEMM does); the C++ kernel (`HybridrecQuantPooled`, the
 CPU default) does the same operations in the same order, so both forms agree bit for bit.
+The Pallas kernel (`_kernels._pallas_quant`, the CUDA default for power-of-two dims) does
+them in the same order too: bit for bit the XLA form in interpret mode (tested); compiled by
+Triton, whether the product is fused into an fma is the compiler's choice (as it is XLA:GPU's
+for the XLA form), so on a GPU the forms agree within one rounding of that product per id.
 """
 
 from __future__ import annotations
@@ -278,7 +282,7 @@ def _pooled(
     return acc * jnp.where(mean, inv_len, 1.0)[:, None]
 
 
-KERNELS = ("auto", "ffi", "xla")
+KERNELS = ("auto", "ffi", "xla", "pallas")
 BOUNDS_CHECKS = ("skip", "clamp")
 
 
@@ -331,6 +335,36 @@ def _kernel_form(weight_type: str, dim: int, mean: bool, clamp: bool, max_length
     return run
 
 
+def _pallas_form(
+    weight_type: str,
+    dim: int,
+    mean: bool,
+    clamp: bool,
+    max_length: int | None,
+    interpret: bool = False,
+):
+    """The Pallas (Triton) jagged lookup (`_kernels._pallas_quant`) over the same operands."""
+
+    def run(packed, ids, offsets, weights=None):
+        from sparse_jax._kernels._pallas_quant import QuantFeature, quant_pooled_sum
+
+        feature = QuantFeature(0, 0, weight_type, dim, mean, max_length)
+        return [
+            quant_pooled_sum(
+                [packed],
+                ids,
+                offsets,
+                weights,
+                stride=offsets.shape[0] - 1,
+                features=[feature],
+                clamp=clamp,
+                interpret=interpret,
+            )
+        ]
+
+    return run
+
+
 @functools.partial(
     jax.jit, static_argnames=("weight_type", "dim", "mean", "clamp", "max_length", "kernel")
 )
@@ -347,9 +381,15 @@ def _lookup(
     kernel: str,
 ):
     """The lookup, its implementation chosen when the program is lowered (`by_platform`):
-    kernel "auto"/"ffi" takes the fused C++ kernel on CPU when it is built, the XLA form
-    elsewhere (other platforms, an unbuilt kernel); "xla" always the XLA form."""
-    from sparse_jax._kernels import when_built
+
+    | kernel | CPU | CUDA | other |
+    |---|---|---|---|
+    | "auto" | C++ kernel (built), else XLA | Pallas (power-of-two dim), else XLA | XLA |
+    | "ffi" | C++ kernel | as "auto" | as "auto" |
+    | "pallas" | Pallas, interpret mode | Pallas | Pallas, interpret mode |
+    | "xla" | XLA | XLA | XLA |
+    """
+    from sparse_jax._kernels import _pallas, when_built
     from sparse_jax._kernels._platform import by_platform
 
     operands = (packed, ids, offsets) if weights is None else (packed, ids, offsets, weights)
@@ -358,7 +398,12 @@ def _lookup(
     if kernel == "xla":
         return xla(*operands)[0]
     aval = jax.ShapeDtypeStruct((offsets.shape[0] - 1, dim), jnp.float32)
-    return by_platform(operands, [aval], default=xla, cpu=when_built(_kernel_form(*form), xla))[0]
+    if kernel == "pallas":
+        impls = dict(default=_pallas_form(*form, interpret=True), cuda=_pallas_form(*form))
+    else:
+        cuda = _pallas_form(*form) if _pallas.supports_dim(dim) else None
+        impls = dict(default=xla, cpu=when_built(_kernel_form(*form), xla), cuda=cuda)
+    return by_platform(operands, [aval], **impls)[0]
 
 
 def quantized_pooled_lookup(
@@ -390,10 +435,14 @@ def quantized_pooled_lookup(
     kernel: "auto" (default) runs the fused C++ kernel (`HybridrecQuantPooled`: rows read
     from the packed bytes and dequantized in registers, bags split over threads) when the
     program is lowered for CPU and the kernel is built, the XLA form otherwise (other
-    platforms, no compiler); "ffi" the same, but an error when the kernel is unavailable;
-    "xla" always the XLA form (what `hybrid.export` serializes: no custom call).
+    platforms, no compiler), and when lowered for CUDA the Pallas (Triton) jagged kernel
+    (`_kernels._pallas_quant`: one program per bag, power-of-two dims; others the XLA
+    form); "ffi" the same, but an error when the C++ kernel is unavailable; "pallas" the
+    Pallas kernel on CUDA and in interpret mode elsewhere (tests; power-of-two dims); "xla"
+    always the XLA form (what `hybrid.export` serializes: no custom call). The choice is made when the program is lowered, not traced: a
+    program traced on a CPU host and lowered for CUDA holds the Triton call and no CPU call.
 
-    Jittable with `weight_type`, `dim`, `pooling`, `bounds_check` and `kernel` static. Both
+    Jittable with `weight_type`, `dim`, `pooling`, `bounds_check` and `kernel` static. All
     forms add every bag's rows in FBGEMM's order (the XLA form loops over positions up to
     the longest bag, gathering one row per bag each step) with FBGEMM's operations
     (`acc = fma(w * scale, q, acc + w * bias)`): unweighted results are bit for bit
@@ -439,6 +488,11 @@ def quantized_pooled_lookup(
                 "kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); "
                 "use kernel='auto' or 'xla'"
             )
+    if kernel == "pallas" and dim & (dim - 1):
+        raise ValueError(
+            f"kernel='pallas' needs a power-of-two dim (Triton blocks), got {dim}; use kernel='auto' "
+            "(the XLA form for this dim on a GPU)"
+        )
     if is_concrete(ids, offsets):
         _check_bags(
             np.asarray(ids), np.asarray(offsets), packed.shape[0], ids_too=bounds_check == "skip"

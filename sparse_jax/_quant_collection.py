@@ -12,7 +12,9 @@ Each table is packed by `quantize_rows` (FBGEMM's IntN TBE row layout: fp16 scal
 in front, then the values) and held as its own uint8 array on one device; features that
 share a table read the same array. The forward pools every feature with
 `quantized_pooled_lookup` (FBGEMM's CPU TBE forward: SUM or MEAN, per-id weights for a
-weighted collection). There is no update: the collection is eval only.
+weighted collection; the C++ kernel on CPU); a program lowered for CUDA, every dim a power of
+two, pools every feature in one Pallas call instead (`_kernels._pallas_quant`, the same
+operations per bag). There is no update: the collection is eval only.
 
 Differences from TorchRec's module: the output keys follow the tables' config order (as
 `EmbeddingBagCollection.apply`), where TorchRec groups them by pooling type first; rows are
@@ -22,6 +24,7 @@ aligned to `row_alignment` bytes, default 1 (FBGEMM's CPU TBE) where TorchRec pa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -45,7 +48,9 @@ from sparse_jax._quant import (
 )
 from sparse_jax._validate import is_concrete
 
-__all__ = ["QuantEmbeddingBagCollection"]
+__all__ = ["KERNELS", "QuantEmbeddingBagCollection"]
+
+KERNELS = ("auto", "pallas", "xla")
 
 
 def _weight_types(
@@ -95,6 +100,9 @@ class QuantEmbeddingBagCollection(LayoutFacts):
       bounds_check: "error" (default: an id outside its table raises in `prepare`, naming
         feature, table and id), "clamp" or "skip" (as `EmbeddingBagCollection`).
       ladder: capacity rungs `prepare` pads a batch's ids to (default `DEFAULT_LADDER`).
+      kernel: "auto" (default: the C++ kernel on CPU, one Pallas call for every feature when
+        lowered for CUDA with power-of-two dims, else the XLA form), "pallas" (that call on
+        CUDA, in interpret mode elsewhere: tests) or "xla" (the XLA form everywhere).
       device: where the tables and prepared batches live (default: this process's first local
         JAX device).
     """
@@ -109,6 +117,7 @@ class QuantEmbeddingBagCollection(LayoutFacts):
         row_alignment: int = 1,
         bounds_check: str = "error",
         ladder: Sequence[int] | None = None,
+        kernel: str = "auto",
         device: jax.Device | None = None,
     ):
         self.layout = TableLayout.build(_check_configs(tables))
@@ -136,6 +145,15 @@ class QuantEmbeddingBagCollection(LayoutFacts):
             self.packed_tables[t.name] = jax.device_put(arr, self.device)
         self._is_weighted = bool(is_weighted)
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+        odd = [t.name for t in self.layout.tables if t.embedding_dim & (t.embedding_dim - 1)]
+        if kernel == "pallas" and odd:
+            raise ValueError(
+                f"kernel='pallas' needs power-of-two dims; tables {odd} are not: use kernel='auto' "
+                "(the XLA form for them on a GPU)"
+            )
+        self.kernel = kernel
         self.ladder = None if ladder is None else tuple(ladder)
         self.prepare_count = 0
         self._caps = LengthCaps()
@@ -152,6 +170,7 @@ class QuantEmbeddingBagCollection(LayoutFacts):
         row_alignment: int = 1,
         ladder: Sequence[int] | None = None,
         device: jax.Device | None = None,
+        kernel: str = "auto",
     ) -> QuantEmbeddingBagCollection:
         """Quantize a trained pooled collection (TorchRec's `from_float`).
 
@@ -186,6 +205,7 @@ class QuantEmbeddingBagCollection(LayoutFacts):
             bounds_check=module.bounds_check,
             ladder=ladder,
             device=device,
+            kernel=kernel,
         )
 
     # -- facts ----------------------------------------------------------------------------------
@@ -255,30 +275,79 @@ class QuantEmbeddingBagCollection(LayoutFacts):
     # -- forward --------------------------------------------------------------------------------
     def _apply(self, tables: Mapping[str, jax.Array], kjt: KeyedJaggedTensor) -> KeyedTensor:
         """One `quantized_pooled_lookup` per feature over the whole (padded) id array: the
-        feature's slice of the offsets picks its bags, ids past them are never read."""
+        feature's slice of the offsets picks its bags, ids past them are never read. Lowered
+        for CUDA with every dim a power of two: one Pallas call pools every feature and writes
+        `[B, sum of dims]` once (`_kernels._pallas_quant`), the same operations per bag."""
+        from sparse_jax._kernels import _pallas
+        from sparse_jax._kernels._pallas_quant import QuantFeature, quant_pooled_sum
+        from sparse_jax._kernels._platform import by_platform
+
         stride = kjt.stride()
-        values, offsets = kjt.values(), kjt.offsets()
-        weights = kjt.weights() if self._is_weighted else None
         caps = kjt.length_caps()  # a padded KJT's bound on each key's bags: a static position loop
-        blocks = []
-        for slot, ki in zip(self.layout.features, self.layout.key_indices(kjt.keys()), strict=True):
-            bags = offsets[ki * stride : (ki + 1) * stride + 1]
-            blocks.append(
-                quantized_pooled_lookup(
-                    tables[slot.table],
+        names = [t.name for t in self.layout.tables]
+        keys = self.layout.key_indices(kjt.keys())
+        clamp = self.bounds_check == "clamp"
+
+        def per_feature(*operands):
+            *packed, values, offsets, weights = operands
+            blocks = []
+            for slot, ki in zip(self.layout.features, keys, strict=True):
+                blocks.append(
+                    quantized_pooled_lookup(
+                        packed[names.index(slot.table)],
+                        self.weight_types[slot.table],
+                        slot.dim,
+                        values,
+                        offsets[ki * stride : (ki + 1) * stride + 1],
+                        slot.pooling,
+                        weights,
+                        max_length=None if caps is None else caps[ki],
+                        bounds_check="clamp" if clamp else "skip",
+                        kernel="xla" if self.kernel == "xla" else "auto",
+                    )
+                )
+            return jnp.concatenate(blocks, axis=1)
+
+        def pallas(*operands, interpret=False):
+            *packed, values, offsets, weights = operands
+            features = [
+                QuantFeature(
+                    ki,
+                    names.index(slot.table),
                     self.weight_types[slot.table],
                     slot.dim,
-                    values,
-                    bags,
-                    slot.pooling,
-                    weights,
-                    max_length=None if caps is None else caps[ki],
-                    bounds_check="clamp" if self.bounds_check == "clamp" else "skip",
+                    slot.pooling is PoolingType.MEAN,
+                    None if caps is None else caps[ki],
                 )
+                for slot, ki in zip(self.layout.features, keys, strict=True)
+            ]
+            return quant_pooled_sum(
+                packed, values, offsets, weights, stride=stride, features=features, clamp=clamp,
+                interpret=interpret,
+            )  # fmt: skip
+
+        weights = kjt.weights() if self._is_weighted else None
+        operands = [tables[n] for n in names] + [kjt.values(), kjt.offsets()]
+        operands += [] if weights is None else [weights]
+
+        def unweighted(fn):  # by_platform passes arrays only: no weights, None to `fn`
+            return fn if weights is not None else (lambda *xs: fn(*xs, None))
+
+        aval = jax.ShapeDtypeStruct((stride, sum(self.layout.output_dims)), jnp.float32)
+        if self.kernel == "pallas":
+            impls = dict(
+                default=unweighted(functools.partial(pallas, interpret=True)),
+                cuda=unweighted(pallas),
             )
-        return KeyedTensor(
-            self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1)
-        )
+            (pooled,) = by_platform(operands, [aval], **impls)
+        elif self.kernel == "xla" or not all(
+            _pallas.supports_dim(slot.dim) for slot in self.layout.features
+        ):
+            pooled = unweighted(per_feature)(*operands)  # each feature picks its own kernel
+        else:
+            impls = dict(default=unweighted(per_feature), cuda=unweighted(pallas))
+            (pooled,) = by_platform(operands, [aval], **impls)
+        return KeyedTensor(self.layout.feature_names, self.layout.output_dims, pooled)
 
     def apply(self, batch: PaddedBatch | KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings `[B, sum of feature dims]` (fp32 KeyedTensor): what the float

@@ -36,6 +36,10 @@ def test_the_gpu_benchmark_runs_in_interpret_mode_and_its_checks_hold(
         assert (
             checks["rowwise_adagrad_bitwise_reproducible"] and checks["sgd_bitwise_reproducible"]
         ), checks
+        for weight_type, q in entry["quantized"].items():  # interpret mode: the XLA form's bits
+            assert q["checks"]["bitwise_equal"] and q["checks"]["reproducible"], (weight_type, q)
+            assert set(q["forward"]) >= {"pallas", "xla"} == set(q["launches"]), q
+        assert "quantized forward int8 pallas" in md and "quantized forward int4 xla" in md
         launches = entry["update_launches"]["rowwise_adagrad"]["pallas"]
         assert launches["sorts"] + launches["custom_calls"] >= 1  # the sort is in the program
 

@@ -1,6 +1,6 @@
 """`python -m benchmarks.gpu_readiness --tiny`: every GPU program lowered for CUDA on this
 host and counted. Its counts are checked where they are known: no host syncs anywhere, the
-Pallas kernels in the default programs, no sort in the pure-XLA update (the host sorted the
+Pallas kernels in the default programs (the quantized forward's too), no sort in the pure-XLA update (the host sorted the
 runs) and its one sorted scatter-add, and FBGEMM's bytes by hand."""
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ def test_the_tiny_readiness_table_counts_what_the_programs_hold(tmp_path, capsys
         assert rows[f"{n} (auto)"]["triton_kernels"] >= 1, n
         assert rows[f"{n} (auto)"]["sorts"] == 0, n  # the Pallas update reads the host's runs
         assert rows[f"{n} (xla)"]["triton_kernels"] == 0, n
+    quant, quant_xla = rows["quantized forward int8 (auto)"], rows["quantized forward int8 (xla)"]
+    w = results["workload"]
+    assert quant["triton_kernels"] == 1 and quant["heavy_ops"] == 0, quant  # one call, no loop
+    assert quant_xla["triton_kernels"] == 0 and quant_xla["heavy_ops"] >= w["T"]  # gathers
+    assert quant["fbgemm_bytes"] < rows["forward (auto)"]["fbgemm_bytes"]  # D + 4 bytes a row
     for rule in gpu_readiness.RULES:
         xla = rows[f"train {rule} (xla)"]
         assert xla["sorts"] == 0, xla  # sorted on the host by prepare

@@ -332,3 +332,82 @@ def test_a_managed_training_remap_lowered_for_cuda_has_no_conditional():
             and got["float_scatter_add_non_unique"] == 0
         ), got
         assert got["dynamic_loops"] == 0, got
+
+
+# the quantized collection: one table per weight type; int2 x 12 is not a power of two (the
+# XLA form on a GPU), the others are (the Pallas kernel)
+QUANT_TABLES = (("int8", 16), ("int4", 32), ("fp16", 8), ("int2", 12))
+
+
+def quantized_lookup_case(weighted: bool = False, tables=QUANT_TABLES):
+    """A quantized collection's forward traced once on this host: `(trace, qebc)`, the trace
+    of `QuantEmbeddingBagCollection.apply`'s program on a prepared batch, and the collection."""
+    from sparse_jax import PoolingType, QuantEmbeddingBagCollection
+
+    configs = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            num_embeddings=1000,
+            embedding_dim=dim,
+            feature_names=[f"f{i}"],
+            pooling=PoolingType.MEAN if i % 2 else PoolingType.SUM,
+        )
+        for i, (_, dim) in enumerate(tables)
+    ]
+    ebc = EmbeddingBagCollection(configs, is_weighted=weighted)
+    qebc = QuantEmbeddingBagCollection.from_float(
+        ebc,
+        ebc.init(jax.random.key(0)),
+        per_table_weight_type={f"t{i}": t for i, (t, _) in enumerate(tables)},
+    )
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 9, len(tables) * 64)
+    ids = rng.integers(0, 1000, lengths.sum())
+    weights = rng.uniform(size=ids.size).astype(np.float32) if weighted else None
+    kjt = KeyedJaggedTensor(
+        [c.feature_names[0] for c in configs], ids, lengths=lengths, weights=weights
+    )
+    batch = qebc.prepare(kjt)
+    trace = qebc._apply_jit.trace(qebc.packed_tables, batch.kjt.without_length_caps())
+    return trace, qebc
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_quantized_lookup_lowered_for_cuda_takes_the_pallas_kernel(weighted):
+    """One trace on this CPU host: lowered for CUDA, a collection whose dims are all powers of
+    two is one Triton call (every feature, `[B, sum of dims]` written once) and no bag loop;
+    with an int2 x 12 table, one Triton call per power-of-two feature and that table's XLA
+    form. Never a CPU-only call or a conditional. Lowered for CPU: the C++ kernel per feature
+    (when built) and no Triton call."""
+    for tables, n_triton in ((QUANT_TABLES[:3], 1), (QUANT_TABLES, 3)):
+        trace, _ = quantized_lookup_case(weighted, tables)
+        text = trace.lower(lowering_platforms=("cuda",)).as_text()
+        cuda = audit(text)
+        assert cuda["triton_kernels"] == n_triton, (tables, cuda)
+        assert cuda["cpu_custom_calls"] == 0 and cuda["case_or_if"] == 0, cuda
+        assert cuda["float_scatter_add_non_unique"] == 0, cuda
+        assert ("stablehlo.while" in text) == (n_triton > 1)  # the int2 table's bag loop
+        cpu = audit(trace.lower(lowering_platforms=("cpu",)).as_text())
+        assert cpu["triton_kernels"] == 0, cpu
+        if _kernels.available():
+            assert cpu["cpu_custom_calls"] == len(tables), cpu
+
+
+def test_the_exported_quantized_lookup_keeps_the_xla_form_for_cuda():
+    """`hybrid.export`'s lookup program (a symbolic id count) lowered for CPU and CUDA holds no
+    custom call at all: Pallas's Triton lowering takes no symbolic shapes (jax 0.10) and
+    `jax.export` guarantees no compatibility for the Triton call, so the exported CUDA
+    program is the XLA form; the Triton kernel runs in programs traced and lowered in the
+    serving process's own JAX (QuantEmbeddingBagCollection.apply)."""
+    from hybrid.inference._export_lookup import OutputSlot, export_lookup, lookup_program
+    from sparse_jax import row_bytes
+
+    slots = [OutputSlot(0, 0, 16, False, "int8"), OutputSlot(1, 1, 32, True, "int4")]
+    program = lookup_program(slots, 2, 8, weighted=True, bounds_check="skip")
+    tables = [
+        jax.ShapeDtypeStruct((100, row_bytes(t, d)), jnp.uint8)
+        for t, d in (("int8", 16), ("int4", 32))
+    ]
+    exported = export_lookup(program, tables, 2, 8, weighted=True, platforms=("cpu", "cuda"))
+    got = audit(exported.mlir_module())
+    assert got["triton_kernels"] == 0 and got["cpu_custom_calls"] == 0, got

@@ -447,3 +447,187 @@ def test_the_in_program_chunked_update_equals_the_loops_and_repeats_its_bits(rul
         interpret=INTERPRET,
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(kept[0]), table)  # a false guard writes nothing
+
+
+# ---------------------------------------------------------------- the quantized pooled lookup
+
+# (weight type, power-of-two dim, row alignment): every type, narrow and wide rows (one to
+# four warps), rows packed tight (1) and padded as FBGEMM's GPU TBE pads them (16)
+QUANT_CASES = [
+    ("int8", 16, 1),
+    ("int8", 128, 16),
+    ("int4", 8, 16),
+    ("int4", 64, 1),
+    ("int2", 4, 1),
+    ("int2", 32, 16),
+    ("fp16", 2, 1),
+    ("fp16", 64, 16),
+]
+# (pooling, weighted, bounds_check): each setting both ways in four compiles per case
+QUANT_MODES = [
+    ("SUM", False, "skip"),
+    ("MEAN", True, "clamp"),
+    ("SUM", True, "skip"),
+    ("MEAN", False, "clamp"),
+]
+
+
+def _quant_bags(rng, E):
+    """ids, offsets, weights: an empty first bag and an empty bag inside, a long bag (40),
+    one row three times over, ids -1 (pruned), 0, E - 1, E and 2^30, padding past the end."""
+    lengths = np.array([0, 3, 5, 0, 40, 1, 6, 2])
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+    ids = rng.integers(0, E, offsets[-1] + 5)
+    ids[offsets[1] : offsets[1] + 3] = 7  # a duplicate row
+    ids[offsets[2] : offsets[2] + 5] = [0, E - 1, -1, E, 0]
+    ids[offsets[4] + 39] = E - 1  # the long bag's last id (an off-by-one in its end drops it)
+    ids[offsets[6] + 2] = 1 << 30
+    ids[offsets[-1] :] = -7  # padding: never read
+    weights = rng.uniform(-2.0, 2.0, ids.size).astype(np.float32)
+    return ids.astype(np.int32), offsets, weights
+
+
+@pytest.mark.parametrize("weight_type,dim,row_alignment", QUANT_CASES)
+def test_quant_pooled_sum_equals_the_loops_and_the_xla_form_bitwise(
+    weight_type, dim, row_alignment
+):
+    """The Pallas kernel against the plain loop (`reference.quantized_pooled_loop`, float64:
+    1e-6 of the largest |w| * |row| sum a bag reaches) and against the XLA form bit for bit:
+    the same operations in the same order (in interpret mode; compiled by Triton, an fma is
+    the compiler's choice, see `sparse_jax._quant`)."""
+    from sparse_jax._quant import quantize_rows, quantized_pooled_lookup
+
+    rng = np.random.default_rng([dim, row_alignment, len(weight_type)])
+    E = 24
+    table = rng.normal(size=(E, dim)) * 10.0 ** rng.uniform(-3, 3, size=(E, 1))
+    table += rng.normal(size=(E, 1)) * 10.0 ** rng.uniform(-2, 2, size=(E, 1))
+    packed = quantize_rows(table.astype(np.float32), weight_type, row_alignment=row_alignment)
+    ids, offsets, weights = _quant_bags(rng, E)
+    lookup = jax.jit(
+        quantized_pooled_lookup,
+        static_argnames=("weight_type", "dim", "pooling", "bounds_check", "kernel"),
+    )
+    rows = np.abs(reference.dequantize_rows_loop(np.asarray(packed), weight_type, dim)).max()
+    for pooling, weighted, bounds in QUANT_MODES:
+        w = weights if weighted else None
+        args = (packed, weight_type, dim, ids, offsets, pooling, w)
+        got = np.asarray(lookup(*args, bounds_check=bounds, kernel="pallas"))
+        what = f"{pooling}, weighted {weighted}, {bounds}"
+        np.testing.assert_array_equal(
+            got, lookup(*args, bounds_check=bounds, kernel="xla"), err_msg=what
+        )
+        if bounds == "clamp":
+            oracle_ids = np.clip(ids, 0, E - 1)
+        else:
+            oracle_ids = np.where((ids >= 0) & (ids < E), ids, -1)
+        want = reference.quantized_pooled_loop(
+            np.asarray(packed), weight_type, dim, oracle_ids, offsets, pooling, w
+        )
+        mags = np.ones(ids.size) if w is None else np.abs(w)
+        reach = max(mags[a:b].sum() for a, b in zip(offsets[:-1], offsets[1:], strict=True))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * rows * reach, err_msg=what)
+        assert not got[[0, 3]].any(), what  # the empty bags
+
+
+def test_quant_pooled_sum_pools_a_collection_in_one_call():
+    """Four features over three packed tables (int8, int4, fp16; one table read by two
+    features, SUM and MEAN), one call writing `[B, sum of dims]`: bit for bit each feature's
+    XLA form side by side, and the loops; a feature's `max_length` cuts its reads (MEAN still
+    divides by the full length); int64 ids past int32 add nothing instead of wrapping."""
+    from sparse_jax._kernels._pallas_quant import QuantFeature, quant_pooled_sum
+    from sparse_jax._quant import _xla_form, quantize_rows
+
+    rng = np.random.default_rng(2)
+    types, dims, rows = ("int8", "int4", "fp16"), (16, 8, 4), (24, 30, 24)
+    tables = [
+        quantize_rows(rng.normal(size=(e, d)).astype(np.float32), t, row_alignment=a)
+        for t, d, e, a in zip(types, dims, rows, (1, 16, 1), strict=True)
+    ]
+    B = 6
+    features = [  # key, table, type, dim, MEAN, max_length
+        QuantFeature(0, 0, "int8", 16, False),
+        QuantFeature(1, 1, "int4", 8, True, 2),
+        QuantFeature(2, 0, "int8", 16, True),
+        QuantFeature(3, 2, "fp16", 4, False),
+    ]
+    lengths = rng.integers(0, 7, 4 * B)
+    lengths[[0, 9]] = 0
+    lengths[2 * B + 1] = 30  # a long bag
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+    ids = rng.integers(-1, 25, offsets[-1] + 3).astype(np.int64)  # -1, 0 ... E - 1, E
+    ids[offsets[B + 1]] = (1 << 32) + 5  # row 5 if wrapped to int32
+    weights = rng.uniform(-2.0, 2.0, ids.size).astype(np.float32)
+    for weighted, clamp in ((True, False), (False, True)):
+        w = jnp.asarray(weights) if weighted else None
+        with jax.enable_x64(True):
+            got = quant_pooled_sum(
+                tables, jnp.asarray(ids), jnp.asarray(offsets), w, stride=B,
+                features=features, clamp=clamp, interpret=INTERPRET,
+            )  # fmt: skip
+            blocks = []
+            for f in features:
+                form = _xla_form(f.weight_type, f.dim, f.mean, clamp, f.max_length)
+                bags = jnp.asarray(offsets[f.key * B : (f.key + 1) * B + 1])
+                blocks.append(jax.jit(form)(tables[f.table], jnp.asarray(ids), bags, w)[0])
+        what = f"weighted {weighted}, clamp {clamp}"
+        np.testing.assert_array_equal(np.asarray(got), np.concatenate(blocks, axis=1), what)
+        col = 0
+        for f in features:
+            e = rows[f.table]
+            bag_ids = np.clip(ids, 0, e - 1) if clamp else np.where((ids >= 0) & (ids < e), ids, -1)
+            bags = offsets[f.key * B : (f.key + 1) * B + 1]
+            if f.max_length is not None:  # the loop reads every id: drop those past the bound
+                bag_ids = bag_ids.copy()
+                for a, z in zip(bags[:-1], bags[1:], strict=True):
+                    bag_ids[a + f.max_length : z] = -1
+            want = reference.quantized_pooled_loop(
+                np.asarray(tables[f.table]), f.weight_type, f.dim, bag_ids, bags,
+                "MEAN" if f.mean else "SUM", weights if weighted else None,
+            )  # fmt: skip
+            np.testing.assert_allclose(got[:, col : col + f.dim], want, rtol=1e-5, atol=1e-4)
+            col += f.dim
+
+
+@pytest.mark.parametrize("weighted,bounds", [(False, "error"), (True, "clamp")])
+def test_the_quantized_collection_pools_every_feature_in_one_pallas_call(weighted, bounds):
+    """`QuantEmbeddingBagCollection(kernel="pallas")` (the call a CUDA program makes, here in
+    interpret mode): int8, int4 and fp16 tables, one read by two features (SUM and MEAN),
+    bit for bit the collection's XLA form, and its default (the C++ kernel on CPU)."""
+    from sparse_jax import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        KeyedJaggedTensor,
+        PoolingType,
+        QuantEmbeddingBagCollection,
+    )
+
+    configs = [
+        EmbeddingBagConfig(
+            name="a", num_embeddings=40, embedding_dim=16, feature_names=["f", "g"],
+            pooling=PoolingType.MEAN,
+        ),
+        EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=8, feature_names=["h"]),
+        EmbeddingBagConfig(name="c", num_embeddings=20, embedding_dim=32, feature_names=["k"]),
+    ]  # fmt: skip
+    ebc = EmbeddingBagCollection(configs, is_weighted=weighted, bounds_check=bounds)
+    params = ebc.init(jax.random.key(1))
+    rng = np.random.default_rng(7)
+    B = 5
+    lengths = rng.integers(0, 6, 4 * B)
+    lengths[[1, 12]] = 0
+    lengths[3] = 25  # a long bag
+    ids = rng.integers(0, 20, lengths.sum())
+    ids[:2] = [0, 19]
+    w = rng.uniform(0.5, 1.5, ids.size).astype(np.float32) if weighted else None
+    # the KJT in another key order than the outputs: a bag block is found by its key
+    kjt = KeyedJaggedTensor(["h", "k", "f", "g"], ids, lengths=lengths, weights=w)
+    types = {"a": "int8", "b": "int4", "c": "fp16"}
+    out = {}
+    for kernel in ("pallas", "xla", "auto"):
+        qebc = QuantEmbeddingBagCollection.from_float(
+            ebc, params, per_table_weight_type=types, kernel=kernel
+        )
+        out[kernel] = np.asarray(qebc(kjt).values())
+    assert out["pallas"].shape == (B, 16 + 16 + 8 + 32)
+    np.testing.assert_array_equal(out["pallas"], out["xla"])
+    np.testing.assert_array_equal(out["pallas"], out["auto"])

@@ -505,14 +505,18 @@ def _lowered(kernel: str, platform: str = "cpu", weighted: bool = False) -> str:
 
 def test_the_kernel_is_chosen_on_cpu_and_only_there():
     """The default CPU program calls the C++ kernel (decided when the program is lowered);
-    kernel="xla" and programs lowered for CUDA or TPU hold the XLA form (no custom call)."""
+    the CUDA program the Pallas kernel (a Triton call, no bag loop); kernel="xla" and
+    programs lowered for TPU hold the XLA form (no custom call)."""
     _need_kernel()
     for weighted in (False, True):
         assert "custom_call @HybridrecQuantPooled" in _lowered("auto", weighted=weighted)
         assert "custom_call @HybridrecQuantPooled" in _lowered("ffi", weighted=weighted)
+        cuda = _lowered("auto", "cuda", weighted=weighted)
+        assert "HybridrecQuantPooled" not in cuda and "stablehlo.while" not in cuda
+        assert cuda.count("xla.gpu.triton") == 1
     assert "HybridrecQuantPooled" not in _lowered("xla")
-    for platform in ("cuda", "tpu"):
-        text = _lowered("auto", platform)
+    for kernel, platform in (("auto", "tpu"), ("xla", "cuda")):
+        text = _lowered(kernel, platform)
         assert "custom_call" not in text and "while" in text, platform
 
 
@@ -558,11 +562,14 @@ def test_ffi_refuses_to_fall_back(monkeypatch):
     ):
         quantized_pooled_lookup(packed, "int8", 8, [0], [0, 1], kernel="ffi")
     for bad, message in (
-        ({"kernel": "pallas"}, "kernel='pallas' is not one of ('auto', 'ffi', 'xla')"),
+        ({"kernel": "triton"}, "kernel='triton' is not one of ('auto', 'ffi', 'xla', 'pallas')"),
         ({"bounds_check": "error"}, "bounds_check='error' is not one of ('skip', 'clamp')"),
     ):
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             quantized_pooled_lookup(packed, "int8", 8, [0], [0, 1], **bad)
+    packed = quantize_rows(np.ones((ROWS, 12), np.float32), "int8")
+    with pytest.raises(ValueError, match=re.escape("kernel='pallas' needs a power-of-two dim")):
+        quantized_pooled_lookup(packed, "int8", 12, [0], [0, 1], kernel="pallas")
 
 
 # ---------------------------------------------------------------- errors
