@@ -13,7 +13,11 @@ axis: no scatter-add. The unique rows come out grouped by class; the rule runs o
     python -m benchmarks.explore_buckets --alpha 1.0 1.15 --repeats 15
 
 Nothing here changes sparse_jax; the candidate is checked against the library's update
-(rtol 1e-5 on the table and state) before anything is timed.
+(the benchmark's gate, rtol 1e-5) before anything is timed. Forms (`--forms`): "fori" (a
+loop over the cap, one fused gather + add per position: what the library adopted),
+"unroll" (the same, unrolled), "reduce" (gather `[R, cap, D]`, then sum over the cap: XLA
+materializes the gathered rows, several times slower); a "_sorted" suffix permutes the sums
+back to ascending rows before the rule.
 """
 
 from __future__ import annotations
@@ -106,13 +110,14 @@ def device_sums(g, classes, long_part, *, form: str):
             return jnp.sum(x, axis=1)
         if form == "unroll":
             acc = gz.at[bm[:, 0]].get(mode="promise_in_bounds") * sm[:, 0, None]
-            for l in range(1, bm.shape[1]):
-                acc = acc + gz.at[bm[:, l]].get(mode="promise_in_bounds") * sm[:, l, None]
+            for pos in range(1, bm.shape[1]):
+                acc = acc + gz.at[bm[:, pos]].get(mode="promise_in_bounds") * sm[:, pos, None]
             return acc
         if form == "fori":
-            def body(l, acc):
-                b = jax.lax.dynamic_index_in_dim(bm, l, axis=1, keepdims=False)
-                s = jax.lax.dynamic_index_in_dim(sm, l, axis=1, keepdims=False)
+
+            def body(pos, acc):
+                b = jax.lax.dynamic_index_in_dim(bm, pos, axis=1, keepdims=False)
+                s = jax.lax.dynamic_index_in_dim(sm, pos, axis=1, keepdims=False)
                 return acc + gz.at[b].get(mode="promise_in_bounds") * s[:, None]
 
             acc = jnp.zeros((bm.shape[0], g.shape[1]), jnp.float32)
@@ -157,9 +162,7 @@ class Candidate:
         self.n_long = 0 if long_part is None else int(np.sum(long_part[3] >= 0))
         self.ops = dict(
             classes=[(jnp.asarray(bm), jnp.asarray(sm)) for _, bm, sm, _ in classes],
-            long=None
-            if long_part is None
-            else tuple(jnp.asarray(x) for x in long_part[:3]),
+            long=None if long_part is None else tuple(jnp.asarray(x) for x in long_part[:3]),
             rows=jnp.asarray(rows),
             order=jnp.asarray(self.sorted_order),
             sorted_rows=jnp.asarray(self.sorted_rows),
@@ -202,28 +205,15 @@ class Candidate:
 
 
 def lib_sums(side: XlaSide):
-    """The library's sorted-run gradient sums alone ([U, D], gathers + tail scatter-add)."""
-    from sparse_jax._sorted_ids import HEAD
+    """The library's gradient sums alone (`optim._apply.sum_runs`). Before e5d1783 the library
+    summed the first two ids of each run by gathers and the rest by a sorted scatter-add; the
+    figures in benchmarks/NOTES.md (issue 31) were taken against that form (5410254)."""
+    from sparse_jax.optim._apply import sum_runs
 
     layout, group = side.ebc.layout, side.group
-
-    def f(pooled_grad, ids):
-        grad_rows = _bag_grads(layout, group, pooled_grad).astype(jnp.float32)
-        no_bag = grad_rows.shape[0]
-
-        def grads_at(pos):
-            bag = ids.bag.at[pos].get(mode="fill", fill_value=no_bag)
-            scale = ids.scale.at[pos].get(mode="fill", fill_value=0)
-            return grad_rows.at[bag].get(mode="fill", fill_value=0) * scale[:, None]
-
-        starts, ends = ids.offsets[:-1], ids.offsets[1:]
-        grads = jnp.zeros((ids.unique.shape[0], grad_rows.shape[1]), jnp.float32)
-        for k in range(HEAD):
-            pos = jnp.where(starts + k < ends, starts + k, ids.bag.shape[0])
-            grads = grads + grads_at(pos)
-        return grads.at[ids.tail_run].add(grads_at(ids.tail), mode="drop", indices_are_sorted=True)
-
-    return jax.jit(f)
+    return jax.jit(
+        lambda pooled_grad, ids: sum_runs(ids, _bag_grads(layout, group, pooled_grad))[1]
+    )
 
 
 def probe() -> str:
@@ -238,6 +228,106 @@ def probe() -> str:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     return out.stdout.strip() + f" | {os.getloadavg()}"
+
+
+def measure(w: Workload, batch, opt: str, args, rung) -> None:
+    """One workload and optimizer: gate every candidate, then time them interleaved."""
+    side = XlaSide(w, batch, "xla", opt, lr=0.01, eps=1e-8)
+    ref = XlaSide(w, batch, "xla", opt, lr=0.01, eps=1e-8)
+    ref.run_update()
+    want_t = np.asarray(ref.params[ref.group])
+    want_s = [np.asarray(x) for x in jax.tree_util.tree_leaves(ref.state.tables)]
+    cands = {}
+    for form in args.forms:
+        for mc in args.max_cap:
+            caps = classes_of(mc, args.fine)
+            c = Candidate(side, w, caps=caps, form=form, rung=rung)
+            name = f"{form}_cap{mc}{'_fine' if args.fine else ''}"
+            # gate: one update on fresh copies against the library's
+            t = jnp.array(np.asarray(side.params[side.group]), copy=True)
+            s = jax.tree_util.tree_map(
+                lambda x: jnp.array(np.asarray(x), copy=True), side.state.tables[side.group]
+            )
+            t, s = c.update(t, s, side.grad, c.ops, side.state.count)
+            got_s = [np.asarray(x) for x in jax.tree_util.tree_leaves(s)]
+            for a, b in zip([np.asarray(t), *got_s], [want_t, *want_s], strict=True):
+                # the benchmark's gate: |a - b| <= rtol * (|b| + max|b|), rtol 1e-5
+                bad = np.abs(a - b) > 1e-5 * (np.abs(b) + np.abs(b).max())
+                assert not bad.any(), (name, int(bad.sum()), float(np.abs(a - b).max()))
+            print(
+                f"{w.name} {opt} {name}: gate ok; host buckets {c.host_ms:.1f} ms; "
+                f"N {c.n}, padded {c.padded} ({c.padded / c.n:.2f}x); runs per cap "
+                f"{c.counts}; long runs {c.n_long}",
+                flush=True,
+            )
+            cands[name] = c
+    del ref
+    # the candidate's own table / state (the side's are the library's)
+    own = {
+        k: [
+            jnp.array(np.asarray(side.params[side.group]), copy=True),
+            jax.tree_util.tree_map(
+                lambda x: jnp.array(np.asarray(x), copy=True), side.state.tables[side.group]
+            ),
+        ]
+        for k in cands
+    }
+    cases = {}
+    cases["lib_fwd+upd"] = clocked(lambda clock, s=side: s.time_step(clock))
+
+    def cand_step(clock, k, c):
+        out = side.forward()
+        clock.mark("fwd", out)
+        t, s = own[k]
+        own[k][0], own[k][1] = c.update(t, s, side.grad, c.ops, side.state.count)
+        clock.mark("bwd", own[k][0], own[k][1])
+
+    for k, c in cands.items():
+        cases[f"{k}_fwd+upd"] = clocked(lambda clock, k=k, c=c: cand_step(clock, k, c))
+    if args.pieces:
+        ls = lib_sums(side)
+        ids = side.batch.sorted_ids[side.group]
+        cases["lib_sums"] = clocked(lambda clock: ls(side.grad, ids))
+        for k, c in cands.items():
+            cases[f"{k}_sums"] = clocked(lambda clock, c=c: c.sums(side.grad, c.ops))
+            grads0 = c.sums(side.grad, c.ops)
+            k0 = next(iter(cands))
+
+            def rule_case(clock, k=k, c=c, grads0=grads0):
+                t, s = own[k]
+                own[k][0], own[k][1] = c.rule_only(t, s, grads0, c.ops, side.state.count)
+                return own[k]
+
+            if k == k0:
+                cases[f"{k}_rule+scatter"] = clocked(rule_case)
+    if args.fbgemm:
+        from benchmarks.fbgemm_side import FbgemmSide
+
+        fb = FbgemmSide(w, batch, opt, lr=0.01, eps=1e-8)
+        cases["fbgemm_fwd+bwd"] = clocked(fb.time_step)
+        cases["fbgemm_fwd"] = clocked(fb.time_forward)
+    cases["lib_fwd"] = clocked(side.time_forward)
+    la = os.getloadavg()
+    res = interleaved(cases, warmup=3, repeats=args.repeats, lead_in_s=0.06)
+    lb = os.getloadavg()
+    print(f"== {w.name} {opt} (load {la[0]:.2f} -> {lb[0]:.2f})")
+    base = "fbgemm_fwd+bwd" if args.fbgemm else "lib_fwd+upd"
+    for name, seg in res.items():
+        s = summarize(seg["total"])
+        r = paired_ratio(seg["total"], res[base]["total"])
+        extra = ""
+        if "bwd" in seg:
+            extra = (
+                f" (fwd {np.median(seg['fwd']) * 1e3:.2f}, upd {np.median(seg['bwd']) * 1e3:.2f})"
+            )
+        print(
+            f"  {name:28s} {s['median_ms']:8.2f} ms [{s['p25_ms']:.2f}-{s['p75_ms']:.2f}]{extra}"
+            f"  /{base}: {r['ratio_of_medians']:.2f} (paired {r['paired_median']:.2f})",
+            flush=True,
+        )
+    if args.fbgemm:
+        r = paired_ratio(res["lib_fwd"]["total"], res["fbgemm_fwd"]["total"])
+        print(f"  forward lib/fbgemm {r['ratio_of_medians']:.2f} (paired {r['paired_median']:.2f})")
 
 
 def main(argv=None) -> int:
@@ -262,101 +352,7 @@ def main(argv=None) -> int:
         w = Workload(alpha=alpha)
         batch = make_batch(w)
         for opt in args.optimizers:
-            side = XlaSide(w, batch, "xla", opt, lr=0.01, eps=1e-8)
-            ref = XlaSide(w, batch, "xla", opt, lr=0.01, eps=1e-8)
-            ref.run_update()
-            want_t = np.asarray(ref.params[ref.group])
-            want_s = [np.asarray(x) for x in jax.tree_util.tree_leaves(ref.state.tables)]
-            cands = {}
-            for form in args.forms:
-                for mc in args.max_cap:
-                    caps = classes_of(mc, args.fine)
-                    c = Candidate(side, w, caps=caps, form=form, rung=rung)
-                    name = f"{form}_cap{mc}{'_fine' if args.fine else ''}"
-                    # gate: one update on fresh copies against the library's
-                    t = jnp.array(np.asarray(side.params[side.group]), copy=True)
-                    s = jax.tree_util.tree_map(
-                        lambda x: jnp.array(np.asarray(x), copy=True), side.state.tables[side.group]
-                    )
-                    t, s = c.update(t, s, side.grad, c.ops, side.state.count)
-                    got_s = [np.asarray(x) for x in jax.tree_util.tree_leaves(s)]
-                    for a, b in zip([np.asarray(t), *got_s], [want_t, *want_s], strict=True):
-                        # the benchmark's gate: |a - b| <= rtol * (|b| + max|b|), rtol 1e-5
-                        bad = np.abs(a - b) > 1e-5 * (np.abs(b) + np.abs(b).max())
-                        assert not bad.any(), (name, int(bad.sum()), float(np.abs(a - b).max()))
-                    print(
-                        f"{w.name} {opt} {name}: gate ok; host buckets {c.host_ms:.1f} ms; "
-                        f"N {c.n}, padded {c.padded} ({c.padded / c.n:.2f}x); runs per cap "
-                        f"{c.counts}; long runs {c.n_long}",
-                        flush=True,
-                    )
-                    cands[name] = c
-            del ref
-            # the candidate's own table / state (the side's are the library's)
-            own = {
-                k: [
-                    jnp.array(np.asarray(side.params[side.group]), copy=True),
-                    jax.tree_util.tree_map(
-                        lambda x: jnp.array(np.asarray(x), copy=True), side.state.tables[side.group]
-                    ),
-                ]
-                for k in cands
-            }
-            cases = {}
-            cases["lib_fwd+upd"] = clocked(lambda clock, s=side: s.time_step(clock))
-
-            def cand_step(clock, k, c):
-                out = side.forward()
-                clock.mark("fwd", out)
-                t, s = own[k]
-                own[k][0], own[k][1] = c.update(t, s, side.grad, c.ops, side.state.count)
-                clock.mark("bwd", own[k][0], own[k][1])
-
-            for k, c in cands.items():
-                cases[f"{k}_fwd+upd"] = clocked(lambda clock, k=k, c=c: cand_step(clock, k, c))
-            if args.pieces:
-                ls = lib_sums(side)
-                ids = side.batch.sorted_ids[side.group]
-                cases["lib_sums"] = clocked(lambda clock: ls(side.grad, ids))
-                for k, c in cands.items():
-                    cases[f"{k}_sums"] = clocked(lambda clock, c=c: c.sums(side.grad, c.ops))
-                    grads0 = c.sums(side.grad, c.ops)
-                    k0 = next(iter(cands))
-
-                    def rule_case(clock, k=k, c=c, grads0=grads0):
-                        t, s = own[k]
-                        own[k][0], own[k][1] = c.rule_only(t, s, grads0, c.ops, side.state.count)
-                        return own[k]
-
-                    if k == k0:
-                        cases[f"{k}_rule+scatter"] = clocked(rule_case)
-            if args.fbgemm:
-                from benchmarks.fbgemm_side import FbgemmSide
-
-                fb = FbgemmSide(w, batch, opt, lr=0.01, eps=1e-8)
-                cases["fbgemm_fwd+bwd"] = clocked(fb.time_step)
-                cases["fbgemm_fwd"] = clocked(fb.time_forward)
-            cases["lib_fwd"] = clocked(side.time_forward)
-            la = os.getloadavg()
-            res = interleaved(cases, warmup=3, repeats=args.repeats, lead_in_s=0.06)
-            lb = os.getloadavg()
-            print(f"== {w.name} {opt} (load {la[0]:.2f} -> {lb[0]:.2f})")
-            base = "fbgemm_fwd+bwd" if args.fbgemm else "lib_fwd+upd"
-            for name, seg in res.items():
-                s = summarize(seg["total"])
-                r = paired_ratio(seg["total"], res[base]["total"])
-                extra = ""
-                if "bwd" in seg:
-                    extra = f" (fwd {np.median(seg['fwd']) * 1e3:.2f}, upd {np.median(seg['bwd']) * 1e3:.2f})"
-                print(
-                    f"  {name:28s} {s['median_ms']:8.2f} ms [{s['p25_ms']:.2f}-{s['p75_ms']:.2f}]{extra}"
-                    f"  /{base}: {r['ratio_of_medians']:.2f} (paired {r['paired_median']:.2f})",
-                    flush=True,
-                )
-            if args.fbgemm:
-                r = paired_ratio(res["lib_fwd"]["total"], res["fbgemm_fwd"]["total"])
-                print(f"  forward lib/fbgemm {r['ratio_of_medians']:.2f} (paired {r['paired_median']:.2f})")
-            del side, cands, own
+            measure(w, batch, opt, args, rung)
     print(probe(), flush=True)
     return 0
 
