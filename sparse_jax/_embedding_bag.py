@@ -24,7 +24,7 @@ from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PaddedBatch
 from sparse_jax._prepare import LengthCaps, pad_host
-from sparse_jax._sorted_ids import sort_host
+from sparse_jax._sorted_ids import BucketCaps, sort_host
 from sparse_jax._tables import TableCollection
 from sparse_jax._update import fused_update
 from sparse_jax._validate import is_concrete
@@ -82,6 +82,7 @@ class EmbeddingBagCollection(TableCollection):
         self.sort_ids = default_sort if sort_ids is None else bool(sort_ids)
         self.prepare_count = 0
         self._caps = LengthCaps()
+        self._run_caps = BucketCaps()  # the sorted streams' bucket rungs, only growing
         self._apply_jit = jax.jit(self._apply)
 
     # -- preparation (once per batch) ----------------------------------------------------------
@@ -114,6 +115,7 @@ class EmbeddingBagCollection(TableCollection):
             weighted=self._is_weighted,
             bounds_check=self.bounds_check,
             ladder=self.ladder,
+            caps=self._run_caps,
         )
         padded, streams = jax.device_put((padded, streams), device)
         return PaddedBatch(padded, streams)

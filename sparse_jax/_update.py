@@ -99,8 +99,8 @@ def _group_update(
     """One group's update. The id stream feeds `update_rows` (C++, Pallas or XLA by the
     lowering platform); on CPU, fp32 buffers of a rule the C++ kernels know take the jagged
     C++ update instead (it reads the KJT in place), chosen when the CPU program is lowered.
-    With kernel="xla" and the batch's host-sorted stream (`sorted_ids`), the sorted-run
-    XLA form on every platform (`optim._apply.apply_sorted_runs`)."""
+    With kernel="xla" and the batch's host-sorted stream (`sorted_ids`), the bucketed
+    sorted-run XLA form on every platform (`optim._apply.apply_sorted_runs`)."""
 
     def stream(table, state, step, kjt, pooled_grad, ids=None):
         rows, bag, scale = _lookup.id_stream(
@@ -120,18 +120,10 @@ def _group_update(
         )
 
     if kernel == "xla" and sorted_ids is not None:
-
-        def runs(table, state, step, kjt, pooled_grad, ids):
-            grads = _bag_grads(layout, group, pooled_grad)
-            return apply_sorted_runs(rule, table, state, step, ids, grads, good=_guard.current())
-
-        args = (table, state, step, kjt, pooled_grad, sorted_ids)
-        if rule.native != "sgd" or table.dtype != jnp.float32:
-            return runs(*args)
-        # fp32 SGD on CPU: adding every id's step straight into the table (no dedup; XLA:CPU
-        # scatters serially, so the sums are reproducible) measured faster than the sorted
-        # runs; every other platform takes the runs (no float scatter-add over repeated rows)
-        return _by_platform_tree(args, (table, state), default=runs, cpu=lambda *a: stream(*a[:-1]))
+        # every rule and platform, fp32 SGD on CPU included (the bucketed runs measured
+        # faster than adding every id's step into the table: benchmarks/NOTES.md, issue 31)
+        grads = _bag_grads(layout, group, pooled_grad)
+        return apply_sorted_runs(rule, table, state, step, sorted_ids, grads, good=_guard.current())
     args = (table, state, step, kjt, pooled_grad, sorted_ids)  # the Pallas update reads the runs
 
     if (
@@ -169,22 +161,6 @@ def _group_update(
     cpu = _kernels.when_built(unpacked(jagged), unpacked(stream))  # built: decided at lowering
     out = by_platform(leaves, avals, default=unpacked(stream), cpu=cpu)
     return jax.tree_util.tree_unflatten(out_tree, out)
-
-
-def _by_platform_tree(args, like, **impls):
-    """`by_platform` over pytrees: each implementation takes `*args` and returns a tree
-    shaped like `like`."""
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-
-    def unpacked(fn):
-        def run(*ops):
-            return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, ops)))
-
-        return run
-
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(like)]
-    out = by_platform(leaves, avals, **{k: unpacked(f) for k, f in impls.items()})
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), out)
 
 
 def fused_update(

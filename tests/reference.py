@@ -81,25 +81,42 @@ def row_gradients(features, bag_ids, grad_blocks, bag_weights=None):
     return out
 
 
-def sorted_runs(entries, head):
+def sorted_runs(entries):
     """The row-sorted id stream by loops: `entries` is a list of (row, bag, scale) in batch
-    order; ids are ordered by row, ties in batch order. Returns unique rows, run offsets, bag
-    and scale per sorted position, the sorted positions at rank >= `head` in their run and
-    their runs (lists)."""
+    order; ids are ordered by row, ties in batch order. Returns unique rows, run offsets, and
+    bag and scale per sorted position (lists)."""
     order = sorted(range(len(entries)), key=lambda i: (entries[i][0], i))
-    unique, offsets, bag, scale, tail, tail_run = [], [], [], [], [], []
+    unique, offsets, bag, scale = [], [], [], []
     for p, i in enumerate(order):
         row, b, s = entries[i]
         if not unique or unique[-1] != row:
             unique.append(row)
             offsets.append(p)
-        if p - offsets[-1] >= head:
-            tail.append(p)
-            tail_run.append(len(unique) - 1)
         bag.append(b)
         scale.append(s)
     offsets.append(len(order))
-    return unique, offsets, bag, scale, tail, tail_run
+    return unique, offsets, bag, scale
+
+
+def run_buckets(unique, offsets, bag, scale, classes, chunk):
+    """The runs of `sorted_runs` by length class, by loops: {cap: [(row, bags, scales)]} for
+    the runs of at most `cap` ids (and more than the class below; rows ascending), and the
+    longer runs as [(row, [(chunk bags, chunk scales), ...])] with chunks of `chunk` ids."""
+    buckets = {c: [] for c in classes}
+    long = []
+    for u, row in enumerate(unique):
+        a, b = offsets[u], offsets[u + 1]
+        n = b - a
+        fits = [c for c in classes if c >= n]
+        if fits:
+            buckets[fits[0]].append((row, bag[a:b], scale[a:b]))
+        else:
+            parts = [
+                (bag[p : min(p + chunk, b)], scale[p : min(p + chunk, b)])
+                for p in range(a, b, chunk)
+            ]
+            long.append((row, parts))
+    return buckets, long
 
 
 def run_chunks(unique, offsets, size):

@@ -1,10 +1,11 @@
 """The row-sorted id stream that `prepare` builds on the host (`sparse_jax._sorted_ids`) and
 the updates that read it (pure XLA: `optim._apply.apply_sorted_runs`; Pallas): the stream against
 plain loops (several features on one buffer, MEAN, weights, ids at and past the bounds under
-"clamp" and "skip", empty bags, runs longer than `HEAD`); the update against the loops and
-against the in-program form for every rule, writing nothing under a false guard; the
-Pallas update (interpret mode) the same bits either way; and the CUDA programs: no sort,
-no `[ids, dim]` temporary."""
+"clamp" and "skip", empty bags, runs in several length buckets and longer than the last);
+the buckets against loops (every run whole, in one bucket); the update against the loops
+and against the in-program form for every rule, writing nothing under a false guard; the
+bucket rungs only grow (one program); the Pallas update (interpret mode) the same bits
+either way; and the CUDA programs: no sort, no scatter-add, no `[ids, dim]` temporary."""
 
 import re
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from sparse_jax import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, optim
-from sparse_jax._sorted_ids import HEAD
+from sparse_jax._sorted_ids import CHUNK, RUN_CLASSES
 from sparse_jax._update import _bag_grads
 from sparse_jax.optim._apply import apply_row_rule, apply_sorted_runs
 from tests import reference
@@ -40,7 +41,7 @@ HYPER = {
 
 def _bags(rng):
     """Per feature B bags of ids in [-1, E] with every boundary, an empty bag and a run
-    longer than HEAD (row 0 of f0 and f1 six times)."""
+    in the bucket of 8 (row 0 of f0 and f1 six times)."""
     out = {}
     for f, e in NUM.items():
         bags = [
@@ -105,22 +106,61 @@ def test_the_host_sorted_stream_matches_loops(bounds, weighted):
             ebc.layout.groups[group][0],
             [s for s in ebc.layout.features if s.group == group],
         )
-        want = reference.sorted_runs(_entries(ebc, group, bags, weights, bounds, weighted), HEAD)
-        unique, offsets, bag, scale, tail, tail_run = want
-        u, n, t = len(unique), len(bag), len(tail)
+        want = reference.sorted_runs(_entries(ebc, group, bags, weights, bounds, weighted))
+        unique, offsets, bag, scale = want
+        u, n = len(unique), len(bag)
         got = jax.tree_util.tree_map(np.asarray, ids)
         np.testing.assert_array_equal(got.unique[:u], unique)
         np.testing.assert_array_equal(got.offsets[: u + 1], offsets)
         np.testing.assert_array_equal(got.bag[:n], bag)
         np.testing.assert_allclose(got.scale[:n], scale, rtol=1e-6)
-        np.testing.assert_array_equal(got.tail[:t], tail)
-        np.testing.assert_array_equal(got.tail_run[:t], tail_run)
-        assert t >= 1  # the long run reaches the tail
         # padding: out-of-range rows and bags, empty runs, zero scales
         assert (got.unique[u:] == num_rows).all() and (got.offsets[u:] == n).all()
         assert (got.bag[n:] == len(members) * B).all() and (got.scale[n:] == 0).all()
-        assert (got.tail[t:] == got.bag.shape[0]).all()
-        assert (got.tail_run[t:] == got.unique.shape[0]).all()
+        filled = _assert_buckets(got, want, num_rows, len(members) * B)
+        assert filled[4] + filled[8] >= 1  # row 0, four to eight times
+        assert got.long is None
+
+
+def _assert_buckets(got, want, num_rows: int, no_bag: int) -> dict:
+    """`got.buckets` / `got.long` hold the runs of `want` (`reference.sorted_runs`) as
+    `reference.run_buckets` puts them: each run whole, in order, in exactly one bucket, the
+    padding out of range. Returns the number of runs per bucket cap."""
+    unique, offsets, bag, scale = want
+    buckets, long = reference.run_buckets(unique, offsets, bag, scale, RUN_CLASSES, CHUNK)
+    assert [b.bag.shape[1] for b in got.buckets] == list(RUN_CLASSES)
+    seen = []
+    for cap, got_b in zip(RUN_CLASSES, got.buckets, strict=True):
+        runs = buckets[cap]
+        r = len(runs)
+        np.testing.assert_array_equal(got_b.rows[:r], [run[0] for run in runs])
+        for i, (_, bags, scales) in enumerate(runs):
+            k = len(bags)
+            np.testing.assert_array_equal(got_b.bag[i, :k], bags)
+            np.testing.assert_allclose(got_b.scale[i, :k], scales, rtol=1e-6)
+            assert (got_b.bag[i, k:] == no_bag).all() and (got_b.scale[i, k:] == 0).all()
+        assert (got_b.rows[r:] == num_rows).all()
+        assert (got_b.bag[r:] == no_bag).all() and (got_b.scale[r:] == 0).all()
+        seen += [run[0] for run in runs]
+    if not long:
+        assert got.long is None or (got.long.rows == num_rows).all()
+    else:
+        k_cap = got.long.bag.shape[0]
+        np.testing.assert_array_equal(got.long.rows[: len(long)], [run[0] for run in long])
+        assert (got.long.rows[len(long) :] == num_rows).all()
+        used = []
+        for i, (_, parts) in enumerate(long):
+            index = got.long.chunks[i]
+            assert (index[: len(parts)] < k_cap).all() and (index[len(parts) :] == k_cap).all()
+            for c, (bags, scales) in zip(index[: len(parts)], parts, strict=True):
+                np.testing.assert_array_equal(got.long.bag[c, : len(bags)], bags)
+                np.testing.assert_allclose(got.long.scale[c, : len(bags)], scales, rtol=1e-6)
+                assert (got.long.bag[c, len(bags) :] == no_bag).all()
+                used.append(int(c))
+        assert len(set(used)) == len(used)  # no chunk read twice
+        seen += [run[0] for run in long]
+    assert sorted(seen) == list(unique)  # every run in exactly one place
+    return {cap: len(buckets[cap]) for cap in RUN_CLASSES}
 
 
 @pytest.mark.parametrize("rule", sorted(HYPER))
@@ -222,9 +262,8 @@ def test_the_xla_step_lowered_for_cuda_sorts_nothing_and_keeps_no_id_sized_rows(
     got = audit(text)
     assert "stablehlo.sort" not in text and got["case_or_if"] == 0, got
     assert got["dynamic_loops"] == 0 and got["cpu_custom_calls"] == 0, got
-    # one scatter-add over repeated rows (the long runs' tail), its indices sorted
-    assert got["float_scatter_add_non_unique"] == 1, got
-    assert len(re.findall(r"indices_are_sorted = true", text)) >= 1
+    # the runs are summed by gathers: no scatter-add over repeated rows
+    assert got["float_scatter_add_non_unique"] == 0, got
     assert not re.search(rf"tensor<{n_cap}x{D}xf32>", text), "an [ids, dim] temporary"
 
 
@@ -349,3 +388,72 @@ def test_the_chunked_pallas_update_equals_the_loops_and_repeats_its_bits(rule):
         .as_text()
     )
     assert text.count("xla.gpu.triton") == 2 and "stablehlo.sort" not in text
+
+
+def _stream_of(ids, num_rows: int):
+    """(unique, offsets, bag, scale) of a host-sorted stream without its padding."""
+    u = int((ids.unique < num_rows).sum())
+    n = int(ids.offsets[u])
+    return (
+        ids.unique[:u].tolist(),
+        ids.offsets[: u + 1].tolist(),
+        ids.bag[:n].tolist(),
+        ids.scale[:n].tolist(),
+    )
+
+
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad", "adam"])
+def test_buckets_hold_every_run_whole_and_the_xla_update_equals_the_loops(rule):
+    """A hot row of 300 ids (cut into chunks of CHUNK) and Zipf runs of every length: the
+    buckets as the loops make them, and the pure-XLA update against the loops."""
+    from sparse_jax import make_update
+
+    rng = np.random.default_rng(len(rule) + 7)
+    tables, kjt = _hot_batch(rng, hot=300)
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="xla")
+    batch = ebc.prepare(kjt)
+    (ids,) = jax.tree_util.tree_map(np.asarray, batch.sorted_ids).values()
+    filled = _assert_buckets(ids, _stream_of(ids, 100), 100, 2 * kjt.stride())
+    assert sum(n > 0 for n in filled.values()) >= 4 and ids.long is not None
+    opt = getattr(optim, rule)(**HYPER[rule])
+    params = ebc.init(jax.random.key(2))
+    start = jax.tree_util.tree_map(np.asarray, params)
+    grad = jnp.asarray(rng.normal(size=(kjt.stride(), 16)).astype(np.float32))
+    new = make_update(ebc, opt)(params, opt.init(params), batch, grad)[0]
+    (group,) = ebc.layout.groups
+    g = np.asarray(grad, np.float64)
+    vals, lens, w = (np.asarray(x) for x in (kjt.values(), kjt.lengths(), kjt.weights()))
+    row_grads: dict = {}
+    pos = 0
+    for f in range(2):
+        for b in range(kjt.stride()):
+            for _ in range(lens[f * kjt.stride() + b]):
+                row = int(vals[pos]) + 50 * f
+                step = float(w[pos]) * g[b, f * 8 : f * 8 + 8]
+                row_grads[row] = row_grads.get(row, 0.0) + step
+                pos += 1
+    want = {group: np.asarray(start[group], np.float64)}
+    reference.fused_step(rule, HYPER[rule], want, {}, {group: row_grads}, 1)
+    np.testing.assert_allclose(np.asarray(new[group]), want[group], rtol=2e-5, atol=1e-5)
+
+
+def test_bucket_rungs_only_grow_so_a_steady_loop_keeps_one_program():
+    """Smaller batches after a hot one keep its bucket shapes (the other fields of the
+    stream follow their own ladders)."""
+    from sparse_jax import make_update
+
+    rng = np.random.default_rng(3)
+    tables, hot = _hot_batch(rng, hot=300)
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, kernel="xla")
+    opt = optim.rowwise_adagrad(lr=0.1)
+    update = make_update(ebc, opt)
+    params = ebc.init(jax.random.key(0))
+    state = opt.init(params)
+    shapes = []
+    for kjt in (hot, _hot_batch(rng, hot=0)[1], _hot_batch(rng, hot=100)[1]):
+        batch = ebc.prepare(kjt)
+        (ids,) = batch.sorted_ids.values()
+        shapes.append(jax.tree_util.tree_map(lambda x: x.shape, (ids.buckets, ids.long)))
+        grad = jnp.asarray(rng.normal(size=(kjt.stride(), 16)).astype(np.float32))
+        params, state = update(params, state, batch, grad)
+    assert shapes[1] == shapes[0] == shapes[2]  # the long-run part stays, empty

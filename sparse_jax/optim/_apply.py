@@ -13,9 +13,10 @@ padding never lands on one shared address (one atomic hot spot on a GPU) and nev
 real row. All shapes are static (the stream's capacity).
 
 `apply_sorted_runs` is the same update from a stream already sorted on the host
-(`sparse_jax._sorted_ids`, built by `prepare`): steps 1-2 become gathers through the run
-offsets plus a sorted segment sum over the longer runs, and steps 3-4 (`step_unique_rows`)
-run on `[unique rows, dim]`.
+(`sparse_jax._sorted_ids`, built by `prepare`): steps 1-2 become `sum_runs` (the runs
+bucketed by length on the host; per bucket, its `[runs, cap]` gradient rows gathered and
+added position by position: no scatter-add), and steps 3-4 (`step_unique_rows`) run on
+`[unique rows, dim]`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import jax.numpy as jnp
 
 from sparse_jax.optim._base import RowRule, is_row_leaf
 
-__all__ = ["apply_row_rule", "apply_sorted_runs", "dedup_row_grads", "step_unique_rows"]
+__all__ = [
+    "apply_row_rule",
+    "apply_sorted_runs",
+    "dedup_row_grads",
+    "step_unique_rows",
+    "sum_runs",
+]
 
 
 def dedup_row_grads(rows, bag, scale, bag_grads, *, num_rows: int):
@@ -92,42 +99,62 @@ def apply_row_rule(
     return step_unique_rows(rule, table, state, step, unique, grads, good=good)
 
 
+def _position_sums(rows, index, scale=None):
+    """`[R, dim]` fp32: `sum_l rows[index[:, l]] * scale[:, l]` (scale None: 1), the positions
+    added in order (l = 0 first) by a loop over l: each step is one fused gather + add, so
+    the `[R, cap, dim]` gathered rows are never written (a gather + reduce over the cap axis
+    measured several times slower on XLA:CPU). `index` must be in range."""
+
+    def add(pos, acc):
+        at = jax.lax.dynamic_index_in_dim(index, pos, axis=1, keepdims=False)
+        got = rows.at[at].get(mode="promise_in_bounds")
+        if scale is not None:
+            got = got * jax.lax.dynamic_index_in_dim(scale, pos, axis=1, keepdims=False)[:, None]
+        return acc + got
+
+    cap = index.shape[1]
+    acc = jnp.zeros((index.shape[0], rows.shape[1]), jnp.float32)
+    return jax.lax.fori_loop(0, cap, add, acc, unroll=min(4, cap))
+
+
+def sum_runs(ids, bag_grads):
+    """(rows `[U']` int32, summed gradients `[U', dim]` fp32) of a host-sorted stream's
+    runs (`ids`: a `sparse_jax._sorted_ids.SortedIds`), grouped by bucket (rows ascending
+    within a bucket; padding rows are the buffer's `num_rows` with zero sums).
+
+    Per bucket, its `[R, cap]` bags are gathered from the pooled gradient (with one zero
+    row appended: the padding bag) and added position by position; runs longer than the
+    last bucket sum their chunks that way, then each run's chunk sums. No scatter-add, no
+    `[ids, dim]` temporary; the padded work is under 2x the ids."""
+    grad_rows = bag_grads.astype(jnp.float32)
+    zero = jnp.zeros((1, grad_rows.shape[1]), jnp.float32)
+    padded = jnp.concatenate([grad_rows, zero])  # index F_g * B: the padding bag
+    rows = [b.rows for b in ids.buckets]
+    sums = [_position_sums(padded, b.bag, b.scale) for b in ids.buckets]
+    if ids.long is not None:
+        chunk_sums = _position_sums(padded, ids.long.bag, ids.long.scale)
+        rows.append(ids.long.rows)
+        sums.append(_position_sums(jnp.concatenate([chunk_sums, zero]), ids.long.chunks))
+    return jnp.concatenate(rows), jnp.concatenate(sums)
+
+
 def apply_sorted_runs(rule: RowRule, table, state, step, ids, bag_grads, *, good=None):
     """One fused update of one buffer from its host-sorted id stream (`ids`: a
     `sparse_jax._sorted_ids.SortedIds`). Returns (new table, new state).
 
-    Per run, its first `HEAD` ids' gradient rows (`grad[bag] * scale`) are gathered through
-    the run offsets and added in one fused loop (no scatter, no `[ids, dim]` temporary);
-    the rest of the longer runs is added with a sorted segment sum over unique rows. Within
-    a run the ids are added in batch order: the sums `apply_row_rule` forms, bit for bit.
-    The rule then steps `[unique, dim]` rows and they are written back as unique rows. No
-    sort, no `searchsorted`. `good`: as `apply_row_rule`."""
-    from sparse_jax._sorted_ids import HEAD
-
+    `sum_runs` gives each touched row's gradient (no sort, no `searchsorted`, no
+    scatter-add); a run of at most `CHUNK` ids is added in batch order, as `apply_row_rule`
+    adds it. The rule then steps `[unique, dim]` rows and they are written back as unique
+    rows. `good`: as `apply_row_rule`."""
     num_rows = table.shape[0]
-    unique = ids.unique if good is None else jnp.where(good, ids.unique, num_rows)
-    grad_rows = bag_grads.astype(jnp.float32)
-    no_bag = grad_rows.shape[0]
-
-    def grads_at(pos):
-        """`grad[bag] * scale` of sorted positions `pos` (out of range: 0)."""
-        bag = ids.bag.at[pos].get(mode="fill", fill_value=no_bag)
-        scale = ids.scale.at[pos].get(mode="fill", fill_value=0)
-        return grad_rows.at[bag].get(mode="fill", fill_value=0) * scale[:, None]
-
-    starts, ends = ids.offsets[:-1], ids.offsets[1:]
-    grads = jnp.zeros((unique.shape[0], grad_rows.shape[1]), jnp.float32)
-    for k in range(HEAD):
-        pos = jnp.where(starts + k < ends, starts + k, ids.bag.shape[0])
-        grads = grads + grads_at(pos)
-    grads = grads.at[ids.tail_run].add(grads_at(ids.tail), mode="drop", indices_are_sorted=True)
+    unique, grads = sum_runs(ids, bag_grads)
+    if good is not None:
+        unique = jnp.where(good, unique, num_rows)
     if rule.native == "sgd" and table.dtype == jnp.float32:
         # `w - lr * g` as one read-modify-write of each unique row (an add over unique
         # indices: no atomics), instead of a gather, the rule and a set
         step_rows = grads * -rule.hyperparams["lr"]
-        return table.at[unique].add(
-            step_rows, mode="drop", unique_indices=True, indices_are_sorted=True
-        ), state
+        return table.at[unique].add(step_rows, mode="drop", unique_indices=True), state
     return step_unique_rows(rule, table, state, step, unique, grads, good=good)
 
 
