@@ -160,17 +160,17 @@ void RadixSort(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_va
 }
 
 // `n` (uint64 key, uint32 payload) pairs ascending by key, equal keys in no particular
-// order: one counting pass by the keys' highest differing bits (about one bucket per key),
-// then each bucket by insertion (or, when many keys share a bucket, by `RadixSort`). For
-// the window's ids, which are mostly distinct and spread: one pass instead of up to six.
+// order: one counting pass by the keys' highest differing bits (a bucket per ~4 keys),
+// then each bucket by insertion, or, when many keys share a bucket (a hot id's copies), by
+// a comparison sort. For the window's ids: one pass instead of up to six.
 void SortKeys(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_val, int64_t n) {
   if (n <= 1) return;
   uint64_t all = ~uint64_t(0), any = 0;
   for (int64_t i = 0; i < n; ++i) all &= key[i], any |= key[i];
   const uint64_t differ = all ^ any;
   if (differ == 0) return;
-  int bits = 8;
-  while (bits < 16 && (int64_t(1) << bits) < n) ++bits;
+  int bits = 8;  // about four keys a bucket
+  while (bits < 16 && (int64_t(4) << bits) < n) ++bits;
   const int top = 63 - __builtin_clzll(differ);
   const int shift = std::max(0, top + 1 - bits);
   const int64_t bins = int64_t(1) << bits;
@@ -187,7 +187,11 @@ void SortKeys(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_val
   for (int64_t b = 0; b < bins; ++b) {
     const int64_t begin = start[b], end = start[b + 1];
     if (end - begin > 64) {
-      RadixSort(tmp_key + begin, tmp_val + begin, key + begin, val + begin, end - begin);
+      std::vector<std::pair<uint64_t, uint32_t>> crowd(end - begin);
+      for (int64_t i = begin; i < end; ++i) crowd[i - begin] = {tmp_key[i], tmp_val[i]};
+      std::sort(crowd.begin(), crowd.end(),
+                [](const auto& a, const auto& b) { return a.first < b.first; });
+      for (int64_t i = begin; i < end; ++i) tmp_key[i] = crowd[i - begin].first, tmp_val[i] = crowd[i - begin].second;
       continue;
     }
     for (int64_t i = begin + 1; i < end; ++i) {
@@ -216,25 +220,29 @@ void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int
   static thread_local std::vector<uint64_t> key, tmp_key;
   static thread_local std::vector<uint32_t> at, tmp_at;
   key.resize(n), tmp_key.resize(n), at.resize(n), tmp_at.resize(n);
+  int32_t first_step = n > 0 ? wstep[0] : 0;
+  bool one_step = true;  // every id of the window seen at one step (an eviction every call)
   for (int64_t i = 0; i < n; ++i) {
     key[i] = static_cast<uint64_t>(Key(whi[i], wlo[i])) ^ kSign;
     at[i] = static_cast<uint32_t>(i);
+    one_step &= wstep[i] == first_step;
   }
   SortKeys(key.data(), at.data(), tmp_key.data(), tmp_at.data(), n);
   out.ids.clear();
   out.count.clear();
   out.last.clear();
   out.of.resize(n);
+  int32_t u = -1;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t j = at[i];
     if (i == 0 || key[i] != key[i - 1]) {
       out.ids.push_back(static_cast<int64_t>(key[i] ^ kSign));
       out.count.push_back(0);
-      out.last.push_back(wstep[j]);
+      out.last.push_back(one_step ? first_step : wstep[j]);
+      ++u;
     }
-    const int32_t u = static_cast<int32_t>(out.ids.size()) - 1;
     ++out.count[u];
-    out.last[u] = std::max(out.last[u], wstep[j]);
+    if (!one_step) out.last[u] = std::max(out.last[u], wstep[j]);
     out.of[j] = u;
   }
 }
