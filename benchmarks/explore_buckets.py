@@ -183,13 +183,7 @@ class Candidate:
             return out
 
         def update(table, state, pooled_grad, ops, count):
-            grads = sums(pooled_grad, ops)
-            unique = ops["sorted_rows"] if ascending else ops["rows"]
-            if native == "sgd":
-                return table.at[unique].add(
-                    grads * -rule.hyperparams["lr"], mode="drop", unique_indices=True
-                ), state
-            return step_unique_rows(rule, table, state, count + 1, unique, grads)
+            return rule_only(table, state, sums(pooled_grad, ops), ops, count)
 
         def rule_only(table, state, grads, ops, count):
             unique = ops["sorted_rows"] if ascending else ops["rows"]

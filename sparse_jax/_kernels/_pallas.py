@@ -150,6 +150,15 @@ def _in_steps(start, end, unroll: int, body, init):
     return jax.lax.fori_loop(0, (end - start + unroll - 1) // unroll, step, init)
 
 
+def checked_row(row, in_bag, num_rows, clamp: bool):
+    """(row to read, whether it counts) for a bag position: `clamp` pins an out-of-range id
+    to the nearest row and keeps it; else it is skipped (read as row 0, not counted)."""
+    if clamp:
+        return jnp.minimum(jnp.maximum(row, 0), num_rows - 1), in_bag
+    keep = in_bag & (row >= 0) & (row < num_rows)
+    return jnp.where(keep, row, 0), keep
+
+
 def _pooled_kernel(static_ref, off_ref, val_ref, *refs, stride, dim, clamp, weighted, unroll):
     if weighted:
         w_ref, t_ref, o_ref = refs
@@ -161,13 +170,7 @@ def _pooled_kernel(static_ref, off_ref, val_ref, *refs, stride, dim, clamp, weig
     start, end = off_ref[bag], off_ref[bag + 1]
 
     def add(i, in_bag, acc):
-        idx = val_ref[i]
-        if clamp:
-            keep = in_bag
-            idx = jnp.minimum(jnp.maximum(idx, 0), n_rows - 1)
-        else:
-            keep = in_bag & (idx >= 0) & (idx < n_rows)
-            idx = jnp.where(keep, idx, 0)
+        idx, keep = checked_row(val_ref[i], in_bag, n_rows, clamp)
         w = w_ref[i] if weighted else jnp.float32(1)
         w = jnp.where(keep, w, jnp.float32(0))
         return jnp.where(keep, acc + w * t_ref[idx + row_offset, :].astype(jnp.float32), acc)

@@ -33,7 +33,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sparse_jax._kernels._pallas import UNROLL, _compiler_params, _in_steps, _warps, supports_dim
+from sparse_jax._kernels._pallas import (
+    UNROLL,
+    _compiler_params,
+    _in_steps,
+    _warps,
+    checked_row,
+    supports_dim,
+)
 
 __all__ = ["BITS", "QuantFeature", "quant_pooled_sum"]
 
@@ -152,13 +159,7 @@ def _pool_bag(off_ref, ids_ref, w_ref, p_ref, o_ref, b, f, col, *, num_rows, str
         return p_ref[row, at].astype(jnp.int32)
 
     def add(i, in_bag, acc):
-        row = ids_ref[i]
-        if clamp:
-            keep = in_bag
-            row = jnp.minimum(jnp.maximum(row, 0), num_rows - 1)
-        else:
-            keep = in_bag & (row >= 0) & (row < num_rows)
-            row = jnp.where(keep, row, 0)
+        row, keep = checked_row(ids_ref[i], in_bag, num_rows, clamp)
         w = w_ref[i] if w_ref is not None else jnp.float32(1)
         if bits == 16:
             new = acc + w * _half(byte(row, low_at), byte(row, high_at))
