@@ -39,11 +39,9 @@ def xla_form(monkeypatch):
             if shapes not in compiled:
                 with monkeypatch.context() as m:
                     m.setattr(_ffi, "_register", lambda: "kernels switched off by the test")
-                    # jax caches lowerings: a kernel program lowered before would be reused
-                    # here, and this XLA program by a kernel lowering after
-                    jax.clear_caches()
-                    compiled[shapes] = jax.jit(fn).lower(*args).compile()
-                    jax.clear_caches()
+                    # traced afresh (a new function): jax caches a traced function's
+                    # lowering, and `jax.jit(fn)` would reuse the kernel program's
+                    compiled[shapes] = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
             return compiled[shapes](*args)
 
         return run
