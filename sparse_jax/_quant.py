@@ -488,7 +488,9 @@ def quantized_pooled_lookup(
                 "kernel='ffi' was asked for but the CPU kernels are unavailable here (see the log); "
                 "use kernel='auto' or 'xla'"
             )
-    if kernel == "pallas" and dim & (dim - 1):
+    from sparse_jax._kernels._pallas import supports_dim
+
+    if kernel == "pallas" and not supports_dim(dim):
         raise ValueError(
             f"kernel='pallas' needs a power-of-two dim (Triton blocks), got {dim}; use kernel='auto' "
             "(the XLA form for this dim on a GPU)"

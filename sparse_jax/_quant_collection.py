@@ -147,7 +147,9 @@ class QuantEmbeddingBagCollection(LayoutFacts):
         self.bounds_check = _lookup.check_bounds_mode(bounds_check)
         if kernel not in KERNELS:
             raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
-        odd = [t.name for t in self.layout.tables if t.embedding_dim & (t.embedding_dim - 1)]
+        from sparse_jax._kernels._pallas import supports_dim
+
+        odd = [t.name for t in self.layout.tables if not supports_dim(t.embedding_dim)]
         if kernel == "pallas" and odd:
             raise ValueError(
                 f"kernel='pallas' needs power-of-two dims; tables {odd} are not: use kernel='auto' "

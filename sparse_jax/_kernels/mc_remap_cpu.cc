@@ -105,6 +105,15 @@ int64_t Scan(const Residents& r, int64_t from, int64_t n, int64_t k) {
   return from;
 }
 
+// The bits in which the `n` keys differ (AND and OR of them all, compared), on `threads`
+// threads: a digit with none of them set holds one value for every key.
+uint64_t DifferingBits(const uint64_t* key, int64_t n, int threads) {
+  uint64_t all = ~uint64_t(0), any = 0;
+#pragma omp parallel for num_threads(threads) reduction(& : all) reduction(| : any) schedule(static)
+  for (int64_t i = 0; i < n; ++i) all &= key[i], any |= key[i];
+  return all ^ any;
+}
+
 // Stable LSD radix sort of `n` (uint64 key, uint32 payload) pairs, ascending by key, in
 // 11-bit digits; digits that are the same for every key (no bit of them differs between
 // the keys) are skipped. `key`, `val` are sorted in place (`tmp_key`, `tmp_val`: scratch of
@@ -115,10 +124,7 @@ void RadixSort(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_va
   constexpr int kBits = 11, kPasses = 6, kBins = 1 << kBits;
   if (n <= 1) return;
   const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 14)));
-  uint64_t all = ~uint64_t(0), any = 0;
-#pragma omp parallel for num_threads(threads) reduction(& : all) reduction(| : any) schedule(static)
-  for (int64_t i = 0; i < n; ++i) all &= key[i], any |= key[i];
-  const uint64_t differ = all ^ any;
+  const uint64_t differ = DifferingBits(key, n, threads);
   std::vector<int64_t> hist(static_cast<size_t>(threads) * kBins);
   uint64_t *from_key = key, *to_key = tmp_key;  // the passes ping-pong between the buffers
   uint32_t *from_val = val, *to_val = tmp_val;
@@ -165,9 +171,7 @@ void RadixSort(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_va
 // a comparison sort. For the window's ids: one pass instead of up to six.
 void SortKeys(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_val, int64_t n) {
   if (n <= 1) return;
-  uint64_t all = ~uint64_t(0), any = 0;
-  for (int64_t i = 0; i < n; ++i) all &= key[i], any |= key[i];
-  const uint64_t differ = all ^ any;
+  const uint64_t differ = DifferingBits(key, n, 1);
   if (differ == 0) return;
   int bits = 8;  // about four keys a bucket
   while (bits < 16 && (int64_t(4) << bits) < n) ++bits;
