@@ -221,9 +221,12 @@ struct Coalesced {
 
 void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int64_t n,
               Coalesced& out) {
-  static thread_local std::vector<uint64_t> key, tmp_key;
-  static thread_local std::vector<uint32_t> at, tmp_at;
-  key.resize(n), tmp_key.resize(n), at.resize(n), tmp_at.resize(n);
+  static thread_local std::vector<uint64_t> key_buf, tmp_key_buf;
+  static thread_local std::vector<uint32_t> at_buf, tmp_at_buf;
+  key_buf.resize(n), tmp_key_buf.resize(n), at_buf.resize(n), tmp_at_buf.resize(n);
+  // (plain pointers: a thread_local read inside a loop is a call per access in a shared library)
+  uint64_t* const key = key_buf.data();
+  uint32_t* const at = at_buf.data();
   int32_t first_step = n > 0 ? wstep[0] : 0;
   bool one_step = true;  // every id of the window seen at one step (an eviction every call)
   for (int64_t i = 0; i < n; ++i) {
@@ -231,24 +234,31 @@ void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int
     at[i] = static_cast<uint32_t>(i);
     one_step &= wstep[i] == first_step;
   }
-  SortKeys(key.data(), at.data(), tmp_key.data(), tmp_at.data(), n);
-  out.ids.clear();
-  out.count.clear();
-  out.last.clear();
+  SortKeys(key, at, tmp_key_buf.data(), tmp_at_buf.data(), n);
+  out.ids.resize(n);
+  out.count.resize(n);
+  out.last.resize(n);
   out.of.resize(n);
+  int64_t* const ids = out.ids.data();
+  int32_t* const count = out.count.data();
+  int32_t* const last = out.last.data();
+  int32_t* const of = out.of.data();
   int32_t u = -1;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t j = at[i];
     if (i == 0 || key[i] != key[i - 1]) {
-      out.ids.push_back(static_cast<int64_t>(key[i] ^ kSign));
-      out.count.push_back(0);
-      out.last.push_back(one_step ? first_step : wstep[j]);
       ++u;
+      ids[u] = static_cast<int64_t>(key[i] ^ kSign);
+      count[u] = 0;
+      last[u] = one_step ? first_step : wstep[j];
     }
-    ++out.count[u];
-    if (!one_step) out.last[u] = std::max(out.last[u], wstep[j]);
-    out.of[j] = u;
+    ++count[u];
+    if (!one_step) last[u] = std::max(last[u], wstep[j]);
+    of[j] = u;
   }
+  out.ids.resize(u + 1);
+  out.count.resize(u + 1);
+  out.last.resize(u + 1);
 }
 
 // The state as the kernel updates it (the output buffers, holding the input's values).
@@ -598,30 +608,57 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
   if (slot_of) slot_of->assign(u, static_cast<int32_t>(z - 1));
   std::vector<std::vector<uint32_t>> fresh_of(threads);
   std::vector<std::vector<int64_t>> below_of(threads);
+  // A resident's slot, count and last access are three cache misses at an unpredictable
+  // place: each hit is prefetched when the scan finds it and handled `kLag` hits later, so
+  // the misses of several hits are in flight at once (the scan's own reads run ahead in
+  // order). Hits are distinct entries: handling them later changes nothing.
+  constexpr int kLag = 16;
+  const int32_t* const wcount = win.count.data();
+  const int32_t* const wlast = win.last.data();
+  const int64_t* const wids = win.ids.data();
+  int32_t* const hit_out = slot_of ? hit_at.data() : nullptr;
+  int32_t* const slot_out = slot_of ? slot_of->data() : nullptr;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int id = 0; id < threads; ++id) {
+    uint32_t ring_w[kLag];
+    int64_t ring_pos[kLag];
+    int64_t pending = 0;  // hits found so far; the last min(pending, kLag) not yet handled
+    const auto handle = [&](uint32_t w, int64_t pos) {
+      if (slot_out) {
+        hit_out[w] = static_cast<int32_t>(pos);
+        slot_out[w] = s.slots[pos];
+      }
+      if (wcount[w] < threshold) return;
+      const int32_t c = s.counts[pos];
+      s.counts[pos] = c > INT32_MAX - wcount[w] ? INT32_MAX : c + wcount[w];
+      s.last[pos] = wlast[w];
+    };
     int64_t from = 0;
     for (int64_t i = u * id / threads; i < u * (id + 1) / threads; ++i) {
       const uint32_t w = static_cast<uint32_t>(i);
-      const bool admitted = win.count[w] >= threshold;
+      const bool admitted = wcount[w] >= threshold;
       if (!admitted && !slot_of) continue;
-      const int64_t k = win.ids[w];
+      const int64_t k = wids[w];
       const int64_t pos = Scan(res, from, z - 1, k);
       from = pos;
-      if (slot_of && res.at(pos) == k) {
-        hit_at[w] = static_cast<int32_t>(pos);
-        (*slot_of)[w] = s.slots[pos];
-      }
-      if (!admitted) continue;
       if (res.at(pos) == k) {
-        const int32_t c = s.counts[pos];
-        s.counts[pos] = c > INT32_MAX - win.count[w] ? INT32_MAX : c + win.count[w];
-        s.last[pos] = win.last[w];
-      } else {
+        if (slot_out) __builtin_prefetch(&s.slots[pos]);
+        if (admitted) {
+          __builtin_prefetch(&s.counts[pos], 1);
+          __builtin_prefetch(&s.last[pos], 1);
+        }
+        const int slot = static_cast<int>(pending % kLag);
+        if (pending >= kLag) handle(ring_w[slot], ring_pos[slot]);
+        ring_w[slot] = w;
+        ring_pos[slot] = pos;
+        ++pending;
+      } else if (admitted) {
         fresh_of[id].push_back(w);
         below_of[id].push_back(pos);
       }
     }
+    for (int64_t j = std::max<int64_t>(0, pending - kLag); j < pending; ++j)
+      handle(ring_w[j % kLag], ring_pos[j % kLag]);
   }
   std::vector<uint32_t> fresh;  // window index of each new id, ascending by id
   std::vector<int64_t> fresh_below;
