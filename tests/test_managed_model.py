@@ -339,3 +339,47 @@ def test_reserved_ids_a_quantized_copy_and_a_map_loaded_onto_another_device_are_
     assert {
         d.id for leaf in jax.tree.leaves(other.sparse_module.mc_state) for d in leaf.devices()
     } == {1}
+
+
+def test_the_host_split_of_raw_ids_matches_a_plain_loop_and_names_bad_ids():
+    """`split_managed` (the prepare's host split, by feature spans): every position's owner,
+    placeholder and raw id as a loop over the batch says; a reserved id and an unmanaged id
+    that does not fit int32 are refused at the first such position."""
+    from hybrid.model._batch import as_host_kjt
+    from sparse_jax.managed import ManagedCollisionEmbeddingBagCollection
+    from sparse_jax.managed._batch import raw_words_into, split_managed, split_raw_ids
+
+    module = MCHManagedCollisionModule(Z, history_capacity=128)
+    model = hybrid.Model(_tables(), _dense(0), managed_collision_modules={"users": module})
+    mc = model.sparse_module.managed().mc
+    assert isinstance(mc, ManagedCollisionEmbeddingBagCollection)
+    for users, items, _, _ in _batches(6, seed=4, batch=5):
+        user_values = [int(i) for b in users for i in b]
+        kjt = as_host_kjt(_kjt(users, items, user_values))
+        split = split_managed(kjt, mc)
+        item_values = [int(i) for b in items for i in b]
+        want_owner = ["users"] * len(user_values) + [""] * len(item_values)
+        assert split.owner().tolist() == want_owner
+        assert split.raw.tolist() == user_values + item_values
+        assert split.ids.values().tolist() == [0] * len(user_values) + item_values
+        assert split.positions("users").tolist() == list(range(len(user_values)))
+        assert split.raw_of("users").tolist() == user_values
+        assert split.positions("items").tolist() == []  # not managed
+        ids, raw, owner = split_raw_ids(kjt, mc)
+        assert owner.tolist() == want_owner and raw.tolist() == split.raw.tolist()
+        words = np.full((len(user_values) + 2, 2), 7, np.int32)
+        raw_words_into(words, split.raw_of("users"))
+        want = [
+            [v >> 32, np.int64(v & 0xFFFFFFFF).astype(np.uint32).view(np.int32)]
+            for v in user_values
+        ]
+        assert words[: len(user_values)].tolist() == want and (words[len(user_values) :] == 7).all()
+    items = [np.array([1]), np.array([2**40]), np.array([-(2**40)])]
+    with pytest.raises(
+        ValueError,
+        match=r"^id 1099511627776 at feature 'item', batch position 1, index 0 in the bag is a "
+        r"raw 64-bit id but its table has no managed-collision module",
+    ):
+        split_managed(as_host_kjt(_kjt([[5], [6], [7]], items, [5, 6, 7])), mc)
+    with pytest.raises(ValueError, match=r"^id 2\*\*63 - 1 at feature 'user', batch position 2"):
+        split_managed(as_host_kjt(_kjt([[5], [6], [2**63 - 1]], items, [5, 6, 2**63 - 1])), mc)

@@ -37,7 +37,7 @@ from sparse_jax import (
     ManagedCollisionCollection,
     PreparedBatch,
     QuantEmbeddingBagCollection,
-    split_raw_ids,
+    split_managed,
 )
 
 __all__ = ["QuantizedModel", "quantize"]
@@ -99,11 +99,10 @@ class QuantizedModel(nn.Module):
     def _rows_of_raw_ids(self, kjt):
         """The batch with every managed feature's raw ids replaced by their frozen rows (the
         raw-id checks of training: reserved ids, unmanaged ids that do not fit int32)."""
-        ids, raw, owner = split_raw_ids(kjt, self._managed)
-        values = np.asarray(ids.values(), np.int64)
+        split = split_managed(kjt, self._managed)
+        ids, values = split.ids, np.asarray(split.ids.values(), np.int64)
         for table, id_map in self.id_maps.items():
-            mine = owner == table
-            values[mine] = frozen_rows(id_map, raw[mine])
+            values[split.positions(table)] = frozen_rows(id_map, split.raw_of(table))
         return KeyedJaggedTensor(
             ids.keys(),
             values.astype(np.int32),

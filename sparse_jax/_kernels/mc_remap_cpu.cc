@@ -193,8 +193,14 @@ void SortKeys(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_val
     if (end - begin > 64) {
       std::vector<std::pair<uint64_t, uint32_t>> crowd(end - begin);
       for (int64_t i = begin; i < end; ++i) crowd[i - begin] = {tmp_key[i], tmp_val[i]};
-      std::sort(crowd.begin(), crowd.end(),
-                [](const auto& a, const auto& b) { return a.first < b.first; });
+      // most often one hot id's copies: split around the middle entry's key (below, equal,
+      // above), and sort only the two outer parts
+      const uint64_t pivot = crowd[crowd.size() / 2].first;
+      const auto less = std::partition(crowd.begin(), crowd.end(), [pivot](const auto& a) { return a.first < pivot; });
+      const auto equal = std::partition(less, crowd.end(), [pivot](const auto& a) { return a.first == pivot; });
+      const auto by_key = [](const auto& a, const auto& b) { return a.first < b.first; };
+      std::sort(crowd.begin(), less, by_key);
+      std::sort(equal, crowd.end(), by_key);
       for (int64_t i = begin; i < end; ++i) tmp_key[i] = crowd[i - begin].first, tmp_val[i] = crowd[i - begin].second;
       continue;
     }
@@ -858,14 +864,16 @@ ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buff
     occ[1] = static_cast<int32_t>(Gallop(res, 0, s.z - 1, kEmpty));
     occ[2] = static_cast<int32_t>(admitted);
     if (out) {
-      const std::vector<int32_t>& of = EvictWindow().of;
-      const int64_t window = static_cast<int64_t>(of.size());
+      // (plain pointers: thread_local vectors read in the loop cost a call per access)
+      const int32_t* const of = EvictWindow().of.data();
+      const int32_t* const slot_at = slot_of.data();
+      const int64_t window = static_cast<int64_t>(EvictWindow().of.size());
       int64_t prev = 0;
       int32_t answer = 0;
       bool have = false;
       for (int64_t i = 0, w = first; i < n; ++i) {
         if (ok[i] && w >= 0 && w < window) {
-          out[i] = slot_of[of[w++]];
+          out[i] = slot_at[of[w++]];
           continue;
         }
         w += ok[i];

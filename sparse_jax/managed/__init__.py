@@ -7,7 +7,8 @@ TorchRec's managed-collision modules, functional. The concept in its files:
 - `_collection`: managed-collision tables in front of a table collection
   (`ManagedCollisionEmbeddingBagCollection`, `ManagedCollisionEmbeddingCollection`).
 - `_batch`: a managed module's prepared batch (`ManagedBatch`): raw ids checked on the
-  host (`split_raw_ids`) and placed as words beside the collection's own batch.
+  host (`split_managed`; `split_raw_ids` adds per-position owner names) and placed as
+  words beside the collection's own batch.
 - `_base`: what the two managed modules share (the id maps on the device, their counters,
   the contract delegated to the wrapped collection).
 - `_unsharded`: such a collection with its id maps as a `SparseModule`
@@ -30,7 +31,13 @@ type of a module. Both managed modules share `_base.ManagedModuleBase`.
 The public names are re-exported from `sparse_jax`.
 """
 
-from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity, split_raw_ids
+from sparse_jax.managed._batch import (
+    ManagedBatch,
+    RawIdSplit,
+    managed_id_capacity,
+    split_managed,
+    split_raw_ids,
+)
 from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
@@ -58,11 +65,13 @@ __all__ = [
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
     "ManagedCollisionSparseModule",
+    "RawIdSplit",
     "RawIds",
     "ReshardedIdMaps",
     "hashed_slots",
     "host_hashed_slots",
     "managed_id_capacity",
     "reshard_id_maps",
+    "split_managed",
     "split_raw_ids",
 ]

@@ -5,6 +5,8 @@ id capacity per managed table (`managed_id_capacity`)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -15,7 +17,14 @@ from sparse_jax._module import PreparedBatch
 from sparse_jax._prepare import host_kjt
 from sparse_jax.managed._collection import ManagedCollisionCollection
 
-__all__ = ["ManagedBatch", "managed_id_capacity", "split_raw_ids"]
+__all__ = [
+    "ManagedBatch",
+    "RawIdSplit",
+    "managed_id_capacity",
+    "raw_words_into",
+    "split_managed",
+    "split_raw_ids",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -54,10 +63,45 @@ def _raw_ids(values: np.ndarray) -> np.ndarray:
     )
 
 
-def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionCollection):
-    """A batch of raw ids checked on the host: (the KJT with a placeholder 0 at every managed
-    position and unmanaged ids as int32, for the collection's own checks and layout; the
-    raw int64 id of every position; the managed table of every position, "" if none)."""
+class RawIdSplit(NamedTuple):
+    """A batch of raw ids checked on the host (`split_managed`): `ids`, the KJT with a
+    placeholder 0 at every managed position and unmanaged ids as int32 (for the collection's
+    own checks and layout); `raw`, the int64 id of every position; `tables`, the managed
+    tables in code order; `code`, per position the index of its managed table in `tables`,
+    -1 if none; `spans`, per managed table the value ranges `[a, b)` of its features, in
+    order (a feature's values are contiguous)."""
+
+    ids: KeyedJaggedTensor
+    raw: np.ndarray
+    tables: tuple[str, ...]
+    code: np.ndarray
+    spans: dict[str, list[tuple[int, int]]]
+
+    def positions(self, table: str) -> np.ndarray:
+        """The positions of `table`'s ids, ascending (int64)."""
+        spans = self.spans.get(table, [])
+        if len(spans) == 1:
+            return np.arange(*spans[0], dtype=np.int64)
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans] or [[]]).astype(
+            np.int64
+        )
+
+    def raw_of(self, table: str) -> np.ndarray:
+        """`table`'s raw ids in position order (a view when its features are one span)."""
+        spans = self.spans.get(table, [])
+        if len(spans) == 1:
+            return self.raw[spans[0][0] : spans[0][1]]
+        return self.raw[self.positions(table)]
+
+    def owner(self) -> np.ndarray:
+        """Per position its managed table's name, "" if none (fixed-width strings)."""
+        return np.array([*self.tables, ""])[self.code]
+
+
+def split_managed(kjt: KeyedJaggedTensor, mc: ManagedCollisionCollection) -> RawIdSplit:
+    """`kjt`'s raw ids checked on the host and split by managed table (`RawIdSplit`): a
+    managed feature's ids may be any int64 but `2**63 - 1`; an unmanaged feature's must
+    fit int32."""
     host = host_kjt(kjt)
     if host.variable_stride_per_key():
         raise ValueError(
@@ -69,39 +113,67 @@ def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionCollection):
     lengths = (
         np.asarray(host.lengths(), np.int64).reshape(len(keys), stride)
         if keys
-        else np.zeros((0, stride))
+        else np.zeros((0, stride), np.int64)
     )
     per_key = lengths.sum(axis=1)
-    n = int(per_key.sum())
-    tables = np.array(  # fixed-width strings: comparing 65,536 of them is ~6x faster than objects
-        [
-            mc._feature_table.get(k, "") if mc._feature_table.get(k) in mc.modules else ""
-            for k in keys
-        ]
-        + [""],
-    )
-    owner = tables[np.repeat(np.arange(len(keys)), per_key)]
+    ends = np.cumsum(per_key)
+    n = int(ends[-1]) if len(keys) else 0
     raw = raw[:n]
-    reserved = (owner != "") & (raw == np.iinfo(np.int64).max)
-    if reserved.any():
-        where = _validate.locate(
-            int(np.flatnonzero(reserved)[0]), np.asarray(host.lengths()), keys, stride
-        )
-        raise ValueError(
-            f"id 2**63 - 1 at {where} is reserved (it marks an empty slot of a managed-collision "
-            "table); map it to another id"
-        )
-    plain = np.where(owner != "", 0, raw)
-    wide = (plain < np.iinfo(np.int32).min) | (plain > np.iinfo(np.int32).max)
-    if wide.any():
-        bad = int(np.flatnonzero(wide)[0])
-        where = _validate.locate(bad, np.asarray(host.lengths()), keys, stride)
-        raise ValueError(
-            f"id {int(raw[bad])} at {where} is a raw 64-bit id but its table has no managed-collision "
-            "module; give the table one (managed_collision_modules) or map its ids into the table's "
-            "rows"
-        )
-    return host._replace(values=plain.astype(np.int32)), raw, owner
+    owners = [mc._feature_table.get(k) for k in keys]
+    tables = tuple(sorted({t for t in owners if t in mc.modules}))
+    spans: dict[str, list[tuple[int, int]]] = {}
+    plain_spans = []  # unmanaged features' value ranges
+    for ki, t in enumerate(owners):
+        a, b = int(ends[ki] - per_key[ki]), int(ends[ki])
+        if b > a:
+            (spans.setdefault(t, []) if t in mc.modules else plain_spans).append((a, b))
+    for a, b in sorted(s for table_spans in spans.values() for s in table_spans):
+        if (raw[a:b] == np.iinfo(np.int64).max).any():
+            bad = a + int(np.flatnonzero(raw[a:b] == np.iinfo(np.int64).max)[0])
+            where = _validate.locate(bad, np.asarray(host.lengths()), keys, stride)
+            raise ValueError(
+                f"id 2**63 - 1 at {where} is reserved (it marks an empty slot of a managed-collision "
+                "table); map it to another id"
+            )
+    values = np.zeros(n, np.int32)  # managed positions: the placeholder 0
+    for a, b in plain_spans:
+        part = raw[a:b]
+        if part.min() < np.iinfo(np.int32).min or part.max() > np.iinfo(np.int32).max:
+            wide = (part < np.iinfo(np.int32).min) | (part > np.iinfo(np.int32).max)
+            bad = a + int(np.flatnonzero(wide)[0])
+            where = _validate.locate(bad, np.asarray(host.lengths()), keys, stride)
+            raise ValueError(
+                f"id {int(raw[bad])} at {where} is a raw 64-bit id but its table has no "
+                "managed-collision module; give the table one (managed_collision_modules) or map "
+                "its ids into the table's rows"
+            )
+        values[a:b] = part
+    key_code = np.array([tables.index(t) if t in mc.modules else -1 for t in owners], np.int16)
+    code = np.repeat(key_code, per_key)
+    ids = host._replace(values=values)
+    return RawIdSplit(ids, raw, tables, code, spans)
+
+
+def split_raw_ids(kjt: KeyedJaggedTensor, mc: ManagedCollisionCollection):
+    """A batch of raw ids checked on the host: (the KJT with a placeholder 0 at every managed
+    position and unmanaged ids as int32, for the collection's own checks and layout; the
+    raw int64 id of every position; the managed table of every position, "" if none).
+    `split_managed` is the same split without the per-position strings."""
+    split = split_managed(kjt, mc)
+    return split.ids, split.raw, split.owner()
+
+
+def raw_words_into(out: np.ndarray, raw: np.ndarray) -> None:
+    """`out[:len(raw)]` (`[N, 2]` int32) = the words of int64 `raw` (`RawIds.words()`: the
+    high word, then the low word's bits), unchecked."""
+    count = raw.shape[0]
+    if sys.byteorder == "little":  # an int64 is (low, high) in memory: two strided copies
+        halves = np.ascontiguousarray(raw, np.int64).view(np.int32).reshape(count, 2)
+        out[:count, 0] = halves[:, 1]
+        out[:count, 1] = halves[:, 0]
+    else:
+        out[:count, 0] = raw >> 32
+        out[:count, 1] = (raw & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
 
 
 def managed_id_capacity(count: int) -> int:

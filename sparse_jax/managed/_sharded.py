@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_jax._embedding import SequenceBatch
 from sparse_jax.managed._base import ManagedModuleBase, profile_counted
-from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
+from sparse_jax.managed._batch import ManagedBatch, raw_words_into, split_managed, split_raw_ids
 from sparse_jax.managed._collection import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
@@ -330,14 +330,15 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         all_to_all input dist counts its sends exactly), then per managed table the raw id
         words of each local device's ids and their positions, at a capacity every process
         agrees on."""
-        ids, raw, owner = split_raw_ids(kjt, self.mc)
+        split = split_managed(kjt, self.mc)
+        ids, raw = split.ids, split.raw
         placeholder = np.array(ids.values())
         for name in self.managed_tables:
             parts = self.split[name]
             if parts.shards > 1:
-                mine = owner == name
+                mine = split.positions(name)
                 offsets = np.asarray(parts.offsets, np.int64)
-                placeholder[mine] = offsets[host_shard_of(parts, raw[mine])]
+                placeholder[mine] = offsets[host_shard_of(parts, split.raw_of(name))]
         local = self.sharded.prepare(ids._replace(values=placeholder.astype(np.int32)))
         rows = self.sharded._local_rows
         capacity = local.values.shape[1]
@@ -350,9 +351,12 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
             )
             - 1
         )
-        owner = np.append(owner, "")  # position -1 (padding) owns nothing
+        code = np.append(split.code, -1)  # position -1 (padding) owns nothing
         tables = self.managed_tables
-        mine = {name: owner[where] == name for name in tables}  # [local devices, capacity]
+        mine = {  # [local devices, capacity]
+            name: code[where] == (split.tables.index(name) if name in split.tables else -2)
+            for name in tables
+        }
         counts = [int(mine[name].sum(axis=1).max(initial=0)) for name in tables]
         if len(rows) < self.sharded.num_devices:
             counts = self._agree.max(counts)
@@ -364,7 +368,7 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
             for d in range(len(rows)):
                 (js,) = np.nonzero(mine[name][d])
                 pos[d, : len(js)] = js
-                w[d, : len(js)] = RawIds.from_int64(raw[where[d, js]]).words()
+                raw_words_into(w[d], raw[where[d, js]])
             positions[name] = _placement.place_rows(self.mesh, pos, rows)
             words[name] = _placement.place_rows(self.mesh, w, rows)
         self.prepare_count += 1

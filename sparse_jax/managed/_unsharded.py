@@ -33,7 +33,7 @@ import numpy as np
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._module import PaddedBatch
 from sparse_jax.managed._base import ManagedModuleBase, profile_counted_remap
-from sparse_jax.managed._batch import ManagedBatch, split_raw_ids
+from sparse_jax.managed._batch import ManagedBatch, raw_words_into, split_managed
 from sparse_jax.managed._collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingCollection,
@@ -103,20 +103,20 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         """Check `kjt` on the host (raw ids as int64 or words; unmanaged features' ids
         against their tables), prepare the collection's batch with a placeholder where ids
         are managed, and place the raw id words beside it. Reads no id map."""
-        ids, raw, owner = split_raw_ids(kjt, self.mc)
-        inner = self.collection.prepare(ids, device=device)
+        split = split_managed(kjt, self.mc)
+        inner = self.collection.prepare(split.ids, device=device)
         arrays = self._targets(inner)
-        where = self._stream_positions(ids) if self.sequence else np.arange(raw.shape[0])
+        where = self._stream_positions(split.ids) if self.sequence else None
         words, positions = {}, {}
         for name in self.managed_tables:
-            mine = np.flatnonzero(owner == name)
+            mine = split.positions(name)
             cap = self._capacity(name, len(mine), devices=1)
             positions[name] = np.full(
                 cap, arrays[self._target[name][0]].shape[0], np.int32
             )  # padding: dropped
-            positions[name][: len(mine)] = where[mine]
+            positions[name][: len(mine)] = mine if where is None else where[mine]
             words[name] = np.zeros((cap, 2), np.int32)
-            words[name][: len(mine)] = RawIds.from_int64(raw[mine]).words()
+            raw_words_into(words[name], split.raw_of(name))
         words, positions = jax.device_put((words, positions), device)
         self.prepare_count += 1
         return ManagedBatch(inner, words, positions)
