@@ -378,7 +378,19 @@ def test_row_bytes_is_fbgemms_formula():
 # every type at dims of the kernel's compiled widths (16, 64) and at dims it loops over (12,
 # 100, not multiples of 8); with row_alignment 16 the rows are padded after their values
 # (e.g. int4 x 12: 10 bytes -> 16, int8 x 100: 104 -> 112)
-KERNEL_CASES = [(t, d, a) for t in TYPES for d, a in ((12, 16), (16, 1), (64, 1), (100, 16))]
+KERNEL_DIMS = ((12, 16), (16, 1), (64, 1), (100, 16))
+KERNEL_CASES = [(t, d, a) for t in TYPES for d, a in KERNEL_DIMS]
+# Every case runs both poolings, weighted or not, each with both bounds checks (8 pairs of
+# programs, the kernel's and the XLA form's) and one of the two length bounds, alternating
+# (the bags hold at most 8 ids: the bound changes the programs, not the sums): a case meets
+# each bound 4 times, and a type's dims meet every combination with each bound. 16
+# compiles a case instead of 32, most of this file's time.
+LOOKUP_OPTIONS = [
+    (p, weighted, b)
+    for p in ("SUM", "MEAN")
+    for weighted in (False, True)
+    for b in ("skip", "clamp")
+]
 
 
 @pytest.mark.parametrize("weight_type, dim, row_alignment", KERNEL_CASES)
@@ -399,63 +411,63 @@ def test_kernel_equals_the_xla_form_bit_for_bit_and_the_loops(weight_type, dim, 
         quantized_pooled_lookup,
         static_argnames=("weight_type", "dim", "pooling", "max_length", "bounds_check", "kernel"),
     )
-    for pooling in ("SUM", "MEAN"):
-        for w in (None, weights):
-            for bounds_check in ("skip", "clamp"):
-                for max_length in (None, 8):
-                    args = (packed, weight_type, dim, bad, offsets, pooling, w)
-                    opts = dict(max_length=max_length, bounds_check=bounds_check)
-                    got = np.asarray(lookup(*args, **opts, kernel="ffi"))
-                    what = f"{pooling}, weighted {w is not None}, {bounds_check}, max_length {max_length}"
-                    np.testing.assert_array_equal(
-                        got, lookup(*args, **opts, kernel="xla"), err_msg=what
-                    )
-                if bounds_check == "clamp":
-                    oracle_ids = np.clip(bad, 0, ROWS - 1)
-                else:
-                    oracle_ids = np.where((bad >= 0) & (bad < ROWS), bad, -1)
-                want = reference.quantized_pooled_loop(
-                    np.asarray(packed), weight_type, dim, oracle_ids, offsets, pooling, w
-                )
-                np.testing.assert_allclose(
-                    got,
-                    want,
-                    rtol=1e-6,
-                    atol=_tolerance(packed, weight_type, dim, offsets, w),
-                    err_msg=what,
-                )
-                assert not got[[1, 4]].any()  # the empty bags
-            # eager: the ids are checked (skip) or clamped, the result is the jitted one
-            np.testing.assert_array_equal(
-                quantized_pooled_lookup(
-                    packed,
-                    weight_type,
-                    dim,
-                    bad,
-                    offsets,
-                    pooling,
-                    w,
-                    bounds_check="clamp",
-                    kernel="ffi",
-                ),
-                lookup(
-                    packed,
-                    weight_type,
-                    dim,
-                    bad,
-                    offsets,
-                    pooling,
-                    w,
-                    bounds_check="clamp",
-                    kernel="xla",
-                ),
-            )
-            np.testing.assert_array_equal(
-                quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w),
-                quantized_pooled_lookup(
-                    packed, weight_type, dim, ids, offsets, pooling, w, kernel="xla"
-                ),
-            )
+    rotation = [d for d, _ in KERNEL_DIMS].index(dim)
+    for j, (pooling, weighted, bounds_check) in enumerate(LOOKUP_OPTIONS):
+        w = weights if weighted else None
+        max_length = (None, 8)[(j + rotation) % 2]
+        args = (packed, weight_type, dim, bad, offsets, pooling, w)
+        opts = dict(max_length=max_length, bounds_check=bounds_check)
+        got = np.asarray(lookup(*args, **opts, kernel="ffi"))
+        what = f"{pooling}, weighted {w is not None}, {bounds_check}, max_length {max_length}"
+        np.testing.assert_array_equal(got, lookup(*args, **opts, kernel="xla"), err_msg=what)
+        if bounds_check == "clamp":
+            oracle_ids = np.clip(bad, 0, ROWS - 1)
+        else:
+            oracle_ids = np.where((bad >= 0) & (bad < ROWS), bad, -1)
+        want = reference.quantized_pooled_loop(
+            np.asarray(packed), weight_type, dim, oracle_ids, offsets, pooling, w
+        )
+        np.testing.assert_allclose(
+            got,
+            want,
+            rtol=1e-6,
+            atol=_tolerance(packed, weight_type, dim, offsets, w),
+            err_msg=what,
+        )
+        assert not got[[1, 4]].any()  # the empty bags
+        if bounds_check == "skip":
+            continue  # (once per pooling and weighting:)
+        # eager: the ids are checked (skip) or clamped, the result is the jitted one
+        np.testing.assert_array_equal(
+            quantized_pooled_lookup(
+                packed,
+                weight_type,
+                dim,
+                bad,
+                offsets,
+                pooling,
+                w,
+                bounds_check="clamp",
+                kernel="ffi",
+            ),
+            lookup(
+                packed,
+                weight_type,
+                dim,
+                bad,
+                offsets,
+                pooling,
+                w,
+                bounds_check="clamp",
+                kernel="xla",
+            ),
+        )
+        np.testing.assert_array_equal(
+            quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w),
+            quantized_pooled_lookup(
+                packed, weight_type, dim, ids, offsets, pooling, w, kernel="xla"
+            ),
+        )
 
 
 def test_kernel_on_batches_of_every_size_and_on_a_table_of_no_rows():

@@ -32,6 +32,11 @@ pytestmark = pytest.mark.parity
 
 # 500 in `make test`; `make mutation` runs every mutant against fewer (HYBRIDREC_DIFF_CASES)
 CASES = int(os.environ.get("HYBRIDREC_DIFF_CASES", "500"))
+# The few tests whose time is XLA compiles of eager ops at shapes no case had before (~2-8
+# per case, most of a case's time) run a quarter of the cases (never fewer than 100, nor
+# more than CASES): each asserts that its edge cases (no bags, no ids, a zero batch or
+# width, each dtype, weights or none, ...) were among them, so the cut drops repeats only.
+FEWER_CASES = max(CASES // 4, min(CASES, 100))
 VALUE_KINDS = ("int64", "int32", "float32", "rows")
 
 
@@ -170,6 +175,12 @@ def _x64():
         yield
 
 
+def _usable_kjt_cases(where, count, **kw) -> list[dict]:
+    """The cases `_each_kjt(..., where=where, at_least=count)` runs."""
+    cases = (random_kjt_case(i, **kw) for i in itertools.count())
+    return list(itertools.islice((c for c in cases if where(c)), count))
+
+
 def _each_kjt(method_check, *, where=lambda c: True, at_least=CASES, **kw):
     ran = 0
     for i in itertools.count():
@@ -226,8 +237,30 @@ def test_kjt_accessors(method):
     _each_kjt(check)
 
 
+def _kjt_edges(c) -> set:
+    """The edge cases a KJT case `c` is (for the tests that run FEWER_CASES)."""
+    return {
+        c["kind"],
+        str(c["lengths"].dtype),
+        "weighted" if c["weights"] is not None else "unweighted",
+        "variable" if c["variable"] else "uniform",
+        *(["inverse"] if c["inverse"] is not None else []),
+        *(["no keys"] if not c["keys"] else []),
+        *(["zero batch"] if c["keys"] and not c["batch"] else []),
+        *(["no ids"] if c["keys"] and c["batch"] and not c["values"].shape[0] else []),
+        *(["empty bag"] if (c["lengths"] == 0).any() else []),
+    }
+
+
+KJT_EDGES = {*VALUE_KINDS, "int32", "int64", "weighted", "unweighted", "variable", "uniform"}
+KJT_EDGES |= {"inverse", "no keys", "zero batch", "no ids", "empty bag"}
+
+
 def test_kjt_getitem_and_to_dict():
+    seen = set()
+
     def check(c, theirs, ours, what):
+        seen.update(_kjt_edges(c))
         if (
             c["batch"] == 0
         ):  # TorchRec's to_dict raises IndexError on a zero-sample batch; ours: empty bags
@@ -237,7 +270,8 @@ def test_kjt_getitem_and_to_dict():
         for k in c["keys"]:
             same(ours[k], theirs[k], f"{what} [{k!r}]")
 
-    _each_kjt(check)
+    _each_kjt(check, at_least=FEWER_CASES)
+    assert seen == KJT_EDGES, KJT_EDGES - seen
 
 
 def test_kjt_permute():
@@ -342,7 +376,11 @@ def test_kjt_from_jt_dict():
 
     # TorchRec's from_jt_dict makes no variable-batch KJT (it needs equal strides); its
     # to_dict fails on a zero-sample batch
-    _each_kjt(check, where=lambda c: c["keys"] and not c["variable"] and c["batch"])
+    usable = lambda c: c["keys"] and not c["variable"] and c["batch"]  # noqa: E731
+    _each_kjt(check, where=usable, at_least=FEWER_CASES)
+    seen = set().union(*(_kjt_edges(c) for c in _usable_kjt_cases(usable, FEWER_CASES)))
+    want = KJT_EDGES - {"variable", "inverse", "no keys", "zero batch"}
+    assert seen == want, want - seen
 
 
 def test_kjt_empty_and_empty_like():
@@ -397,6 +435,22 @@ def test_kjt_equality_helpers():
 
 
 # -- JaggedTensor ------------------------------------------------------------------------------------
+def _jt_edges(c) -> set:
+    """The edge cases a JaggedTensor case `c` is (for the tests that run FEWER_CASES)."""
+    return {
+        c["kind"],
+        str(c["lengths"].dtype),
+        "weighted" if c["weights"] is not None else "unweighted",
+        *(["no bags"] if not c["lengths"].size else []),
+        *(["no ids"] if c["lengths"].size and not c["values"].shape[0] else []),
+        *(["empty bag"] if (c["lengths"] == 0).any() else []),
+    }
+
+
+JT_EDGES = {*VALUE_KINDS, "int32", "int64", "weighted", "unweighted", "no bags", "no ids"}
+JT_EDGES |= {"empty bag"}
+
+
 def _each_jt(check, at_least=CASES):
     for i in range(at_least):
         c = random_jt_case(i)
@@ -433,9 +487,12 @@ def test_jt_accessors(method):
 
 
 def test_jt_to_padded_dense():
+    seen = set()
+
     def check(c, theirs, ours, what):
         rng = c["rng"]
         desired = None if rng.random() < 0.3 else int(rng.integers(0, 5))
+        seen.update(_jt_edges(c))
         if (
             c["kind"] == "rows"
         ):  # TorchRec pads 1-D values only (fbgemm's 1-D jagged_to_padded_dense)
@@ -444,7 +501,17 @@ def test_jt_to_padded_dense():
             desired is None and c["lengths"].size == 0
         ):  # TorchRec: max() of no lengths raises; ours: [0, 0]
             assert ours.to_padded_dense().shape == (0, 0)
+            seen.add("no bags, longest")
             return
+        longest = int(c["lengths"].max()) if c["lengths"].size else 0
+        if desired is None:
+            seen.add("longest")
+        else:
+            seen.add(
+                "zero width"
+                if desired == 0
+                else ("cut" if desired < longest else "padded" if desired > longest else "exact")
+            )
         pad = c["values"].dtype.type(rng.integers(-3, 3))
         same(
             ours.to_padded_dense(desired, pad),
@@ -457,7 +524,9 @@ def test_jt_to_padded_dense():
             f"{what} to_padded_dense_weights",
         )
 
-    _each_jt(check)
+    _each_jt(check, FEWER_CASES)
+    want = JT_EDGES | {"no bags, longest", "longest", "zero width", "cut", "padded", "exact"}
+    assert seen == want, want - seen
 
 
 def test_jt_from_dense_and_from_dense_lengths():
@@ -518,11 +587,14 @@ def test_jt_empty_and_equality():
 
 # -- KeyedTensor ----------------------------------------------------------------------------------------
 def test_keyed_tensor_methods():
-    for i in range(CASES):
+    seen = set()
+    for i in range(FEWER_CASES):
         rng = np.random.default_rng(9000 + i)
         k = int(rng.integers(1, 5))
         batch = int(rng.integers(0, 4))
         dims = rng.integers(0, 4, k).tolist()
+        seen |= {f"{k} keys", f"batch {batch}", *(["a zero dim"] if 0 in dims else [])}
+        seen |= {"all zero dims"} if not any(dims) else set()
         keys = [f"k{j}" for j in range(k)]
         blocks = [rng.standard_normal((batch, d)).astype(np.float32) for d in dims]
         cat_dim = 1
@@ -556,12 +628,18 @@ def test_keyed_tensor_methods():
             tr.KeyedTensor.regroup([t, t2], groups),
             f"{what} regroup",
         )
+        seen |= {f"{len(groups)} groups", *(f"a group of {len(g)}" for g in groups)}
+        seen |= {"a group over both"} if any(g[0][0] != g[-1][0] for g in groups) else set()
         names = [f"g{j}" for j in range(len(groups))]
         same(
             sj.KeyedTensor.regroup_as_dict([o, o2], groups, names),
             tr.KeyedTensor.regroup_as_dict([t, t2], groups, names),
             f"{what} regroup_as_dict",
         )
+    want = {f"{k} keys" for k in (1, 2, 3, 4)} | {f"batch {b}" for b in (0, 1, 2, 3)}
+    want |= {f"{n} groups" for n in (1, 2, 3)} | {f"a group of {n}" for n in range(1, 7)}
+    want |= {"a zero dim", "all zero dims", "a group over both"}
+    assert seen == want, want - seen
 
 
 # -- the collections -------------------------------------------------------------------------------------
