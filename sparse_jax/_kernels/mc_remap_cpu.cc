@@ -30,6 +30,7 @@
 //   radix sort, then found by a forward scan of the residents, the sorted run split over
 //   threads.
 // (The fresh rows' random bits, `HybridrecRowBits`, are random_cpu.cc's.)
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -517,13 +518,29 @@ inline void MoveRun(uint32_t* const* cols, int k, const Run& r) {
   if (len >= 32) {
     for (int c = 0; c < k; ++c)
       std::memmove(cols[c] + r.begin + r.shift, cols[c] + r.begin, sizeof(uint32_t) * len);
-  } else if (r.shift > 0) {  // short runs: each entry's columns together
+  }
+#ifdef __AVX512F__
+  else if (len > 0) {  // short runs: each column's words loaded (two masked vectors), then stored
+    const __mmask16 lo = static_cast<__mmask16>(len >= 16 ? 0xFFFF : (1u << len) - 1);
+    const __mmask16 hi = static_cast<__mmask16>(len >= 16 ? (1u << (len - 16)) - 1 : 0);
+    for (int c = 0; c < k; ++c) {
+      const uint32_t* src = cols[c] + r.begin;
+      uint32_t* dst = cols[c] + r.begin + r.shift;
+      const __m512i a = _mm512_maskz_loadu_epi32(lo, src);
+      const __m512i b = _mm512_maskz_loadu_epi32(hi, src + 16);
+      _mm512_mask_storeu_epi32(dst, lo, a);
+      _mm512_mask_storeu_epi32(dst + 16, hi, b);
+    }
+  }
+#else
+  else if (r.shift > 0) {  // short runs: each entry's columns together
     for (int64_t j = r.end - 1; j >= r.begin; --j)
       for (int c = 0; c < k; ++c) cols[c][j + r.shift] = cols[c][j];
   } else {
     for (int64_t j = r.begin; j < r.end; ++j)
       for (int c = 0; c < k; ++c) cols[c][j + r.shift] = cols[c][j];
   }
+#endif
 }
 
 // Runs [first, last) of `runs` moved in the `k` columns: runs moving right right to left,
