@@ -30,7 +30,6 @@
 //   radix sort, then found by a forward scan of the residents, the sorted run split over
 //   threads.
 // (The fresh rows' random bits, `HybridrecRowBits`, are random_cpu.cc's.)
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -41,6 +40,10 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>  // short runs' moves (MoveRun)
+#endif
 
 namespace ffi = xla::ffi;
 
