@@ -439,28 +439,8 @@ def test_kernel_equals_the_xla_form_bit_for_bit_and_the_loops(weight_type, dim, 
             continue  # (once per pooling and weighting:)
         # eager: the ids are checked (skip) or clamped, the result is the jitted one
         np.testing.assert_array_equal(
-            quantized_pooled_lookup(
-                packed,
-                weight_type,
-                dim,
-                bad,
-                offsets,
-                pooling,
-                w,
-                bounds_check="clamp",
-                kernel="ffi",
-            ),
-            lookup(
-                packed,
-                weight_type,
-                dim,
-                bad,
-                offsets,
-                pooling,
-                w,
-                bounds_check="clamp",
-                kernel="xla",
-            ),
+            quantized_pooled_lookup(*args, bounds_check="clamp", kernel="ffi"),
+            lookup(*args, bounds_check="clamp", kernel="xla"),
         )
         np.testing.assert_array_equal(
             quantized_pooled_lookup(packed, weight_type, dim, ids, offsets, pooling, w),
