@@ -327,6 +327,15 @@ def dequantize_rows_loop(packed, weight_type, dim):
     return out
 
 
+def bounded_ids(ids, rows: int, bounds_check: str) -> np.ndarray:
+    """The ids a lookup with `bounds_check` reads from a table of `rows` rows: clamped into
+    it ("clamp"), or -1 (read as nothing) where outside it ("skip")."""
+    ids = np.asarray(ids)
+    if bounds_check == "clamp":
+        return np.clip(ids, 0, rows - 1)
+    return np.where((ids >= 0) & (ids < rows), ids, -1)
+
+
 def quantized_pooled_loop(
     packed, weight_type, dim, ids, offsets, pooling="SUM", per_sample_weights=None
 ):

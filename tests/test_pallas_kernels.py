@@ -516,10 +516,7 @@ def test_quant_pooled_sum_equals_the_loops_and_the_xla_form_bitwise(
         np.testing.assert_array_equal(
             got, lookup(*args, bounds_check=bounds, kernel="xla"), err_msg=what
         )
-        if bounds == "clamp":
-            oracle_ids = np.clip(ids, 0, E - 1)
-        else:
-            oracle_ids = np.where((ids >= 0) & (ids < E), ids, -1)
+        oracle_ids = reference.bounded_ids(ids, E, bounds)
         want = reference.quantized_pooled_loop(
             np.asarray(packed), weight_type, dim, oracle_ids, offsets, pooling, w
         )

@@ -420,10 +420,7 @@ def test_kernel_equals_the_xla_form_bit_for_bit_and_the_loops(weight_type, dim, 
         got = np.asarray(lookup(*args, **opts, kernel="ffi"))
         what = f"{pooling}, weighted {w is not None}, {bounds_check}, max_length {max_length}"
         np.testing.assert_array_equal(got, lookup(*args, **opts, kernel="xla"), err_msg=what)
-        if bounds_check == "clamp":
-            oracle_ids = np.clip(bad, 0, ROWS - 1)
-        else:
-            oracle_ids = np.where((bad >= 0) & (bad < ROWS), bad, -1)
+        oracle_ids = reference.bounded_ids(bad, ROWS, bounds_check)
         want = reference.quantized_pooled_loop(
             np.asarray(packed), weight_type, dim, oracle_ids, offsets, pooling, w
         )
