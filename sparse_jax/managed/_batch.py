@@ -82,8 +82,8 @@ class RawIdSplit(NamedTuple):
         spans = self.spans.get(table, [])
         if len(spans) == 1:
             return np.arange(*spans[0], dtype=np.int64)
-        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans] or [[]]).astype(
-            np.int64
+        return np.concatenate(
+            [np.arange(a, b, dtype=np.int64) for a, b in spans] or [np.zeros(0, np.int64)]
         )
 
     def raw_of(self, table: str) -> np.ndarray:

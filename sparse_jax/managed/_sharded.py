@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparse_jax._embedding import SequenceBatch
 from sparse_jax.managed._base import ManagedModuleBase, profile_counted
-from sparse_jax.managed._batch import ManagedBatch, raw_words_into, split_managed, split_raw_ids
+from sparse_jax.managed._batch import ManagedBatch, raw_words_into, split_managed
 from sparse_jax.managed._collection import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
@@ -318,9 +318,9 @@ class ShardedManagedCollisionModule(ManagedModuleBase):
         `ManagedBatch`; for a sequence collection, a `SequenceBatch` whose rows are one)."""
         if not self.sequence:
             return self._prepare_bags(kjt)
-        ids, raw, owner = split_raw_ids(kjt, self._front_mc)
-        host = self.front.ec.check_host(ids)  # unmanaged ids against their tables
-        values = np.where(owner != "", raw, np.asarray(host.values(), np.int64))
+        split = split_managed(kjt, self._front_mc)
+        host = self.front.ec.check_host(split.ids)  # unmanaged ids against their tables
+        values = np.where(split.code >= 0, split.raw, np.asarray(host.values(), np.int64))
         per_id, lengths = self.front._per_id(host._replace(values=values))
         return SequenceBatch(rows=self._prepare_bags(per_id), lengths=lengths, stride=host.stride())
 
