@@ -192,7 +192,9 @@ def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
     """Median ms of each stage of `predictor(dense, sparse)` for a batch-`batch` request, as
     `Predictor.__call__` runs them (its private steps, called one by one): the lookup is
     its program's call and the wait until the pooled array is ready, the hand-over what
-    `Predictor._pool` does after (DLPack to torch, the slice to the request's samples)."""
+    `Predictor._pool` does after (DLPack to torch, the slice to the request's samples); a
+    predictor that calls the kernel directly (`Predictor.direct`) has one lookup stage, that
+    call (no wait, no hand-over: it returns the torch tensor the kernel wrote)."""
     import time
 
     import torch
@@ -209,14 +211,18 @@ def host_breakdown(predictor, args, batch: int, repeats: int = 200) -> dict:
         t1 = time.perf_counter()
         d = read_dense(x, predictor.n_dense, arrays.batch_size, predictor._dense_dtype)
         t2 = time.perf_counter()
-        rung = (arrays.offsets.shape[0] - 1) // n_features
-        program = predictor._program(rung, arrays.values.shape[0])
-        out = program(*predictor._tables, arrays.values, arrays.offsets)
-        t3 = time.perf_counter()
-        out.block_until_ready()
-        t4 = time.perf_counter()
-        pooled = torch.utils.dlpack.from_dlpack(out.__dlpack__())[: arrays.batch_size]
-        t5 = time.perf_counter()
+        if predictor.direct:  # one call: the kernel writes the pooled array torch reads
+            pooled = predictor._pool(arrays)
+            t3 = t4 = t5 = time.perf_counter()
+        else:
+            rung = (arrays.offsets.shape[0] - 1) // n_features
+            program = predictor._program(rung, arrays.values.shape[0])
+            out = program(*predictor._tables, arrays.values, arrays.offsets)
+            t3 = time.perf_counter()
+            out.block_until_ready()
+            t4 = time.perf_counter()
+            pooled = torch.utils.dlpack.from_dlpack(out.__dlpack__())[: arrays.batch_size]
+            t5 = time.perf_counter()
         predictor.tower(d, pooled)
         t6 = time.perf_counter()
         predictor(x, sparse)

@@ -152,7 +152,7 @@ lookups = {}
 for name in ("fp32", "int8"):
     predictor = hybrid.serving.load(request[name])
     np.save(request["out"] + f"/{name}.npy", predictor(dense, request["sparse"]).numpy())
-    lookups[name] = [predictor.lookup, predictor.lookup_fallback]
+    lookups[name] = [predictor.lookup, predictor.lookup_fallback, predictor.direct]
 json.dump(lookups, open(request["out"] + "/lookups.json", "w"))
 json.dump(sorted(sys.modules), open(request["out"] + "/modules.json", "w"))
 """
@@ -187,9 +187,13 @@ def test_a_fresh_process_serves_both_artifacts_without_the_training_library(expo
         m for m in ours if m.startswith("hybrid.serving")
     }, ours
     assert not {"hybrid.train", "hybrid.model", "sparse_jax.planner", "sparse_jax.optim"} & modules
-    # the int8 lookup ran the C++ kernel there too, registered without importing sparse_jax
+    # the int8 lookup ran the C++ kernel there too, found without importing sparse_jax and
+    # called directly
     lookups = json.loads((tmp_path / "lookups.json").read_text())
-    assert lookups == {"fp32": ["xla", None], "int8": [_KERNEL, None]}, lookups
+    assert lookups == {
+        "fp32": ["xla", None, False],
+        "int8": [_KERNEL, None, _KERNEL == "cpu_kernel"],
+    }, lookups
 
 
 _KERNEL = "cpu_kernel" if _kernels.available() else "xla"
@@ -215,8 +219,15 @@ def test_an_int8_artifact_carries_the_kernel_lookup_and_runs_it_with_the_same_sc
         program = jax.export.deserialize(bytearray((path / name).read_bytes()))
         assert ("HybridrecQuantPooled" in program.mlir_module()) is holds, name
     fast, plain = serving.load(path), serving.load(path, lookup="xla")
+    programs = serving.load(path, direct=False)
     assert (fast.lookup, fast.lookup_fallback) == ("cpu_kernel", None)
-    assert (plain.lookup, plain.lookup_fallback) == ("xla", None)
+    assert (fast.direct, fast.direct_fallback) == (True, None)  # the kernel called directly
+    assert (programs.lookup, programs.direct, programs.direct_fallback) == (
+        "cpu_kernel",
+        False,
+        None,
+    )
+    assert (plain.lookup, plain.lookup_fallback, plain.direct) == ("xla", None, False)
     # the tower runs as the lean copy of its graph (dead views dropped, one plain function,
     # the interaction's advanced index as index_select)
     ops = {id(v) for v in fast._dense_forward.__globals__.values()}
@@ -224,9 +235,12 @@ def test_an_int8_artifact_carries_the_kernel_lookup_and_runs_it_with_the_same_sc
     assert id(torch.ops.aten.index.Tensor) not in ops
     dense, lists = exported["dense"], exported["lists"]
     assert torch.equal(fast(dense, lists), exported["expected_int8"])
+    assert torch.equal(programs(dense, lists), exported["expected_int8"])
     assert torch.equal(plain(dense, lists), exported["expected_int8"])
     one = {f: bags[2:3] for f, bags in lists.items()}  # the 1-sample rung
     assert torch.equal(fast(dense[2:3], one), exported["expected_int8"][2:3])
+    assert torch.equal(programs(dense[2:3], one), exported["expected_int8"][2:3])
+    assert fast.warm() == []  # no program to compile
     # a float model has no quantized lookup to hand to the kernel
     fp32 = serving.load(exported["fp32"])
     assert (fp32.lookup, fp32.lookup_fallback) == ("xla", None)
@@ -339,7 +353,7 @@ def test_the_tower_runs_with_its_torch_threads_and_gives_the_process_its_own_bac
 def test_a_small_request_runs_the_program_of_its_batch_rung_with_the_same_pooling(exported):
     """max_batch_size 8 gives lookup programs for 1 and 8 bags per feature; one sample runs
     the first (compiled on its own) and pools exactly what the 8-bag program pools."""
-    predictor = serving.load(exported["int8"])
+    predictor = serving.load(exported["int8"], direct=False)
     assert predictor.batch_rungs == [1, BATCH]
     lists = exported["lists"]
     whole = predictor.pooled(lists)
@@ -348,6 +362,30 @@ def test_a_small_request_runs_the_program_of_its_batch_rung_with_the_same_poolin
         one = predictor.pooled({f: bags[i : i + 1] for f, bags in lists.items()})
         assert torch.equal(one, whole[i : i + 1])
     assert {b for b, _ in predictor.compiled()} == {1, BATCH}
+
+
+def test_a_direct_lookup_that_differs_from_the_program_is_not_used(exported, monkeypatch):
+    """The direct lookup is checked against the artifact's kernel program at load: a plan
+    with two blocks' columns swapped (a planted bug) is refused, the programs run, and the
+    scores are the program's."""
+    if not _kernels.available():
+        pytest.skip("the C++ kernels are not built here")
+    from hybrid.serving import _direct
+
+    plan = _direct._plan
+
+    def swapped(manifest, tables):
+        rows, width = plan(manifest, tables)
+        rows[[0, 1], 5] = rows[[1, 0], 5]
+        return rows, width
+
+    monkeypatch.setattr(_direct, "_plan", swapped)
+    predictor = serving.load(exported["int8"])
+    assert predictor.lookup == "cpu_kernel" and not predictor.direct
+    assert predictor.direct_fallback == (
+        "the direct lookup differs from the artifact's program on a probe of 1 samples"
+    )
+    assert torch.equal(predictor(exported["dense"], exported["lists"]), exported["expected_int8"])
 
 
 # `python -m hybrid.serving`, run as -m runs it (through hybrid/__init__), then the modules it loaded.

@@ -1,4 +1,5 @@
-"""The C++ lookup kernel for the serving process: `register(target) -> None | reason`.
+"""The C++ lookup kernel for the serving process: `register(target) -> None | reason`, and
+`library()`, the loaded library (`_direct` calls its plain C entry).
 
 An artifact's "cpu_kernel" lookup programs hold a custom call (`HybridrecQuantPooled`) that
 XLA compiles only once the target is registered in this process. The kernel lives in
@@ -26,7 +27,7 @@ import sys
 
 import jax
 
-__all__ = ["register"]
+__all__ = ["library", "register"]
 
 _LIBS: list = []  # loaded libraries, kept alive
 
@@ -46,6 +47,18 @@ def _build_module():
 
 
 @functools.cache
+def library() -> ctypes.CDLL | str:
+    """sparse_jax's CPU kernel library loaded in this process (the same handle sparse_jax
+    registered, when it did: one file), or why it cannot be (nothing raises)."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build_module().build()))
+    except (RuntimeError, OSError, ImportError) as e:
+        return f"the C++ kernel library is unavailable ({type(e).__name__}: {e})"
+    _LIBS.append(lib)
+    return lib
+
+
+@functools.cache
 def register(target: str) -> str | None:
     """Register the custom-call `target` (a symbol of sparse_jax's CPU kernel library) for
     CPU; None when it is registered, else why it cannot be (nothing raises)."""
@@ -54,12 +67,11 @@ def register(target: str) -> str | None:
     sparse_jax = sys.modules.get("sparse_jax")
     if sparse_jax is not None:  # loaded here: its registration covers the target
         return sparse_jax.cpu_kernels_problem(target)
-    try:
-        library = _build_module().build()
-        lib = ctypes.cdll.LoadLibrary(str(library))
-        handler = getattr(lib, target)
-    except (RuntimeError, OSError, AttributeError, ImportError) as e:
-        return f"the C++ kernel library is unavailable ({type(e).__name__}: {e})"
-    _LIBS.append(lib)
+    lib = library()
+    if isinstance(lib, str):
+        return lib
+    handler = getattr(lib, target, None)
+    if handler is None:
+        return f"the C++ kernel library has no {target}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return None

@@ -20,9 +20,15 @@ be registered here (`_kernel`: found without importing sparse_jax, built if miss
 otherwise the XLA programs, with the reason in `Predictor.lookup_fallback` and a warning
 on the `hybridrec.serving` logger; the scores are the same bit for bit either way.
 `lookup="cpu_kernel"` refuses to fall back (ArtifactError), `lookup="xla"` never uses the
-kernel. The lookup (JAX) and the dense
-tower (torch) stay two calls: the artifact holds one program of each runtime, and nothing in
-`jax.export` or `torch.export` runs the other's program inside its own.
+kernel. Where the kernel's programs run, the predictor calls the kernel directly instead
+(`Predictor.direct`, `_direct`): the library's C entry pools every block of the request in
+one call on the calling thread and writes the pooled array torch reads, without XLA's
+dispatch and hand-over (at batch 1 they were most of the lookup's time). It is built from
+the manifest and used only after it matched the programs bit for bit on probe requests at
+load; otherwise, or with `load(direct=False)`, the programs run (`direct_fallback` says
+why). The lookup and the dense tower stay two calls: the artifact holds one program of each
+runtime, and nothing in `jax.export` or `torch.export` runs the other's program inside its
+own.
 
 Uses jax (the deserialized lookup program), numpy (the tables) and torch (the dense
 program) and nothing of the training library: no `hybrid.Model`, no sparse_jax, no
@@ -53,9 +59,11 @@ from hybrid.serving._artifact import (
     sparse_file,
     verify_files,
 )
+from hybrid.serving._direct import direct_lookup
 from hybrid.serving._request import (
     RequestSpec,
     SparseArrays,
+    probe_requests,
     read_dense,
     read_sparse,
     with_bounds,
@@ -366,13 +374,17 @@ class Predictor:
     """Scores requests with an exported model: `predictor(dense_features, sparse) -> logits`.
 
     Built by `load`. The sparse lookup runs as the exported JAX program on JAX's default
-    device (tables placed there once), the dense tower as the exported torch program on CPU.
+    device (tables placed there once), or as the C++ kernel called directly (`direct`), the
+    dense tower as the exported torch program on CPU.
 
     Attributes:
       manifest: the artifact's manifest (a dict).
       lookup: which lookup programs run: "cpu_kernel" (the C++ kernel's) or "xla".
       lookup_fallback: why the XLA programs run although the artifact holds the kernel's
         (None when it does not, or when the kernel's run).
+      direct: True when the kernel is called directly, not through its programs.
+      direct_fallback: why the kernel runs through its programs (None when it is called
+        directly, or was not to be: `load(direct=False)`, or the XLA programs run).
       features: the sparse features a request must give, in the program's order.
       max_batch_size: the most samples one call takes (pad nothing: fewer is fine).
       n_dense: the width of `dense_features`.
@@ -391,6 +403,7 @@ class Predictor:
         lookup: str = "xla",
         lookup_fallback: str | None = None,
         torch_threads: int | None = 1,
+        direct: bool = True,
     ):
         if torch_threads is not None and (
             isinstance(torch_threads, bool)
@@ -421,6 +434,24 @@ class Predictor:
         self._dense_forward = _lean_forward(
             dense, (self.n_dense, self._dense_dtype), pooled_width, self.max_batch_size
         )
+        self._direct = None
+        self.direct_fallback = None
+        if lookup == "cpu_kernel" and direct:
+            from hybrid.serving import _kernel
+
+            found = direct_lookup(
+                manifest,
+                tables,
+                self._spec,
+                _kernel.library(),
+                [read_sparse(r, self._spec) for r in probe_requests(self._spec)],
+                self._pool,
+            )
+            if isinstance(found, str):
+                self.direct_fallback = found
+                log.info("%s: the kernel runs through its programs: %s", path, found)
+            else:
+                self._direct = found
 
     @property
     def features(self) -> list[str]:
@@ -465,7 +496,10 @@ class Predictor:
     def warm(self, max_ids: int | None = None) -> list[tuple[int, int]]:
         """Compile the lookup for every batch rung and id capacity up to `max_ids` (default:
         the smallest capacity only) now, not at the first request that needs it; returns
-        the (batch rung, capacity) pairs."""
+        the (batch rung, capacity) pairs. A predictor that calls the kernel directly
+        (`direct`) runs no program: it compiles nothing and returns []."""
+        if self._direct is not None:
+            return []
         caps = self._spec.id_capacities
         caps = [c for c in caps if max_ids is not None and c <= max_ids] or [caps[0]]
         pairs = [(b, c) for b in self._exported for c in caps]
@@ -473,7 +507,15 @@ class Predictor:
             self._program(b, c)
         return pairs
 
+    @property
+    def direct(self) -> bool:
+        """True when the kernel lookup is called directly (`_direct`), not through its
+        programs (then `direct_fallback` says why, where it was tried)."""
+        return self._direct is not None
+
     def _pool(self, arrays: SparseArrays) -> torch.Tensor:
+        if self._direct is not None:
+            return self._direct(arrays)
         batch = (arrays.offsets.shape[0] - 1) // len(self._spec.features)
         program = self._compiled.get((batch, arrays.values.shape[0]))
         if program is None:
@@ -553,7 +595,11 @@ def _choose_lookup(where: str, manifest, lookup: str) -> tuple[str, str | None]:
 
 
 def load(
-    path: str | os.PathLike, *, lookup: str = "auto", torch_threads: int | None = 1
+    path: str | os.PathLike,
+    *,
+    lookup: str = "auto",
+    torch_threads: int | None = 1,
+    direct: bool = True,
 ) -> Predictor:
     """Load the serving artifact `path` (a directory `hybrid.export` wrote).
 
@@ -564,6 +610,9 @@ def load(
     lookup: "auto" runs the artifact's C++ kernel lookups when it holds them and the kernel
     can be registered here, else its XLA programs (module docstring); "cpu_kernel" the
     kernel's or ArtifactError; "xla" the XLA programs.
+
+    direct: call the kernel directly where its programs would run (checked against them at
+    load; module docstring); False always runs the programs.
 
     torch_threads: torch's intra-op threads while a call's dense tower runs (the process's
     count is restored after it); None leaves them alone. One by default: beside JAX's CPU
@@ -593,4 +642,5 @@ def load(
         form,
         fallback,
         torch_threads=torch_threads,
+        direct=direct,
     )

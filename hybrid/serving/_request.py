@@ -34,7 +34,14 @@ import torch
 
 from hybrid.serving._id_map import frozen_rows
 
-__all__ = ["RequestError", "RequestSpec", "SparseArrays", "read_dense", "read_sparse"]
+__all__ = [
+    "RequestError",
+    "RequestSpec",
+    "SparseArrays",
+    "probe_requests",
+    "read_dense",
+    "read_sparse",
+]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -498,3 +505,32 @@ def read_dense(dense_features, n_dense: int, batch_size: int, dtype: torch.dtype
     if dense.ndim != 2 or dense.shape[1] != n_dense or dense.shape[0] != batch_size:
         raise RequestError("dense_shape", f"dense_features has shape {tuple(dense.shape)}; {need}")
     return dense.cpu().contiguous()
+
+
+def probe_requests(spec: RequestSpec, seed: int = 0) -> list[dict[str, tuple]]:
+    """Requests that exercise a lookup's corners (`{feature: (values, lengths[, weights])}`,
+    valid for `spec`): batches of 1, 3 and `max_batch_size` samples, bags of 0 to 3 ids
+    (each feature's first bag empty where the batch has several), ids up to each table's
+    last row, and with bounds_check "clamp" or "skip" ids below and past it; for checking
+    one way of running the lookup against another (`hybrid.serving._direct`)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for batch in sorted({1, min(3, spec.max_batch_size), spec.max_batch_size}):
+        request = {}
+        for f in spec.features:
+            rows = min(n for _, n in spec.tables_of[f])
+            lengths = rng.integers(0, 4, batch).astype(np.int64)
+            lengths[0] = 0 if batch > 1 else 2
+            if rows < 1:  # a table of no rows (all pruned) reads no ids
+                lengths[:] = 0
+            ids = rng.integers(0, max(rows, 1), int(lengths.sum())).astype(np.int64)
+            if ids.size:
+                ids[-1] = rows - 1
+            if spec.bounds_check != "error" and ids.size > 2:
+                ids[:2] = (-1, rows)
+            entry = (ids, lengths)
+            if spec.is_weighted:
+                entry += (rng.uniform(-2, 2, ids.size).astype(np.float32),)
+            request[f] = entry
+        out.append(request)
+    return out

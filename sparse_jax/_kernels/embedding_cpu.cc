@@ -7,7 +7,8 @@
 //                    place. Both group the ids by row with a parallel radix sort, sum each
 //                    row's gradient once and apply the rule in place (table and state are
 //                    aliased to the outputs; XLA donates them).
-// QuantPooled:       pooled bags of packed (int8 / int4 / int2 / fp16) rows: the served lookup.
+// QuantPooled:       pooled bags of packed (int8 / int4 / int2 / fp16) rows: the served lookup
+//                    (also callable without XLA: HybridrecQuantServe, every block of a request).
 // All are multi-threaded: bags split over OpenMP threads for the float lookups; for the
 // updates the sort passes split the ids, and each thread owns a contiguous range of unique
 // rows. The quantized lookup alone splits its bags over XLA's own CPU threads (`SplitBags`),
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -495,7 +497,7 @@ inline float MeanScale(bool mean, const BagRange& r) {
 // A compile-time DIM: the bag's sums stay in the registers of ACC.
 template <typename ACC, int KIND, bool WEIGHTED>
 void PoolFixed(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
-               const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
+               const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, int64_t ostride, bool clamp, bool mean,
                int64_t max_length, const QuantSplit& split) {
   constexpr int64_t head = KIND == 16 ? 0 : 4;  // fp16 scale and bias in front
   const int64_t ids_end = std::min<int64_t>(std::max<int64_t>(off[bags], 0), n_ids);
@@ -510,7 +512,7 @@ void PoolFixed(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t*
       const uint8_t* row = t + id * width;
       acc.add(row + head, RowFactors<KIND, WEIGHTED>(row, w, i));
     }
-    acc.store(o + b * dim, MeanScale(mean, r));
+    acc.store(o + b * ostride, MeanScale(mean, r));
   });
 }
 #endif
@@ -518,13 +520,13 @@ void PoolFixed(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t*
 // Any dim: the sums in the output row, 8 columns at a time where it can, then one by one.
 template <int KIND, bool WEIGHTED>
 void PoolAny(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
-             const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
+             const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, int64_t ostride, bool clamp, bool mean,
              int64_t max_length, const QuantSplit& split) {
   constexpr int64_t head = KIND == 16 ? 0 : 4;
   const int64_t ids_end = std::min<int64_t>(std::max<int64_t>(off[bags], 0), n_ids);
   SplitBags(split.pool, bags, split.threads, [&](int64_t b) {
     const BagRange r = BagAt(off, b, n_ids, max_length);
-    float* out = o + b * dim;
+    float* out = o + b * ostride;
     std::memset(out, 0, sizeof(float) * dim);
     for (int64_t i = r.start; i < r.stop; ++i) {
       HYBRIDREC_PREFETCH_ROW(i)
@@ -559,7 +561,7 @@ void PoolAny(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* i
 
 template <int KIND, bool WEIGHTED>
 void PoolQuantDim(const uint8_t* t, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
-                  const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, bool clamp, bool mean,
+                  const int32_t* off, int64_t bags, const float* w, float* o, int64_t dim, int64_t ostride, bool clamp, bool mean,
                   int64_t max_length, const QuantSplit& split) {
 #ifdef HYBRIDREC_QUANT_VECTOR
 #ifdef __AVX512F__
@@ -572,7 +574,7 @@ void PoolQuantDim(const uint8_t* t, int64_t num_rows, int64_t width, const int32
 #define HYBRIDREC_ACC(D) std::conditional_t<KIND == 4 && D % 16 == 0, AccInt4Pairs<D>, Acc8<KIND, D>>
 #endif
 #define HYBRIDREC_QUANT(D) \
-  PoolFixed<HYBRIDREC_ACC(D), KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, clamp, mean, max_length, split)
+  PoolFixed<HYBRIDREC_ACC(D), KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, ostride, clamp, mean, max_length, split)
   switch (dim) {
     case 8: HYBRIDREC_QUANT(8); return;
     case 16: HYBRIDREC_QUANT(16); return;
@@ -585,7 +587,40 @@ void PoolQuantDim(const uint8_t* t, int64_t num_rows, int64_t width, const int32
 #undef HYBRIDREC_ACC
 #undef HYBRIDREC_WIDE
 #endif
-  PoolAny<KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, clamp, mean, max_length, split);
+  PoolAny<KIND, WEIGHTED>(t, num_rows, width, ids, n_ids, off, bags, w, o, dim, ostride, clamp, mean, max_length, split);
+}
+
+// One pooled lookup of packed rows into out rows `ostride` floats apart (the served lookup's
+// column block of `[bags, sum of dims]`, or a `[bags, dim]` output): the FFI handler and
+// the direct entry below run this same code, so their results are bit for bit each other's.
+void QuantPoolInto(const uint8_t* packed, int64_t num_rows, int64_t width, const int32_t* ids, int64_t n_ids,
+                   const int32_t* off, int64_t bags, const float* weights, float* o, int64_t dim, int64_t ostride,
+                   int32_t kind, bool weighted, bool clamp, bool mean, int64_t max_length, const QuantSplit& split) {
+  if (num_rows == 0) {  // only pruned ids can be asked for: every bag is zeros
+    for (int64_t b = 0; b < bags; ++b) std::memset(o + b * ostride, 0, sizeof(float) * dim);
+    return;
+  }
+#define HYBRIDREC_QUANT_KIND(K)                                                                               \
+  (weighted ? PoolQuantDim<K, true>(packed, num_rows, width, ids, n_ids, off, bags, weights, o, dim, ostride, \
+                                    clamp, mean, max_length, split)                                           \
+            : PoolQuantDim<K, false>(packed, num_rows, width, ids, n_ids, off, bags, weights, o, dim, ostride, \
+                                     clamp, mean, max_length, split))
+  switch (kind) {
+    case 8: HYBRIDREC_QUANT_KIND(8); break;
+    case 4: HYBRIDREC_QUANT_KIND(4); break;
+    case 2: HYBRIDREC_QUANT_KIND(2); break;
+    default: HYBRIDREC_QUANT_KIND(16); break;
+  }
+#undef HYBRIDREC_QUANT_KIND
+}
+
+// Why a (kind, dim, width) cannot be pooled, or nullptr.
+inline const char* QuantShapeProblem(int64_t kind, int64_t dim, int64_t width) {
+  const int64_t need = kind == 16 ? 2 * dim : 4 + dim * kind / 8;
+  if ((kind != 16 && kind != 8 && kind != 4 && kind != 2) || width < need || (kind < 8 && dim % (8 / kind))) {
+    return "rows too narrow for the dim, or an unknown kind";
+  }
+  return nullptr;
 }
 
 ffi::Error QuantPooledImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> ids,
@@ -598,17 +633,11 @@ ffi::Error QuantPooledImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ff
     return ffi::Error::InvalidArgument("QuantPooled: packed must be [rows, width], out [bags, dim], offsets [bags + 1]");
   }
   const int64_t num_rows = pdims[0], width = pdims[1], bags = odims[0], dim = odims[1];
-  const int64_t need = kind == 16 ? 2 * dim : 4 + dim * kind / 8;
-  if (width < need || (kind != 16 && kind != 8 && kind != 4 && kind != 2) || (kind < 8 && dim % (8 / kind))) {
+  if (QuantShapeProblem(kind, dim, width) != nullptr) {
     return ffi::Error::InvalidArgument("QuantPooled: rows too narrow for the dim, or an unknown kind");
   }
   if (weighted && static_cast<int64_t>(weights.element_count()) != static_cast<int64_t>(ids.element_count())) {
     return ffi::Error::InvalidArgument("QuantPooled: one weight per id");
-  }
-  float* o = out->typed_data();
-  if (num_rows == 0) {  // only pruned ids can be asked for: every bag is zeros
-    std::memset(o, 0, sizeof(float) * bags * dim);
-    return ffi::Error::Success();
   }
   // the threads by this call's own ids (its bags' offsets may start anywhere in `ids`)
   const int64_t n_ids = ids.element_count();
@@ -616,18 +645,8 @@ ffi::Error QuantPooledImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ff
   const int64_t first = std::min<int64_t>(std::max<int64_t>(off[0], 0), n_ids);
   const int64_t last = std::min<int64_t>(std::max<int64_t>(off[bags], first), n_ids);
   const QuantSplit split{&pool, QuantThreads(last - first, pool.num_threads())};
-#define HYBRIDREC_QUANT_KIND(K)                                                                             \
-  (weighted ? PoolQuantDim<K, true>(packed.typed_data(), num_rows, width, ids.typed_data(), n_ids, off, bags,     \
-                                    weights.typed_data(), o, dim, clamp != 0, mean != 0, max_length, split)       \
-            : PoolQuantDim<K, false>(packed.typed_data(), num_rows, width, ids.typed_data(), n_ids, off, bags,    \
-                                     weights.typed_data(), o, dim, clamp != 0, mean != 0, max_length, split))
-  switch (kind) {
-    case 8: HYBRIDREC_QUANT_KIND(8); break;
-    case 4: HYBRIDREC_QUANT_KIND(4); break;
-    case 2: HYBRIDREC_QUANT_KIND(2); break;
-    default: HYBRIDREC_QUANT_KIND(16); break;
-  }
-#undef HYBRIDREC_QUANT_KIND
+  QuantPoolInto(packed.typed_data(), num_rows, width, ids.typed_data(), n_ids, off, bags, weights.typed_data(),
+                out->typed_data(), dim, dim, kind, weighted != 0, clamp != 0, mean != 0, max_length, split);
   return ffi::Error::Success();
 }
 
@@ -946,6 +965,65 @@ ffi::Error JaggedFusedUpdateImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F
 
 extern "C" void HybridrecLastUpdatePhases(int64_t* out) {
   for (int i = 0; i < 3; ++i) out[i] = g_phase_ns[i].load();
+}
+
+// The served lookup without XLA (`hybrid.serving`'s direct lookup, called through ctypes):
+// every output block of an artifact's lookup program in one call, each block pooled by the
+// same code as the FFI handler (`QuantPoolInto`), so the scores are bit for bit the
+// program's. `plan` holds kQuantPlanFields int64 per block: the packed table's address, its
+// rows, its row bytes, kind, dim, first output column, feature index, clamp, mean, weighted.
+// Block k pools feature f's bags `offsets[f * rung : f * rung + bags + 1]` (feature-major
+// offsets of `n_offsets` = features * rung + 1 entries, as the program takes them) into the
+// columns [col, col + dim) of `bags` output rows `out_stride` floats apart. A request of
+// more than QUANT_SERVE_SPLIT_IDS ids pools its later blocks on one helper thread (started
+// per call: ~40 us here, which a smaller request does not win back).
+// Returns 0, or k + 1 for the first block whose plan or bags do not fit (nothing written).
+constexpr int64_t kQuantPlanFields = 10;
+#ifndef QUANT_SERVE_SPLIT_IDS
+#define QUANT_SERVE_SPLIT_IDS 16384
+#endif
+
+extern "C" int64_t HybridrecQuantServe(const int64_t* plan, int64_t blocks, const int32_t* ids, int64_t n_ids,
+                                       const int32_t* offsets, int64_t n_offsets, int64_t rung, int64_t bags,
+                                       const float* weights, float* out, int64_t out_stride) {
+  std::vector<int64_t> count(blocks);
+  int64_t total = 0;
+  for (int64_t k = 0; k < blocks; ++k) {
+    const int64_t* p = plan + k * kQuantPlanFields;
+    const int64_t kind = p[3], dim = p[4], col = p[5], f = p[6];
+    if (p[0] == 0 || p[1] < 0 || QuantShapeProblem(kind, dim, p[2]) != nullptr || col < 0 ||
+        col + dim > out_stride || f < 0 || bags < 0 || bags > rung || (f + 1) * rung + 1 > n_offsets ||
+        (p[9] != 0 && weights == nullptr)) {
+      return k + 1;
+    }
+    const int32_t* off = offsets + f * rung;
+    const int64_t first = std::min<int64_t>(std::max<int64_t>(off[0], 0), n_ids);
+    count[k] = std::min<int64_t>(std::max<int64_t>(off[bags], first), n_ids) - first;
+    total += count[k];
+  }
+  const QuantSplit serial{nullptr, 1};
+  auto pool = [&](int64_t from, int64_t to) {
+    for (int64_t k = from; k < to; ++k) {
+      const int64_t* p = plan + k * kQuantPlanFields;
+      QuantPoolInto(reinterpret_cast<const uint8_t*>(p[0]), p[1], p[2], ids, n_ids, offsets + p[6] * rung, bags,
+                    weights, out + p[5], p[4], out_stride, static_cast<int32_t>(p[3]), p[9] != 0, p[7] != 0,
+                    p[8] != 0, -1, serial);
+    }
+  };
+  int64_t split = blocks;  // blocks [split, blocks) go to the helper: about half the ids
+  if (total > QUANT_SERVE_SPLIT_IDS && blocks > 1) {
+    int64_t before = 0;
+    for (split = 0; split < blocks - 1 && 2 * (before + count[split]) <= total; ++split) before += count[split];
+    split = std::max<int64_t>(split, 1);
+  }
+  if (split == blocks) {
+    pool(0, blocks);
+    return 0;
+  }
+  std::thread helper(pool, split, blocks);
+  pool(0, split);
+  helper.join();
+  return 0;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecPooledSum, PooledSumImpl,
