@@ -17,12 +17,14 @@ tower), so the change is measured in the same run. Interleaved medians and
 per-round ratios, then TorchRec timed alone in a fresh process (`--side torchrec`), so its
 time in this harness can be compared with its time alone, and ours alone the same way
 (`--side ours`): beside each other the two runtimes' threads slow each other, so issue 33's
-bar is read off the two alone times.
+bar is read off the two alone times. Each side runs alone in `--alone-processes` fresh
+processes (3), the sides alternating, and the table gives the medians over them beside
+each process's figure: a single process's time moved by up to 2x from one to the next.
 Last, where our call's time goes (`host_breakdown`, medians of perf_counter stages): the
 request read and checked (`read_sparse`, `read_dense`), the lookup program (its call, and
 its wait until the pooled array is ready), the DLPack hand-over to torch (and the slice
-to the request's samples), the dense tower, and the whole call. The lookup the predictor runs (`Predictor.lookup`: "cpu_kernel" or "xla")
-is printed; the run stops if the artifact's kernel lookup fell back to XLA.
+to the request's samples), the dense tower, and the whole call. The lookup the predictor runs (`Predictor.lookup`: "cpu_kernel" or "xla", and
+whether it calls the kernel directly) is printed; the run stops if the artifact's kernel lookup fell back to XLA.
 """
 
 from __future__ import annotations
@@ -297,6 +299,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--alone-repeats", type=int, default=15)
     ap.add_argument(
+        "--alone-processes",
+        type=int,
+        default=3,
+        help="fresh processes per side for the alone times (the sides alternating)",
+    )
+    ap.add_argument(
         "--paired-calls",
         type=int,
         default=300,
@@ -343,13 +351,21 @@ def main(argv=None) -> int:
         }
         stages = {b: host_breakdown(predictor, args, b) for b in BATCHES}
     med = {k: summarize(v["total"])["median_ms"] for k, v in samples.items()}
-    fresh = competitor_alone("benchmarks.serving_latency", "torchrec", argv)
-    ours_alone = competitor_alone("benchmarks.serving_latency", "ours", argv)
+    # each side alone in --alone-processes fresh processes, the sides alternating: one
+    # process's figure moves by up to 2x between processes at batch 512
+    runs = {"torchrec": [], "ours": []}
+    for _ in range(args.alone_processes):
+        for side in runs:
+            runs[side].append(competitor_alone("benchmarks.serving_latency", side, argv))
+    fresh, ours_alone = (
+        {str(b): float(np.median([r[str(b)] for r in runs[side]])) for b in BATCHES}
+        for side in ("torchrec", "ours")
+    )
     after = quietness_probe()
     print(quietness_line(probe_before, after))
     print(
         f"{args.tables} int8 tables of {args.rows} x {args.dim}, bags of {args.pooling}, DLRM [64, {args.dim}] / "
-        f"[64, 1]; {args.repeats} interleaved rounds, medians; our lookup: {predictor.lookup}; "
+        f"[64, 1]; {args.repeats} interleaved rounds, medians; our lookup: {predictor.lookup}{' (direct)' if predictor.direct else ''}; "
         "before: the call at commit 559e9ca (benchmarks.serving_before)"
     )
     print(
@@ -366,14 +382,19 @@ def main(argv=None) -> int:
             f"{bt['paired_median']:.2f}x |"
         )
     print(
-        "\nEach side alone in a fresh process (the same rounds, nothing of the other side "
-        "running): issue 33's bar is ours alone <= TorchRec alone at every batch"
+        f"\nEach side alone in {args.alone_processes} fresh processes, the sides alternating (the "
+        "same rounds, nothing of the other side running; medians over the processes, then each "
+        "process's figure): issue 33's bar is ours alone <= TorchRec alone at every batch"
     )
-    print("| batch | ours ms (alone) | TorchRec ms (alone) | ours / TorchRec (alone) |")
-    print("|---|---|---|---|")
+    print(
+        "| batch | ours ms (alone) | TorchRec ms (alone) | ours / TorchRec (alone) | "
+        "ours per process | TorchRec per process |"
+    )
+    print("|---|---|---|---|---|---|")
     for b in BATCHES:
         o, t = ours_alone[str(b)], fresh[str(b)]
-        print(f"| {b} | {o:.3f} | {t:.3f} | {o / t:.2f}x |")
+        each = {k: " / ".join(f"{r[str(b)]:.3f}" for r in v) for k, v in runs.items()}
+        print(f"| {b} | {o:.3f} | {t:.3f} | {o / t:.2f}x | {each['ours']} | {each['torchrec']} |")
     print(
         f"\nAdjacent single calls ({args.paired_calls} per batch, order alternating; medians, "
         "and medians of the per-call ratios):"
