@@ -449,7 +449,7 @@ class Predictor:
             )
             if isinstance(found, str):
                 self.direct_fallback = found
-                log.info("%s: the kernel runs through its programs: %s", path, found)
+                log.warning("%s: the kernel runs through its programs: %s", path, found)
             else:
                 self._direct = found
 
