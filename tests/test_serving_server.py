@@ -13,6 +13,7 @@ loops are bounded in count and time.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import pathlib
@@ -216,6 +217,11 @@ def test_concurrent_requests_share_predictor_calls(server, artifacts):
 
         def send(i, barrier=barrier):
             barrier.wait()
+            if i % 2:  # every other request binary: the two formats share predictor calls
+                j = i % BATCH
+                lists = {f: bags[j : j + 1] for f, bags in artifacts["lists"].items()}
+                status, _, raw = _post_binary(server, _npz(artifacts["dense"][j : j + 1], lists))
+                return status, json.loads(raw)
             return server.predict(_sample(artifacts, i % BATCH))
 
         with ThreadPoolExecutor(n) as pool:
@@ -283,6 +289,151 @@ def test_every_bad_request_gets_its_4xx_and_the_server_stays_up(server, artifact
         "oversize_batch",
     ):
         assert f'hybridrec_serving_errors_total{{kind="{kind}"}}' in metrics, kind
+
+
+def _npz(dense, lists: dict | None = None, **members) -> bytes:
+    """A binary request (np.savez) of `dense` and the per-sample id lists `lists`, with
+    `members` added (or replacing)."""
+    arrays = {"dense": np.asarray(dense, np.float32)}
+    for f, bags in (lists or {}).items():
+        arrays[f"{f}.values"] = np.array([i for bag in bags for i in bag], np.int32)
+        arrays[f"{f}.lengths"] = np.array([len(bag) for bag in bags], np.int64)
+    arrays.update(members)
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
+def _post_binary(server, body: bytes, accept: str = "application/json"):
+    """(status, headers, body bytes) of a binary POST /predict."""
+    req = urllib.request.Request(
+        server.url("/predict"),
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/x-npz", "Accept": accept},
+    )
+    try:
+        with _OPENER.open(req, timeout=HTTP_S) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_a_binary_request_scores_as_json_does_and_gets_a_binary_answer(server, artifacts):
+    """An .npz request (int32 ids, float32 dense) scores what the JSON request scores; with
+    `Accept: application/x-npz` the answer is an .npz of float32 scores and logits, bit for
+    bit the in-process predictor's, the model named in the headers."""
+    body = _npz(artifacts["dense"], artifacts["lists"])
+    status, _, raw = _post_binary(server, body)
+    assert status == 200, raw
+    _, as_json = server.predict({"dense": artifacts["dense"], "sparse": artifacts["lists"]})
+    assert json.loads(raw)["logits"] == as_json["logits"]
+    status, headers, raw = _post_binary(server, body, accept="application/x-npz")
+    assert status == 200, raw
+    assert headers["content-type"] == "application/x-npz"
+    assert headers["x-model-artifact"] == str(artifacts["fp32"])
+    assert int(headers["x-model-generation"]) >= 1
+    with np.load(io.BytesIO(raw), allow_pickle=False) as answer:
+        logits, scores = answer["logits"], answer["scores"]
+    want = artifacts["fp32_predictor"](artifacts["dense"], artifacts["lists"])[:, 0]
+    assert logits.dtype == np.float32 and logits.shape == (BATCH,)
+    assert np.array_equal(logits, want.numpy())
+    assert np.array_equal(scores, torch.sigmoid(want).numpy())
+
+
+def test_every_bad_binary_request_gets_its_4xx_and_the_server_stays_up(server, artifacts):
+    dense, lists = artifacts["dense"][:2], {f: bags[:2] for f, bags in artifacts["lists"].items()}
+    huge = io.BytesIO()  # small compressed, past the 16 MiB body limit unpacked
+    np.savez_compressed(
+        huge, dense=np.zeros((2, N_DENSE), np.float32), big=np.zeros(17 << 20, np.uint8)
+    )
+    single = io.BytesIO()
+    np.save(single, np.zeros(3))
+    lone = {k: v for k, v in np.load(io.BytesIO(_npz(dense, lists))).items() if k != "b.lengths"}
+    no_lengths = io.BytesIO()
+    np.savez(no_lengths, **lone)
+    bad = {
+        "not an archive": (b"PK\x03\x04 garbage", 400, "not an .npz archive"),
+        "one .npy": (single.getvalue(), 400, "one .npy array"),
+        "no dense": (_no_dense(lists), 400, "no 'dense' member"),
+        "odd member": (_npz(dense, lists, **{"a.ids": np.zeros(1)}), 400, "'a.ids'"),
+        "unknown feature": (
+            _npz(dense, lists, **{"zz.values": np.zeros(1), "zz.lengths": np.ones(2)}),
+            422,
+            "unknown feature(s) ['zz']",
+        ),
+        "values without lengths": (
+            no_lengths.getvalue(),
+            400,
+            "needs both 'b.values' and 'b.lengths'",
+        ),
+        "pickled member": (
+            _npz(dense, lists, **{"a.values": np.array([object()] * 3, dtype=object)}),
+            400,
+            "unreadable",
+        ),
+        "lengths past the ids": (
+            _npz(dense, lists, **{"c.lengths": np.array([50, 50])}),
+            400,
+            "feature 'c'",
+        ),
+        "wrong dense width": (
+            _npz(np.zeros((2, N_DENSE + 1)), lists),
+            422,
+            "dense_features has shape",
+        ),
+        "too large unpacked": (huge.getvalue(), 413, "more than 16777216"),
+    }
+    for name, (body, status, message) in bad.items():
+        got, _, raw = _post_binary(server, body)
+        answer = json.loads(raw)
+        assert got == status, (name, answer)
+        assert message in answer["detail"], (name, answer)
+        assert _http("GET", server.url("/healthz"))[0] == 200, name
+    status, _, raw = _post_binary(server, _npz(dense, lists))
+    assert status == 200, raw
+
+
+def test_json_and_binary_payloads_scored_in_one_call_score_as_alone(artifacts):
+    """`_wire.score` on a batch mixing a JSON request (per-sample lists, float64 dense) and
+    a binary one (flat int32 ids, float32 dense): bit for bit the predictor on the same
+    samples as one request, and each what it gets alone to rounding."""
+    from hybrid.serving import _wire
+
+    predictor = artifacts["int8_predictor"]
+    dense, lists = artifacts["dense"], artifacts["lists"]
+    features, weighted = predictor.features, predictor.manifest["is_weighted"]
+    a = {f: bags[:3] for f, bags in lists.items()}
+    body = _npz(dense[3:], {f: bags[3:] for f, bags in lists.items()})
+    b_dense, b_sparse = _wire.parse(body, "application/x-npz; q=1", features, 1 << 20)
+    assert b_dense.dtype == np.float32 and b_sparse["a"][0].dtype == np.int32
+    payloads = [
+        _wire.payload(dense[:3], a, 3, features, weighted),
+        _wire.payload(b_dense, b_sparse, BATCH - 3, features, weighted),
+    ]
+    both = _wire.score(predictor, payloads)
+    alone = [_wire.score(predictor, [p])[0] for p in payloads]
+    whole = predictor(dense, lists)[:, 0].numpy()
+    for got, want, rows in zip(both, alone, (slice(0, 3), slice(3, BATCH)), strict=True):
+        assert np.array_equal(got["logits"], whole[rows])  # the same 8 samples in one call
+        # alone, the tower's matmuls see other batch shapes: the same to rounding
+        np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-6, atol=1e-7)
+
+
+def _no_dense(lists) -> bytes:
+    out = io.BytesIO()
+    np.savez(
+        out,
+        **{
+            f"{f}.{part}": np.array(a)
+            for f, bags in lists.items()
+            for part, a in (
+                ("values", [i for b in bags for i in b]),
+                ("lengths", [len(b) for b in bags]),
+            )
+        },
+    )
+    return out.getvalue()
 
 
 def _corrupt(artifacts, tmp_path) -> pathlib.Path:

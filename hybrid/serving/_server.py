@@ -12,6 +12,9 @@ Endpoints:
                       cannot take gets `{"error": kind, "detail": what to fix}`: 400 malformed
                       (json, structure), 413 too large (samples, ids, body), 422 otherwise
                       (unknown or missing feature, id out of range, dense width, weights).
+                      `Content-Type: application/x-npz`: the same request as numpy's `.npz`
+                      (`dense`, `<feature>.values`, `<feature>.lengths`[, `.weights`]);
+                      `Accept: application/x-npz`: the answer too (`_wire`).
   GET  /healthz       200 while the process is up.
   GET  /readyz        200 once a model is loaded and until shutdown begins, else 503.
   GET  /metrics       Prometheus text: requests, errors by kind, batch sizes (samples and
@@ -38,20 +41,18 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
 
 import prometheus_client
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from hybrid.serving import _wire
 from hybrid.serving._artifact import ArtifactError
 from hybrid.serving._batcher import BatchDone, Batcher, BatcherClosed
 from hybrid.serving._predictor import Predictor, load
@@ -73,14 +74,6 @@ _STATUS = {
 }  # every other kind (a value the model cannot take): 422
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
-
-
-class _Payload(NamedTuple):
-    """One request, checked: per-sample dense rows and {feature: (id lists, weight lists)}."""
-
-    dense: list
-    sparse: dict[str, tuple[list, list | None]]
-    samples: int
 
 
 class _Metrics:
@@ -145,87 +138,6 @@ def _load_warm(path: str, warm_ids: int = 0, torch_threads: int | None = 1) -> P
 
 def _error(kind: str, detail: str) -> JSONResponse:
     return JSONResponse({"error": kind, "detail": detail}, status_code=_STATUS.get(kind, 422))
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a json number")
-
-
-def _finite(values: list) -> list:
-    """Non-finite outputs (a model can overflow) as null: json has no NaN or Infinity."""
-    return [
-        _finite(v) if isinstance(v, list) else (v if math.isfinite(v) else None) for v in values
-    ]
-
-
-def _one_sample(entry):
-    """A single-sample request's feature entry as the per-sample form (a list of one bag)."""
-    if isinstance(entry, dict):
-        return {k: [v] for k, v in entry.items() if k in ("ids", "weights")}
-    return [entry]
-
-
-def _parse(body: bytes, predictor: Predictor) -> tuple[Any, dict]:
-    """(dense, sparse) in the per-sample form the predictor reads, from a request body."""
-    try:
-        request = json.loads(body, parse_constant=_no_constant)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
-        raise RequestError("malformed_json", f"the body is not valid json ({e})") from None
-    if (
-        not isinstance(request, dict)
-        or not isinstance(request.get("dense"), list)
-        or not isinstance(request.get("sparse"), dict)
-    ):
-        raise RequestError(
-            "malformed",
-            'a request is {"dense": [[floats], ...], "sparse": {feature: [[ids], ...]}} '
-            '(several samples) or {"dense": [floats], "sparse": {feature: [ids]}} (one)',
-        )
-    dense, sparse = request["dense"], request["sparse"]
-    unknown = sorted(f for f in sparse if f not in predictor.features)
-    if unknown:
-        raise RequestError(
-            "unknown_feature",
-            f"unknown feature(s) {unknown}; this model reads {predictor.features}",
-        )
-    if not dense or not isinstance(dense[0], list):  # one sample
-        dense, sparse = [dense], {f: _one_sample(v) for f, v in sparse.items()}
-    return dense, sparse
-
-
-def _columns(sparse: dict, features: Sequence[str]) -> dict[str, tuple[list, list | None]]:
-    out = {}
-    for f in features:
-        entry = sparse[f]
-        if isinstance(entry, dict):
-            out[f] = (list(entry["ids"]), entry.get("weights"))
-        else:
-            out[f] = (list(entry), None)
-    return out
-
-
-def _score(predictor: Predictor, payloads: Sequence[_Payload]) -> list[dict]:
-    """One predictor call for a batch of payloads; per payload its scores and logits."""
-    weighted = predictor.manifest["is_weighted"]
-    dense = [row for p in payloads for row in p.dense]
-    sparse = {}
-    for f in predictor.features:
-        ids = [bag for p in payloads for bag in p.sparse[f][0]]
-        if weighted:
-            sparse[f] = {"ids": ids, "weights": [w for p in payloads for w in p.sparse[f][1]]}
-        else:
-            sparse[f] = ids
-    logits = predictor(dense, sparse)
-    scores = torch.sigmoid(logits)
-    if logits.shape[1] == 1:
-        logits, scores = logits[:, 0], scores[:, 0]
-    logits, scores = logits.tolist(), scores.tolist()
-    out, start = [], 0
-    for p in payloads:
-        end = start + p.samples
-        out.append({"scores": _finite(scores[start:end]), "logits": _finite(logits[start:end])})
-        start = end
-    return out
 
 
 class _State:
@@ -318,7 +230,7 @@ def create_app(
         state.loop = asyncio.get_running_loop()
         state._reload_lock = asyncio.Lock()
         state.batcher = Batcher(
-            _score,
+            _wire.score,
             max_batch_size=max_batch_size,
             max_wait_s=max_wait_s,
             on_batch=state.metrics.batch_done,
@@ -419,11 +331,15 @@ async def _predict(state: _State, request: Request):
     body = await request.body()
     if len(body) > state.max_body:
         raise RequestError("payload_too_large", f"the body is larger than {state.max_body} bytes")
-    dense, sparse = _parse(body, predictor)
+    dense, sparse = _wire.parse(
+        body, request.headers.get("content-type"), predictor.features, state.max_body
+    )
     samples, ids = predictor.check(dense, sparse)
-    payload = _Payload(dense, _columns(sparse, predictor.features), samples)
+    weighted = predictor.manifest["is_weighted"]
+    payload = _wire.payload(dense, sparse, samples, predictor.features, weighted)
     result = await state.batcher.submit(predictor, payload, samples=samples, ids=ids)
-    return JSONResponse({**result, "model": info})  # rendered here: a failure is caught
+    # rendered here: a failure is caught
+    return _wire.render(result, info, _wire.is_binary(request.headers.get("accept")))
 
 
 class _Server(uvicorn.Server):
