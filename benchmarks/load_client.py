@@ -57,9 +57,11 @@ class LoadResult:
         }
 
 
-def _request_bytes(path: str, body: bytes, method: str = "POST") -> bytes:
+def _request_bytes(
+    path: str, body: bytes, method: str = "POST", content_type: str = "application/json"
+) -> bytes:
     head = (
-        f"{method} {path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+        f"{method} {path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
@@ -135,12 +137,14 @@ async def closed_loop(
     timeout_s: float = 60.0,
     stop: asyncio.Event | None = None,
     result: LoadResult | None = None,
+    content_type: str = "application/json",
 ) -> LoadResult:
-    """`clients` concurrent keep-alive clients POSTing `body` to /predict (module docstring);
-    with `stop`, until it is set (`seconds` then bounds the run). `result`: fill this one
-    (others may watch it while the clients run)."""
+    """`clients` concurrent keep-alive clients POSTing `body` (of `content_type`: JSON, or
+    the server's binary `.npz`) to /predict (module docstring); with `stop`, until it is set
+    (`seconds` then bounds the run). `result`: fill this one (others may watch it while the
+    clients run). The answers are JSON either way."""
     result = LoadResult() if result is None else result
-    data = _request_bytes("/predict", body)
+    data = _request_bytes("/predict", body, content_type=content_type)
     start = time.perf_counter()
     deadline = start + seconds
     await asyncio.gather(

@@ -2,7 +2,8 @@
 quantized DLRM behind the same server and batching.
 
     python -m benchmarks.serving_load                     # ~3 min: 8 int8 tables of 100k x 64
-    python -m benchmarks.serving_load --tiny              # seconds; what the suite runs
+    python -m benchmarks.serving_load --tiny              # seconds (the suite runs it with --format binary)
+    python -m benchmarks.serving_load --format binary     # the clients send .npz bodies
     python -m benchmarks.serving_load --update-results    # into benchmarks/results/
 
 An int8 DLRM (`benchmarks.serving_latency`'s model: `--tables` tables of `--rows` x `--dim`,
@@ -65,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=64, help="the server's batch limit")
     p.add_argument("--max-wait-us", type=int, default=2000, help="the server's batching wait")
     p.add_argument("--server-threads", type=int, default=1, help="OMP/torch threads of each server")
+    p.add_argument(
+        "--format",
+        choices=["json", "binary"],
+        default="json",
+        help="the clients' request body: JSON, or the server's binary .npz",
+    )
     p.add_argument(
         "--no-torchrec", action="store_true", help="serve ours only (no TorchRec comparison)"
     )
@@ -169,26 +176,44 @@ def _export(args, directory: str) -> str:
 
 
 def _body(args, samples: int, seed: int = 7) -> bytes:
+    """A request of `samples` samples in `--format`: JSON, or `.npz` (the same values)."""
+    import io
+
     import numpy as np
 
     from benchmarks import serving_latency as sl
 
     m = _model_args(args)
     rng = np.random.default_rng([seed, samples])
-    sparse = {f: rng.integers(0, m.rows, (samples, m.pooling)).tolist() for _, f in sl._config(m)}
-    dense = rng.standard_normal((samples, sl.N_DENSE)).round(4).tolist()
-    return json.dumps({"dense": dense, "sparse": sparse}).encode()
+    sparse = {f: rng.integers(0, m.rows, (samples, m.pooling)) for _, f in sl._config(m)}
+    dense = rng.standard_normal((samples, sl.N_DENSE)).round(4)
+    if getattr(args, "format", "json") == "json":
+        lists = {f: ids.tolist() for f, ids in sparse.items()}
+        return json.dumps({"dense": dense.tolist(), "sparse": lists}).encode()
+    arrays = {"dense": dense.astype(np.float32)}
+    for f, ids in sparse.items():
+        arrays[f"{f}.values"] = ids.reshape(-1)
+        arrays[f"{f}.lengths"] = np.full(samples, m.pooling, np.int64)
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
+def _content_type(args) -> str:
+    return "application/x-npz" if args.format == "binary" else "application/json"
 
 
 def _bad_bodies(args) -> list[bytes]:
     from benchmarks import serving_latency as sl
 
     m = _model_args(args)
-    good = json.loads(_body(args, 1))
+    good = json.loads(_body(argparse.Namespace(**{**vars(args), "format": "json"}), 1))
     feature = sl._config(m)[0][1]
     out_of_range = {**good, "sparse": {**good["sparse"], feature: [[m.rows]]}}
     unknown = {**good, "sparse": {**good["sparse"], "no_such_feature": [[1]]}}
-    oversize = json.loads(_body(args, args.max_batch_size + 1))
+    oversize = json.loads(
+        _body(argparse.Namespace(**{**vars(args), "format": "json"}), args.max_batch_size + 1)
+    )
     wide = {**good, "dense": [[0.0] * (sl.N_DENSE + 1)]}
     return [
         b'{"dense": [[0.1, ',
@@ -235,7 +260,13 @@ async def _reload_under_load(args, server: _Server, body: bytes, paths: list[str
 
     load, bad, reloaded = await asyncio.gather(
         load_client.closed_loop(
-            server.port, body, clients=args.clients, seconds=bound, stop=stop, result=seen
+            server.port,
+            body,
+            clients=args.clients,
+            seconds=bound,
+            stop=stop,
+            result=seen,
+            content_type=_content_type(args),
         ),
         load_client.garbage(server.port, _bad_bodies(args), seconds=bound, stop=stop),
         reloads(),
@@ -363,13 +394,21 @@ def main(argv=None) -> int:
             for server in servers.values():  # untimed: compiles the shapes this load meets
                 asyncio.run(
                     load_client.closed_loop(
-                        server.port, body, clients=args.clients, seconds=args.seconds / 4
+                        server.port,
+                        body,
+                        clients=args.clients,
+                        seconds=args.seconds / 4,
+                        content_type=_content_type(args),
                     )
                 )
             for name, server in servers.items():
                 got = asyncio.run(
                     load_client.closed_loop(
-                        server.port, body, clients=args.clients, seconds=args.seconds
+                        server.port,
+                        body,
+                        clients=args.clients,
+                        seconds=args.seconds,
+                        content_type=_content_type(args),
                     )
                 )
                 phases.append({"server": name, "samples": samples, "summary": got.summary(samples)})
@@ -425,7 +464,8 @@ def main(argv=None) -> int:
             f"{m.tables} int8 tables of {m.rows} x {m.dim}, bags of {m.pooling}, DLRM; server "
             f"--max-batch-size {args.max_batch_size} --max-wait-us {args.max_wait_us}, "
             f"{args.server_threads} thread(s) each; {args.clients} keep-alive clients in one "
-            f"asyncio process on the same cores, {args.seconds:g} s per phase"
+            f"asyncio process on the same cores, {args.seconds:g} s per phase, {args.format} "
+            "requests"
         ),
         "args": vars(args),
         "phases": phases,
