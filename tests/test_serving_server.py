@@ -420,6 +420,32 @@ def test_json_and_binary_payloads_scored_in_one_call_score_as_alone(artifacts):
         np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-6, atol=1e-7)
 
 
+def test_a_weighted_request_reads_the_same_from_json_and_binary():
+    """A weighted model's feature: `{"ids", "weights"}` per sample in JSON, `.values`,
+    `.lengths` and `.weights` in the archive: the same payload arrays."""
+    from hybrid.serving import _wire
+
+    bags, weights = [[1, 2], [], [3]], [[0.5, -1.0], [], [2.25]]
+    body = json.dumps(
+        {"dense": [[0.0, 1.0]] * 3, "sparse": {"a": {"ids": bags, "weights": weights}}}
+    )
+    dense, sparse = _wire.parse(body.encode(), None, ["a"], 1 << 20)
+    from_json = _wire.payload(dense, sparse, 3, ["a"], True)
+    binary = _npz(
+        [[0.0, 1.0]] * 3,
+        **{
+            "a.values": np.array([1, 2, 3]),
+            "a.lengths": np.array([2, 0, 1]),
+            "a.weights": np.array([0.5, -1.0, 2.25], np.float32),
+        },
+    )
+    dense, sparse = _wire.parse(binary, "application/x-npz", ["a"], 1 << 20)
+    from_binary = _wire.payload(dense, sparse, 3, ["a"], True)
+    for got, want in zip(from_binary.sparse["a"], from_json.sparse["a"], strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert np.array_equal(from_binary.dense, from_json.dense)
+
+
 def _no_dense(lists) -> bytes:
     out = io.BytesIO()
     np.savez(
