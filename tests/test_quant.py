@@ -432,9 +432,13 @@ def test_kernel_equals_the_xla_form_bit_for_bit_and_the_loops(weight_type, dim, 
             err_msg=what,
         )
         assert not got[[1, 4]].any()  # the empty bags
-        if bounds_check == "skip":
-            continue  # (once per pooling and weighting:)
-        # eager: the ids are checked (skip) or clamped, the result is the jitted one
+        if bounds_check == "skip" or rotation % 2 == 0:
+            continue  # (once per pooling and weighting, on dims 16 and 100:)
+        # eager: the ids are checked (skip) or clamped, the result is the jitted one. The eager
+        # call's own code (its host-side id check or clamp, then the same kernel and XLA forms
+        # the jitted call runs) depends on the dim only through the row alignment and the
+        # width: dims 16 (align 1, a compiled width) and 100 (align 16, a looped width) meet
+        # both of each, for every type; dims 12 and 64 run the same forms under jit above.
         np.testing.assert_array_equal(
             quantized_pooled_lookup(*args, bounds_check="clamp", kernel="ffi"),
             lookup(*args, bounds_check="clamp", kernel="xla"),
