@@ -140,7 +140,7 @@ async def closed_loop(
     content_type: str = "application/json",
 ) -> LoadResult:
     """`clients` concurrent keep-alive clients POSTing `body` (of `content_type`: JSON, or
-    the server's binary `.npz`) to /predict (module docstring); with `stop`, until it is set
+    the server's binary safetensors) to /predict (module docstring); with `stop`, until it is set
     (`seconds` then bounds the run). `result`: fill this one (others may watch it while the
     clients run). The answers are JSON either way."""
     result = LoadResult() if result is None else result

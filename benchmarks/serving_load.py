@@ -3,7 +3,7 @@ quantized DLRM behind the same server and batching.
 
     python -m benchmarks.serving_load                     # ~3 min: 8 int8 tables of 100k x 64
     python -m benchmarks.serving_load --tiny              # seconds (the suite runs it with --format binary)
-    python -m benchmarks.serving_load --format binary     # the clients send .npz bodies
+    python -m benchmarks.serving_load --format binary     # the clients send safetensors bodies
     python -m benchmarks.serving_load --update-results    # into benchmarks/results/
 
 An int8 DLRM (`benchmarks.serving_latency`'s model: `--tables` tables of `--rows` x `--dim`,
@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         "--format",
         choices=["json", "binary"],
         default="json",
-        help="the clients' request body: JSON, or the server's binary .npz",
+        help="the clients' request body: JSON, or the server's binary form (safetensors)",
     )
     p.add_argument(
         "--no-torchrec", action="store_true", help="serve ours only (no TorchRec comparison)"
@@ -176,10 +176,9 @@ def _export(args, directory: str) -> str:
 
 
 def _body(args, samples: int, seed: int = 7) -> bytes:
-    """A request of `samples` samples in `--format`: JSON, or `.npz` (the same values)."""
-    import io
-
+    """A request of `samples` samples in `--format`: JSON, or safetensors (the same values)."""
     import numpy as np
+    import safetensors.numpy
 
     from benchmarks import serving_latency as sl
 
@@ -194,13 +193,11 @@ def _body(args, samples: int, seed: int = 7) -> bytes:
     for f, ids in sparse.items():
         arrays[f"{f}.values"] = ids.reshape(-1)
         arrays[f"{f}.lengths"] = np.full(samples, m.pooling, np.int64)
-    out = io.BytesIO()
-    np.savez(out, **arrays)
-    return out.getvalue()
+    return safetensors.numpy.save(arrays)
 
 
 def _content_type(args) -> str:
-    return "application/x-npz" if args.format == "binary" else "application/json"
+    return "application/x-safetensors" if args.format == "binary" else "application/json"
 
 
 def _bad_bodies(args) -> list[bytes]:

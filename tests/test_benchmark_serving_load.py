@@ -1,5 +1,5 @@
 """`python -m benchmarks.serving_load --tiny --format binary`, run in-process so it cannot
-rot: a server subprocess on 127.0.0.1 answers every client request (binary `.npz` bodies) of
+rot: a server subprocess on 127.0.0.1 answers every client request (safetensors bodies) of
 both request sizes, reloads twice under load without failing one (the requests reach all
 three models), answers every garbage request with a 4xx and is still healthy after; the run
 writes its JSON and Markdown. The JSON and binary bodies hold the same request. No figure is
@@ -8,10 +8,10 @@ asserted (the machine is shared: the numbers of a smoke run mean nothing)."""
 from __future__ import annotations
 
 import argparse
-import io
 import json
 
 import numpy as np
+import safetensors.numpy
 
 from benchmarks import serving_load
 
@@ -39,8 +39,8 @@ def test_the_json_and_binary_bodies_hold_the_same_request():
     args = serving_load._parser().parse_args(["--tables", "2", "--rows", "50", "--pooling", "3"])
     as_json = json.loads(serving_load._body(args, 4))
     binary = argparse.Namespace(**{**vars(args), "format": "binary"})
-    with np.load(io.BytesIO(serving_load._body(binary, 4)), allow_pickle=False) as npz:
-        np.testing.assert_allclose(npz["dense"], as_json["dense"], rtol=1e-6)
-        for f, bags in as_json["sparse"].items():
-            assert npz[f"{f}.values"].tolist() == [i for bag in bags for i in bag]
-            assert npz[f"{f}.lengths"].tolist() == [len(bag) for bag in bags] == [3] * 4
+    arrays = safetensors.numpy.load(serving_load._body(binary, 4))
+    np.testing.assert_allclose(arrays["dense"], as_json["dense"], rtol=1e-6)
+    for f, bags in as_json["sparse"].items():
+        assert arrays[f"{f}.values"].tolist() == [i for bag in bags for i in bag]
+        assert arrays[f"{f}.lengths"].tolist() == [len(bag) for bag in bags] == [3] * 4

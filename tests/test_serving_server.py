@@ -13,7 +13,6 @@ loops are bounded in count and time.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import pathlib
@@ -30,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 
 import dense_torch
@@ -220,7 +220,7 @@ def test_concurrent_requests_share_predictor_calls(server, artifacts):
             if i % 2:  # every other request binary: the two formats share predictor calls
                 j = i % BATCH
                 lists = {f: bags[j : j + 1] for f, bags in artifacts["lists"].items()}
-                status, _, raw = _post_binary(server, _npz(artifacts["dense"][j : j + 1], lists))
+                status, _, raw = _post_binary(server, _binary(artifacts["dense"][j : j + 1], lists))
                 return status, json.loads(raw)
             return server.predict(_sample(artifacts, i % BATCH))
 
@@ -291,17 +291,15 @@ def test_every_bad_request_gets_its_4xx_and_the_server_stays_up(server, artifact
         assert f'hybridrec_serving_errors_total{{kind="{kind}"}}' in metrics, kind
 
 
-def _npz(dense, lists: dict | None = None, **members) -> bytes:
-    """A binary request (np.savez) of `dense` and the per-sample id lists `lists`, with
+def _binary(dense, lists: dict | None = None, **members) -> bytes:
+    """A binary request (safetensors) of `dense` and the per-sample id lists `lists`, with
     `members` added (or replacing)."""
     arrays = {"dense": np.asarray(dense, np.float32)}
     for f, bags in (lists or {}).items():
         arrays[f"{f}.values"] = np.array([i for bag in bags for i in bag], np.int32)
         arrays[f"{f}.lengths"] = np.array([len(bag) for bag in bags], np.int64)
     arrays.update(members)
-    out = io.BytesIO()
-    np.savez(out, **arrays)
-    return out.getvalue()
+    return safetensors.numpy.save(arrays)
 
 
 def _post_binary(server, body: bytes, accept: str = "application/json"):
@@ -310,7 +308,7 @@ def _post_binary(server, body: bytes, accept: str = "application/json"):
         server.url("/predict"),
         data=body,
         method="POST",
-        headers={"Content-Type": "application/x-npz", "Accept": accept},
+        headers={"Content-Type": "application/x-safetensors", "Accept": accept},
     )
     try:
         with _OPENER.open(req, timeout=HTTP_S) as r:
@@ -320,69 +318,78 @@ def _post_binary(server, body: bytes, accept: str = "application/json"):
 
 
 def test_a_binary_request_scores_as_json_does_and_gets_a_binary_answer(server, artifacts):
-    """An .npz request (int32 ids, float32 dense) scores what the JSON request scores; with
-    `Accept: application/x-npz` the answer is an .npz of float32 scores and logits, bit for
-    bit the in-process predictor's, the model named in the headers."""
-    body = _npz(artifacts["dense"], artifacts["lists"])
+    """A safetensors request (int32 ids, float32 dense) scores what the JSON request scores;
+    with `Accept: application/x-safetensors` the answer is safetensors of float32 scores and
+    logits, bit for bit the in-process predictor's, the model in its metadata and headers."""
+    body = _binary(artifacts["dense"], artifacts["lists"])
     status, _, raw = _post_binary(server, body)
     assert status == 200, raw
     _, as_json = server.predict({"dense": artifacts["dense"], "sparse": artifacts["lists"]})
     assert json.loads(raw)["logits"] == as_json["logits"]
-    status, headers, raw = _post_binary(server, body, accept="application/x-npz")
+    status, headers, raw = _post_binary(server, body, accept="application/x-safetensors")
     assert status == 200, raw
-    assert headers["content-type"] == "application/x-npz"
+    assert headers["content-type"] == "application/x-safetensors"
     assert headers["x-model-artifact"] == str(artifacts["fp32"])
-    assert int(headers["x-model-generation"]) >= 1
-    with np.load(io.BytesIO(raw), allow_pickle=False) as answer:
-        logits, scores = answer["logits"], answer["scores"]
+    generation = headers["x-model-generation"]
+    answer = safetensors.numpy.load(raw)
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert header["__metadata__"] == {"artifact": str(artifacts["fp32"]), "generation": generation}
     want = artifacts["fp32_predictor"](artifacts["dense"], artifacts["lists"])[:, 0]
-    assert logits.dtype == np.float32 and logits.shape == (BATCH,)
-    assert np.array_equal(logits, want.numpy())
-    assert np.array_equal(scores, torch.sigmoid(want).numpy())
+    assert answer["logits"].dtype == np.float32 and answer["logits"].shape == (BATCH,)
+    assert np.array_equal(answer["logits"], want.numpy())
+    assert np.array_equal(answer["scores"], torch.sigmoid(want).numpy())
+
+
+def _raw_safetensors(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
 
 
 def test_every_bad_binary_request_gets_its_4xx_and_the_server_stays_up(server, artifacts):
     dense, lists = artifacts["dense"][:2], {f: bags[:2] for f, bags in artifacts["lists"].items()}
-    huge = io.BytesIO()  # small compressed, past the 16 MiB body limit unpacked
-    np.savez_compressed(
-        huge, dense=np.zeros((2, N_DENSE), np.float32), big=np.zeros(17 << 20, np.uint8)
-    )
-    single = io.BytesIO()
-    np.save(single, np.zeros(3))
-    lone = {k: v for k, v in np.load(io.BytesIO(_npz(dense, lists))).items() if k != "b.lengths"}
-    no_lengths = io.BytesIO()
-    np.savez(no_lengths, **lone)
+    good = _binary(dense, lists)
+    lone = safetensors.numpy.load(good)
+    del lone["b.lengths"]
+    bf16 = {"dense": {"dtype": "BF16", "shape": [2, N_DENSE], "data_offsets": [0, 4 * N_DENSE]}}
     bad = {
-        "not an archive": (b"PK\x03\x04 garbage", 400, "not an .npz archive"),
-        "one .npy": (single.getvalue(), 400, "one .npy array"),
-        "no dense": (_no_dense(lists), 400, "no 'dense' member"),
-        "odd member": (_npz(dense, lists, **{"a.ids": np.zeros(1)}), 400, "'a.ids'"),
+        "not a buffer": (b"garbage", 400, "not a safetensors buffer"),
+        "cut short": (good[: len(good) // 2], 400, "not a safetensors buffer"),
+        "a dtype numpy lacks": (
+            _raw_safetensors(bf16, bytes(4 * N_DENSE)),
+            400,
+            "not a safetensors buffer",
+        ),
+        "no dense": (
+            safetensors.numpy.save({k: v for k, v in lone.items() if k != "dense"}),
+            400,
+            "no 'dense' tensor",
+        ),
+        "odd member": (_binary(dense, lists, **{"a.ids": np.zeros(1)}), 400, "'a.ids'"),
         "unknown feature": (
-            _npz(dense, lists, **{"zz.values": np.zeros(1), "zz.lengths": np.ones(2)}),
+            _binary(dense, lists, **{"zz.values": np.zeros(1), "zz.lengths": np.ones(2)}),
             422,
             "unknown feature(s) ['zz']",
         ),
         "values without lengths": (
-            no_lengths.getvalue(),
+            safetensors.numpy.save(lone),
             400,
             "needs both 'b.values' and 'b.lengths'",
         ),
-        "pickled member": (
-            _npz(dense, lists, **{"a.values": np.array([object()] * 3, dtype=object)}),
-            400,
-            "unreadable",
-        ),
         "lengths past the ids": (
-            _npz(dense, lists, **{"c.lengths": np.array([50, 50])}),
+            _binary(dense, lists, **{"c.lengths": np.array([50, 50])}),
             400,
             "feature 'c'",
         ),
+        "ids not integers": (
+            _binary(dense, lists, **{"a.values": np.full(len(lone["a.values"]), 0.5)}),
+            422,
+            "integers",
+        ),
         "wrong dense width": (
-            _npz(np.zeros((2, N_DENSE + 1)), lists),
+            _binary(np.zeros((2, N_DENSE + 1)), lists),
             422,
             "dense_features has shape",
         ),
-        "too large unpacked": (huge.getvalue(), 413, "more than 16777216"),
     }
     for name, (body, status, message) in bad.items():
         got, _, raw = _post_binary(server, body)
@@ -390,7 +397,7 @@ def test_every_bad_binary_request_gets_its_4xx_and_the_server_stays_up(server, a
         assert got == status, (name, answer)
         assert message in answer["detail"], (name, answer)
         assert _http("GET", server.url("/healthz"))[0] == 200, name
-    status, _, raw = _post_binary(server, _npz(dense, lists))
+    status, _, raw = _post_binary(server, good)
     assert status == 200, raw
 
 
@@ -404,8 +411,8 @@ def test_json_and_binary_payloads_scored_in_one_call_score_as_alone(artifacts):
     dense, lists = artifacts["dense"], artifacts["lists"]
     features, weighted = predictor.features, predictor.manifest["is_weighted"]
     a = {f: bags[:3] for f, bags in lists.items()}
-    body = _npz(dense[3:], {f: bags[3:] for f, bags in lists.items()})
-    b_dense, b_sparse = _wire.parse(body, "application/x-npz; q=1", features, 1 << 20)
+    body = _binary(dense[3:], {f: bags[3:] for f, bags in lists.items()})
+    b_dense, b_sparse = _wire.parse(body, "application/x-safetensors; q=1", features)
     assert b_dense.dtype == np.float32 and b_sparse["a"][0].dtype == np.int32
     payloads = [
         _wire.payload(dense[:3], a, 3, features, weighted),
@@ -422,16 +429,16 @@ def test_json_and_binary_payloads_scored_in_one_call_score_as_alone(artifacts):
 
 def test_a_weighted_request_reads_the_same_from_json_and_binary():
     """A weighted model's feature: `{"ids", "weights"}` per sample in JSON, `.values`,
-    `.lengths` and `.weights` in the archive: the same payload arrays."""
+    `.lengths` and `.weights` in the safetensors buffer: the same payload arrays."""
     from hybrid.serving import _wire
 
     bags, weights = [[1, 2], [], [3]], [[0.5, -1.0], [], [2.25]]
     body = json.dumps(
         {"dense": [[0.0, 1.0]] * 3, "sparse": {"a": {"ids": bags, "weights": weights}}}
     )
-    dense, sparse = _wire.parse(body.encode(), None, ["a"], 1 << 20)
+    dense, sparse = _wire.parse(body.encode(), None, ["a"])
     from_json = _wire.payload(dense, sparse, 3, ["a"], True)
-    binary = _npz(
+    binary = _binary(
         [[0.0, 1.0]] * 3,
         **{
             "a.values": np.array([1, 2, 3]),
@@ -439,27 +446,11 @@ def test_a_weighted_request_reads_the_same_from_json_and_binary():
             "a.weights": np.array([0.5, -1.0, 2.25], np.float32),
         },
     )
-    dense, sparse = _wire.parse(binary, "application/x-npz", ["a"], 1 << 20)
+    dense, sparse = _wire.parse(binary, "application/x-safetensors", ["a"])
     from_binary = _wire.payload(dense, sparse, 3, ["a"], True)
     for got, want in zip(from_binary.sparse["a"], from_json.sparse["a"], strict=True):
         assert got.dtype == want.dtype and np.array_equal(got, want)
     assert np.array_equal(from_binary.dense, from_json.dense)
-
-
-def _no_dense(lists) -> bytes:
-    out = io.BytesIO()
-    np.savez(
-        out,
-        **{
-            f"{f}.{part}": np.array(a)
-            for f, bags in lists.items()
-            for part, a in (
-                ("values", [i for b in bags for i in b]),
-                ("lengths", [len(b) for b in bags]),
-            )
-        },
-    )
-    return out.getvalue()
 
 
 def _corrupt(artifacts, tmp_path) -> pathlib.Path:

@@ -12,9 +12,10 @@ Endpoints:
                       cannot take gets `{"error": kind, "detail": what to fix}`: 400 malformed
                       (json, structure), 413 too large (samples, ids, body), 422 otherwise
                       (unknown or missing feature, id out of range, dense width, weights).
-                      `Content-Type: application/x-npz`: the same request as numpy's `.npz`
-                      (`dense`, `<feature>.values`, `<feature>.lengths`[, `.weights`]);
-                      `Accept: application/x-npz`: the answer too (`_wire`).
+                      `Content-Type: application/x-safetensors`: the same request as a
+                      safetensors buffer (`dense`, `<feature>.values`, `<feature>.lengths`
+                      [, `.weights`]); `Accept: application/x-safetensors`: the answer too
+                      (`_wire`).
   GET  /healthz       200 while the process is up.
   GET  /readyz        200 once a model is loaded and until shutdown begins, else 503.
   GET  /metrics       Prometheus text: requests, errors by kind, batch sizes (samples and
@@ -331,9 +332,7 @@ async def _predict(state: _State, request: Request):
     body = await request.body()
     if len(body) > state.max_body:
         raise RequestError("payload_too_large", f"the body is larger than {state.max_body} bytes")
-    dense, sparse = _wire.parse(
-        body, request.headers.get("content-type"), predictor.features, state.max_body
-    )
+    dense, sparse = _wire.parse(body, request.headers.get("content-type"), predictor.features)
     samples, ids = predictor.check(dense, sparse)
     weighted = predictor.manifest["is_weighted"]
     payload = _wire.payload(dense, sparse, samples, predictor.features, weighted)

@@ -1,18 +1,21 @@
-"""The server's request and response formats: JSON, and numpy's `.npz` for compact binary.
+"""The server's request and response formats: JSON, and safetensors for compact binary.
 
 JSON (any content type but the binary one, so `curl -d` works):
   `{"dense": [[n_dense floats], ...], "sparse": {feature: [[ids], ...]}}` (several samples)
   or `{"dense": [floats], "sparse": {feature: [ids]}}` (one); a weighted model's feature is
   `{"ids": ..., "weights": ...}`. Answer: `{"scores": [...], "logits": [...], "model": {...}}`.
 
-Binary (`Content-Type: application/x-npz`): the body is what `np.savez` writes, holding
+Binary (`Content-Type: application/x-safetensors`): the body is a safetensors buffer (the
+  ML field's plain tensor container: a JSON header of names, dtypes, shapes and offsets, then
+  the raw bytes; `safetensors.numpy.save(...)`, or `safetensors.torch.save(...)`), holding
   `dense` `[B, n_dense]` and, per feature, `<feature>.values` (its ids, sample after sample),
   `<feature>.lengths` (ids per sample, `[B]`) and, for a weighted model, `<feature>.weights`:
-  the flat form `hybrid.Model` and `Predictor` take, read without a loop over samples or
-  ids. No pickled arrays; members (compressed or not) may not hold more than the server's
-  body limit. With `Accept: application/x-npz` the answer is an `.npz` too, of `scores` and
-  `logits` (float32; `[B]` for one output, else `[B, outputs]`), the model in the headers
-  `X-Model-Artifact` and `X-Model-Generation`. Errors are JSON either way.
+  the flat form `hybrid.Model` and `Predictor` take, parsed in tens of microseconds whatever
+  the batch (JSON takes ~0.4 ms for 64 samples of 8 features of 10 ids) and read without a
+  loop over samples or ids. With `Accept: application/x-safetensors` the answer is one too,
+  of `scores` and `logits` (float32; `[B]` for one output, else `[B, outputs]`), the model
+  in its metadata (`artifact`, `generation`) and in the headers `X-Model-Artifact` and
+  `X-Model-Generation`. Errors are JSON either way.
 
 Both become the same `Payload` of arrays (after the predictor's own checks), so JSON and
 binary requests share predictor calls.
@@ -20,15 +23,14 @@ binary requests share predictor calls.
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import math
-import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import safetensors.numpy
 import torch
 from fastapi.responses import JSONResponse, Response
 
@@ -36,7 +38,7 @@ from hybrid.serving._request import RequestError
 
 __all__ = ["BINARY", "Payload", "is_binary", "parse", "payload", "render", "score"]
 
-BINARY = "application/x-npz"
+BINARY = "application/x-safetensors"
 _PARTS = ("values", "lengths", "weights")
 
 
@@ -97,64 +99,49 @@ def _parse_json(body: bytes, features: Sequence[str]) -> tuple[Any, dict]:
     return dense, sparse
 
 
-def _parse_npz(body: bytes, features: Sequence[str], max_body: int) -> tuple[Any, dict]:
+def _parse_binary(body: bytes, features: Sequence[str]) -> tuple[Any, dict]:
     how = (
-        "a binary request is np.savez(..., dense=[B, n_dense], **{'<feature>.values': ids, "
-        "'<feature>.lengths': [B]}) (and '<feature>.weights' for a weighted model)"
+        "a binary request is safetensors.numpy.save({'dense': [B, n_dense], '<feature>.values': "
+        "ids, '<feature>.lengths': [B], ...}) (and '<feature>.weights' for a weighted model)"
     )
     try:
-        archive = np.load(io.BytesIO(body), allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise RequestError("malformed", f"the body is not an .npz archive ({e}); {how}") from None
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise RequestError("malformed", f"the body is one .npy array, not an .npz archive; {how}")
-    with archive:
-        unpacked = sum(info.file_size for info in archive.zip.infolist())
-        if unpacked > max_body:
+        arrays = safetensors.numpy.load(body)
+    except Exception as e:  # SafetensorError, or a dtype numpy lacks (bf16)
+        raise RequestError(
+            "malformed", f"the body is not a safetensors buffer ({type(e).__name__}: {e}); {how}"
+        ) from None
+    if "dense" not in arrays:
+        raise RequestError("malformed", f"the buffer has no 'dense' tensor; {how}")
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for name, array in arrays.items():
+        if name == "dense":
+            continue
+        feature, _, part = name.rpartition(".")
+        if not feature or part not in _PARTS:
             raise RequestError(
-                "payload_too_large",
-                f"the archive's members hold {unpacked} bytes, more than {max_body}",
+                "malformed",
+                f"the buffer's tensor {name!r} is not 'dense' nor one of '<feature>.values', "
+                f"'<feature>.lengths', '<feature>.weights'; {how}",
             )
-        names = list(archive.files)
-        if "dense" not in names:
-            raise RequestError("malformed", f"the archive has no 'dense' member; {how}")
-        sparse: dict[str, dict[str, np.ndarray]] = {}
-        for name in names:
-            if name == "dense":
-                continue
-            feature, _, part = name.rpartition(".")
-            if not feature or part not in _PARTS:
-                raise RequestError(
-                    "malformed",
-                    f"the archive's member {name!r} is not 'dense' nor one of "
-                    f"'<feature>.values', '<feature>.lengths', '<feature>.weights'; {how}",
-                )
-            sparse.setdefault(feature, {})[part] = name
-        _unknown(sparse, features)
-        try:
-            dense = archive["dense"]
-            read = {f: {p: archive[n] for p, n in parts.items()} for f, parts in sparse.items()}
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-            raise RequestError("malformed", f"an archive member is unreadable ({e})") from None
-    out = {}
-    for f, parts in read.items():
-        if "values" not in parts or "lengths" not in parts:
+        parts.setdefault(feature, {})[part] = array
+    _unknown(parts, features)
+    sparse = {}
+    for f, got in parts.items():
+        if "values" not in got or "lengths" not in got:
             raise RequestError(
                 "malformed", f"feature {f!r} needs both '{f}.values' and '{f}.lengths'; {how}"
             )
-        out[f] = (
-            parts["values"],
-            parts["lengths"],
-            *(() if "weights" not in parts else (parts["weights"],)),
+        sparse[f] = (got["values"], got["lengths"]) + (
+            (got["weights"],) if "weights" in got else ()
         )
-    return dense, out
+    return arrays["dense"], sparse
 
 
-def parse(body: bytes, media_type: str | None, features: Sequence[str], max_body: int):
+def parse(body: bytes, media_type: str | None, features: Sequence[str]):
     """(dense, sparse) of a request body in the format its Content-Type names, in a form
     the predictor reads (its checks come next); the wrong structure raises RequestError."""
     if is_binary(media_type):
-        return _parse_npz(body, features, max_body)
+        return _parse_binary(body, features)
     return _parse_json(body, features)
 
 
@@ -224,15 +211,14 @@ def _finite(values: list) -> list:
 
 
 def render(result: dict[str, np.ndarray], model: dict, binary: bool) -> Response:
-    """The answer to a scored request: JSON, or (`binary`) an `.npz` of scores and logits."""
+    """The answer to a scored request: JSON, or (`binary`) safetensors of scores and logits."""
     if binary:
-        out = io.BytesIO()
-        np.savez(out, scores=result["scores"], logits=result["logits"])
-        headers = {
-            "X-Model-Artifact": str(model["artifact"]),
-            "X-Model-Generation": str(model["generation"]),
-        }
-        return Response(out.getvalue(), media_type=BINARY, headers=headers)
+        about = {"artifact": str(model["artifact"]), "generation": str(model["generation"])}
+        body = safetensors.numpy.save(
+            {"scores": result["scores"], "logits": result["logits"]}, metadata=about
+        )
+        headers = {"X-Model-Artifact": about["artifact"], "X-Model-Generation": about["generation"]}
+        return Response(body, media_type=BINARY, headers=headers)
     return JSONResponse(
         {
             "scores": _finite(result["scores"].tolist()),
