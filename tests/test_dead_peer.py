@@ -214,6 +214,24 @@ def _dogs(n=2, **kwargs):
     return store, clock, exits, alive, dogs
 
 
+def test_start_meets_every_peer_so_the_sentinel_can_name_one_that_dies_early():
+    """`meet` (run by `start` before the loop) learns each peer's pid once it is announced,
+    waiting a bounded time for late ones, and tells the sentinel of those on this host: a
+    peer killed in the first steps is named even when JAX aborts this process first."""
+    _, _, _, _, (a, b) = _dogs()
+    told = []
+    a._tell = told.append
+    start = time.monotonic()
+    assert not a.meet(0.2)  # b has not announced: gives up after the wait
+    assert 0.2 <= time.monotonic() - start < 5 and told == []
+    b.announce()
+    assert a.meet(5.0)
+    ((line,),) = [told]
+    assert line.startswith(f"peer 1 {os.getpid()} host ")
+    assert a.describe(1) == f"rank 1 (pid {os.getpid()} on host)"
+    assert a.meet(0.0) and len(told) == 1  # learned once
+
+
 def test_a_silent_peer_is_lost_after_the_timeout():
     store, clock, exits, _, (a, b) = _dogs()
     for _ in range(10):  # both beating: nothing happens

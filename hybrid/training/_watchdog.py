@@ -187,11 +187,7 @@ class Watchdog:
                     continue
                 return f"{self.describe(r)} stopped after an error"
             done = False
-            if r not in self._info and store.check([self._key("pid", r)]):
-                pid, hostname, ident, start = store.get(self._key("pid", r)).decode().split(" ")
-                self._info[r] = (int(pid), hostname, f"{ident} {start}")
-                if ident == self.identity and start:
-                    self._tell(f"peer {r} {pid} {hostname} {start}")
+            self._learn(r)
             info = self._info.get(r)
             if info is not None:
                 ident, start = info[2].split(" ")
@@ -206,6 +202,34 @@ class Watchdog:
         if done:
             self._all_done.set()
         return None
+
+    def _learn(self, r: int) -> None:
+        """Peer r's pid, host and start time, once it has published them (and the sentinel
+        told of a peer on this host)."""
+        if r not in self._info and self.store.check([self._key("pid", r)]):
+            pid, hostname, ident, start = self.store.get(self._key("pid", r)).decode().split(" ")
+            self._info[r] = (int(pid), hostname, f"{ident} {start}")
+            if ident == self.identity and start:
+                self._tell(f"peer {r} {pid} {hostname} {start}")
+
+    def meet(self, wait: float) -> bool:
+        """Learn every peer's pid, waiting up to `wait` seconds (real time) for those not yet
+        announced; True once all are known. Every rank announces right after
+        `init_distributed`, so this takes milliseconds; without it a peer killed in the first
+        steps could die before the loop's first read of it, and the sentinel (which names the
+        dead peer when JAX aborts this process first) would not know whom to name."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                for r in self.peers:
+                    self._learn(r)
+            except Exception:  # noqa: BLE001 - an unreachable store: the loop reports it
+                return False
+            if all(r in self._info for r in self.peers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
     def step(self) -> bool:
         """Beat, check, act. False once the watchdog should stop (every rank done)."""
@@ -275,6 +299,7 @@ class Watchdog:
             self.exit = exit
         self.announce()
         self.beat()
+        self.meet(self.timeout)
         self._thread = threading.Thread(target=self._run, name="hybridrec-watchdog", daemon=True)
         self._thread.start()
         return self
