@@ -18,8 +18,9 @@ What it imports: this package's modules need only jax, numpy, torch and the stan
 library (plus `hybrid._files` for sha256): no `hybrid.Model`, sparse_jax, optimizer,
 planner or training script (to run an int8 artifact's C++ kernel lookup, `_kernel` runs
 sparse_jax's `_kernels/build.py` file alone to find the built library, without importing
-the sparse_jax package; without it the XLA lookup runs); the HTTP server (`_server`, `_batcher`) adds fastapi, uvicorn
-and prometheus-client (the `serve` extra), imported only by `serve`. `import hybrid.serving`
+the sparse_jax package, and `_direct` calls its C entry; without it the XLA lookup runs);
+the HTTP server (`_server`, `_batcher`, `_wire`) adds fastapi, uvicorn, prometheus-client
+and safetensors (the `serve` extra), imported only by `serve`. `import hybrid.serving`
 still runs `hybrid/__init__.py`, which imports the training library (sparse_jax and its
 optimizers, `hybrid.Model`); never the planner nor `hybrid.train`. `tests/test_export.py`
 loads this package without `hybrid/__init__` in a fresh process to check its own needs.
