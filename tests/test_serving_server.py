@@ -237,6 +237,13 @@ def test_concurrent_requests_share_predictor_calls(server, artifacts):
     )
     sizes = _histogram(server.metrics(), "hybridrec_serving_batch_size")
     assert sizes["+Inf"] > sizes["1.0"] and sizes["8.0"] == sizes["+Inf"]  # never over 8
+    # the loaded model, jax and torch are frozen out of the collector's full scans (~0.2 s each)
+    (frozen,) = [
+        float(line.rsplit(" ", 1)[1])
+        for line in server.metrics().splitlines()
+        if line.startswith("hybridrec_serving_gc_frozen_objects ")
+    ]
+    assert frozen > 100_000, frozen
 
 
 def test_every_bad_request_gets_its_4xx_and_the_server_stays_up(server, artifacts):

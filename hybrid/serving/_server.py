@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -108,6 +109,11 @@ class _Metrics:
         self.generation = prometheus_client.Gauge(
             p + "model_generation", "How many models were loaded (1: the first)", registry=r
         )
+        self.frozen = prometheus_client.Gauge(
+            p + "gc_frozen_objects",
+            "Objects the garbage collector no longer scans, frozen after the last model load",
+            registry=r,
+        )
         self.queued = prometheus_client.Gauge(
             p + "queued_samples", "Samples waiting for a predictor call", registry=r
         )
@@ -135,6 +141,19 @@ def _load_warm(path: str, warm_ids: int = 0, torch_threads: int | None = 1) -> P
             f"({type(e).__name__}: {e}); re-export the model"
         ) from None
     return predictor
+
+
+def _settle_heap() -> int:
+    """Collect what a model load left (a replaced model's reference cycles included), then
+    freeze every surviving object: the model, jax, torch and the server are ~400,000
+    objects, and a full collection scanning them took ~0.23 s, stalling every request in
+    flight (the load test's p999 sat near it). Frozen objects are never scanned again (they
+    are still freed when nothing refers to them); the next load unfreezes them first, so a
+    replaced model's cycles are collected then. Returns how many objects are frozen."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _error(kind: str, detail: str) -> JSONResponse:
@@ -187,6 +206,7 @@ class _State:
             self.generation += 1
             self.metrics.reloads.labels("ok").inc()
             self.metrics.generation.set(self.generation)
+            self.metrics.frozen.set(await asyncio.to_thread(_settle_heap))
             log.info("serving %s (generation %d)", path, self.generation)
             return self.model_info()
 
