@@ -83,14 +83,16 @@ class DirectLookup:
     """`lookup(arrays) -> pooled` (torch fp32 `[arrays.batch_size, width]`): the artifact's
     lookup by the kernel's C entry (module docstring). Holds the tables it reads."""
 
-    def __init__(self, entry, plan: np.ndarray, width: int, tables: Sequence[np.ndarray], rung_of):
+    def __init__(
+        self, entry, plan: np.ndarray, width: int, tables: Sequence[np.ndarray], features: int
+    ):
         self._entry = entry
         self._plan = plan
         self._plan_at = plan.ctypes.data
         self._blocks = plan.shape[0]
         self.width = width
         self._tables = list(tables)  # the plan holds their addresses: keep them alive
-        self._rung_of = rung_of  # offsets length -> bags per feature
+        self._features = features  # offsets hold features x (bags per feature) + 1
 
     def __call__(self, arrays: SparseArrays) -> torch.Tensor:
         batch = arrays.batch_size
@@ -104,7 +106,7 @@ class DirectLookup:
             values.shape[0],
             offsets.ctypes.data,
             offsets.shape[0],
-            self._rung_of(offsets.shape[0]),
+            (offsets.shape[0] - 1) // self._features,
             batch,
             None if weights is None else weights.ctypes.data,
             out.ctypes.data,
@@ -137,8 +139,7 @@ def direct_lookup(
     plan = _plan(manifest, tables)
     if isinstance(plan, str):
         return plan
-    n_features = len(spec.features)
-    lookup = DirectLookup(entry, *plan, tables, lambda n: (n - 1) // n_features)
+    lookup = DirectLookup(entry, *plan, tables, len(spec.features))
     for arrays in probes:
         got, want = lookup(arrays), program(arrays)
         if got.shape != want.shape or not torch.equal(got, want):

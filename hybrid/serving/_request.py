@@ -38,6 +38,7 @@ __all__ = [
     "RequestError",
     "RequestSpec",
     "SparseArrays",
+    "columns",
     "probe_requests",
     "read_dense",
     "read_sparse",
@@ -241,7 +242,7 @@ def _from_keyed(keys, values, lengths, weights) -> dict[str, _Column]:
 def _numpy_columns(sparse, features: Sequence[str]) -> list[_Column] | None:
     """The columns of `features` (in that order) when `sparse` is a dict giving each as
     `(values, lengths)`, both 1-D numpy arrays, lengths int64 (what a program builds):
-    taken as they are, without a conversion; None for any other form (`_columns` reads it)."""
+    taken as they are, without a conversion; None for any other form (`columns` reads it)."""
     if type(sparse) is not dict:
         return None
     cols = []
@@ -261,7 +262,10 @@ def _numpy_columns(sparse, features: Sequence[str]) -> list[_Column] | None:
     return cols
 
 
-def _columns(sparse) -> dict[str, _Column]:
+def columns(sparse) -> dict[str, _Column]:
+    """{feature: (values, lengths int64, weights or None)} of a sparse request in any form the
+    module docstring lists, unchecked (`read_sparse` checks them; the server packs a checked
+    request's columns with it)."""
     if isinstance(sparse, Mapping):
         return _from_mapping(sparse)
     if all(callable(getattr(sparse, name, None)) for name in ("keys", "values", "lengths")):
@@ -407,15 +411,15 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
     features = spec.features
     cols = _numpy_columns(sparse, features)
     if cols is None:  # any other form, or a feature missing
-        columns = _columns(sparse)
-        missing = [f for f in features if f not in columns]
+        columns_of = columns(sparse)
+        missing = [f for f in features if f not in columns_of]
         if missing:
             raise RequestError(
                 "missing_feature",
                 f"the request lacks features {missing}; the artifact reads {list(features)} "
                 "(give an empty list for a sample without ids)",
             )
-        cols = [columns[f] for f in features]
+        cols = [columns_of[f] for f in features]
     batch = cols[0].lengths.shape[0]
     if any(c.lengths.shape[0] != batch for c in cols):
         sizes = {f: int(c.lengths.shape[0]) for f, c in zip(features, cols, strict=True)}

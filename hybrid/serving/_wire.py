@@ -23,7 +23,6 @@ binary requests share predictor calls.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -34,7 +33,7 @@ import safetensors.numpy
 import torch
 from fastapi.responses import JSONResponse, Response
 
-from hybrid.serving._request import RequestError
+from hybrid.serving._request import RequestError, columns
 
 __all__ = ["BINARY", "Payload", "is_binary", "parse", "payload", "render", "score"]
 
@@ -148,29 +147,17 @@ def parse(body: bytes, media_type: str | None, features: Sequence[str]):
 def payload(
     dense, sparse: Mapping, samples: int, features: Sequence[str], weighted: bool
 ) -> Payload:
-    """A request the predictor has checked (`check(dense, sparse)`), as arrays."""
+    """A request the predictor has checked (`check(dense, sparse)`), as arrays: its columns
+    as the predictor's own reader takes them (`_request.columns`: per-sample lists or flat
+    arrays), the ids as int64."""
+    read = columns(sparse)
     cols = {}
     for f in features:
-        entry = sparse[f]
-        if isinstance(entry, tuple):  # flat arrays (binary)
-            values, lengths = entry[0], entry[1]
-            weights = entry[2] if len(entry) > 2 else None
-        else:  # per-sample lists (json)
-            bags, weights = (
-                (entry["ids"], entry.get("weights")) if isinstance(entry, dict) else (entry, None)
-            )
-            lengths = np.fromiter(map(len, bags), np.int64, count=len(bags))
-            values = np.fromiter(
-                itertools.chain.from_iterable(bags), np.int64, count=int(lengths.sum())
-            )
-            if weights is not None:
-                weights = np.fromiter(
-                    itertools.chain.from_iterable(weights), np.float32, count=values.size
-                )
+        c = read[f]
         cols[f] = (
-            np.asarray(values).astype(np.int64, copy=False),
-            np.asarray(lengths).astype(np.int64, copy=False),
-            None if not weighted or weights is None else np.asarray(weights, np.float32),
+            c.values.astype(np.int64, copy=False),
+            c.lengths,
+            None if not weighted or c.weights is None else np.asarray(c.weights, np.float32),
         )
     dense = np.asarray(dense)
     return Payload(dense if dense.dtype.kind == "f" else dense.astype(np.float64), cols, samples)
