@@ -222,6 +222,11 @@ def test_an_int8_artifact_carries_the_kernel_lookup_and_runs_it_with_the_same_sc
     programs = serving.load(path, direct=False)
     assert (fast.lookup, fast.lookup_fallback) == ("cpu_kernel", None)
     assert (fast.direct, fast.direct_fallback) == (True, None)  # the kernel called directly
+    # it reads the tables placed for the programs, not a second copy of them
+    assert all(
+        d.ctypes.data == j.unsafe_buffer_pointer()
+        for d, j in zip(fast._direct._tables, fast._tables, strict=True)
+    )
     assert (programs.lookup, programs.direct, programs.direct_fallback) == (
         "cpu_kernel",
         False,

@@ -441,7 +441,8 @@ class Predictor:
 
             found = direct_lookup(
                 manifest,
-                tables,
+                # the placed tables' own buffers (views, no copy: the loaded arrays go)
+                [np.asarray(t) for t in self._tables],
                 self._spec,
                 _kernel.library(),
                 [read_sparse(r, self._spec) for r in probe_requests(self._spec)],
