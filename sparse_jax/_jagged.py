@@ -11,7 +11,7 @@ Inside `jit` use `segment_ids()` and `valid_mask()`.
 
 The static-shape form: `kjt.pad(ladder)` pads `values` to a capacity rung (padding ids are
 0 with weight 0 and sit after the last bag, so they belong to no bag) and records a
-power-of-two length cap per feature. `jit` then sees one shape per (capacity, caps).
+length cap per feature (`length_cap` of its longest bag). `jit` then sees one shape per (capacity, caps).
 """
 
 from __future__ import annotations
@@ -797,7 +797,7 @@ class KeyedJaggedTensor(_JaggedArrays):
         capacity: int | None = None,
         length_caps: Sequence[int] | None = None,
     ) -> KeyedJaggedTensor:
-        """Pad `values` to a capacity rung and record power-of-two length caps (eager).
+        """Pad `values` to a capacity rung and record length caps (`length_cap`; eager).
 
         Padding ids are 0 with weight 0, after the last bag: they belong to no bag and pool
         to nothing. `capacity` forces a size instead of the ladder's rung. `length_caps`

@@ -7,10 +7,11 @@ the traced code, handled by `bounds_check`:
   "clamp": ids are clamped into `[0, num_embeddings)`.
   "skip":  out-of-range ids contribute nothing (MEAN still divides by the bag's length).
 
-* `pooled_per_position` (the XLA path; the C++ kernel takes the same matrices): the ids of each feature become a
-  `[B, cap]` matrix (cap = the KJT's power-of-two length cap for that feature), and the
-  pooled sum is `sum_l w[:, l] * table[ids[:, l]]`, a 4x-unrolled loop over l, so XLA fuses gather
-  and add and never writes the gathered rows to memory.
+* `pooled_per_position` (the XLA path): a loop over the positions l < cap of the bags (cap =
+  the KJT's length cap for the feature, `_capacity.length_cap`), the pooled sum being
+  `sum_l w_l * table[id at bag offset + l]`, 4 positions an iteration, ids read straight
+  from the values, so XLA fuses gather and add and never writes the gathered rows to memory.
+  (`sum_positions` takes `[B, cap]` id and weight matrices instead: the sharded lookup.)
 * `pooled_segment_sum` (reference): gather every id's row, then `segment_sum` per bag.
 
 `id_stream` gives the flat (row, bag, scale) triples the fused optimizer consumes.
@@ -223,25 +224,104 @@ def _jagged_args(
 def _group_per_position(
     table, kjt, layout: TableLayout, group: str, caps, *, weighted: bool, bounds_check: str
 ):
-    """The XLA form of one group: `[B, F_g * dim]` (features of one cap looked up together)."""
+    """The XLA form of one group: `[B, F_g * dim]`. The features of one length cap are
+    pooled together by `_pool_bags`; with one cap (the usual case) its result is the
+    group's block as it is, else the blocks' columns are put back in feature order."""
     key_indices = layout.key_indices(kjt.keys())
-    stride = kjt.stride()
     members = _group_members(layout, group)
-    blocks: dict[int, jax.Array] = {}
     by_cap: dict[int, list[int]] = {}
-    for i in members:
-        by_cap.setdefault(caps[i], []).append(i)
+    for j, i in enumerate(members):
+        by_cap.setdefault(caps[i], []).append(j)
+    dim = table.shape[1]
+    columns: list = [None] * len(members)
     for cap, same in by_cap.items():
-        mats = [
-            _position_matrix(kjt, key_indices[i], cap, layout.features[i], weighted, bounds_check)
-            for i in same
-        ]
-        pooled = _sum_positions(
-            table, jnp.concatenate([m[0] for m in mats]), jnp.concatenate([m[1] for m in mats])
+        slots = [layout.features[members[j]] for j in same]
+        pooled = _pool_bags(
+            table,
+            kjt,
+            [key_indices[members[j]] for j in same],
+            slots,
+            cap,
+            weighted=weighted,
+            bounds_check=bounds_check,
         )
-        for j, i in enumerate(same):
-            blocks[i] = pooled[j * stride : (j + 1) * stride]
-    return jnp.concatenate([blocks[i] for i in members], axis=1)
+        if len(by_cap) == 1:
+            return pooled
+        for k, j in enumerate(same):
+            columns[j] = pooled[:, k * dim : (k + 1) * dim]
+    return jnp.concatenate(columns, axis=1)
+
+
+def _pool_bags(
+    table,
+    kjt,
+    keys: Sequence[int],
+    slots: Sequence[FeatureSlot],
+    cap: int,
+    *,
+    weighted: bool,
+    bounds_check: str,
+):
+    """`[B, n * dim]` fp32: sample b's bag of feature `keys[k]` pooled into columns `k * dim`
+    on, for bags of at most `cap` ids.
+
+    The bags are taken sample-major (bag `b * n + k`), so the accumulator `[B * n, dim]` is
+    the output's layout. Position p of every bag is one term, `w * table[row]`, whose id is
+    read straight from the KJT's values at the bag's offset + p (no `[B, cap]` id matrix is
+    built), 0 past the bag's end, skipped or clamped out of range, MEAN-scaled; the terms are
+    summed in position order, 4 a loop iteration, so XLA fuses gathers and adds and never
+    writes gathered rows. The first terms (cap mod 4, or 4) are summed before the loop: no
+    zero-filled accumulator, and no remainder after it (a remainder outside the loop fuses
+    with the output into one single-threaded pass, measured 2 ms at W1)."""
+    stride, n = kjt.stride(), len(keys)
+    bags = jnp.arange(stride * n, dtype=jnp.int32)
+    feature = bags % n  # sample-major: bag b * n + k is sample b of feature keys[k]
+    which = jnp.asarray(np.asarray(keys, np.int32))[feature] * stride + bags // n
+    start, length = kjt.offsets()[which], kjt.lengths()[which]
+    num_rows = jnp.asarray(np.array([s.num_rows for s in slots], np.int32))[feature]
+    row_offset = jnp.asarray(np.array([s.row_offset for s in slots], np.int32))[feature]
+    means = np.array([s.pooling is PoolingType.MEAN for s in slots])
+    mean = jnp.asarray(means)[feature]
+    values, last = kjt.values(), max(kjt.capacity() - 1, 0)
+    per_id = kjt.weights().astype(jnp.float32) if weighted else None
+    narrow = table.dtype != jnp.float32
+
+    def term(p, t):
+        at = jnp.minimum(start + p, last)
+        valid = p < length
+        ids = values[at]
+        if bounds_check == "clamp":
+            ids = jnp.clip(ids, 0, num_rows - 1)
+        else:
+            inside = (ids >= 0) & (ids < num_rows)
+            ids, valid = jnp.where(inside, ids, 0), valid & inside
+        w = jnp.where(valid, per_id[at] if weighted else 1.0, 0.0)
+        if means.any():
+            w = jnp.where(mean, w / jnp.maximum(length, 1).astype(w.dtype), w)
+        # padding and skipped positions read the group's first row: one cache-hot line
+        rows = jnp.where(valid, ids + row_offset, 0)
+        return w[:, None] * t.at[rows].get(mode="promise_in_bounds").astype(jnp.float32)
+
+    def barrier(t):
+        # a narrow table stays behind a barrier: otherwise XLA rewrites gather + convert as
+        # convert(whole table) + gather, materializing every row in fp32 on each call (5-13x
+        # slower than fp32 tables; benchmarks/NOTES.md)
+        return jax.lax.optimization_barrier(t) if narrow else t
+
+    first = min(cap % _UNROLL or _UNROLL, cap)
+    t = barrier(table)
+    acc = term(0, t)
+    for p in range(1, first):
+        acc = acc + term(p, t)
+    if cap > first:
+
+        def add(p, carry):
+            acc, t = carry
+            t = barrier(t)
+            return acc + term(p, t), t
+
+        acc = jax.lax.fori_loop(first, cap, add, (acc, table), unroll=_UNROLL)[0]
+    return acc.reshape(stride, n * table.shape[1])
 
 
 def _group_segment_sum(

@@ -2,7 +2,7 @@
 
 `prepare` (the sparse-module contract, `_module.py`) runs here before anything reaches a
 device: the ids are checked on the host copy that the loader produced (so the check never
-waits for a device), padded to a ladder rung with power-of-two length caps that only grow
+waits for a device), padded to a ladder rung with length caps (`length_cap`) that only grow
 (`LengthCaps`), and placed with one `device_put`. A KJT built from numpy (as `hybrid`
 builds it from torch tensors) is read without a copy; a KJT already on a device is read
 back once (documented: feed host batches to keep the step free of device reads).
@@ -56,7 +56,7 @@ def pad_host(
 class LengthCaps:
     """Per-feature bag-length caps that only grow (so a steady loop keeps one program).
 
-    `observe(kjt)` returns the caps for this host batch (power of two >= its longest bag,
+    `observe(kjt)` returns the caps for this host batch (`length_cap` of its longest bag,
     never below what was seen before) and records them. Thread-safe: a pipeline prepares
     batches on a background thread.
     """

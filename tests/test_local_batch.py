@@ -1,6 +1,7 @@
 """`split_batch` / `pad_parts` (the per-device split of a global KJT) against plain loops:
 device d gets samples [d * B_l, (d + 1) * B_l) of every key, key-major, padded with id 0 and
-weight 0 to one ladder rung; lengths per device; the length cap a power of two. Fast and
+weight 0 to one ladder rung; lengths per device; the length cap the rung of `_LENGTH_RUNGS`
+above the longest bag. Fast and
 independent of the sharded programs that consume the split (tests/test_sharding.py)."""
 
 import re
@@ -12,8 +13,12 @@ from sparse_jax import KeyedJaggedTensor
 from sparse_jax.sharding._local_batch import pad_parts, split_batch
 
 
-def _random_kjt(rng, num_keys, batch, weighted):
-    lengths = rng.integers(0, 6, num_keys * batch)
+# the length caps, written out: 1, 2, 4, then multiples of 4 to 32, then 4 rungs an octave
+_LENGTH_RUNGS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+
+
+def _random_kjt(rng, num_keys, batch, weighted, longest=6):
+    lengths = rng.integers(0, longest, num_keys * batch)
     lengths[rng.random(lengths.size) < 0.3] = 0  # empty bags
     n = int(lengths.sum())
     values = rng.integers(0, 1000, n).astype(np.int32)
@@ -49,23 +54,21 @@ def _loop_split(kjt, devices):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_split_matches_a_loop_over_bags(devices, weighted):
     rng = np.random.default_rng(devices * 10 + weighted)
-    ladder = (8, 16, 24, 40, 64, 128, 256)
+    ladder = (8, 16, 24, 40, 64, 128, 256, 512, 1024, 2048)
     for case in range(40):
         num_keys, batch = int(rng.integers(1, 4)), devices * int(rng.integers(1, 5))
-        kjt = _random_kjt(rng, num_keys, batch, weighted)
+        kjt = _random_kjt(rng, num_keys, batch, weighted, longest=int(rng.choice([6, 23, 45])))
         min_cap, min_len = int(rng.integers(0, 30)), int(rng.choice([1, 4, 16]))
         parts = split_batch(kjt, devices, ladder, min_capacity=min_cap, min_length_cap=min_len)
         want = _loop_split(kjt, devices)
         need = max([len(ids) for ids, _, _ in want] + [min_cap])
         cap = min(r for r in ladder if r >= need)
         max_len = int(np.max(np.asarray(kjt.lengths()), initial=0))
-        pow2 = 1
-        while pow2 < max_len:
-            pow2 *= 2
+        rung = min(r for r in _LENGTH_RUNGS if r >= max_len)
         assert parts["values"].shape == parts["weights"].shape == (devices, cap), case
         assert parts["lengths"].shape == (devices, num_keys * (batch // devices)), case
         assert parts["keys"] == tuple(kjt.keys()) and parts["local_batch"] == batch // devices
-        assert parts["length_cap"] == max(min_len, pow2), (case, max_len)
+        assert parts["length_cap"] == max(min_len, rung), (case, max_len)
         assert parts["values"].dtype == np.asarray(kjt.values()).dtype
         assert parts["lengths"].dtype == np.int32 and parts["weights"].dtype == np.float32
         for d, (ids, ws, ls) in enumerate(want):

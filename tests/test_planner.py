@@ -327,7 +327,7 @@ def test_estimate_collective_bytes_by_hand():
     t = table("t", rows=1000, dim=16, features=2)
     b, L, F, D = 800 / 8, 3.0, 2, 16  # local batch 100
     cap = 368  # the smallest capacity rung holding b * L = 300 ids
-    lc = 4  # length cap: next power of two >= twice the average bag, 2 * L / F = 3
+    lc = 4  # length cap: `length_cap` of twice the average bag, 2 * L / F = 3
     kjt = cap * 4 + F * b * 4  # one device's values + lengths (int32)
 
     def comm(ps, **kw):

@@ -3,7 +3,7 @@
 A batch from torch (`keys`, `values [N]`, `lengths [K * B]`, optional `weights [N]`) is
 checked and padded *in torch*: values go into a fresh int32 buffer of the capacity rung
 (after a range check that never truncates an id), weights into a float32 buffer of the
-same size, and each feature's longest bag is rounded up to a power-of-two length cap (never
+same size, and each feature's longest bag is rounded up to its length cap (`sparse_jax.length_cap`, never
 below the caller's floors). Only arrays of static shapes (a ladder rung, `K * B`) then
 cross the bridge zero-copy, and the padded `sparse_jax.KeyedJaggedTensor` is assembled
 from them through its pytree constructor, the layout `KeyedJaggedTensor.pad` produces:

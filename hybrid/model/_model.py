@@ -9,7 +9,7 @@
 
 Forward: the sparse batch (any form `hybrid.as_kjt` reads, or `model.prepare(sparse)`'s
 result) is prepared once: ids checked on the host, padded to the capacity ladder (values to
-a rung, bag lengths to power-of-two caps that only grow, so steady training reuses one
+a rung, bag lengths to length caps that only grow, so steady training reuses one
 compiled program), split and placed; then looked up in JAX, handed to torch zero-copy, wrapped in a
 `dense_torch.KeyedTensor` and passed to `dense(dense_features, embeddings)`.
 Backward: the pooled gradient goes back to JAX and the fused sparse update runs once, on

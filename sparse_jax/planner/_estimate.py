@@ -37,7 +37,7 @@ and their gradients fp32 (4 bytes):
 Assumptions (the planner sees no batch): the local capacity is the smallest rung of the
 capacity ladder (`sparse_jax._capacity.capacity_for`; ceil(b * L) above the top rung)
 holding the table's b * L ids; the longest bag is twice the average bag L / F, so Lc =
-the next power of two >= ceil(2 * L / F) (or >= `max_bag_length` when given); unweighted
+`length_cap(ceil(2 * L / F))` (or of `max_bag_length` when given); unweighted
 unless `weighted=True`. Per table, as if it had its own buffers and KJT (K = F keys):
 in a plan with several tables the implementation gathers the whole KJT once per distinct
 set of axes and pads M to the fullest coordinate of a shared buffer, so per-table figures
@@ -123,7 +123,7 @@ def static_shapes(
     """(local capacity, length cap) the planner assumes for one table's own KJT.
 
     Capacity: the smallest ladder rung holding the `local_batch * pooling` ids of a device
-    (ceil of that above the top rung). Length cap: the next power of two >= the longest
+    (ceil of that above the top rung). Length cap: `length_cap` of the longest
     bag, `max_bag_length` or, when not given, twice the average bag `pooling / F`.
     """
     ids = max(0, math.ceil(local_batch * pooling - 1e-9))

@@ -32,7 +32,9 @@ class LocalBatches(PreparedBatch):
     weights: jax.Array  # [devices, capacity] (ones when the KJT has none)
     keys: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
     local_batch: int = dataclasses.field(metadata=dict(static=True))
-    length_cap: int = dataclasses.field(metadata=dict(static=True))  # max bag length, power of two
+    length_cap: int = dataclasses.field(
+        metadata=dict(static=True)
+    )  # max bag length, a `length_cap` rung
     # ids each device may send to each peer when ids are routed by all_to_all (0: all-gathered)
     route_capacity: int = dataclasses.field(default=0, metadata=dict(static=True))
 
