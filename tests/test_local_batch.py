@@ -12,7 +12,6 @@ import pytest
 from sparse_jax import KeyedJaggedTensor
 from sparse_jax.sharding._local_batch import pad_parts, split_batch
 
-
 # the length caps, written out: 1, 2, 4, then multiples of 4 to 32, then 4 rungs an octave
 _LENGTH_RUNGS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 
