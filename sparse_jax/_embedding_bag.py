@@ -24,6 +24,7 @@ from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PaddedBatch
 from sparse_jax._prepare import LengthCaps, pad_host
+from sparse_jax._position_rows import position_rows
 from sparse_jax._sorted_ids import BucketCaps, sort_host
 from sparse_jax._tables import TableCollection
 from sparse_jax._update import fused_update
@@ -80,6 +81,8 @@ class EmbeddingBagCollection(TableCollection):
         on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
         default_sort = kernel == "xla" or (kernel in ("auto", "pallas") and on_gpu)
         self.sort_ids = default_sort if sort_ids is None else bool(sort_ids)
+        # the XLA lookup's position matrices, built on the host where that form runs
+        self.position_rows = kernel == "xla"
         self.prepare_count = 0
         self._caps = LengthCaps()
         self._run_caps = BucketCaps()  # the sorted streams' bucket rungs, only growing
@@ -100,34 +103,41 @@ class EmbeddingBagCollection(TableCollection):
         *,
         device: jax.Device | None = None,
         sort_ids: bool | None = None,
+        positions: bool | None = None,
     ) -> PaddedBatch:
         """Validate (on the host), pad to the ladder with growing length caps, sort each
-        buffer's ids by row when `sort_ids` (default: the collection's `sort_ids`), place on
-        `device` (default: JAX's default device). Once per batch; see `SparseModule`."""
+        buffer's ids by row when `sort_ids` (default: the collection's `sort_ids`), build the
+        XLA lookup's position matrices when `positions` (default: the collection's
+        `position_rows`, kernel "xla"), place on `device` (default: JAX's default device).
+        Once per batch; see `SparseModule`."""
         host = self.check_host(kjt)
         padded = pad_host(host, self.ladder, self._caps.observe(host))
         self.prepare_count += 1
-        if not (self.sort_ids if sort_ids is None else sort_ids):
-            return PaddedBatch(jax.device_put(padded, device))
-        streams = sort_host(
-            padded,
-            self.layout,
-            weighted=self._is_weighted,
-            bounds_check=self.bounds_check,
-            ladder=self.ladder,
-            caps=self._run_caps,
-        )
-        padded, streams = jax.device_put((padded, streams), device)
-        return PaddedBatch(padded, streams)
+        streams = rows = None
+        if self.sort_ids if sort_ids is None else sort_ids:
+            streams = sort_host(
+                padded,
+                self.layout,
+                weighted=self._is_weighted,
+                bounds_check=self.bounds_check,
+                ladder=self.ladder,
+                caps=self._run_caps,
+            )
+        if self.position_rows if positions is None else positions:
+            rows = position_rows(
+                padded, self.layout, weighted=self._is_weighted, bounds_check=self.bounds_check
+            )
+        padded, streams, rows = jax.device_put((padded, streams, rows), device)
+        return PaddedBatch(padded, streams, rows)
 
     # -- forward ---------------------------------------------------------------------------
-    def _apply(self, params, kjt: KeyedJaggedTensor) -> KeyedTensor:
+    def _apply(self, params, kjt: KeyedJaggedTensor, positions=None) -> KeyedTensor:
         opts = dict(weighted=self._is_weighted, bounds_check=self.bounds_check)
         if self.kernel == "reference":
             blocks = _lookup.pooled_segment_sum(params, kjt, self.layout, **opts)
         else:
             blocks = _lookup.pooled_per_position(
-                params, kjt, self.layout, kernel=self.kernel, **opts
+                params, kjt, self.layout, kernel=self.kernel, positions=positions, **opts
             )
         return KeyedTensor(
             self.layout.feature_names, self.layout.output_dims, jnp.concatenate(blocks, axis=1)
@@ -148,8 +158,8 @@ class EmbeddingBagCollection(TableCollection):
                 f"EmbeddingBagCollection.apply takes a KJT or its prepare()d batch, got {type(batch).__name__}"
             )
         if is_concrete(*jax.tree_util.tree_leaves(params)):
-            return self._apply_jit(params, batch.kjt)
-        return self._apply(params, batch.kjt)
+            return self._apply_jit(params, batch.kjt, batch.positions)
+        return self._apply(params, batch.kjt, batch.positions)
 
     def lookup_compile_count(self) -> int:
         return self._apply_jit._cache_size()

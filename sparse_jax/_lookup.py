@@ -29,6 +29,7 @@ import numpy as np
 from sparse_jax._configs import PoolingType
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._layout import FeatureSlot, TableLayout
+from sparse_jax._position_rows import cap_classes
 from sparse_jax._validate import is_concrete
 
 __all__ = [
@@ -222,34 +223,55 @@ def _jagged_args(
 
 
 def _group_per_position(
-    table, kjt, layout: TableLayout, group: str, caps, *, weighted: bool, bounds_check: str
+    table,
+    kjt,
+    layout: TableLayout,
+    group: str,
+    caps,
+    *,
+    weighted: bool,
+    bounds_check: str,
+    positions=None,
 ):
-    """The XLA form of one group: `[B, F_g * dim]`. The features of one length cap are
-    pooled together by `_pool_bags`; with one cap (the usual case) its result is the
-    group's block as it is, else the blocks' columns are put back in feature order."""
+    """The XLA form of one group: `[B, F_g * dim]`. The features of one length cap
+    (`cap_classes`) are pooled together, from the host-built `positions` (`position_rows`:
+    one (rows, weights) pair per class) when the batch carries them, else from the KJT
+    (`_pool_bags`). With one cap (the usual case) the pooled block is the group's as it
+    is, else the blocks' columns are put back in feature order."""
     key_indices = layout.key_indices(kjt.keys())
+    classes = cap_classes(layout, group, caps)
     members = _group_members(layout, group)
-    by_cap: dict[int, list[int]] = {}
-    for j, i in enumerate(members):
-        by_cap.setdefault(caps[i], []).append(j)
     dim = table.shape[1]
-    columns: list = [None] * len(members)
-    for cap, same in by_cap.items():
-        slots = [layout.features[members[j]] for j in same]
-        pooled = _pool_bags(
-            table,
-            kjt,
-            [key_indices[members[j]] for j in same],
-            slots,
-            cap,
-            weighted=weighted,
-            bounds_check=bounds_check,
-        )
-        if len(by_cap) == 1:
+    columns: dict[int, jax.Array] = {}
+    for c, (cap, features) in enumerate(classes):
+        if positions is not None:
+            rows, w = positions[c]
+            pooled = _pool_rows(table, rows, w, kjt.stride())
+        else:
+            pooled = _pool_bags(
+                table,
+                kjt,
+                [key_indices[i] for i in features],
+                [layout.features[i] for i in features],
+                cap,
+                weighted=weighted,
+                bounds_check=bounds_check,
+            )
+        if len(classes) == 1:
             return pooled
-        for k, j in enumerate(same):
-            columns[j] = pooled[:, k * dim : (k + 1) * dim]
-    return jnp.concatenate(columns, axis=1)
+        for k, i in enumerate(features):
+            columns[i] = pooled[:, k * dim : (k + 1) * dim]
+    return jnp.concatenate([columns[i] for i in members], axis=1)
+
+
+def _pool_rows(table, rows, w, stride: int):
+    """`[B, n * dim]` from a class's host-built position matrices (`position_rows`, `[cap,
+    B * n]` each): the sum over positions of `w[p] * table[rows[p]]`, as `_pool_bags` sums."""
+
+    def term(p, t):
+        return w[p][:, None] * t.at[rows[p]].get(mode="promise_in_bounds").astype(jnp.float32)
+
+    return _sum_terms(table, term, rows.shape[0]).reshape(stride, -1)
 
 
 def _pool_bags(
@@ -269,10 +291,7 @@ def _pool_bags(
     the output's layout. Position p of every bag is one term, `w * table[row]`, whose id is
     read straight from the KJT's values at the bag's offset + p (no `[B, cap]` id matrix is
     built), 0 past the bag's end, skipped or clamped out of range, MEAN-scaled; the terms are
-    summed in position order, 4 a loop iteration, so XLA fuses gathers and adds and never
-    writes gathered rows. The first terms (cap mod 4, or 4) are summed before the loop: no
-    zero-filled accumulator, and no remainder after it (a remainder outside the loop fuses
-    with the output into one single-threaded pass, measured 2 ms at W1)."""
+    summed in position order by `_sum_terms`."""
     stride, n = kjt.stride(), len(keys)
     bags = jnp.arange(stride * n, dtype=jnp.int32)
     feature = bags % n  # sample-major: bag b * n + k is sample b of feature keys[k]
@@ -284,7 +303,6 @@ def _pool_bags(
     mean = jnp.asarray(means)[feature]
     values, last = kjt.values(), max(kjt.capacity() - 1, 0)
     per_id = kjt.weights().astype(jnp.float32) if weighted else None
-    narrow = table.dtype != jnp.float32
 
     def term(p, t):
         at = jnp.minimum(start + p, last)
@@ -301,6 +319,17 @@ def _pool_bags(
         # padding and skipped positions read the group's first row: one cache-hot line
         rows = jnp.where(valid, ids + row_offset, 0)
         return w[:, None] * t.at[rows].get(mode="promise_in_bounds").astype(jnp.float32)
+
+    return _sum_terms(table, term, cap).reshape(stride, n * table.shape[1])
+
+
+def _sum_terms(table, term, cap: int):
+    """`sum_p term(p, table)` for p < cap, in position order, 4 terms a loop iteration (XLA
+    fuses each iteration's gathers and adds and never writes gathered rows). The first terms
+    (cap mod 4, or 4) are summed before the loop: no zero-filled accumulator, and no
+    remainder after it (a remainder outside the loop fused with the output into one
+    single-threaded pass, measured 2 ms at W1)."""
+    narrow = table.dtype != jnp.float32
 
     def barrier(t):
         # a narrow table stays behind a barrier: otherwise XLA rewrites gather + convert as
@@ -321,7 +350,7 @@ def _pool_bags(
             return acc + term(p, t), t
 
         acc = jax.lax.fori_loop(first, cap, add, (acc, table), unroll=_UNROLL)[0]
-    return acc.reshape(stride, n * table.shape[1])
+    return acc
 
 
 def _group_segment_sum(
@@ -347,7 +376,15 @@ def _jagged_kernel(fn, kjt, layout, group, weighted, bounds_check, **extra):
 
 
 def pooled_group(
-    table, kjt, layout: TableLayout, group: str, *, weighted: bool, bounds_check: str, kernel: str
+    table,
+    kjt,
+    layout: TableLayout,
+    group: str,
+    *,
+    weighted: bool,
+    bounds_check: str,
+    kernel: str,
+    positions=None,
 ):
     """One group's pooled sums `[B, F_g * dim]` fp32 (the group's features side by side), the
     kernel chosen when the program is lowered:
@@ -360,7 +397,9 @@ def pooled_group(
     | "xla" | XLA per-position | XLA per-position | XLA per-position |
 
     The XLA form needs the batch's length caps (a prepared batch); without them it is the
-    segment-sum form."""
+    segment-sum form. `positions`: the group's host-built position matrices
+    (`position_rows`; a collection builds them only with kernel "xla"), which the XLA form
+    then reads instead of the KJT's ids."""
     from sparse_jax import _kernels
     from sparse_jax._kernels import _pallas
     from sparse_jax._kernels._platform import by_platform
@@ -369,16 +408,16 @@ def pooled_group(
     caps = None if caps is None else [caps[ki] for ki in layout.key_indices(kjt.keys())]
     opts = dict(weighted=weighted, bounds_check=bounds_check)
 
-    def xla(table, kjt):
+    def xla(table, kjt, positions=None):
         if caps is None:
             return _group_segment_sum(table, kjt, layout, group, **opts)
-        return _group_per_position(table, kjt, layout, group, caps, **opts)
+        return _group_per_position(table, kjt, layout, group, caps, positions=positions, **opts)
 
     pallas_ok = _pallas.supports_dim(table.shape[1])
     if kernel == "xla":
         if caps is None:
             _caps(kjt, layout.key_indices(kjt.keys()))  # raises the prepare-first error
-        return xla(table, kjt)
+        return xla(table, kjt, positions)
     if kernel == "pallas":
         _require_pallas(pallas_ok, table)
         impls = dict(
@@ -420,9 +459,17 @@ def pooled_group(
 
 
 def pooled_per_position(
-    params, kjt, layout: TableLayout, *, weighted: bool, bounds_check: str, kernel: str
+    params,
+    kjt,
+    layout: TableLayout,
+    *,
+    weighted: bool,
+    bounds_check: str,
+    kernel: str,
+    positions=None,
 ):
-    """Per feature (output order) a `[B, dim]` fp32 block (`pooled_group` per group)."""
+    """Per feature (output order) a `[B, dim]` fp32 block (`pooled_group` per group;
+    `positions`: the batch's host-built position matrices by group, or None)."""
     out: list = [None] * len(layout.features)
     for group in layout.groups:
         pooled = pooled_group(
@@ -433,6 +480,7 @@ def pooled_per_position(
             weighted=weighted,
             bounds_check=bounds_check,
             kernel=kernel,
+            positions=None if positions is None else positions[group],
         )
         dim = layout.groups[group][1]
         for j, i in enumerate(_group_members(layout, group)):

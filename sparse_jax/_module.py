@@ -79,10 +79,14 @@ class PaddedBatch(PreparedBatch):
     """An unsharded collection's prepared batch: the KJT padded to a ladder rung, with
     static length caps, on the tables' device; with `sorted_ids` (group name ->
     `sparse_jax._sorted_ids.SortedIds`), the id stream sorted by row on the host, which the
-    pure-XLA update reads instead of sorting in the program (None: not sorted)."""
+    pure-XLA update reads instead of sorting in the program (None: not sorted); with
+    `positions` (group name -> `sparse_jax._position_rows.position_rows`' matrices), the
+    pure-XLA lookup's rows and weights per position, built on the host (None: not built).
+    Both describe `kjt`'s ids: a batch whose ids are replaced (a managed remap) drops them."""
 
     kjt: KeyedJaggedTensor
     sorted_ids: dict | None = None
+    positions: dict | None = None
 
     @property
     def stride(self) -> int:

@@ -336,6 +336,37 @@ def bounded_ids(ids, rows: int, bounds_check: str) -> np.ndarray:
     return np.where((ids >= 0) & (ids < rows), ids, -1)
 
 
+def position_rows_loop(bag_ids, bag_weights, features, cap):
+    """One length-cap class of the XLA lookup's position matrices, by loops: `(rows,
+    weights)` as `[cap][B * n]` lists, bag b * n + k being sample b of the k-th feature.
+
+    bag_ids / bag_weights: {feature: [[ids of bag 0], ...]} (bag_weights None: all 1);
+    features: (feature, row_offset, num_rows, pooling, bounds_check) per class member.
+    A position past the bag's end, or holding a skipped id, is row 0 with weight 0; an id
+    is clamped or skipped as `bounded_ids` says; MEAN divides the weight by the bag's
+    length (in float32, at least 1)."""
+    stride = len(bag_ids[features[0][0]])
+    rows = [[0] * (stride * len(features)) for _ in range(cap)]
+    weights = [[np.float32(0.0)] * (stride * len(features)) for _ in range(cap)]
+    for b in range(stride):
+        for k, (feature, row_offset, num_rows, pooling, bounds_check) in enumerate(features):
+            bag = bag_ids[feature][b]
+            for p, raw in enumerate(bag):
+                (kept,) = bounded_ids([raw], num_rows, bounds_check)
+                if kept < 0:
+                    continue
+                w = (
+                    np.float32(1.0)
+                    if bag_weights is None
+                    else np.float32(bag_weights[feature][b][p])
+                )
+                if pooling == "MEAN":
+                    w = np.float32(w / np.float32(max(len(bag), 1)))
+                rows[p][b * len(features) + k] = int(kept) + row_offset
+                weights[p][b * len(features) + k] = w
+    return rows, weights
+
+
 def quantized_pooled_loop(
     packed, weight_type, dim, ids, offsets, pooling="SUM", per_sample_weights=None
 ):

@@ -104,7 +104,9 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         against their tables), prepare the collection's batch with a placeholder where ids
         are managed, and place the raw id words beside it. Reads no id map."""
         split = split_managed(kjt, self.mc)
-        inner = self.collection.prepare(split.ids, device=device)
+        # the placeholder ids are replaced in the step (`remap`), so no position matrices
+        built = {} if self.sequence else dict(positions=False)
+        inner = self.collection.prepare(split.ids, device=device, **built)
         arrays = self._targets(inner)
         where = self._stream_positions(split.ids) if self.sequence else None
         words, positions = {}, {}
