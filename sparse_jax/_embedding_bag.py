@@ -23,8 +23,8 @@ from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PaddedBatch
-from sparse_jax._prepare import LengthCaps, pad_host
 from sparse_jax._position_rows import position_rows
+from sparse_jax._prepare import LengthCaps, pad_host
 from sparse_jax._sorted_ids import BucketCaps, sort_host
 from sparse_jax._tables import TableCollection
 from sparse_jax._update import fused_update
