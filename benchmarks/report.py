@@ -117,7 +117,8 @@ def markdown(results: dict) -> str:
         "",
         f"Machine: {m['cpu_model']}, {m['cores']} cores ({m.get('isa', '?')}), shared; load average "
         f"{m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end. torch threads "
-        f"{results['config']['torch_threads']}, XLA its own pool.",
+        f"{results['config']['torch_threads']}, XLA its own pool; GLIBC_TUNABLES "
+        f"`{m.get('glibc_tunables') or '(none)'}` (every side's process).",
         f"Versions: jax {v['jax']}, torch {v['torch']}, fbgemm-gpu-cpu {v['fbgemm_gpu']}, numpy {v['numpy']}, "
         f"python {v['python']}, hybridrec {v.get('hybridrec_commit', '?')}.",
         f"Command: `{results['command']}`; {results['elapsed_s']:.0f} s. Timing: {results['config']['warmup']} "

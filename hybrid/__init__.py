@@ -13,6 +13,8 @@ importing both).
 - `make_mesh`: a named device mesh from "data=2,model=4".
 - `init_distributed` / `read_torchrun_env`: torch.distributed + jax.distributed from torchrun.
 - `configure_gpu_env`: GPU environment for torch and JAX sharing a device (before JAX starts).
+- `reexec_with_hugepages` / `hugepage_env`: XLA:CPU's per-call buffers in transparent huge
+  pages (glibc's `glibc.malloc.hugetlb=1`, set from process start).
 - `python -m hybrid.demo`: a DLRM learning a planted signal on synthetic data.
 - `python -m hybrid.train --config configs/movielens.toml --mesh data=2,model=4`: the
   training script (data in `hybrid.data`, metrics, checkpoints with reshard on load).
@@ -50,10 +52,12 @@ from hybrid.training import (
     PipelineStats,
     TrainPipeline,
     configure_gpu_env,
+    hugepage_env,
     init_distributed,
     make_mesh,
     parse_mesh,
     read_torchrun_env,
+    reexec_with_hugepages,
 )
 
 __all__ = [
@@ -69,6 +73,7 @@ __all__ = [
     "configure_gpu_env",
     "export",
     "from_torchrec_state_dict",
+    "hugepage_env",
     "init_distributed",
     "jax_to_torch",
     "make_mesh",
@@ -76,6 +81,7 @@ __all__ = [
     "QuantizedModel",
     "quantize",
     "read_torchrun_env",
+    "reexec_with_hugepages",
     "torch_ids_to_jax",
     "torch_device",
     "torch_kjt",

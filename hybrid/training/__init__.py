@@ -11,12 +11,14 @@
 - The job: `make_mesh` / `parse_mesh` (`_mesh`), `init_distributed` / `read_torchrun_env` /
   `DistributedEnv` (`_distributed`: torch.distributed + jax.distributed from torchrun),
   `start_watchdog` (`_watchdog`: a dead peer ends the job within seconds),
-  `configure_gpu_env` (`_gpu_env`: before JAX starts its backends).
+  `configure_gpu_env` (`_gpu_env`: before JAX starts its backends), `hugepage_env` /
+  `reexec_with_hugepages` (`_cpu_env`: XLA:CPU's buffers in huge pages, from process start).
 
 `hybrid` re-exports the public names; the script is `python -m hybrid.train`.
 """
 
 from hybrid._errors import ConfigError
+from hybrid.training._cpu_env import hugepage_env, reexec_with_hugepages
 from hybrid.training._distributed import DistributedEnv, init_distributed, read_torchrun_env
 from hybrid.training._gpu_env import configure_gpu_env
 from hybrid.training._mesh import make_mesh, parse_mesh
@@ -37,10 +39,12 @@ __all__ = [
     "TrainPipeline",
     "configure_gpu_env",
     "eval_metrics",
+    "hugepage_env",
     "init_distributed",
     "load_config",
     "make_mesh",
     "parse_mesh",
     "read_torchrun_env",
+    "reexec_with_hugepages",
     "start_watchdog",
 ]

@@ -1,0 +1,83 @@
+"""`hybrid.training._cpu_env`: the glibc tunable that puts XLA:CPU's per-call buffers in
+transparent huge pages, and the re-execution that applies it from process start."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybrid.training._cpu_env import HUGEPAGE_TUNABLE, _thp_mode, hugepage_env
+
+FACTS = dict(thp_mode="madvise", glibc_ok=True)
+
+
+def test_the_tunable_is_added_and_other_tunables_kept():
+    assert hugepage_env({}, **FACTS)["GLIBC_TUNABLES"] == HUGEPAGE_TUNABLE
+    env = hugepage_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "A": "1"}, **FACTS)
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{HUGEPAGE_TUNABLE}"
+    assert env["A"] == "1"
+
+
+@pytest.mark.parametrize(
+    "environ, facts",
+    [
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, FACTS),  # the user's own choice
+        ({"GLIBC_TUNABLES": HUGEPAGE_TUNABLE}, FACTS),  # already started with it
+        ({"HYBRIDREC_HUGEPAGES": "0"}, FACTS),  # turned off
+        ({}, dict(thp_mode="always", glibc_ok=True)),  # the kernel backs big blocks already
+        ({}, dict(thp_mode="never", glibc_ok=True)),
+        ({}, dict(thp_mode="", glibc_ok=True)),  # no THP mode read (not Linux, or no sysfs)
+        ({}, dict(thp_mode="madvise", glibc_ok=False)),  # musl, or glibc < 2.35
+    ],
+)
+def test_nothing_changes_where_it_would_not_help(environ, facts):
+    assert hugepage_env(environ, **facts) is None
+
+
+def test_the_mode_is_read_from_sysfs(tmp_path):
+    path = tmp_path / "enabled"
+    path.write_text("always [madvise] never\n")
+    assert _thp_mode(str(path)) == "madvise"
+    path.write_text("[always] madvise never\n")
+    assert _thp_mode(str(path)) == "always"
+    assert _thp_mode(str(tmp_path / "missing")) is None
+
+
+SCRIPT = """
+import os, sys
+print("before", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), flush=True)
+from hybrid.training._cpu_env import reexec_with_hugepages
+reexec_with_hugepages()
+print("after", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:], flush=True)
+"""
+
+
+@pytest.mark.skipif(hugepage_env() is None, reason="the tunable would change nothing on this host")
+def test_the_process_restarts_itself_with_it(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "HYBRIDREC_HUGEPAGES")
+    }
+    out = subprocess.run(
+        [sys.executable, str(script), "x", "--flag"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    # once without, then (same pid: the image was replaced) with the tunable, arguments kept
+    assert len(out) == 3, out
+    first, second, last = (line.split(" ", 3) for line in out)
+    assert first[0] == "before" and first[2] == ""
+    assert second[0] == "before" and second[2] == HUGEPAGE_TUNABLE
+    assert last[0] == "after" and last[2] == HUGEPAGE_TUNABLE and last[3] == "['x', '--flag']"
+    assert first[1] == second[1] == last[1]
+    # turned off: no restart
+    env["HYBRIDREC_HUGEPAGES"] = "0"
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    ).stdout.splitlines()
+    assert [line.split(" ")[0] for line in out] == ["before", "after"]
