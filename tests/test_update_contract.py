@@ -70,6 +70,30 @@ def test_the_update_program_takes_the_path_its_kernel_names(rule):
         assert custom == want, (kernel, rule)
 
 
+@pytest.mark.parametrize(
+    "rule, adds", [("sgd", True), ("adagrad", True), ("rowwise_adagrad", True), ("adam", False)]
+)
+def test_an_additive_rule_adds_its_step_to_the_rows_without_reading_them(rule, adds):
+    """kernel='xla', fp32: a rule whose step does not read the rows (`row_step`) is one add
+    over the unique rows (a read-modify-write of each), no gather of the table's rows; adam
+    (weight decay reads them) gathers, steps and sets. Both equal the reference update."""
+    ebc, r, params, state, batch, update = _setup("xla", getattr(optim, rule)(lr=0.1))
+    text = update.jitted.lower(params, state, ebc.update_operands(batch, _grad())).as_text()
+    # %arg0: the stacked buffer of both tables (params' one leaf)
+    reads_rows = re.search(r'"stablehlo.gather"\(%arg0,', text) is not None
+    at = text.index('"stablehlo.scatter"(%arg0,')
+    body = text[at : text.index("stablehlo.return", at)]
+    assert reads_rows != adds and ("stablehlo.add" in body) == adds, rule
+    ref_ebc, *_ = _setup("reference", getattr(optim, rule)(lr=0.1))
+    copy = jax.tree.map(jnp.copy, params)  # each update donates the tables it takes
+    want_params, _ = make_update(ref_ebc, getattr(optim, rule)(lr=0.1))(
+        copy, r.init(copy), batch, _grad()
+    )
+    got_params, _ = update(params, state, batch, _grad())
+    for g in got_params:
+        np.testing.assert_allclose(got_params[g], want_params[g], rtol=1e-6, atol=1e-7)
+
+
 def test_a_rule_takes_a_native_kernel_by_declaration_never_by_its_name():
     """`from_optax(optax.sgd(...), name="sgd")` is named like SGD but declares no native
     optimizer: its update is the generic XLA form on CPU (no C++ call, which would read a

@@ -42,6 +42,11 @@ class RowRule:
       "adam"), declared by the rule's own factory: kernels that implement an optimizer
       natively (the C++ CPU kernels) take only rules that declare it, whatever the `name`.
       None (any other rule, e.g. `from_optax`): the generic path.
+    row_step(state_rows, grads, step) -> (delta, new_state_rows), optional: for a rule whose
+      step does not read the rows (`new_rows = rows + delta`, as `update_rows` computes
+      it). An fp32 table then takes `delta` as one add over the unique rows, a
+      read-modify-write of each row, instead of a gather of the rows, the rule and a set
+      (`optim._apply.step_unique_rows`).
     """
 
     name: str
@@ -51,6 +56,7 @@ class RowRule:
     stochastic_rounding: bool = True
     seed: int = 0
     native: str | None = None
+    row_step: Callable[..., tuple[jax.Array, Any]] | None = None
 
     def __post_init__(self):
         if not isinstance(self.stochastic_rounding, bool):

@@ -20,9 +20,14 @@ def adagrad(
     def init_table(table):
         return {"momentum1": jnp.zeros(table.shape, jnp.float32)}
 
-    def update_rows(rows, state, grads, step):
+    def row_step(state, grads, step):
+        del step
         s = state["momentum1"] + grads * grads
-        return rows - hp["lr"] * grads / (jnp.sqrt(s) + hp["eps"]), {"momentum1": s}
+        return -(hp["lr"] * grads / (jnp.sqrt(s) + hp["eps"])), {"momentum1": s}
+
+    def update_rows(rows, state, grads, step):
+        delta, state = row_step(state, grads, step)
+        return rows + delta, state
 
     return RowRule(
         "adagrad",
@@ -32,4 +37,5 @@ def adagrad(
         stochastic_rounding=stochastic_rounding,
         seed=seed,
         native="adagrad",
+        row_step=row_step,
     )

@@ -21,10 +21,15 @@ def rowwise_adagrad(
     def init_table(table):
         return {"momentum1": jnp.zeros(table.shape[:1], jnp.float32)}
 
-    def update_rows(rows, state, grads, step):
+    def row_step(state, grads, step):
+        del step
         s = state["momentum1"] + jnp.mean(grads * grads, axis=1)
         scale = hp["lr"] / (jnp.sqrt(s) + hp["eps"])
-        return rows - scale[:, None] * grads, {"momentum1": s}
+        return -scale[:, None] * grads, {"momentum1": s}
+
+    def update_rows(rows, state, grads, step):
+        delta, state = row_step(state, grads, step)
+        return rows + delta, state
 
     return RowRule(
         "rowwise_adagrad",
@@ -34,4 +39,5 @@ def rowwise_adagrad(
         stochastic_rounding=stochastic_rounding,
         seed=seed,
         native="rowwise_adagrad",
+        row_step=row_step,
     )
