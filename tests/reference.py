@@ -13,14 +13,15 @@ import numpy as np
 # ---------------------------------------------------------------- jagged data
 
 
-def bags(keys, values, lengths, stride):
-    """{key: [[ids of bag 0], [ids of bag 1], ...]} by walking key-major lengths."""
+def bags(keys, values, lengths, stride, cast=int):
+    """{key: [[ids of bag 0], [ids of bag 1], ...]} by walking key-major lengths (`cast`:
+    each value's type; float for per-id weights)."""
     out, pos = {}, 0
     for k_index, key in enumerate(keys):
         out[key] = []
         for b in range(stride):
             n = int(lengths[k_index * stride + b])
-            out[key].append([int(v) for v in values[pos : pos + n]])
+            out[key].append([cast(v) for v in values[pos : pos + n]])
             pos += n
     return out
 

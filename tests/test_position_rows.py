@@ -2,6 +2,8 @@
 in `prepare` for kernel="xla": equal to the plain loops of `tests/reference.py`, and the
 lookup that reads them pools bit for bit what the lookup reading the KJT's ids pools."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -43,15 +45,9 @@ def _kjt(rng, weighted, longest=(3, 14, 14, 40)):
 
 
 def _bag_weights(kjt):
-    """{feature: [[weights of bag 0], ...]} (reference.bags reads ids: ints)."""
-    out, pos, lengths, weights = {}, 0, np.asarray(kjt.lengths()), np.asarray(kjt.weights())
-    for k, key in enumerate(KEYS):
-        out[key] = []
-        for b in range(B):
-            n = int(lengths[k * B + b])
-            out[key].append([float(w) for w in weights[pos : pos + n]])
-            pos += n
-    return out
+    """{feature: [[weights of bag 0], ...]}."""
+    lengths = np.asarray(kjt.lengths())
+    return reference.bags(KEYS, np.asarray(kjt.weights()), lengths, B, cast=float)
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -97,17 +93,7 @@ def test_matrices_equal_the_loops(weighted, bounds_check):
 @pytest.mark.parametrize("dtype", ["FP32", "FP16"])
 def test_lookup_reading_them_pools_the_same(weighted, bounds_check, dtype):
     rng = np.random.default_rng(11 + weighted)
-    tables = [
-        EmbeddingBagConfig(
-            name=t.name,
-            num_embeddings=t.num_embeddings,
-            embedding_dim=t.embedding_dim,
-            feature_names=t.feature_names,
-            pooling=t.pooling,
-            data_type=dtype,
-        )
-        for t in TABLES
-    ]
+    tables = [dataclasses.replace(t, data_type=dtype) for t in TABLES]
     ebc = EmbeddingBagCollection(
         tables, is_weighted=weighted, kernel="xla", bounds_check=bounds_check
     )
