@@ -89,12 +89,17 @@ def position_rows(
 def _class_rows(
     values, offsets, lengths, per_id, keys, slots: Sequence[FeatureSlot], cap, stride, bounds_check
 ):
+    """(rows, weights) `[cap, B * n]` of the n features `keys` (KJT key indices; `slots`
+    their layout facts), bag `b * n + k` being sample b of feature `keys[k]`."""
     bag = (np.asarray(keys, np.int64)[None, :] * stride + np.arange(stride)[:, None]).reshape(-1)
     start, length = offsets[bag], lengths[bag]  # [B * n], sample-major
-    tile = lambda per_feature, dtype: np.tile(np.asarray(per_feature, dtype), stride)  # noqa: E731
-    num_rows = tile([s.num_rows for s in slots], np.int64)
-    row_offset = tile([s.row_offset for s in slots], np.int64)
-    mean = tile([s.pooling is PoolingType.MEAN for s in slots], bool)
+
+    def per_bag(per_feature, dtype):
+        return np.tile(np.asarray(per_feature, dtype), stride)
+
+    num_rows = per_bag([s.num_rows for s in slots], np.int64)
+    row_offset = per_bag([s.row_offset for s in slots], np.int64)
+    mean = per_bag([s.pooling is PoolingType.MEAN for s in slots], bool)
     pos = np.arange(cap)[:, None]
     at = np.minimum(start[None, :] + pos, max(values.shape[0] - 1, 0))
     valid = pos < length[None, :]
