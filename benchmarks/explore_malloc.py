@@ -12,9 +12,10 @@ start-up, driven round-robin (interleaved), and counts faults per call:
                    from the heap and freed memory stays mapped (checked: this removes the
                    faults of a numpy 100 MB alloc/free loop)
 
-Result (see NOTES.md): no effect; the fault counts are identical, because XLA's CPU runtime
-maps these buffers itself (the mmap calls stay under MALLOC_MMAP_MAX_=0). The lever is the
-size of the temps (the forward and update formulations in `explore_update`), not glibc.
+Result (see NOTES.md): no effect; the fault counts are identical (the mmap calls stay under
+MALLOC_MMAP_MAX_=0). Later (issue 31, 2026-11-27) glibc's `glibc.malloc.hugetlb=1` tunable
+did cut them: the W1 rowwise update's 17,378 faults a call fell to 515 and its time to 0.64x,
+with transparent huge pages in "madvise" mode; `hybrid.training._cpu_env` applies it.
 
     python -m benchmarks.explore_malloc [--tiny] [--alpha 1.15] [--repeats 20]
 """
