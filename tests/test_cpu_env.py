@@ -53,7 +53,9 @@ print("after", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:], 
 """
 
 
-@pytest.mark.skipif(hugepage_env({}) is None, reason="the tunable would change nothing on this host")
+@pytest.mark.skipif(
+    hugepage_env({}) is None, reason="the tunable would change nothing on this host"
+)
 def test_the_process_restarts_itself_with_it(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
