@@ -171,25 +171,17 @@ def _require_pallas(ok: bool, table) -> None:
 
 
 def _sum_positions(table, rows, w):
-    """sum_l w[:, l] * table[rows[:, l]] in fp32, one fused gather+add per position.
-
-    A narrow (fp16 / bf16) table rides in the loop carry behind an optimization barrier:
-    otherwise XLA rewrites gather + convert as convert(whole table) + gather and hoists that
-    whole-table convert out of the loop, materializing every row in fp32 on each call
-    (5-13x slower than fp32 tables; benchmarks/NOTES.md)."""
+    """sum_l w[:, l] * table[rows[:, l]] in fp32 (`rows`, `w`: `[B, cap]`), one fused
+    gather+add per position, summed by `_sum_terms` (which keeps a narrow table behind its
+    barrier)."""
     cap = rows.shape[1]
-    acc = jnp.zeros((rows.shape[0], table.shape[1]), jnp.float32)
+    if cap == 0:
+        return jnp.zeros((rows.shape[0], table.shape[1]), jnp.float32)
 
-    def add(pos, carry):
-        acc, t = carry
-        if t.dtype != jnp.float32:
-            t = jax.lax.optimization_barrier(t)
-        r = t.at[rows[:, pos]].get(mode="promise_in_bounds").astype(jnp.float32)
-        return acc + w[:, pos, None] * r, t
+    def term(p, t):
+        return w[:, p, None] * t.at[rows[:, p]].get(mode="promise_in_bounds").astype(jnp.float32)
 
-    # A loop over positions (partly unrolled) measured 4-7x faster than fully unrolling
-    # them at cap 32 (benchmarks/NOTES.md): XLA keeps one small fused gather+add body.
-    return jax.lax.fori_loop(0, cap, add, (acc, table), unroll=min(cap, _UNROLL))[0]
+    return _sum_terms(table, term, cap)
 
 
 def _caps(kjt: KeyedJaggedTensor, key_indices: Sequence[int]) -> list[int]:
@@ -324,8 +316,9 @@ def _pool_bags(
 
 
 def _sum_terms(table, term, cap: int):
-    """`sum_p term(p, table)` for p < cap, in position order, 4 terms a loop iteration (XLA
-    fuses each iteration's gathers and adds and never writes gathered rows). The first terms
+    """`sum_p term(p, table)` for 0 < cap positions, in position order, 4 terms a loop
+    iteration (XLA fuses each iteration's gathers and adds and never writes gathered rows;
+    a loop measured 4-7x faster than fully unrolled positions at cap 32). The first terms
     (cap mod 4, or 4) are summed before the loop: no zero-filled accumulator, and no
     remainder after it (a remainder outside the loop fused with the output into one
     single-threaded pass, measured 2 ms at W1)."""

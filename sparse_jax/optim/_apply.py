@@ -145,16 +145,12 @@ def apply_sorted_runs(rule: RowRule, table, state, step, ids, bag_grads, *, good
     `sum_runs` gives each touched row's gradient (no sort, no `searchsorted`, no
     scatter-add); a run of at most `CHUNK` ids is added in batch order, as `apply_row_rule`
     adds it. The rule then steps `[unique, dim]` rows and they are written back as unique
-    rows. `good`: as `apply_row_rule`."""
+    rows (`step_unique_rows`; an additive rule's step, fp32 SGD's included, is added to
+    them). `good`: as `apply_row_rule`."""
     num_rows = table.shape[0]
     unique, grads = sum_runs(ids, bag_grads)
     if good is not None:
         unique = jnp.where(good, unique, num_rows)
-    if rule.native == "sgd" and table.dtype == jnp.float32:
-        # `w - lr * g` as one read-modify-write of each unique row (an add over unique
-        # indices: no atomics), instead of a gather, the rule and a set
-        step_rows = grads * -rule.hyperparams["lr"]
-        return table.at[unique].add(step_rows, mode="drop", unique_indices=True), state
     return step_unique_rows(rule, table, state, step, unique, grads, good=good)
 
 

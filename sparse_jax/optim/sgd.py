@@ -10,8 +10,13 @@ __all__ = ["sgd"]
 def sgd(lr: float = 0.01, *, stochastic_rounding: bool = True, seed: int = 0) -> RowRule:
     hp = check_positive("sgd", lr=lr)
 
+    def row_step(state, grads, step):
+        del step
+        return grads * -hp["lr"], state
+
     def update_rows(rows, state, grads, step):
-        return rows - hp["lr"] * grads, state
+        delta, state = row_step(state, grads, step)
+        return rows + delta, state
 
     return RowRule(
         "sgd",
@@ -21,4 +26,5 @@ def sgd(lr: float = 0.01, *, stochastic_rounding: bool = True, seed: int = 0) ->
         stochastic_rounding=stochastic_rounding,
         seed=seed,
         native="sgd",
+        row_step=row_step,
     )
