@@ -19,7 +19,7 @@ from sparse_jax import (
     _kernels,
 )
 from sparse_jax._kernels import _ffi
-from sparse_jax.managed._reset import _fresh_rows, _marked_rows
+from sparse_jax.managed._reset import RowBlock, _fresh_rows, _marked_rows, reset_rows
 from tests.reference import ManagedCollisionLoop
 
 pytestmark = pytest.mark.skipif(
@@ -226,6 +226,59 @@ def test_fresh_rows_drawn_only_where_used_are_the_rows_of_the_whole_draw(xla_for
             np.testing.assert_array_equal(np.asarray(got)[:used], want)
 
 
+# (block, here): a whole table; rows 100-399 stored from buffer row 7, columns 2-5 of the
+# draw in the buffer's first 4 columns; the same block on a device that does not store it
+_BLOCKS = [
+    (RowBlock("b", 0, 0, 500, 0, 6), True),
+    (RowBlock("b", 7, 100, 300, 2, 4), True),
+    (RowBlock("b", 7, 100, 300, 2, 4), False),
+]
+
+
+@pytest.mark.parametrize(("block", "here"), _BLOCKS)
+@pytest.mark.parametrize("density", [0.0, 0.05, 1.0])  # none used, some, more than fit
+@pytest.mark.parametrize("bounds", [(-0.5, 0.5), (-0.0447, 0.0447)])
+def test_a_reset_writes_each_marked_rows_fresh_row_and_zero_state_in_its_block(
+    xla_form, block, here, density, bounds
+):
+    """`reset_rows` on CPU (the fresh rows drawn, converted and written by one kernel call,
+    only for the rows used) and in its XLA form set each marked row in the block to its row
+    of an eager `jax.random.uniform(fold_in(key, 0), (limit, dim))` (the i-th marked row
+    ascending takes draw row i, at most `limit` rows) and zero its state; nothing else
+    changes, and nothing at all on a device that does not store the block."""
+    config = EmbeddingBagConfig(
+        name="t", num_embeddings=500, embedding_dim=6, feature_names=["f"],
+        weight_init_min=bounds[0], weight_init_max=bounds[1],
+    )  # fmt: skip
+    rng = np.random.default_rng(4)
+    limit, height = 64, block.buffer_row + block.num_rows + 3
+    mask = rng.random(500) < density
+    w0 = rng.standard_normal((height, block.num_cols + 1)).astype(np.float32)
+    s0 = rng.random(height).astype(np.float32) + 1
+    key = jax.random.key(11)
+    draw = jax.random.uniform(jax.random.fold_in(key, 0), (limit, 6), jnp.float32, *bounds)
+    draw = np.asarray(draw)
+    want_w, want_s = w0.copy(), s0.copy()
+    for i, r in enumerate(np.flatnonzero(mask)[:limit]):
+        if here and block.row_offset <= r < block.row_offset + block.num_rows:
+            at = block.buffer_row + r - block.row_offset
+            want_w[at, : block.num_cols] = draw[
+                i, block.col_offset : block.col_offset + block.num_cols
+            ]
+            want_s[at] = 0
+
+    def run(w, s, m, k, h):
+        return reset_rows(
+            {"b": w}, {"b": {"m": s}}, {"t": m}, k,
+            configs={"t": config}, limits={"t": limit}, blocks={"t": [block._replace(here=h)]},
+        )  # fmt: skip
+
+    for form in (jax.jit, xla_form):
+        params, state = form(run)(w0, s0, mask, key, np.bool_(here))
+        np.testing.assert_array_equal(np.asarray(params["b"]), want_w)
+        np.testing.assert_array_equal(np.asarray(state["b"]["m"]), want_s)
+
+
 def _training_remap_text(monkeypatch, built: bool, compiled: bool = False) -> str:
     """The CPU program of a managed training remap (profile, map, reset)."""
     from benchmarks.gpu_readiness import managed_remap_case
@@ -250,12 +303,12 @@ def test_the_cpu_training_step_updates_the_map_in_place_without_copying_it(monke
 
 
 def test_the_cpu_training_step_takes_the_kernels_when_built_and_xla_when_not(monkeypatch):
-    calls = r"custom_call @(HybridrecMch\w+|HybridrecMaskPositions|HybridrecRowBits)\b"
+    calls = r"custom_call @(HybridrecMch\w+|HybridrecMaskPositions|HybridrecResetRows)\b"
     built = _training_remap_text(monkeypatch, built=True)
     assert sorted(set(re.findall(calls, built))) == [
         "HybridrecMaskPositions",
         "HybridrecMchProfileRemap",  # the profile and the batch's slots in one call
-        "HybridrecRowBits",
+        "HybridrecResetRows",  # the fresh rows drawn and written in place, only those used
     ]
     assert "stablehlo.sort" not in built  # no sort of the table on the kernel path
     assert not re.search(calls, _training_remap_text(monkeypatch, built=False))

@@ -18,7 +18,7 @@ from sparse_jax._kernels._ffi import (
     when_built,
 )
 from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap
-from sparse_jax._kernels._random import row_bits, table_bits
+from sparse_jax._kernels._random import reset_rows, row_bits, table_bits
 
 __all__ = [
     "RULES",
@@ -33,6 +33,7 @@ __all__ = [
     "mch_remap",
     "pooled_sum",
     "quant_pooled",
+    "reset_rows",
     "row_bits",
     "table_bits",
     "when_built",

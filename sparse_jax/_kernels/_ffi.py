@@ -54,6 +54,7 @@ def _register() -> str | None:
         "HybridrecMaskPositions",
         "HybridrecRowBits",
         "HybridrecTableBits",
+        "HybridrecResetRows",
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None

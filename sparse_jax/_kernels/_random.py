@@ -1,6 +1,8 @@
 """Call wrappers of the random-bits CPU kernels (`random_cpu.cc`): jax's partitionable
 threefry2x32 bits for only the rows that are used, bit for bit `jax.random.bits`: the fresh
-rows of a managed table's reset (`row_bits`) and a table's initial rows (`table_bits`)."""
+rows of a managed table's reset (`row_bits`; `reset_rows` also turns them into
+`jax.random.uniform`'s floats and writes them into the table in place) and a table's
+initial rows (`table_bits`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 
 from sparse_jax._kernels._ffi import _register
 
-__all__ = ["row_bits", "table_bits"]
+__all__ = ["reset_rows", "row_bits", "table_bits"]
 
 
 def row_bits(key_data, rows, dim: int, fill: int) -> jax.Array:
@@ -32,4 +34,43 @@ def table_bits(key_data, first: int, count: int, dim: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((count, dim), jnp.uint32)
     return jax.ffi.ffi_call("HybridrecTableBits", out)(
         key_data.astype(jnp.uint32), first=np.int64(first)
+    )
+
+
+def reset_rows(
+    table,
+    key_data,
+    bounds,
+    rows,
+    here,
+    *,
+    fill: int,
+    dim: int,
+    buffer_row: int,
+    row_offset: int,
+    num_rows: int,
+    col_offset: int,
+    num_cols: int,
+) -> jax.Array:
+    """`table` (float32 `[R, W]`, updated in place: aliased to the result) with row
+    `buffer_row + rows[i] - row_offset`, columns `:num_cols`, set to row i, columns
+    `col_offset : col_offset + num_cols`, of `jax.random.uniform(key, (len(rows), dim),
+    minval=bounds[0], maxval=bounds[1])`, for each i before the first `fill` whose row lies
+    in `[row_offset, row_offset + num_rows)`, when `here` (a bool scalar) is true. Only
+    those rows are drawn and written."""
+    _register()
+    out = jax.ShapeDtypeStruct(table.shape, jnp.float32)
+    return jax.ffi.ffi_call("HybridrecResetRows", out, input_output_aliases={0: 0})(
+        table,
+        key_data.astype(jnp.uint32),
+        bounds.astype(jnp.float32),
+        rows.astype(jnp.int32),
+        jnp.asarray(here, bool),
+        fill=np.int32(fill),
+        dim=np.int64(dim),
+        buffer_row=np.int64(buffer_row),
+        row_offset=np.int64(row_offset),
+        num_rows=np.int64(num_rows),
+        col_offset=np.int64(col_offset),
+        num_cols=np.int64(num_cols),
     )

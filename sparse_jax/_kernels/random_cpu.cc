@@ -10,8 +10,14 @@
 // TableBits: rows `first .. first + count` of a `[num_rows, dim]` draw (the output's shape
 //   is `[count, dim]`): a table's initial rows (sparse_jax/_uniform_init.py), whole or only
 //   those a device holds, with no counter arrays and no whole-table temporaries.
+// ResetRows: RowBits turned into `jax.random.uniform`'s floats and written straight into the
+//   rows of a float32 table they are drawn for (in place: the table is aliased to the
+//   output), one block of the table at a time: only the rows used are touched, where XLA's
+//   draw, conversion and scatter each pass over all `len(rows)` rows.
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -79,7 +85,75 @@ ffi::Error TableBitsImpl(ffi::Buffer<ffi::U32> key, ffi::Result<ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// `jax.random.uniform`'s float from 32 random bits, op for op: the top 23 bits as a float in
+// [1, 2), minus 1, times the span plus `lo` (XLA:CPU contracts that multiply-add into one
+// fused operation, so `fma` gives its bits), then at least `lo`.
+inline float BitsToUniform(uint32_t bits, float lo, float span) {
+  uint32_t word = (bits >> 9) | 0x3F800000u;
+  float f;
+  std::memcpy(&f, &word, sizeof f);
+  return std::max(lo, std::fma(f - 1.0f, span, lo));
+}
+
+// Row i of `rows` (before the first `fill`) gets row i of the `[len(rows), dim]` uniform
+// draw, columns `col_offset .. col_offset + num_cols`, written at buffer row `buffer_row +
+// rows[i] - row_offset` when it lies in the block `[row_offset, row_offset + num_rows)` and
+// `here` (this device stores the block); every other row keeps its values.
+ffi::Error ResetRowsImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::U32> key,
+                         ffi::Buffer<ffi::F32> bounds, ffi::Buffer<ffi::S32> rows,
+                         ffi::Buffer<ffi::PRED> here, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                         int32_t fill, int64_t dim, int64_t buffer_row, int64_t row_offset,
+                         int64_t num_rows, int64_t col_offset, int64_t num_cols) {
+  const auto dims = table.dimensions();
+  if (dims.size() != 2 || num_cols > dims[1] || col_offset + num_cols > dim || num_cols < 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "HybridrecResetRows: the table must be [rows, width >= num_cols] and the "
+                      "block's columns within the draw's dim");
+  float* o = out->typed_data();
+  if (o != table.typed_data())  // not aliased: start from the table's values
+    std::memcpy(o, table.typed_data(), sizeof(float) * table.element_count());
+  if (!*here.typed_data()) return ffi::Error::Success();
+  const int64_t width = dims[1], height = dims[0];
+  const int32_t* r = rows.typed_data();
+  const int64_t k = rows.element_count();
+  int64_t used = 0;
+  while (used < k && r[used] != fill) ++used;
+  const uint32_t k0 = key.typed_data()[0], k1 = key.typed_data()[1];
+  const float lo = bounds.typed_data()[0], span = bounds.typed_data()[1] - lo;
+#pragma omp parallel for schedule(static) if (used * num_cols >= (1 << 16))
+  for (int64_t i = 0; i < used; ++i) {
+    const int64_t at = buffer_row + static_cast<int64_t>(r[i]) - row_offset;
+    if (r[i] < row_offset || r[i] >= row_offset + num_rows || at < 0 || at >= height) continue;
+    const uint64_t base = static_cast<uint64_t>(i) * static_cast<uint64_t>(dim) +
+                          static_cast<uint64_t>(col_offset);
+    float* row = o + at * width;
+    for (int64_t j = 0; j < num_cols; ++j) {
+      const uint64_t n = base + static_cast<uint64_t>(j);
+      uint32_t x0 = static_cast<uint32_t>(n >> 32), x1 = static_cast<uint32_t>(n);
+      Threefry2x32(k0, k1, x0, x1);
+      row[j] = BitsToUniform(x0 ^ x1, lo, span);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecResetRows, ResetRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("fill")
+                                  .Attr<int64_t>("dim")
+                                  .Attr<int64_t>("buffer_row")
+                                  .Attr<int64_t>("row_offset")
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("col_offset")
+                                  .Attr<int64_t>("num_cols"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecRowBits, RowBitsImpl,
                               ffi::Ffi::Bind()

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax._kernels import mask_positions, row_bits, when_built
+from sparse_jax._kernels import reset_rows as write_fresh_rows
 from sparse_jax._kernels._platform import by_platform
 from sparse_jax._uniform_init import bits_to_uniform, threefry_key_data
 
@@ -42,25 +43,84 @@ def _fresh_rows(config, key: jax.Array, rows: jax.Array) -> jax.Array:
     whole draw of `min(zch_size, history_capacity)` rows costs about as much as the remap)
     and turned into floats exactly as `jax.random.uniform` does: the same numbers."""
     k, dim = rows.shape[0], config.embedding_dim
-    key_data = threefry_key_data(key) if config.init_fn is None else None
+    key_data = _key_data(config, key)
     if key_data is None:  # another init or PRNG: its whole draw
         return config.initial_weights(key, rows=k)
 
     def xla(key_data, bounds, rows):
         del bounds, rows
-        return config.initial_weights(jax.random.wrap_key_data(key_data), rows=k)
+        return _whole_draw(config, key_data, k)
 
     def kernel(key_data, bounds, rows):
         return bits_to_uniform(row_bits(key_data, rows, dim, config.num_embeddings), *bounds)
 
-    bounds = jax.lax.optimization_barrier(  # see bits_to_uniform
-        jnp.array([config.weight_init_min, config.weight_init_max], jnp.float32)
-    )
     out = jax.ShapeDtypeStruct((k, dim), jnp.float32)
     (fresh,) = by_platform(
-        [key_data, bounds, rows], [out], default=xla, cpu=when_built(kernel, xla)
+        [key_data, _bounds(config), rows], [out], default=xla, cpu=when_built(kernel, xla)
     )
     return fresh
+
+
+def _key_data(config, key) -> jax.Array | None:
+    """The key's threefry words when the fresh rows are the table's uniform init under jax's
+    partitionable threefry (so they can be drawn row by row), else None."""
+    return threefry_key_data(key) if config.init_fn is None else None
+
+
+def _whole_draw(config, key_data, k: int) -> jax.Array:
+    return config.initial_weights(jax.random.wrap_key_data(key_data), rows=k)
+
+
+def _bounds(config) -> jax.Array:
+    return jax.lax.optimization_barrier(  # see bits_to_uniform
+        jnp.array([config.weight_init_min, config.weight_init_max], jnp.float32)
+    )
+
+
+def _rows_in_block(rows, block: RowBlock, limit: int) -> jax.Array:
+    """Where each of `rows` (table rows) is in `block`'s buffer, `limit` (dropped) for the
+    rows outside the block or when this device does not store it."""
+    inside = (rows >= block.row_offset) & (rows < block.row_offset + block.num_rows) & block.here
+    return jnp.where(inside, block.buffer_row + rows - block.row_offset, limit)
+
+
+def _write_fresh(w, config, key_data, rows, block: RowBlock) -> jax.Array:
+    """`w` (a float32 buffer holding `block`) with the rows of `rows` in the block set to
+    their fresh rows (row i of the draw for `rows[i]`). On CPU one kernel call draws,
+    converts and writes only the rows used, in place (`_kernels.reset_rows`); XLA's form
+    draws all `len(rows)` rows and scatters them (what `_fresh_rows` and a scatter give)."""
+    k, c0, cn = rows.shape[0], block.col_offset, block.num_cols
+
+    def xla(w, key_data, bounds, rows, here):
+        del bounds
+        fresh = _whole_draw(config, key_data, k)
+        at = _rows_in_block(rows, block._replace(here=here), w.shape[0])
+        return w.at[at, :cn].set(fresh[:, c0 : c0 + cn], mode="drop")
+
+    def kernel(w, key_data, bounds, rows, here):
+        return write_fresh_rows(
+            w,
+            key_data,
+            bounds,
+            rows,
+            here,
+            fill=config.num_embeddings,
+            dim=config.embedding_dim,
+            buffer_row=block.buffer_row,
+            row_offset=block.row_offset,
+            num_rows=block.num_rows,
+            col_offset=c0,
+            num_cols=cn,
+        )
+
+    here = jnp.asarray(block.here, bool)
+    (w,) = by_platform(
+        [w, key_data, _bounds(config), rows, here],
+        [jax.ShapeDtypeStruct(w.shape, w.dtype)],
+        default=xla,
+        cpu=when_built(kernel, xla),
+    )
+    return w
 
 
 class RowBlock(NamedTuple):
@@ -95,18 +155,21 @@ def reset_rows(
     for i, name in enumerate(sorted(evicted)):
         config, k = configs[name], limits[name]
         rows = _marked_rows(evicted[name], k, config.num_embeddings)  # fill: dropped
-        fresh = _fresh_rows(config, jax.random.fold_in(key, i), rows)
+        table_key = jax.random.fold_in(key, i)
+        key_data, fresh = _key_data(config, table_key), None
         for block in blocks[name]:
             w = params[block.buffer]
             limit = w.shape[0]
-            inside = (
-                (rows >= block.row_offset) & (rows < block.row_offset + block.num_rows) & block.here
-            )
-            at = jnp.where(inside, block.buffer_row + rows - block.row_offset, limit)
-            c0, cn = block.col_offset, block.num_cols
-            params[block.buffer] = w.at[at, :cn].set(
-                fresh[:, c0 : c0 + cn].astype(w.dtype), mode="drop"
-            )
+            at = _rows_in_block(rows, block, limit)
+            if key_data is not None and w.dtype == jnp.float32:
+                params[block.buffer] = _write_fresh(w, config, key_data, rows, block)
+            else:
+                if fresh is None:  # drawn once for the table's blocks
+                    fresh = _fresh_rows(config, table_key, rows)
+                c0, cn = block.col_offset, block.num_cols
+                params[block.buffer] = w.at[at, :cn].set(
+                    fresh[:, c0 : c0 + cn].astype(w.dtype), mode="drop"
+                )
             leaves = opt_tables.get(block.buffer)
             if isinstance(leaves, Mapping):
                 opt_tables[block.buffer] = {
