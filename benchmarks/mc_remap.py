@@ -21,9 +21,10 @@ sorted form a GPU runs, as lowered on CPU with the kernels switched off).
 
 The share of a training step: a `hybrid.Model` (DLRM, one managed table of the largest
 `--zch`, `--ids` samples of one raw id each, Zipf ids) against the same model on a plain
-table fed `raw % zch` (the same lookup and update, no remap), interleaved, every sparse
-update waited for. The quiet-machine probe (pooled lookups with 1 and 2 threads, in a fresh
-process) runs before and after; when the machine was contended every figure is void.
+table fed `raw % zch` (the same lookup and update, no remap), interleaved for
+`--share-repeats` rounds, every sparse update waited for. The quiet-machine probe (pooled
+lookups with 1 and 2 threads, in a fresh process) runs before and after; when the machine
+was contended every figure is void.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 LEAD_IN_S = 0.05
 DONE_SPEEDUP, DONE_SHARE = 10.0, 0.15  # issue 34: >= 10x TorchRec's ids/s, <= 15% of a step
 TINY = ["--zch", "64", "--ids", "32", "--pool", "200", "--check", "4", "--repeats", "2"]
-TINY += ["--alone-repeats", "2", "--policy", "lru", "--stream", "zipf"]
+TINY += ["--alone-repeats", "2", "--share-repeats", "2", "--policy", "lru", "--stream", "zipf"]
 CYCLE = 256  # batches of ids drawn before timing (`stream`)
 
 
@@ -278,6 +279,13 @@ def parse(argv):
     )
     ap.add_argument("--with-xla", action="store_true", help="time the XLA form too (slow)")
     ap.add_argument("--no-share", action="store_true", help="skip the hybrid.Model step share")
+    ap.add_argument(
+        "--share-repeats",
+        type=int,
+        default=61,
+        help="interleaved rounds of the two hybrid.Model steps (a step of ~30-40 ms moves by "
+        "10-20%% from one round to the next here: 15 rounds' medians read the share 14-20%%)",
+    )
     ap.add_argument("--json", help="also write the figures to this JSON file")
     ap.add_argument("--tiny", action="store_true", help="a few seconds: " + " ".join(TINY))
     ap.add_argument("--side", choices=["both", "torchrec"], default="both", help=argparse.SUPPRESS)
@@ -327,7 +335,7 @@ def main(argv=None) -> int:
     if not args.no_share:
         for case in cases(args):
             if case.zch == max(args.zch) and case.stream == args.stream[-1]:
-                shares[case.name] = step_share(case, args.repeats)
+                shares[case.name] = step_share(case, args.share_repeats)
     after = quietness_probe(**probe)
     quiet = before["quiet"] and after["quiet"]
     void = "" if quiet else " (VOID: contended)"
