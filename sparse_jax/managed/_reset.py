@@ -3,6 +3,11 @@ starts over: the table's init (`init_fn`, else its uniform init) drawn for those
 and zero per-row optimizer state. One routine for both stores: an unsharded collection's
 stacked buffers (one block per table) and, inside `shard_map`, the blocks of a sharded
 table that each device holds.
+
+On CPU, for a float32 buffer and the uniform init under jax's partitionable threefry, one
+kernel call per block draws, converts and writes the rows used, in place
+(`_write_fresh`); the XLA form (other platforms, narrow tables, another init) draws the
+`limit` rows and scatters them. Both give the same numbers.
 """
 
 from __future__ import annotations
