@@ -89,18 +89,24 @@ def _rows_in_block(rows, block: RowBlock, limit: int) -> jax.Array:
     return jnp.where(inside, block.buffer_row + rows - block.row_offset, limit)
 
 
+def _set_block_rows(w, at, fresh, block: RowBlock) -> jax.Array:
+    """`w` with buffer row `at[i]` (`limit`: dropped) set to row i of the draw `fresh`,
+    the block's columns of it."""
+    c0, cn = block.col_offset, block.num_cols
+    return w.at[at, :cn].set(fresh[:, c0 : c0 + cn].astype(w.dtype), mode="drop")
+
+
 def _write_fresh(w, config, key_data, rows, block: RowBlock) -> jax.Array:
     """`w` (a float32 buffer holding `block`) with the rows of `rows` in the block set to
     their fresh rows (row i of the draw for `rows[i]`). On CPU one kernel call draws,
     converts and writes only the rows used, in place (`_kernels.reset_rows`); XLA's form
     draws all `len(rows)` rows and scatters them (what `_fresh_rows` and a scatter give)."""
-    k, c0, cn = rows.shape[0], block.col_offset, block.num_cols
+    k = rows.shape[0]
 
     def xla(w, key_data, bounds, rows, here):
         del bounds
-        fresh = _whole_draw(config, key_data, k)
         at = _rows_in_block(rows, block._replace(here=here), w.shape[0])
-        return w.at[at, :cn].set(fresh[:, c0 : c0 + cn], mode="drop")
+        return _set_block_rows(w, at, _whole_draw(config, key_data, k), block)
 
     def kernel(w, key_data, bounds, rows, here):
         return write_fresh_rows(
@@ -114,8 +120,8 @@ def _write_fresh(w, config, key_data, rows, block: RowBlock) -> jax.Array:
             buffer_row=block.buffer_row,
             row_offset=block.row_offset,
             num_rows=block.num_rows,
-            col_offset=c0,
-            num_cols=cn,
+            col_offset=block.col_offset,
+            num_cols=block.num_cols,
         )
 
     here = jnp.asarray(block.here, bool)
@@ -171,10 +177,7 @@ def reset_rows(
             else:
                 if fresh is None:  # drawn once for the table's blocks
                     fresh = _fresh_rows(config, table_key, rows)
-                c0, cn = block.col_offset, block.num_cols
-                params[block.buffer] = w.at[at, :cn].set(
-                    fresh[:, c0 : c0 + cn].astype(w.dtype), mode="drop"
-                )
+                params[block.buffer] = _set_block_rows(w, at, fresh, block)
             leaves = opt_tables.get(block.buffer)
             if isinstance(leaves, Mapping):
                 opt_tables[block.buffer] = {
