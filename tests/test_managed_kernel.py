@@ -194,7 +194,8 @@ def _large_map_steps(xla_form, policy, settings, zipf, zch, batch, steps):
     assert zipf or int(k_out[1][1]) == zch - 1  # uniform ids: the map filled and turned over
 
 
-@pytest.mark.parametrize("n", [1000, 1003])  # the kernel reads 8 entries at a time, then the tail
+# the kernel reads 64 entries at a time (with AVX-512), then 8 at a time, then one by one
+@pytest.mark.parametrize("n", [1000, 1003, 4096])
 def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form, n):
     rng = np.random.default_rng(0)
     kernel = jax.jit(lambda m: _marked_rows(m, 64, n))
@@ -245,7 +246,8 @@ def test_a_reset_writes_each_marked_rows_fresh_row_and_zero_state_in_its_block(
     only for the rows used) and in its XLA form set each marked row in the block to its row
     of an eager `jax.random.uniform(fold_in(key, 0), (limit, dim))` (the i-th marked row
     ascending takes draw row i, at most `limit` rows) and zero its state; nothing else
-    changes, and nothing at all on a device that does not store the block."""
+    changes, and nothing at all on a device that does not store the block. The state's
+    rows are zeroed by a kernel call per buffer on CPU, by a scatter in the XLA form."""
     config = EmbeddingBagConfig(
         name="t", num_embeddings=500, embedding_dim=6, feature_names=["f"],
         weight_init_min=bounds[0], weight_init_max=bounds[1],
@@ -255,10 +257,11 @@ def test_a_reset_writes_each_marked_rows_fresh_row_and_zero_state_in_its_block(
     mask = rng.random(500) < density
     w0 = rng.standard_normal((height, block.num_cols + 1)).astype(np.float32)
     s0 = rng.random(height).astype(np.float32) + 1
+    v0 = (rng.random((height, 3)) + 1).astype(jnp.bfloat16)  # a wider state row, 2 bytes a value
     key = jax.random.key(11)
     draw = jax.random.uniform(jax.random.fold_in(key, 0), (limit, 6), jnp.float32, *bounds)
     draw = np.asarray(draw)
-    want_w, want_s = w0.copy(), s0.copy()
+    want_w, want_s, want_v = w0.copy(), s0.copy(), v0.copy()
     for i, r in enumerate(np.flatnonzero(mask)[:limit]):
         if here and block.row_offset <= r < block.row_offset + block.num_rows:
             at = block.buffer_row + r - block.row_offset
@@ -266,17 +269,19 @@ def test_a_reset_writes_each_marked_rows_fresh_row_and_zero_state_in_its_block(
                 i, block.col_offset : block.col_offset + block.num_cols
             ]
             want_s[at] = 0
+            want_v[at] = 0
 
-    def run(w, s, m, k, h):
+    def run(w, s, v, m, k, h):
         return reset_rows(
-            {"b": w}, {"b": {"m": s}}, {"t": m}, k,
+            {"b": w}, {"b": {"m": s, "v": v}}, {"t": m}, k,
             configs={"t": config}, limits={"t": limit}, blocks={"t": [block._replace(here=h)]},
         )  # fmt: skip
 
     for form in (jax.jit, xla_form):
-        params, state = form(run)(w0, s0, mask, key, np.bool_(here))
+        params, state = form(run)(w0, s0, v0, mask, key, np.bool_(here))
         np.testing.assert_array_equal(np.asarray(params["b"]), want_w)
         np.testing.assert_array_equal(np.asarray(state["b"]["m"]), want_s)
+        np.testing.assert_array_equal(np.asarray(state["b"]["v"]), want_v)
 
 
 def _training_remap_text(monkeypatch, built: bool, compiled: bool = False) -> str:
@@ -303,12 +308,13 @@ def test_the_cpu_training_step_updates_the_map_in_place_without_copying_it(monke
 
 
 def test_the_cpu_training_step_takes_the_kernels_when_built_and_xla_when_not(monkeypatch):
-    calls = r"custom_call @(HybridrecMch\w+|HybridrecMaskPositions|HybridrecResetRows)\b"
+    calls = r"custom_call @(HybridrecMch\w+|HybridrecMaskPositions|Hybridrec\w+Rows)\b"
     built = _training_remap_text(monkeypatch, built=True)
     assert sorted(set(re.findall(calls, built))) == [
         "HybridrecMaskPositions",
         "HybridrecMchProfileRemap",  # the profile and the batch's slots in one call
         "HybridrecResetRows",  # the fresh rows drawn and written in place, only those used
+        "HybridrecZeroRows",  # their optimizer state zeroed in place
     ]
     assert "stablehlo.sort" not in built  # no sort of the table on the kernel path
     assert not re.search(calls, _training_remap_text(monkeypatch, built=False))

@@ -18,7 +18,7 @@ from sparse_jax._kernels._ffi import (
     when_built,
 )
 from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap
-from sparse_jax._kernels._random import reset_rows, row_bits, table_bits
+from sparse_jax._kernels._random import reset_rows, row_bits, table_bits, zero_rows
 
 __all__ = [
     "RULES",
@@ -37,4 +37,5 @@ __all__ = [
     "row_bits",
     "table_bits",
     "when_built",
+    "zero_rows",
 ]

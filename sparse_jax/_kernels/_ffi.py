@@ -55,6 +55,7 @@ def _register() -> str | None:
         "HybridrecRowBits",
         "HybridrecTableBits",
         "HybridrecResetRows",
+        "HybridrecZeroRows",
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     return None

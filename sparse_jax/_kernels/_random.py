@@ -1,8 +1,9 @@
 """Call wrappers of the random-bits CPU kernels (`random_cpu.cc`): jax's partitionable
 threefry2x32 bits for only the rows that are used, bit for bit `jax.random.bits`: the fresh
 rows of a managed table's reset (`row_bits`; `reset_rows` also turns them into
-`jax.random.uniform`'s floats and writes them into the table in place) and a table's
-initial rows (`table_bits`)."""
+`jax.random.uniform`'s floats and writes them into the table in place; `zero_rows` zeroes
+the same rows of the optimizer's per-row state in place) and a table's initial rows
+(`table_bits`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from sparse_jax._kernels._ffi import _register
 
-__all__ = ["reset_rows", "row_bits", "table_bits"]
+__all__ = ["reset_rows", "row_bits", "table_bits", "zero_rows"]
 
 
 def row_bits(key_data, rows, dim: int, fill: int) -> jax.Array:
@@ -73,4 +74,23 @@ def reset_rows(
         num_rows=np.int64(num_rows),
         col_offset=np.int64(col_offset),
         num_cols=np.int64(num_cols),
+    )
+
+
+def zero_rows(
+    state, rows, here, *, fill: int, buffer_row: int, row_offset: int, num_rows: int
+) -> jax.Array:
+    """`state` (`[R, ...]`, any dtype; updated in place: aliased to the result) with row
+    `buffer_row + rows[i] - row_offset` set to zero for each i before the first `fill` whose
+    row lies in `[row_offset, row_offset + num_rows)`, when `here` (a bool scalar) is true."""
+    _register()
+    out = jax.ShapeDtypeStruct(state.shape, state.dtype)
+    return jax.ffi.ffi_call("HybridrecZeroRows", out, input_output_aliases={0: 0})(
+        state,
+        rows.astype(jnp.int32),
+        jnp.asarray(here, bool),
+        fill=np.int32(fill),
+        buffer_row=np.int64(buffer_row),
+        row_offset=np.int64(row_offset),
+        num_rows=np.int64(num_rows),
     )

@@ -6,8 +6,9 @@ table that each device holds.
 
 On CPU, for a float32 buffer and the uniform init under jax's partitionable threefry, one
 kernel call per block draws, converts and writes the rows used, in place
-(`_write_fresh`); the XLA form (other platforms, narrow tables, another init) draws the
-`limit` rows and scatters them. Both give the same numbers.
+(`_write_fresh`), and one more per per-row state buffer zeroes those rows in place
+(`_zero_block_rows`); the XLA form (other platforms, narrow tables, another init) draws the
+`limit` rows and scatters them, and scatters the zeros. Both give the same numbers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparse_jax._kernels import mask_positions, row_bits, when_built
+from sparse_jax._kernels import mask_positions, row_bits, when_built, zero_rows
 from sparse_jax._kernels import reset_rows as write_fresh_rows
 from sparse_jax._kernels._platform import by_platform
 from sparse_jax._uniform_init import bits_to_uniform, threefry_key_data
@@ -134,6 +135,35 @@ def _write_fresh(w, config, key_data, rows, block: RowBlock) -> jax.Array:
     return w
 
 
+def _zero_block_rows(leaf, rows, block: RowBlock, fill: int) -> jax.Array:
+    """A per-row state buffer `leaf` (`[buffer rows, ...]`, holding `block`'s rows) with the
+    rows of `rows` in the block zeroed. On CPU one kernel call writes only those rows, in
+    place (`_kernels.zero_rows`); XLA's form scatters zeros over every entry of `rows`."""
+
+    def xla(leaf, rows, here):
+        at = _rows_in_block(rows, block._replace(here=here), leaf.shape[0])
+        return leaf.at[at].set(0, mode="drop")
+
+    def kernel(leaf, rows, here):
+        return zero_rows(
+            leaf,
+            rows,
+            here,
+            fill=fill,
+            buffer_row=block.buffer_row,
+            row_offset=block.row_offset,
+            num_rows=block.num_rows,
+        )
+
+    (leaf,) = by_platform(
+        [leaf, rows, jnp.asarray(block.here, bool)],
+        [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)],
+        default=xla,
+        cpu=when_built(kernel, xla),
+    )
+    return leaf
+
+
 class RowBlock(NamedTuple):
     """Rows `row_offset : row_offset + num_rows` and columns `col_offset : col_offset +
     num_cols` of a table, stored in params buffer `buffer` from row `buffer_row` on; `here`:
@@ -182,7 +212,7 @@ def reset_rows(
             if isinstance(leaves, Mapping):
                 opt_tables[block.buffer] = {
                     n: (
-                        leaf.at[at].set(0, mode="drop")
+                        _zero_block_rows(leaf, rows, block, config.num_embeddings)
                         if leaf.ndim and leaf.shape[0] == limit
                         else leaf
                     )
