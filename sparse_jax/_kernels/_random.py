@@ -67,11 +67,8 @@ def reset_rows(
         bounds.astype(jnp.float32),
         rows.astype(jnp.int32),
         jnp.asarray(here, bool),
-        fill=np.int32(fill),
+        **_block_attrs(fill, buffer_row, row_offset, num_rows),
         dim=np.int64(dim),
-        buffer_row=np.int64(buffer_row),
-        row_offset=np.int64(row_offset),
-        num_rows=np.int64(num_rows),
         col_offset=np.int64(col_offset),
         num_cols=np.int64(num_cols),
     )
@@ -86,9 +83,16 @@ def zero_rows(
     _register()
     out = jax.ShapeDtypeStruct(state.shape, state.dtype)
     return jax.ffi.ffi_call("HybridrecZeroRows", out, input_output_aliases={0: 0})(
-        state,
-        rows.astype(jnp.int32),
-        jnp.asarray(here, bool),
+        state, rows.astype(jnp.int32), jnp.asarray(here, bool),
+        **_block_attrs(fill, buffer_row, row_offset, num_rows),
+    )  # fmt: skip
+
+
+def _block_attrs(fill: int, buffer_row: int, row_offset: int, num_rows: int) -> dict:
+    """The attributes naming a table block's rows and where a buffer stores them (the
+    reset kernels'): rows before the first `fill` of `rows`, in `[row_offset, row_offset +
+    num_rows)`, at buffer row `buffer_row + row - row_offset`."""
+    return dict(
         fill=np.int32(fill),
         buffer_row=np.int64(buffer_row),
         row_offset=np.int64(row_offset),
