@@ -194,6 +194,50 @@ def _large_map_steps(xla_form, policy, settings, zipf, zch, batch, steps):
     assert zipf or int(k_out[1][1]) == zch - 1  # uniform ids: the map filled and turned over
 
 
+def test_the_kernel_gives_the_xla_forms_state_when_its_sampled_bound_is_too_low(xla_form):
+    """LFU, 65,599 resident entries: the entries the kernel samples for its guess of the m-th
+    weakest score (4096, evenly spaced) hold count 1 and every other entry count 2, and 5,000
+    new ids seen 3 times each take the weakest 5,000 entries. The guess (count 1) has only
+    the 4,096 sampled entries at it and none below: too low, so the kernel must select over
+    every entry (the 4,096, then the latest 904 at count 2), as the XLA form's sort does."""
+    zch, size = 65_600, 65_600
+    n = zch - 1  # resident entries (the last is the default slot's)
+    sampled = (2 * np.arange(4096) + 1) * n // (2 * 4096)  # the kernel's sample positions
+    mc = MCHManagedCollisionModule(zch, history_capacity=size, eviction_policy="lfu")
+    kernel, xla = jax.jit(mc.profile_remap), xla_form(mc.profile_remap, integer_only=True)
+
+    def padded(ids):
+        raw, valid = np.zeros(size, np.int64), np.zeros(size, bool)
+        raw[: len(ids)], valid[: len(ids)] = ids, True
+        return RawIds.from_int64(raw), valid
+
+    fresh = n + 7 * np.arange(5000)  # not resident
+    batches = [
+        np.arange(n),  # fills the map: id i at entry i, count 1
+        np.setdiff1d(np.arange(n), sampled),  # count 2 but at the sampled entries
+        np.repeat(fresh, 3),  # 5,000 new ids, count 3: each beats a resident
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel's threaded passes (see above)
+    try:
+        k_state = x_state = mc.init()
+        for step, ids in enumerate(batches):
+            k_state, *k_out = kernel(k_state, *padded(ids))
+            x_state, *x_out = xla(x_state, *padded(ids))
+            for field, a, b in zip(k_state._fields, k_state, x_state, strict=True):
+                np.testing.assert_array_equal(
+                    np.asarray(a), np.asarray(b), err_msg=f"{field} {step}"
+                )
+            for name, a, b in zip(("evicted", "counts", "slots"), k_out, x_out, strict=True):
+                np.testing.assert_array_equal(
+                    np.asarray(a), np.asarray(b), err_msg=f"{name} {step}"
+                )
+    finally:
+        torch.set_num_threads(threads)
+    evicted = np.flatnonzero(np.asarray(k_out[0]))
+    assert len(evicted) == 5000  # every new id won an entry
+
+
 # the kernel reads 64 entries at a time (with AVX-512), then 8 at a time, then one by one
 @pytest.mark.parametrize("n", [1000, 1003, 4096])
 def test_reset_rows_are_the_masks_positions_as_nonzero_gives_them(xla_form, n):
