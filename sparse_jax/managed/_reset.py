@@ -90,9 +90,10 @@ def _rows_in_block(rows, block: RowBlock, limit: int) -> jax.Array:
     return jnp.where(inside, block.buffer_row + rows - block.row_offset, limit)
 
 
-def _set_block_rows(w, at, fresh, block: RowBlock) -> jax.Array:
-    """`w` with buffer row `at[i]` (`limit`: dropped) set to row i of the draw `fresh`,
-    the block's columns of it."""
+def _set_block_rows(w, rows, fresh, block: RowBlock) -> jax.Array:
+    """`w` with the buffer row of `rows[i]`, when it lies in `block` (and the block is
+    here), set to row i of the draw `fresh`, the block's columns of it."""
+    at = _rows_in_block(rows, block, w.shape[0])
     c0, cn = block.col_offset, block.num_cols
     return w.at[at, :cn].set(fresh[:, c0 : c0 + cn].astype(w.dtype), mode="drop")
 
@@ -106,8 +107,7 @@ def _write_fresh(w, config, key_data, rows, block: RowBlock) -> jax.Array:
 
     def xla(w, key_data, bounds, rows, here):
         del bounds
-        at = _rows_in_block(rows, block._replace(here=here), w.shape[0])
-        return _set_block_rows(w, at, _whole_draw(config, key_data, k), block)
+        return _set_block_rows(w, rows, _whole_draw(config, key_data, k), block._replace(here=here))
 
     def kernel(w, key_data, bounds, rows, here):
         return write_fresh_rows(
@@ -201,13 +201,12 @@ def reset_rows(
         for block in blocks[name]:
             w = params[block.buffer]
             limit = w.shape[0]
-            at = _rows_in_block(rows, block, limit)
             if key_data is not None and w.dtype == jnp.float32:
                 params[block.buffer] = _write_fresh(w, config, key_data, rows, block)
             else:
                 if fresh is None:  # drawn once for the table's blocks
                     fresh = _fresh_rows(config, table_key, rows)
-                params[block.buffer] = _set_block_rows(w, at, fresh, block)
+                params[block.buffer] = _set_block_rows(w, rows, fresh, block)
             leaves = opt_tables.get(block.buffer)
             if isinstance(leaves, Mapping):
                 opt_tables[block.buffer] = {
