@@ -95,6 +95,16 @@ inline float BitsToUniform(uint32_t bits, float lo, float span) {
   return std::max(lo, std::fma(f - 1.0f, span, lo));
 }
 
+// The buffer row holding table row `row` of the block `[row_offset, row_offset + num_rows)`
+// stored from buffer row `buffer_row` on, or -1 when the block does not hold it (or the
+// buffer's `height` rows end before it): the reset kernels' rows.
+inline int64_t BlockRow(int32_t row, int64_t buffer_row, int64_t row_offset, int64_t num_rows,
+                        int64_t height) {
+  const int64_t at = buffer_row + static_cast<int64_t>(row) - row_offset;
+  if (row < row_offset || row >= row_offset + num_rows || at < 0 || at >= height) return -1;
+  return at;
+}
+
 // Row i of `rows` (before the first `fill`) gets row i of the `[len(rows), dim]` uniform
 // draw, columns `col_offset .. col_offset + num_cols`, written at buffer row `buffer_row +
 // rows[i] - row_offset` when it lies in the block `[row_offset, row_offset + num_rows)` and
@@ -122,8 +132,8 @@ ffi::Error ResetRowsImpl(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::U32> key,
   const float lo = bounds.typed_data()[0], span = bounds.typed_data()[1] - lo;
 #pragma omp parallel for schedule(static) if (used * num_cols >= (1 << 16))
   for (int64_t i = 0; i < used; ++i) {
-    const int64_t at = buffer_row + static_cast<int64_t>(r[i]) - row_offset;
-    if (r[i] < row_offset || r[i] >= row_offset + num_rows || at < 0 || at >= height) continue;
+    const int64_t at = BlockRow(r[i], buffer_row, row_offset, num_rows, height);
+    if (at < 0) continue;
     const uint64_t base = static_cast<uint64_t>(i) * static_cast<uint64_t>(dim) +
                           static_cast<uint64_t>(col_offset);
     float* row = o + at * width;
@@ -158,8 +168,8 @@ ffi::Error ZeroRowsImpl(ffi::AnyBuffer state, ffi::Buffer<ffi::S32> rows, ffi::B
   const int32_t* r = rows.typed_data();
   const int64_t k = rows.element_count();
   for (int64_t i = 0; i < k && r[i] != fill; ++i) {
-    const int64_t at = buffer_row + static_cast<int64_t>(r[i]) - row_offset;
-    if (r[i] < row_offset || r[i] >= row_offset + num_rows || at < 0 || at >= height) continue;
+    const int64_t at = BlockRow(r[i], buffer_row, row_offset, num_rows, height);
+    if (at < 0) continue;
     std::memset(o + at * row_bytes, 0, row_bytes);
   }
   return ffi::Error::Success();
