@@ -281,7 +281,9 @@ _BLOCKS = [
 
 
 @pytest.mark.parametrize(("block", "here"), _BLOCKS)
-@pytest.mark.parametrize("density", [0.0, 0.05, 1.0])  # none used, some, more than fit
+# none used, some, more than fit; "edges": the rows around the block's first and last rows
+# (outside it, some still inside the buffer: they must stay as they were)
+@pytest.mark.parametrize("density", [0.0, 0.05, 1.0, "edges"])
 @pytest.mark.parametrize("bounds", [(-0.5, 0.5), (-0.0447, 0.0447)])
 def test_a_reset_writes_each_marked_rows_fresh_row_and_zero_state_in_its_block(
     xla_form, block, here, density, bounds
@@ -298,7 +300,12 @@ def test_a_reset_writes_each_marked_rows_fresh_row_and_zero_state_in_its_block(
     )  # fmt: skip
     rng = np.random.default_rng(4)
     limit, height = 64, block.buffer_row + block.num_rows + 3
-    mask = rng.random(500) < density
+    if density == "edges":
+        first, end = block.row_offset, block.row_offset + block.num_rows
+        mask = np.zeros(500, bool)
+        mask[max(first - 8, 0) : first + 3] = mask[end - 3 : min(end + 3, 500)] = True
+    else:
+        mask = rng.random(500) < density
     w0 = rng.standard_normal((height, block.num_cols + 1)).astype(np.float32)
     s0 = rng.random(height).astype(np.float32) + 1
     v0 = (rng.random((height, 3)) + 1).astype(jnp.bfloat16)  # a wider state row, 2 bytes a value
