@@ -546,3 +546,20 @@ def uniform_table_loop(key, first, count, dim, lo, hi):
             fused = np.float64(one - np.float32(1.0)) * np.float64(hi32 - lo32) + np.float64(lo32)
             out[i, j] = max(lo32, np.float32(fused))
     return out
+
+
+# ---------------------------------------------------------------- dense interaction
+
+
+def interaction_loop(dense, sparse):
+    """TorchRec's `InteractionArch` forward, sample by sample in float64: row b is dense[b]
+    then dot(v_i, v_j) for i < j (row-major) over v_0 = dense[b], v_f = sparse[b][f - 1]."""
+    out = []
+    for b in range(len(dense)):
+        vectors = [[float(x) for x in dense[b]]] + [[float(x) for x in f] for f in sparse[b]]
+        row = list(vectors[0])
+        for i in range(len(vectors)):
+            for j in range(i + 1, len(vectors)):
+                row.append(math.fsum(a * c for a, c in zip(vectors[i], vectors[j], strict=True)))
+        out.append(row)
+    return np.array(out, dtype=np.float64).reshape(len(dense), -1)

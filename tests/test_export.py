@@ -30,6 +30,7 @@ import dense_torch
 import hybrid
 import hybrid.serving as serving
 from hybrid.inference import export
+from hybrid.serving._interaction import FusedInteraction
 from sparse_jax import EmbeddingBagConfig, _kernels
 from sparse_jax.optim import rowwise_adagrad
 
@@ -233,18 +234,30 @@ def test_an_int8_artifact_carries_the_kernel_lookup_and_runs_it_with_the_same_sc
         None,
     )
     assert (plain.lookup, plain.lookup_fallback, plain.direct) == ("xla", None, False)
-    # the tower runs as the lean copy of its graph (dead views dropped, one plain function,
-    # the interaction's advanced index as index_select)
+    # the tower runs as the lean copy of its graph (dead views dropped, one plain function),
+    # its DLRM interaction one call of the kernel library; with interaction="graph" the
+    # interaction's own ops, the advanced index as index_select
+    exact = serving.load(path, interaction="graph")
+    assert (fast.interaction, fast.interaction_fallback) == ("kernel", None)
+    assert (exact.interaction, exact.interaction_fallback) == ("graph", None)
+    aten = torch.ops.aten
     ops = {id(v) for v in fast._dense_forward.__globals__.values()}
-    assert id(torch.ops.aten.index_select.default) in ops
-    assert id(torch.ops.aten.index.Tensor) not in ops
+    assert not ops & {id(aten.index_select.default), id(aten.index.Tensor), id(aten.bmm.default)}
+    assert any(isinstance(v, FusedInteraction) for v in fast._dense_forward.__globals__.values())
+    ops = {id(v) for v in exact._dense_forward.__globals__.values()}
+    assert id(aten.index_select.default) in ops and id(aten.bmm.default) in ops
+    assert id(aten.index.Tensor) not in ops
     dense, lists = exported["dense"], exported["lists"]
-    assert torch.equal(fast(dense, lists), exported["expected_int8"])
-    assert torch.equal(programs(dense, lists), exported["expected_int8"])
-    assert torch.equal(plain(dense, lists), exported["expected_int8"])
+    want = exported["expected_int8"]
+    assert torch.equal(exact(dense, lists), want)  # the in-process model's, bit for bit
+    got = fast(dense, lists)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(programs(dense, lists), got)  # every lookup path: the same pooled rows
+    assert torch.equal(plain(dense, lists), got)
     one = {f: bags[2:3] for f, bags in lists.items()}  # the 1-sample rung
-    assert torch.equal(fast(dense[2:3], one), exported["expected_int8"][2:3])
-    assert torch.equal(programs(dense[2:3], one), exported["expected_int8"][2:3])
+    assert torch.equal(exact(dense[2:3], one), want[2:3])
+    torch.testing.assert_close(fast(dense[2:3], one), want[2:3], rtol=1e-4, atol=1e-5)
+    assert torch.equal(programs(dense[2:3], one), fast(dense[2:3], one))
     assert fast.warm() == []  # no program to compile
     # a float model has no quantized lookup to hand to the kernel
     fp32 = serving.load(exported["fp32"])

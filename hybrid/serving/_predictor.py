@@ -60,6 +60,13 @@ from hybrid.serving._artifact import (
     verify_files,
 )
 from hybrid.serving._direct import direct_lookup
+from hybrid.serving._interaction import (
+    ATOL,
+    RTOL,
+    FusedInteraction,
+    fused_interaction,
+    interaction_rewrite,
+)
 from hybrid.serving._request import (
     RequestSpec,
     SparseArrays,
@@ -227,6 +234,7 @@ def _load_dense(path: pathlib.Path, where: str) -> torch.nn.Module:
 
 
 _ATEN = torch.ops.aten
+INTERACTIONS = ("auto", "graph")  # load(interaction=...)
 
 
 def _gather_rewrite(graph: torch.fx.Graph, attrs: dict[str, Any]) -> None:
@@ -319,6 +327,49 @@ def _as_function(graph: torch.fx.Graph, attrs: dict[str, Any]) -> Callable:
     return forward
 
 
+def _lean_graph(module: torch.nn.Module) -> tuple[torch.fx.Graph, dict[str, Any]] | None:
+    """`module`'s exported graph `(dense_features, pooled) -> logits` without its dead nodes
+    and pytree wrapping, its interaction's advanced index as `index_select`
+    (`_gather_rewrite`), its parameters as `attrs`; None for a graph not of that form."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return None
+    lean = torch.fx.Graph()
+    out = lean.graph_copy(graph, {})
+    inputs = [n for n in lean.nodes if n.op == "placeholder"]
+    if not (
+        isinstance(out, tuple | list)
+        and len(out) == 1
+        and isinstance(out[0], torch.fx.Node)
+        and len(inputs) == 2
+    ):
+        return None
+    lean.output(out[0])
+    attrs = {}
+    for node in lean.nodes:
+        if node.op == "get_attr":
+            name = f"_attr{len(attrs)}"
+            attrs[name] = operator.attrgetter(node.target)(module)
+            node.target = name
+    lean.eliminate_dead_code()
+    _gather_rewrite(lean, attrs)
+    lean.eliminate_dead_code()
+    return lean, attrs
+
+
+def _probes(dense: tuple[int, torch.dtype], width: int, max_batch: int):
+    """Probe inputs of 1, 2 and `max_batch` samples: dense features `dense` = (width,
+    dtype), pooled `width` columns."""
+    gen = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(batch, dense[0], generator=gen).to(dense[1]),
+            torch.randn(batch, width, generator=gen),
+        )
+        for batch in sorted({1, min(2, max_batch), max_batch})
+    ]
+
+
 def _lean_forward(
     module: torch.nn.Module, dense: tuple[int, torch.dtype], width: int, max_batch: int
 ) -> Callable:
@@ -328,45 +379,47 @@ def _lean_forward(
     `index_select` (`_gather_rewrite`), no pytree flattening of the inputs nor unflattening
     of the output, and the graph as one plain function (`_as_function`: ops called
     directly, parameters as constants). The result is checked equal (bit for bit) to the
-    graph's on probe batches (of 1, 2 and `max_batch` samples: dense features `dense` =
-    (width, dtype), pooled `width` columns), else (or for a graph not of that form)
+    graph's on probe batches (`_probes`), else (or for a graph not of that form)
     `module.forward` itself is returned."""
-    graph = getattr(module, "graph", None)
-    if not isinstance(graph, torch.fx.Graph):
-        return module.forward
     try:
-        lean = torch.fx.Graph()
-        out = lean.graph_copy(graph, {})
-        inputs = [n for n in lean.nodes if n.op == "placeholder"]
-        if not (
-            isinstance(out, tuple | list)
-            and len(out) == 1
-            and isinstance(out[0], torch.fx.Node)
-            and len(inputs) == 2
-        ):
+        lean = _lean_graph(module)
+        if lean is None:
             return module.forward
-        lean.output(out[0])
-        attrs = {}
-        for node in lean.nodes:
-            if node.op == "get_attr":
-                name = f"_attr{len(attrs)}"
-                attrs[name] = operator.attrgetter(node.target)(module)
-                node.target = name
-        lean.eliminate_dead_code()
-        _gather_rewrite(lean, attrs)
-        lean.eliminate_dead_code()
-        forward = _as_function(lean, attrs)
-        gen = torch.Generator().manual_seed(0)
+        forward = _as_function(*lean)
         with torch.inference_mode():
-            for batch in sorted({1, min(2, max_batch), max_batch}):
-                probe = (
-                    torch.randn(batch, dense[0], generator=gen).to(dense[1]),
-                    torch.randn(batch, width, generator=gen),
-                )
+            for probe in _probes(dense, width, max_batch):
                 if not torch.equal(forward(*probe), module.forward(*probe)):
                     return module.forward
     except Exception:  # any graph the rewrite does not handle runs as exported
         return module.forward
+    return forward
+
+
+def _fused_forward(
+    module: torch.nn.Module,
+    dense: tuple[int, torch.dtype],
+    width: int,
+    max_batch: int,
+    fused: FusedInteraction,
+) -> Callable | str:
+    """`_lean_forward`'s function with the DLRM interaction as one call of `fused`
+    (`_interaction`), checked on the probe batches: logits within `RTOL` / `ATOL` of the
+    graph's; else why not."""
+    try:
+        lean = _lean_graph(module)
+        if lean is None:
+            return "the dense tower is not a graph of (dense_features, pooled) -> logits"
+        if interaction_rewrite(*lean, fused) == 0:
+            return "the dense tower holds no DLRM interaction (InteractionArch) the kernel takes"
+        forward = _as_function(*lean)
+        with torch.inference_mode():
+            for probe in _probes(dense, width, max_batch):
+                got, want = forward(*probe), module.forward(*probe)
+                if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+                    diff = float((got - want).abs().max())
+                    return f"the fused interaction's logits differ from the graph's by {diff:.3g}"
+    except Exception as e:  # any graph the rewrite does not handle runs without it
+        return f"the fused interaction failed on the probes ({type(e).__name__}: {e})"
     return forward
 
 
@@ -385,6 +438,10 @@ class Predictor:
       direct: True when the kernel is called directly, not through its programs.
       direct_fallback: why the kernel runs through its programs (None when it is called
         directly, or was not to be: `load(direct=False)`, or the XLA programs run).
+      interaction: how the dense tower computes a DLRM interaction: "kernel" (one call of
+        the kernel library, `_interaction`) or "graph" (the exported graph's ops).
+      interaction_fallback: why the graph's ops run under `load(interaction="auto")` (no
+        kernel library, no DLRM interaction in the tower, a failed check), else None.
       features: the sparse features a request must give, in the program's order.
       max_batch_size: the most samples one call takes (pad nothing: fewer is fine).
       n_dense: the width of `dense_features`.
@@ -404,6 +461,7 @@ class Predictor:
         lookup_fallback: str | None = None,
         torch_threads: int | None = 1,
         direct: bool = True,
+        interaction: str = "auto",
     ):
         if torch_threads is not None and (
             isinstance(torch_threads, bool)
@@ -434,6 +492,23 @@ class Predictor:
         self._dense_forward = _lean_forward(
             dense, (self.n_dense, self._dense_dtype), pooled_width, self.max_batch_size
         )
+        self.interaction, self.interaction_fallback = "graph", None
+        if interaction == "auto":
+            from hybrid.serving import _kernel
+
+            found = fused_interaction(_kernel.library())
+            if not isinstance(found, str):
+                found = _fused_forward(
+                    dense,
+                    (self.n_dense, self._dense_dtype),
+                    pooled_width,
+                    self.max_batch_size,
+                    found,
+                )
+            if isinstance(found, str):
+                self.interaction_fallback = found
+            else:
+                self._dense_forward, self.interaction = found, "kernel"
         self._direct = None
         self.direct_fallback = None
         if lookup == "cpu_kernel" and direct:
@@ -601,6 +676,7 @@ def load(
     lookup: str = "auto",
     torch_threads: int | None = 1,
     direct: bool = True,
+    interaction: str = "auto",
 ) -> Predictor:
     """Load the serving artifact `path` (a directory `hybrid.export` wrote).
 
@@ -615,12 +691,24 @@ def load(
     direct: call the kernel directly where its programs would run (checked against them at
     load; module docstring); False always runs the programs.
 
+    interaction: "auto" computes a DLRM tower's interaction (`InteractionArch`: the pairwise
+    dots and their upper triangle) by one call of the kernel library (`_interaction`) where
+    the library loads and the fused tower passes its check at load (`Predictor.interaction`
+    is then "kernel", else "graph" with the reason in `interaction_fallback`): at batch 512
+    a quarter of the call's time, logits within 1e-4 relative of the graph's (the dots sum
+    in another order). "graph" runs the exported graph's ops: the logits are the in-process
+    model's bit for bit.
+
     torch_threads: torch's intra-op threads while a call's dense tower runs (the process's
     count is restored after it); None leaves them alone. One by default: beside JAX's CPU
     threads (which the lookup kernel's bags also run on), torch's second thread waited for a
     core on a 2-core machine, and a call took 2.4x (batch 1), 3.2x (64) and 1.7x (512) its
     time with one (benchmarks.serving_latency's int8 DLRM, each alone in a fresh process);
     two lost at every batch again once the kernel left OpenMP (benchmarks/NOTES.md)."""
+    if interaction not in INTERACTIONS:
+        raise ValueError(
+            f"interaction={interaction!r}: give one of {', '.join(map(repr, INTERACTIONS))}"
+        )
     path = pathlib.Path(path)
     where = f"serving artifact {str(path)!r}"
     manifest = read_manifest(path)
@@ -644,4 +732,5 @@ def load(
         fallback,
         torch_threads=torch_threads,
         direct=direct,
+        interaction=interaction,
     )

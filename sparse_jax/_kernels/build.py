@@ -1,5 +1,6 @@
 """Build the fused CPU kernels (`SOURCES`: `embedding_cpu.cc`, `mc_remap_cpu.cc`,
-`random_cpu.cc`) into one shared library, once.
+`random_cpu.cc`, and `interaction_cpu.cc` for the served dense tower) into one shared
+library, once.
 
 `make` runs `python -m sparse_jax._kernels.build` at set-up; otherwise the first use builds
 it. The library is cached under `$HYBRIDREC_CACHE` (default `~/.cache/hybridrec`), keyed by
@@ -32,7 +33,7 @@ log = logging.getLogger("hybridrec.kernels")
 
 SOURCES = tuple(
     pathlib.Path(__file__).with_name(name)
-    for name in ("embedding_cpu.cc", "mc_remap_cpu.cc", "random_cpu.cc")
+    for name in ("embedding_cpu.cc", "mc_remap_cpu.cc", "random_cpu.cc", "interaction_cpu.cc")
 )
 FLAGS = [
     "-O3",
