@@ -18,7 +18,8 @@ What it imports: this package's modules need only jax, numpy, torch and the stan
 library (plus `hybrid._files` for sha256): no `hybrid.Model`, sparse_jax, optimizer,
 planner or training script (to run an int8 artifact's C++ kernel lookup, `_kernel` runs
 sparse_jax's `_kernels/build.py` file alone to find the built library, without importing
-the sparse_jax package, and `_direct` calls its C entry; without it the XLA lookup runs);
+the sparse_jax package, and `_direct` calls its C entry, `_interaction` the fused DLRM
+interaction's; without it the XLA lookup and the tower's own ops run);
 the HTTP server (`_server`, `_batcher`, `_wire`) adds fastapi, uvicorn, prometheus-client
 and safetensors (the `serve` extra), imported only by `serve`. `import hybrid.serving`
 still runs `hybrid/__init__.py`, which imports the training library (sparse_jax and its

@@ -7,7 +7,8 @@ request: offsets `[features x rung + 1]`); the lookup runs as that rung's progra
 ahead of time for that id capacity (once, cached; `warm` compiles ahead), the dense
 tower as the `torch.export` program's graph made one plain function (`_lean_forward`: its
 dead nodes dropped, each aten op called directly, its parameters constants, no pytree
-wrapping, the interaction's advanced index as `index_select`; checked bit for bit at load)
+wrapping, the interaction's advanced index as `index_select`; checked bit for bit at load;
+then, by default, a DLRM interaction as one kernel call: `_fused_forward`, `_interaction`)
 called under `torch.inference_mode` (the program's input-guard hook is skipped:
 `read_dense` has already checked what it checks), on the pooled array as DLPack hands it
 over (no copy; on CPU as the array's capsule).
