@@ -52,20 +52,22 @@ def _exported(tower):
     return program.module(check_guards=False)
 
 
+def _inputs(seed: int):
+    """(dense [B, 5], pooled [B, 12]) for B in 1, 2, 3, 17, 64: `_Tower`'s inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    for batch in (1, 2, 3, 17, 64):
+        yield torch.randn(batch, 5, generator=gen), torch.randn(batch, 12, generator=gen)
+
+
 def test_the_lean_tower_is_the_exported_graph_bit_for_bit_with_index_select():
     module = _exported(_Tower())
     forward = _lean_forward(module, (5, torch.float32), 12, 64)
     assert forward is not module.forward
     ops = {id(v) for v in forward.__globals__.values()}
     assert id(ATEN.index_select.default) in ops and id(ATEN.index.Tensor) not in ops
-    gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        for batch in (1, 2, 3, 17, 64):
-            dense, pooled = (
-                torch.randn(batch, 5, generator=gen),
-                torch.randn(batch, 12, generator=gen),
-            )
-            assert torch.equal(forward(dense, pooled), module.forward(dense, pooled)), batch
+        for dense, pooled in _inputs(seed=1):
+            assert torch.equal(forward(dense, pooled), module.forward(dense, pooled)), len(dense)
 
 
 def test_a_module_without_a_graph_runs_as_it_is():
@@ -118,13 +120,8 @@ def test_the_fused_tower_calls_the_kernel_and_gives_the_graphs_logits(fused):
     ops = {id(v) for v in forward.__globals__.values()}
     assert id(fused) in ops
     assert not ops & {id(ATEN.bmm.default), id(ATEN.index.Tensor), id(ATEN.index_select.default)}
-    gen = torch.Generator().manual_seed(2)
     with torch.inference_mode():
-        for batch in (1, 2, 3, 17, 64):
-            dense, pooled = (
-                torch.randn(batch, 5, generator=gen),
-                torch.randn(batch, 12, generator=gen),
-            )
+        for dense, pooled in _inputs(seed=2):
             torch.testing.assert_close(
                 forward(dense, pooled), module.forward(dense, pooled), rtol=RTOL, atol=ATOL
             )
