@@ -651,3 +651,16 @@ def test_the_server_loads_with_its_torch_threads_and_refuses_a_negative_count(ar
         assert _server._loader(args)(str(artifacts["int8"])).torch_threads == want, given
     assert _server.main(["--artifact", "x", "--port", "1", "--torch-threads", "-1"]) == 2
     assert "--torch-threads >= 0" in capsys.readouterr().out
+
+
+def test_the_server_loads_with_its_interaction(artifacts):
+    """`serve --interaction graph` reaches the predictor it loads (the exported graph's ops);
+    by default a DLRM tower's interaction is the kernel's call; another choice is refused."""
+    from hybrid.serving import _server
+
+    for given, want in (([], "kernel"), (["--interaction", "graph"], "graph")):
+        args = _server._parser().parse_args(["--artifact", "x", "--port", "1", *given])
+        predictor = _server._loader(args)(str(artifacts["int8"]))
+        assert (predictor.interaction, predictor.interaction_fallback) == (want, None), given
+    with pytest.raises(SystemExit):
+        _server._parser().parse_args(["--artifact", "x", "--port", "1", "--interaction", "bmm"])

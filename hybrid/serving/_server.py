@@ -57,7 +57,7 @@ from fastapi.responses import JSONResponse, Response
 from hybrid.serving import _wire
 from hybrid.serving._artifact import ArtifactError
 from hybrid.serving._batcher import BatchDone, Batcher, BatcherClosed
-from hybrid.serving._predictor import Predictor, load
+from hybrid.serving._predictor import INTERACTIONS, Predictor, load
 from hybrid.serving._request import RequestError
 
 __all__ = ["create_app", "main"]
@@ -124,12 +124,14 @@ class _Metrics:
         self.batch_latency.observe(done.seconds)
 
 
-def _load_warm(path: str, warm_ids: int = 0, torch_threads: int | None = 1) -> Predictor:
-    """`load(path, torch_threads=...)` (every file checked), its lookup compiled for every
-    batch rung at each id capacity up to `warm_ids` (at least the smallest), and one call, so
-    the first requests after a swap find their programs compiled and a model that cannot run
-    is refused before it serves."""
-    predictor = load(path, torch_threads=torch_threads)
+def _load_warm(
+    path: str, warm_ids: int = 0, torch_threads: int | None = 1, interaction: str = "auto"
+) -> Predictor:
+    """`load(path, torch_threads=..., interaction=...)` (every file checked), its lookup
+    compiled for every batch rung at each id capacity up to `warm_ids` (at least the
+    smallest), and one call, so the first requests after a swap find their programs compiled
+    and a model that cannot run is refused before it serves."""
+    predictor = load(path, torch_threads=torch_threads, interaction=interaction)
     predictor.warm(warm_ids)
     weighted = predictor.manifest["is_weighted"]
     empty = {"ids": [[]], "weights": [[]]} if weighted else [[]]
@@ -430,6 +432,14 @@ def _parser() -> argparse.ArgumentParser:
         help="torch's intra-op threads while a call's dense tower runs (default 1: beside "
         "JAX's threads a second one waited for a core; 0: leave torch's own setting)",
     )
+    p.add_argument(
+        "--interaction",
+        choices=INTERACTIONS,
+        default="auto",
+        help="a DLRM tower's interaction: 'auto' by one kernel call where it passes its check at "
+        "load (logits within 1e-4 of the graph's), 'graph' by the exported graph's ops (the "
+        "in-memory model's logits bit for bit)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn's log level")
     return p
 
@@ -437,7 +447,9 @@ def _parser() -> argparse.ArgumentParser:
 def _loader(args) -> Callable[[str], Predictor]:
     """What loads (and reloads) the artifact for the command line's `args`."""
     threads = args.torch_threads or None  # 0: torch's own count
-    return functools.partial(_load_warm, warm_ids=args.warm_ids, torch_threads=threads)
+    return functools.partial(
+        _load_warm, warm_ids=args.warm_ids, torch_threads=threads, interaction=args.interaction
+    )
 
 
 def main(
