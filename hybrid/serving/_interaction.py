@@ -91,14 +91,12 @@ def _call(node: Any, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
 
 
-def _shape(node: torch.fx.Node) -> tuple | None:
-    val = node.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _dtype(node: torch.fx.Node):
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
+def _fp32_shape(node: Any) -> tuple | None:
+    """The shape of the float32 tensor `node` computes (its traced value), else None."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return (
+        tuple(val.shape) if isinstance(val, torch.Tensor) and val.dtype is torch.float32 else None
+    )
 
 
 def _interaction_inputs(node: torch.fx.Node, attrs: dict[str, Any]):
@@ -135,19 +133,15 @@ def _interaction_inputs(node: torch.fx.Node, attrs: dict[str, Any]):
     head, sparse = pieces
     if not (_call(head, _ATEN.unsqueeze.default) and head.args == (dense, 1)):
         return None
-    a, s = _shape(dense), _shape(sparse)
+    a, s = _fp32_shape(dense), _fp32_shape(sparse)
     if not (
-        isinstance(dense, torch.fx.Node)
-        and isinstance(sparse, torch.fx.Node)
-        and a is not None
+        a is not None
         and s is not None
         and len(a) == 2
         and len(s) == 3
         and isinstance(a[1], int)
         and all(isinstance(x, int) for x in s[1:])
         and s[2] == a[1]
-        and _dtype(dense) is torch.float32
-        and _dtype(sparse) is torch.float32
     ):
         return None
     n = s[1] + 1

@@ -47,13 +47,12 @@ extern "C" int64_t HybridrecInteraction(const float* dense, int64_t dense_stride
                                         int64_t sparse_stride, int64_t batch, int64_t features, int64_t dim,
                                         float* out, int64_t out_stride) {
   const int64_t pairs = features * (features + 1) / 2;
-  if (batch < 0 || features < 0 || dim < 1 || dense_stride < dim || sparse_stride < features * dim ||
-      out_stride < dim + pairs) {
+  if (batch < 0 || features < 0 || features >= 1024 || dim < 1 || dense_stride < dim ||
+      sparse_stride < features * dim || out_stride < dim + pairs) {
     return 1;
   }
   const int64_t n = features + 1;
-  const float* v[1024];  // the sample's vectors (F + 1 <= 1024: checked below)
-  if (n > 1024) return 1;
+  const float* v[1024];  // the sample's vectors (F + 1 <= 1024: checked above)
   for (int64_t b = 0; b < batch; ++b) {
     v[0] = dense + b * dense_stride;
     for (int64_t f = 1; f < n; ++f) v[f] = sparse + b * sparse_stride + (f - 1) * dim;
