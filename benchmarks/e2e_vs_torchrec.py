@@ -104,9 +104,9 @@ def _torchrec_side(w: dict, lr: float):
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # One process: an in-process store, so no port can be taken by another process
+        # (a port from the pid collided under a busy `make test`: EADDRINUSE).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return torchrec_dmp(w, lr, 1)
 
 
