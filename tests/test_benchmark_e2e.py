@@ -65,3 +65,29 @@ def test_e2e_sharded_forgives_a_teardown_abort_only_after_the_rank_finished(tmp_
     _done_path(out, 1).write_text(json.dumps({"rank": 1, "steps": 2}))
     with pytest.raises(RuntimeError, match="rank 1 exited with code 1 before finishing"):
         _check_ranks([0, 1], out, steps=4)  # done file, but for fewer steps than the run's
+
+
+@pytest.mark.parity
+def test_the_one_process_torchrec_side_needs_no_port(torchrec):
+    """A single-process gloo group opened on a TCP store at a chosen port failed a whole
+    `make test` when another process held that port (EADDRINUSE): the one-process side opens
+    its group with no port, so a held MASTER_PORT changes nothing."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(held.getsockname()[1]))
+        code = (
+            "import torch.distributed as dist\n"
+            "from benchmarks import e2e_vs_torchrec as e2e\n"
+            "e2e._torchrec_side(e2e._workload(True), 0.01)\n"
+            "assert dist.is_initialized() and dist.get_world_size() == 1\n"
+        )
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        )
+    assert run.returncode == 0, run.stderr[-2000:]
