@@ -640,8 +640,6 @@ def _torchrec_alone_child(
 def _torchrec_alone(
     tiny: bool, threads: int, rounds: int | None, steps: int | None
 ) -> dict[str, list[float]]:
-    from benchmarks.e2e_sharded import _free_port as free_port
-
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp, "alone.json")
         code = (
@@ -653,7 +651,7 @@ def _torchrec_alone(
             cwd=ROOT,
             check=True,
             timeout=1800,
-            env=_child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())),
+            env=_child_env(),  # (one process: its gloo group needs no port)
         )
         return json.loads(out.read_text())
 

@@ -24,6 +24,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# Multi-process runs the suite starts (training, checkpoints, benchmarks) report a peer lost
+# after this many seconds without its heartbeat: long, since a busy machine can hold one for
+# seconds; the tests of the detection itself set their own (tests/test_dead_peer.py).
+os.environ.setdefault("HYBRIDREC_WATCHDOG_TIMEOUT", "60")
 
 import jax  # noqa: E402
 

@@ -42,8 +42,9 @@ def torchrec():
 # -- a fake model: the contract the round clocks use, with a slow asynchronous update ------------
 @jax.jit
 def _heavy(x):
-    """Tens of ms of XLA work, dispatched asynchronously on CPU."""
-    return jax.lax.fori_loop(0, 40, lambda i, a: jnp.tanh(a @ a), x)
+    """A hundred ms or more of XLA work, dispatched asynchronously on CPU (long beside a
+    thread switch on a loaded machine, so the step's reads find it still running)."""
+    return jax.lax.fori_loop(0, 160, lambda i, a: jnp.tanh(a @ a), x)
 
 
 @jax.jit
@@ -219,7 +220,7 @@ def test_pipeline_round_accounts_host_prep_per_step():
     main thread waited for a batch) is no more than that."""
     import hybrid
 
-    prep_s, n = 0.2, 3  # long beside what a loaded machine adds to a step or a thread switch
+    prep_s, n = 0.6, 3  # long beside what a loaded machine adds to a step or a thread switch
     model = _FakeModel(heavy=False, prep_s=prep_s)
     pipeline = hybrid.TrainPipeline(
         model, torch.optim.SGD(model.dense_parameters(), lr=0.1), e2e_step._bce

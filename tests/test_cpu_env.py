@@ -67,7 +67,7 @@ def test_the_process_restarts_itself_with_it(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,
         check=True,
     ).stdout.splitlines()
     # once without, then (same pid: the image was replaced) with the tunable, arguments kept
@@ -80,6 +80,6 @@ def test_the_process_restarts_itself_with_it(tmp_path):
     # turned off: no restart
     env["HYBRIDREC_HUGEPAGES"] = "0"
     out = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
     ).stdout.splitlines()
     assert [line.split(" ")[0] for line in out] == ["before", "after"]

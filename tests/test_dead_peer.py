@@ -48,13 +48,15 @@ WORKER = textwrap.dedent(
 )
 
 
-def _base_env() -> dict:
+def _base_env(watchdog_s: float = 5) -> dict:
+    """The workers' environment: a 5 s watchdog where a test waits for a dead peer to be
+    noticed, a long one where nothing may be reported (a busy machine can hold a beat)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(
         JAX_PLATFORMS="cpu",
         XLA_FLAGS="--xla_force_host_platform_device_count=1",
         PYTHONPATH=str(ROOT),
-        HYBRIDREC_WATCHDOG_TIMEOUT="5",
+        HYBRIDREC_WATCHDOG_TIMEOUT=str(watchdog_s),
     )
     return env
 
@@ -84,11 +86,11 @@ def _exit_within(proc, seconds: float) -> tuple[int, str, float]:
     return proc.returncode, err, time.monotonic() - start
 
 
-def _explicit(tmp_path, steps):
+def _explicit(tmp_path, steps, watchdog_s: float = 5):
     port = free_master_port()
     procs = []
     for rank in range(2):
-        env = _base_env()
+        env = _base_env(watchdog_s)
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
@@ -116,7 +118,7 @@ def test_without_torchrun_the_survivor_exits(tmp_path, victim):
     _wait_for([tmp_path / "training0", tmp_path / "training1"], procs)
     procs[victim].send_signal(signal.SIGKILL)
     procs[victim].communicate()  # reaps it and closes its pipes
-    code, err, took = _exit_within(procs[1 - victim], 30)
+    code, err, took = _exit_within(procs[1 - victim], 120)
     # EXIT_PEER_LOST, or EXIT_ERROR where the collective failed first (gloo: connection reset)
     assert code != 0, err[-3000:]
     # the watchdog's line, or the sentinel's where JAX aborted first (rank 0's coordinator died)
@@ -148,7 +150,7 @@ def test_under_torchrun_the_job_exits(tmp_path):
     )
     _wait_for([tmp_path / "training0", tmp_path / "training1"], [proc])
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
-    code, err, took = _exit_within(proc, 30)
+    code, err, took = _exit_within(proc, 120)
     assert code != 0, err[-3000:]
     # the survivor's watchdog (or torchrun's report, should its SIGTERM come first)
     assert "rank 1" in err or "local_rank: 1" in err, err[-3000:]
@@ -158,7 +160,7 @@ def test_under_torchrun_the_job_exits(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_clean_end_is_not_a_failure(tmp_path):
-    procs = _explicit(tmp_path, steps=5)
+    procs = _explicit(tmp_path, steps=5, watchdog_s=120)
     for rank, proc in enumerate(procs):
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
@@ -223,7 +225,7 @@ def test_start_meets_every_peer_so_the_sentinel_can_name_one_that_dies_early():
     a._tell = told.append
     start = time.monotonic()
     assert not a.meet(0.2)  # b has not announced: gives up after the wait
-    assert 0.2 <= time.monotonic() - start < 5 and told == []
+    assert 0.2 <= time.monotonic() - start < 60 and told == []
     b.announce()
     assert a.meet(5.0)
     ((line,),) = [told]

@@ -499,7 +499,9 @@ def test_a_reload_under_load_fails_nothing_and_later_requests_use_the_new_model(
 
     def client(c: int):
         try:
-            for k in range(300):
+            # bounded by the deadline first (~10 requests a second a client, so a slow reload
+            # cannot run the clients out of requests before it lands), and by count
+            for k in range(5000):
                 if stop.is_set() or time.monotonic() > deadline:
                     return
                 i = (c + k) % BATCH

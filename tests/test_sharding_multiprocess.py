@@ -53,7 +53,7 @@ def run_workers(tmp_path, workload: str = "plain"):
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=240)[0].decode())
+            logs.append(p.communicate(timeout=600)[0].decode())
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
