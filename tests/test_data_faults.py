@@ -16,6 +16,7 @@ import logging
 import pathlib
 import re
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -401,3 +402,41 @@ def test_kernel_library_real_build_corrupted_so_is_rebuilt_and_loads(tmp_path, m
     )
     lib = ctypes.CDLL(str(so))
     assert hasattr(lib, "HybridrecPooledSum")
+
+
+def _fake_pip(monkeypatch, body: bytes, seen: list, cache: pathlib.Path):
+    """`pip download` standing in: writes `body` as the wheel into its `-d` folder in two
+    halves, noting between them whether a process reading `cache` would find a wheel."""
+
+    def run(cmd, **kwargs):
+        folder = pathlib.Path(cmd[cmd.index("-d") + 1])
+        target = folder / ml.WHEEL
+        with open(target, "wb") as f:
+            f.write(body[: len(body) // 2])
+            f.flush()
+            seen.append((cache / ml.WHEEL).exists())
+            f.write(body[len(body) // 2 :])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(ml.subprocess, "run", run)
+
+
+def test_movielens_wheel_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Ranks of one job (or two test workers) may download at once: a half-written wheel in
+    the cache would fail the other's hash check. The wheel appears in the cache only whole
+    and verified, and the download's folder is removed."""
+    body = b"a stand-in wheel, long enough to be written in two halves"
+    monkeypatch.setattr(ml, "WHEEL_SHA256", hashlib.sha256(body).hexdigest())
+    seen, cache = [], tmp_path / "cache"
+    _fake_pip(monkeypatch, body, seen, cache)
+    assert ml._wheel(cache) == cache / ml.WHEEL
+    assert seen == [False]  # mid-download, the cache held no wheel
+    assert (cache / ml.WHEEL).read_bytes() == body
+    assert [p.name for p in cache.iterdir()] == [ml.WHEEL]
+    # a download that does not verify leaves nothing behind, and says which file it read
+    monkeypatch.setattr(ml, "WHEEL_SHA256", "0" * 64)
+    other = tmp_path / "other"
+    _fake_pip(monkeypatch, body, seen, other)
+    with pytest.raises(RuntimeError, match="sha256 mismatch"):
+        ml._wheel(other)
+    assert list(other.iterdir()) == []

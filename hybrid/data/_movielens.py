@@ -33,6 +33,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Sequence
 
@@ -80,19 +81,26 @@ def _verify_wheel(path: pathlib.Path) -> pathlib.Path:
 
 
 def _wheel(cache: pathlib.Path) -> pathlib.Path:
+    """The verified wheel in `cache`, downloaded first when absent. pip writes into a fresh
+    folder of its own, and the verified file is then renamed into place: processes that
+    start together (the ranks of one job, two test workers) never read a half-written wheel,
+    and each rename puts the same bytes there."""
     path = cache / WHEEL
     if path.is_file():
         return _verify_wheel(path)
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "recbole==1.2.1", "-d", str(cache)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 or not path.exists():
-        raise RuntimeError(
-            f"could not download MovieLens-100K ({' '.join(cmd)} exited {done.returncode}):\n"
-            f"{done.stderr[-2000:]}\nPut {WHEEL} into {cache} by hand, or set HYBRIDREC_DATA to a "
-            "directory holding it"
-        )
-    return _verify_wheel(path)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as folder:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "recbole==1.2.1", "-d", folder]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        fetched = pathlib.Path(folder) / WHEEL
+        if done.returncode != 0 or not fetched.exists():
+            raise RuntimeError(
+                f"could not download MovieLens-100K ({' '.join(cmd)} exited {done.returncode}):\n"
+                f"{done.stderr[-2000:]}\nPut {WHEEL} into {cache} by hand, or set HYBRIDREC_DATA "
+                "to a directory holding it"
+            )
+        os.replace(_verify_wheel(fetched), path)
+    return path
 
 
 def _table(z: zipfile.ZipFile, ext: str) -> dict[str, list[str]]:
