@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,12 +27,6 @@ from benchmarks import report
 __all__ = ["main", "run"]
 
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrec_rank(rank: int, world: int, port: int, tiny: bool, out: str) -> None:
@@ -187,7 +180,9 @@ def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
             cwd=HERE.parent,
             env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
         )
-        port = _free_port()
+        from hybrid.training._distributed import free_master_port
+
+        port = free_master_port()
         ranks = [
             subprocess.Popen(
                 [

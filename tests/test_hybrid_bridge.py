@@ -297,6 +297,31 @@ def test_read_torchrun_env():
     assert hybrid.init_distributed({"WORLD_SIZE": "1"}) is None  # single process: no-op
 
 
+def test_a_free_master_port_lies_below_the_ephemeral_range(tmp_path, monkeypatch):
+    """Ports from `bind(0)` are ephemeral: a connection opened before the job binds them (the
+    store's, gloo's) may take the one after (jax.distributed's coordinator). The port and
+    the one after it are drawn below the kernel's ephemeral range, and both bind."""
+    import socket
+
+    from hybrid.training import _distributed
+
+    start = _distributed._ephemeral_start()
+    for _ in range(20):
+        port = _distributed.free_master_port()
+        assert 20000 <= port and port + 1 < start, (port, start)
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+    held = tmp_path / "range"
+    held.write_text("40000\t60999\n")
+    assert _distributed._ephemeral_start(str(held)) == 40000
+    assert _distributed._ephemeral_start(str(tmp_path / "none")) == 32768
+    # a range starting too low for a draw below it: the kernel's ports, as before
+    monkeypatch.setattr(_distributed, "_ephemeral_start", lambda: 20001)
+    port = _distributed.free_master_port()
+    assert port >= 1024
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -18,7 +18,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ import hybrid
 import hybrid.serving as serving
 from hybrid.inference import export
 from hybrid.serving._batcher import Batcher
+from hybrid.training._distributed import free_master_port
 from sparse_jax.optim import rowwise_adagrad
 from tests.test_export import BATCH, N_DENSE, TABLES, _request, _train
 
@@ -108,15 +108,9 @@ class _Served:
         return text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(command: list[str], tmp_path: pathlib.Path, name: str) -> _Served:
     """Start a server subprocess (`command` plus --port) and wait for /readyz."""
-    port = _free_port()
+    port = free_master_port()
     log = tmp_path / f"{name}.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"}
     env.pop("XLA_FLAGS", None)  # one CPU device is enough to serve

@@ -2,7 +2,6 @@
 output and tables after 3 fused updates as one process with 4 devices."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -10,21 +9,16 @@ import jax
 import numpy as np
 import pytest
 
+from hybrid.training._distributed import free_master_port
 from tests.sharding_workload import run_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(tmp_path, workload: str = "plain"):
     """Two worker processes of tests/mp_sharded_worker.py running `workload`: process 0's
     results (an npz)."""
-    port, out = _free_port(), tmp_path / "mp.npz"
+    port, out = free_master_port(), tmp_path / "mp.npz"
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=2",

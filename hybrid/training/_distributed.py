@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import inspect
 import os
+import random
 import socket
 from collections.abc import Mapping
 
@@ -61,10 +62,37 @@ class DistributedEnv:
 
 def free_master_port(host: str = "127.0.0.1") -> int:
     """A MASTER_PORT for processes started by hand on `host`: free, and so is the port after
-    it (jax.distributed's coordinator)."""
-    for _ in range(20):
+    it (jax.distributed's coordinator). Drawn below the kernel's ephemeral range (read from
+    /proc where it can be), so that no outgoing connection (gloo's, the store's) takes either
+    port between this check and the job's own binds: `bind(("", 0))` hands out ephemeral
+    ports, and Linux gives even ones to `connect()` first, so the port after one of those is
+    exactly what a connection opened meanwhile may get."""
+    low, high = 20000, _ephemeral_start() - 2
+    if high <= low:  # an unusual range: the ports the kernel hands out, checked as before
+        return _bound_pair(host, lambda: 0)
+    draw = random.SystemRandom()
+    return _bound_pair(host, lambda: draw.randrange(low, high))
+
+
+def _ephemeral_start(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range (32768, Linux's default, when it
+    cannot be read)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bound_pair(host: str, candidate) -> int:
+    """The first of up to 50 `candidate()` ports (0: one the kernel picks) that binds on
+    `host`, with the port after it binding too."""
+    for _ in range(50):
         with socket.socket() as s:
-            s.bind((host, 0))
+            try:
+                s.bind((host, candidate()))
+            except OSError:
+                continue
             port = s.getsockname()[1]
         if port >= 65534:
             continue
