@@ -62,16 +62,23 @@ def _request(rng, n: int, *, weighted: bool = False):
     }
     lists["a"][0] = []
     lists["b"][1] = [3, 3, 3]
-    flat = {}
-    for f, bags in lists.items():
-        values = torch.tensor([i for bag in bags for i in bag], dtype=torch.int64)
-        lengths = torch.tensor([len(bag) for bag in bags])
-        flat[f] = (
-            (values, lengths, torch.rand(len(values), generator=torch.Generator().manual_seed(1)))
-            if weighted
-            else (values, lengths)
-        )
+    flat = _flat(lists)
+    if weighted:
+        for f, (values, lengths) in flat.items():
+            weights = torch.rand(len(values), generator=torch.Generator().manual_seed(1))
+            flat[f] = (values, lengths, weights)
     return torch.randn(n, N_DENSE, generator=torch.Generator().manual_seed(n)), lists, flat
+
+
+def _flat(lists: dict[str, list[list[int]]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Bags per feature as the (values, lengths) form a model takes."""
+    return {
+        f: (
+            torch.tensor([i for bag in bags for i in bag], dtype=torch.int64),
+            torch.tensor([len(bag) for bag in bags]),
+        )
+        for f, bags in lists.items()
+    }
 
 
 def _train(model, rng, steps: int = 3):
@@ -124,6 +131,11 @@ def exported(tmp_path_factory):
         "root": root,
         "expected_fp32": _eval(model, dense, flat),
         "expected_int8": _eval(qmodel, dense, flat),
+        # the in-memory model on the first 5 samples alone: on some CPUs MKL's gemm rounds a
+        # row differently at another batch size (Intel Xeon, torch 2.13: Linear(5, 8) on 5
+        # rows differs from the first 5 of 8 by 2.4e-7), so fewer samples are compared with
+        # the model run on as many
+        "expected_int8_few": _eval(qmodel, dense[:5], _flat({f: b[:5] for f, b in lists.items()})),
     }
 
 
@@ -342,9 +354,9 @@ def test_every_sparse_form_gives_the_same_predictions(exported):
     assert torch.equal(
         predictor(dense, hybrid.torch_kjt(keys, values, lengths)), want
     )  # padded values
-    # fewer samples than max_batch_size: the first rows, as the in-memory model gives them
+    # fewer samples than max_batch_size: as the in-memory model gives them for those samples
     few = {f: bags[:5] for f, bags in lists.items()}
-    assert torch.equal(predictor(dense[:5], few), want[:5])
+    assert torch.equal(predictor(dense[:5], few), exported["expected_int8_few"])
 
 
 def test_the_tower_runs_with_its_torch_threads_and_gives_the_process_its_own_back(
