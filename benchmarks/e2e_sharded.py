@@ -13,6 +13,7 @@ the same batches; the gate compares the first step's loss (the mean over the glo
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -27,6 +28,8 @@ from benchmarks import report
 __all__ = ["main", "run"]
 
 HERE = pathlib.Path(__file__).resolve().parent
+# the TorchRec ranks' gloo timeout (set-up and collectives)
+RANK_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def _torchrec_rank(rank: int, world: int, port: int, tiny: bool, out: str) -> None:
@@ -39,7 +42,9 @@ def _torchrec_rank(rank: int, world: int, port: int, tiny: bool, out: str) -> No
     from benchmarks import e2e_vs_torchrec as e2e
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a peer that never comes (rank 0 failed to start) ends this rank in minutes, not after
+    # gloo's 30-minute default
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=RANK_TIMEOUT)
     torch.set_num_threads(1)
     w = e2e._workload(tiny)
     dmp, opt, _ = e2e.torchrec_dmp(w, 0.01, world)
@@ -179,6 +184,7 @@ def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
             check=True,
             cwd=HERE.parent,
             env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+            timeout=1800,
         )
         from hybrid.training._distributed import free_master_port
 
@@ -196,7 +202,13 @@ def run(tiny: bool = False, out_dir: str | os.PathLike | None = None) -> dict:
             )
             for r in range(2)
         ]
-        codes = [p.wait(timeout=900) for p in ranks]  # every rank waited for: none left running
+        try:
+            codes = [p.wait(timeout=900) for p in ranks]  # every rank waited for
+        finally:  # (a rank past the wait, or the wait interrupted: none is left running)
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         w = __import__("benchmarks.e2e_vs_torchrec", fromlist=["_workload"])._workload(tiny)
         teardown = _check_ranks(codes, theirs_out, w["steps"])
         for note in teardown:
