@@ -163,6 +163,7 @@ def competitor_alone(module: str, side: str, argv) -> dict:
         capture_output=True,
         text=True,
         check=True,
+        timeout=3600,  # a wedged competitor fails the run instead of hanging it
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

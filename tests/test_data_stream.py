@@ -198,7 +198,11 @@ _PEAK = textwrap.dedent(
 
 def peak_growth_kib(path) -> tuple[int, int]:
     out = subprocess.run(
-        [sys.executable, "-c", _PEAK, str(path)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PEAK, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
     )
     rows, growth = out.stdout.split()
     return int(rows), int(growth)
