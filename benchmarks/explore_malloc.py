@@ -15,7 +15,7 @@ start-up, driven round-robin (interleaved), and counts faults per call:
 Result (see NOTES.md): no effect; the fault counts are identical (the mmap calls stay under
 MALLOC_MMAP_MAX_=0). Later (issue 31, 2026-11-27) glibc's `glibc.malloc.hugetlb=1` tunable
 did cut them: the W1 rowwise update's 17,378 faults a call fell to 515 and its time to 0.64x,
-with transparent huge pages in "madvise" mode; `hybrid.training._cpu_env` applies it.
+with transparent huge pages in "madvise" mode; `hybrid._cpu_env` applies it.
 
     python -m benchmarks.explore_malloc [--tiny] [--alpha 1.15] [--repeats 20]
 """

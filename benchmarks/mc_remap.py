@@ -407,7 +407,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from hybrid.training._cpu_env import reexec_with_hugepages
+    from hybrid._cpu_env import reexec_with_hugepages
 
     reexec_with_hugepages()  # XLA:CPU's fresh buffers in huge pages, both sides alike
     sys.exit(main())

@@ -93,7 +93,7 @@ def machine_info() -> dict:
         "mem_total_bytes": mem_total,
         "platform": platform.platform(),
         "loadavg_start": list(os.getloadavg()),
-        # both sides run in processes started with it (huge-page buffers, hybrid.training._cpu_env)
+        # both sides run in processes started with it (huge-page buffers, hybrid._cpu_env)
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
     }
 
@@ -603,7 +603,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from hybrid.training._cpu_env import reexec_with_hugepages
+    from hybrid._cpu_env import reexec_with_hugepages
 
     reexec_with_hugepages()  # XLA:CPU's fresh buffers in huge pages, both sides alike
     sys.exit(main())

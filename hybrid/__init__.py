@@ -32,6 +32,13 @@ and serving) and `_errors` (`ConfigError`) sit at the top; `train.py` and `demo.
 scripts.
 """
 
+from hybrid import _cpu_env
+
+if _cpu_env.started_as_module("hybrid.train"):
+    # `python -m hybrid.train` imports this package first: restart with huge-page buffers now,
+    # before jax and torch load (~2 s here), not in the script, after they did
+    _cpu_env.reexec_with_hugepages()
+
 from hybrid.inference import QuantizedModel, export, quantize
 from hybrid.model import (
     BridgeStats,

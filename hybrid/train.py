@@ -1050,7 +1050,7 @@ def _silent(*_args) -> None:
 
 
 if __name__ == "__main__":
-    from hybrid.training._cpu_env import reexec_with_hugepages
+    from hybrid._cpu_env import reexec_with_hugepages
 
     reexec_with_hugepages()  # before anything starts: XLA:CPU's fresh buffers in huge pages
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""`hybrid.training._cpu_env`: the glibc tunable that puts XLA:CPU's per-call buffers in
+"""`hybrid._cpu_env`: the glibc tunable that puts XLA:CPU's per-call buffers in
 transparent huge pages, and the re-execution that applies it from process start."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hybrid.training._cpu_env import HUGEPAGE_TUNABLE, _thp_mode, hugepage_env
+from hybrid._cpu_env import HUGEPAGE_TUNABLE, _thp_mode, hugepage_env, started_as_module
 
 FACTS = dict(thp_mode="madvise", glibc_ok=True)
 
@@ -47,7 +47,7 @@ def test_the_mode_is_read_from_sysfs(tmp_path):
 SCRIPT = """
 import os, sys
 print("before", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), flush=True)
-from hybrid.training._cpu_env import reexec_with_hugepages
+from hybrid._cpu_env import reexec_with_hugepages
 reexec_with_hugepages()
 print("after", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:], flush=True)
 """
@@ -83,3 +83,45 @@ def test_the_process_restarts_itself_with_it(tmp_path):
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
     ).stdout.splitlines()
     assert [line.split(" ")[0] for line in out] == ["before", "after"]
+
+
+@pytest.mark.parametrize(
+    "argv, started",
+    [
+        (["py", "-m", "hybrid.train", "--config", "x.toml"], True),
+        (["py", "-mhybrid.train"], True),
+        (["py", "-u", "-X", "importtime", "-W", "error", "-m", "hybrid.train"], True),
+        (["py", "-m", "hybrid.demo"], False),
+        (["py", "-m", "hybrid"], False),
+        (["py", "hybrid/train.py", "-m", "hybrid.train"], False),  # a script's own arguments
+        (["py", "-c", "import hybrid", "-m", "hybrid.train"], False),
+    ],
+)
+def test_started_as_the_training_module(monkeypatch, argv, started):
+    monkeypatch.setattr(sys, "argv", ["-m"])  # as while `python -m` locates the module
+    assert started_as_module("hybrid.train", argv) is started
+    monkeypatch.setattr(sys, "argv", ["hybrid/train.py"])  # the module itself running
+    assert not started_as_module("hybrid.train", argv)
+
+
+@pytest.mark.skipif(
+    hugepage_env({}) is None, reason="the tunable would change nothing on this host"
+)
+def test_the_training_script_restarts_before_jax_and_torch_load():
+    """`python -m hybrid.train` imports the `hybrid` package first, which imports jax and
+    torch (~2 s); the restart with the tunable happens before them, so each loads once."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "HYBRIDREC_HUGEPAGES")
+    }
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hybrid.train", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    loads = [line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line]
+    assert loads.count("hybrid._cpu_env") == 2  # two processes: before and after the restart
+    assert loads.count("jax") == 1 and loads.count("torch") == 1, done.stderr[-3000:]
+    assert "--config" in done.stdout

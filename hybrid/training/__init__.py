@@ -12,13 +12,14 @@
   `DistributedEnv` (`_distributed`: torch.distributed + jax.distributed from torchrun),
   `start_watchdog` (`_watchdog`: a dead peer ends the job within seconds),
   `configure_gpu_env` (`_gpu_env`: before JAX starts its backends), `hugepage_env` /
-  `reexec_with_hugepages` (`_cpu_env`: XLA:CPU's buffers in huge pages, from process start).
+  `reexec_with_hugepages` (`hybrid._cpu_env`, outside this package so that `hybrid` can
+  use it before anything heavy loads: XLA:CPU's buffers in huge pages, from process start).
 
 `hybrid` re-exports the public names; the script is `python -m hybrid.train`.
 """
 
+from hybrid._cpu_env import hugepage_env, reexec_with_hugepages
 from hybrid._errors import ConfigError
-from hybrid.training._cpu_env import hugepage_env, reexec_with_hugepages
 from hybrid.training._distributed import DistributedEnv, init_distributed, read_torchrun_env
 from hybrid.training._gpu_env import configure_gpu_env
 from hybrid.training._mesh import make_mesh, parse_mesh

@@ -13,8 +13,11 @@ The tunable only matters where transparent huge pages are in "madvise" mode (the
 most distributions; "always" already backs such blocks, "never" refuses them), with glibc
 2.35 or newer. glibc reads tunables once, when the process starts, so the setting needs a
 process started with it: `python -m hybrid.train` re-executes itself with it before it
-imports anything heavy (`reexec_with_hugepages`; `HYBRIDREC_HUGEPAGES=0` turns that off),
-and a user's script can do the same first thing, or be started with the variable set.
+imports anything heavy (`reexec_with_hugepages`, called by `hybrid/__init__` when the
+process was started as `-m hybrid.train`, before jax and torch load: `python -m` imports the
+package first; `HYBRIDREC_HUGEPAGES=0` turns that off), and a user's script can do the same
+first thing, or be started with the variable set. This module imports nothing heavy and
+lives outside `hybrid.training` (whose `__init__` imports jax and torch) for that reason.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import platform
 import sys
 from collections.abc import Mapping
 
-__all__ = ["HUGEPAGE_TUNABLE", "hugepage_env", "reexec_with_hugepages"]
+__all__ = ["HUGEPAGE_TUNABLE", "hugepage_env", "reexec_with_hugepages", "started_as_module"]
 
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -90,3 +93,24 @@ def reexec_with_hugepages() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), env)
+
+
+def started_as_module(module: str, argv: list[str] | None = None) -> bool:
+    """Whether this process is `python ... -m <module> ...` and `python -m` is still locating
+    it (`sys.argv[0]` is "-m" until then): true while the module's parent packages import,
+    before the module itself runs. `argv`: the interpreter's command (`sys.orig_argv`)."""
+    if sys.argv[:1] != ["-m"]:
+        return False
+    argv = list(sys.orig_argv if argv is None else argv)
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return argv[i + 1 : i + 2] == [module]
+        if arg.startswith("-m"):
+            return arg[2:] == module
+        if arg.startswith("-c") or not arg.startswith("-"):  # code or a script: not `-m`
+            return False
+        # the interpreter's options that take the next argument as their value
+        i += 2 if arg in ("-W", "-X", "--check-hash-based-pycs") else 1
+    return False
