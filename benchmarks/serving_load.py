@@ -231,11 +231,19 @@ async def _reload_under_load(args, server: _Server, body: bytes, paths: list[str
     seen = load_client.LoadResult()
     bound = START_S * len(paths) + args.seconds  # the phase's longest possible duration
 
+    async def answered_by(generation: int, count: int) -> None:
+        """Until `count` answers came from model `generation`, or the phase's bound passed (a
+        loaded machine may starve the clients for a whole pause)."""
+        give_up = time.perf_counter() + bound
+        while seen.generations[generation] < count and time.perf_counter() < give_up:
+            await asyncio.sleep(0.05)
+
     async def reloads():
         outcomes = []
         try:
-            for path in paths:
+            for k, path in enumerate(paths):
                 await asyncio.sleep(pause)
+                await answered_by(k + 1, 1)  # the model before this reload served someone
                 start = time.perf_counter()
                 status, _ = await load_client.post(
                     server.port, "/admin/reload", json.dumps({"artifact": path}).encode(), START_S
@@ -248,9 +256,7 @@ async def _reload_under_load(args, server: _Server, body: bytes, paths: list[str
                     }
                 )
             await asyncio.sleep(pause)
-            give_up = time.perf_counter() + bound
-            while seen.generations[len(paths) + 1] < args.clients and time.perf_counter() < give_up:
-                await asyncio.sleep(0.05)
+            await answered_by(len(paths) + 1, args.clients)  # the last model, as many answers
         finally:
             stop.set()
         return outcomes
