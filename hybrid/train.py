@@ -1052,5 +1052,8 @@ def _silent(*_args) -> None:
 if __name__ == "__main__":
     from hybrid._cpu_env import reexec_with_hugepages
 
-    reexec_with_hugepages()  # before anything starts: XLA:CPU's fresh buffers in huge pages
+    # XLA:CPU's fresh buffers in huge pages. Under `python -m hybrid.train`, `hybrid/__init__`
+    # has already restarted the process (before jax and torch loaded), so this returns at
+    # once; it restarts a run started any other way (the file as a script)
+    reexec_with_hugepages()
     sys.exit(main())
