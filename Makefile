@@ -6,7 +6,17 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test test-lowest lint bench mutation mutation-core clean-venv
+.PHONY: help train test test-lowest lint bench mutation mutation-core clean-venv
+
+help:
+	@echo "make train         set up .venv (once), then train DLRM on MovieLens-100K on a data=2,model=4 mesh"
+	@echo "                   (ARGS=... passes flags to python -m hybrid.train, e.g. ARGS=--overwrite)"
+	@echo "make test          set up .venv (once), then run the whole suite (what CI runs: .ci/run)"
+	@echo "make test-lowest   the suite on the oldest supported torchmetrics"
+	@echo "make lint          ruff check and format --check"
+	@echo "make bench         python -m benchmarks.xla_vs_fbgemm (XLA / C++ vs FBGEMM)"
+	@echo "make mutation      mutation testing of MODULE= with TESTS= (mutation-core: the core modules)"
+	@echo "make clean-venv    remove .venv"
 
 $(STAMP): pyproject.toml Makefile
 	@echo "== [1/5] virtual environment $(VENV)"

@@ -658,7 +658,7 @@ def main(argv=None) -> dict:
     md = markdown(results)
     (out / "gpu.md").write_text(md)
     print(md)
-    print(f"\nwritten: {out / 'gpu.json'}, {out / 'gpu.md'}")
+    print(f"\nresults: {out} (gpu.json, gpu.md)")
     return results
 
 

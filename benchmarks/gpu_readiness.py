@@ -411,7 +411,7 @@ def main(argv=None) -> dict:
     md = markdown(results)
     (out / "gpu_readiness.md").write_text(md)
     print(md)
-    print(f"written: {out / 'gpu_readiness.json'}, {out / 'gpu_readiness.md'}")
+    print(f"results: {out} (gpu_readiness.json, gpu_readiness.md)")
     return results
 
 

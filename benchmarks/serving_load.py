@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
         f.write(text)
     print(text)
-    print(f"written to {out_dir}")
+    print(f"results: {out_dir}")
     return 0 if not failures else 1
 
 

@@ -117,6 +117,7 @@ class DLRM(nn.Module):
         self.embedding_dim = embedding_dim
         self.num_sparse_features = num_sparse_features
         self.feature_names = feature_names
+        self.dense_in_features = dense_in_features
         self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes, device=device)
         self.inter_arch, over_in_features = self._interaction(device)
         self.over_arch = OverArch(over_in_features, over_arch_layer_sizes, device=device)
@@ -163,6 +164,13 @@ class DLRM(nn.Module):
         )
 
     def forward(self, dense_features: torch.Tensor, embeddings: KeyedTensor) -> torch.Tensor:
+        if dense_features.dim() != 2 or dense_features.shape[1] != self.dense_in_features:
+            raise ValueError(
+                f"{type(self).__name__}: dense_features must be [B, {self.dense_in_features}] "
+                f"(dense_in_features={self.dense_in_features}), got shape "
+                f"{tuple(dense_features.shape)}; give each sample {self.dense_in_features} dense "
+                "values, or build the tower with dense_in_features equal to their number."
+            )
         sparse = stack_features(
             type(self).__name__,
             embeddings,

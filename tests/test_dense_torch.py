@@ -369,6 +369,10 @@ def test_dlrm_errors_name_the_feature():
         model(dense, _kt(2, {"a": 4, "b": 4, "c": 4}))
     with pytest.raises(ValueError, match="batch size 5 but dense_features have 2"):
         model(dense, _kt(5, {"a": 4, "b": 4}))
+    with pytest.raises(ValueError, match=r"dense_features must be \[B, 3\].*got shape \(2, 4\)"):
+        model(torch.randn(2, 4), _kt(2, {"a": 4, "b": 4}))
+    with pytest.raises(ValueError, match=r"dense_features must be \[B, 3\].*got shape \(6,\)"):
+        model(torch.randn(6), _kt(2, {"a": 4, "b": 4}))
     with pytest.raises(TypeError, match="expects embeddings as a dense_torch.KeyedTensor"):
         model(dense, torch.zeros(2, 8))
     with pytest.raises(ValueError, match="keyed along dim 1"):

@@ -484,6 +484,21 @@ def test_the_cli_names_a_bad_line(exported, tmp_path, capsys):
     assert "line 2 lacks features ['b']" in capsys.readouterr().err
 
 
+def test_the_cli_refuses_a_feature_the_model_does_not_read(exported, tmp_path, capsys):
+    """A request line is the HTTP server's wire form, and is refused as the server refuses
+    it: a misspelled key is not scored as if the feature were absent."""
+    from hybrid.serving._cli import main
+
+    requests = tmp_path / "requests.jsonl"
+    good = {"dense": [0.0] * N_DENSE, "sparse": {"a": [1], "b": [], "c": [2]}}
+    typo = {**good, "sparse": {"a": [1], "b": [], "c": [2], "cc": [3]}}
+    requests.write_text(json.dumps(good) + "\n" + json.dumps(typo) + "\n")
+    assert main(["--artifact", str(exported["fp32"]), "--requests", str(requests)]) == 2
+    assert "line 2: unknown feature(s) ['cc']; this model reads ['a', 'b', 'c']" in (
+        capsys.readouterr().err
+    )
+
+
 def _copy(exported, tmp_path, name="fp32") -> pathlib.Path:
     return pathlib.Path(shutil.copytree(exported[name], tmp_path / "artifact"))
 
@@ -580,6 +595,11 @@ def test_out_of_range_ids_are_refused_naming_feature_sample_and_id(exported):
         predictor(dense, {**lists, "a": [[-1], *lists["a"][1:]]})
     with pytest.raises(ValueError, match=r"the request lacks features \['b'\]"):
         predictor(dense, {"a": lists["a"], "c": lists["c"]})
+    with pytest.raises(  # a misspelled key is named beside the feature it should have been
+        ValueError,
+        match=r"lacks features \['b'\].*; it has \['bb'\], which the artifact does not read",
+    ):
+        predictor(dense, {"a": lists["a"], "bb": lists["b"], "c": lists["c"]})
 
 
 def test_requests_larger_than_the_exported_shapes_say_what_to_re_export(exported):

@@ -660,3 +660,31 @@ def test_the_server_loads_with_its_interaction(artifacts):
         assert (predictor.interaction, predictor.interaction_fallback) == (want, None), given
     with pytest.raises(SystemExit):
         _server._parser().parse_args(["--artifact", "x", "--port", "1", "--interaction", "bmm"])
+
+
+_LOG_PROBE = """
+import logging, jax
+from hybrid.serving._server import _configure_logging
+_configure_logging("info")
+logging.getLogger("hybrid.serving").info("served line")
+logging.getLogger("hybridrec.serving").info("predictor line")
+jax.devices()  # jax's backend probe logs at INFO (a TPU it cannot open) without JAX_PLATFORMS
+logging.getLogger("jax._src.xla_bridge").info("a jax line")
+"""
+
+
+def test_the_server_logs_its_own_lines_not_other_libraries_info():
+    """`serve --log-level info` printed jax's 'Unable to initialize backend tpu' on every start."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOG_PROBE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=START_S,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "INFO:hybrid.serving: served line" in done.stderr
+    assert "INFO:hybridrec.serving: predictor line" in done.stderr
+    assert "jax" not in done.stderr, done.stderr

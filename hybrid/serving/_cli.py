@@ -8,7 +8,8 @@ Each request line is one sample: `{"dense": [n_dense floats], "sparse": {feature
 batches of `--batch-size` (default: the artifact's max_batch_size); each output line is
 `{"score": sigmoid(logit), "logit": logit}` (lists for a tower with several outputs), in
 the order of the requests, written to `--out` or printed. Blank lines are skipped. A bad
-line stops the run with exit code 2 and a message naming its line number.
+line (malformed, a feature missing or one the model does not read, an id out of range)
+stops the run with exit code 2 and a message naming its line number.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ class _BadRequest(ValueError):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hybrid.serving", description=__doc__.split("\n\n")[0]
+        prog="python -m hybrid.serving",
+        usage="%(prog)s --artifact DIR --requests FILE [--out FILE] [--batch-size N]\n"
+        "       %(prog)s serve --artifact DIR [--port PORT] ...  (HTTP)",
+        description=__doc__.split("\n\n")[0],
+        epilog="Over HTTP: python -m hybrid.serving serve --artifact DIR [--port 8000 ...] "
+        "(see python -m hybrid.serving serve --help).",
     )
     p.add_argument("--artifact", required=True, help="the directory hybrid.export wrote")
     p.add_argument(
@@ -77,6 +83,11 @@ def _batch(lines: Sequence[tuple[int, dict]], features: Sequence[str], weighted:
     """(dense [b, n] lists, sparse {feature: per-sample lists}) of a batch of request lines."""
     sparse: dict = {f: {"ids": [], "weights": []} if weighted else [] for f in features}
     for number, request in lines:
+        unknown = sorted(f for f in request["sparse"] if f not in features)
+        if unknown:  # as the HTTP server answers: a request line is the same wire form
+            raise _BadRequest(
+                f"line {number}: unknown feature(s) {unknown}; this model reads {list(features)}"
+            )
         missing = [f for f in features if f not in request["sparse"]]
         if missing:
             raise _BadRequest(

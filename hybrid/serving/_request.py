@@ -414,10 +414,12 @@ def read_sparse(sparse: Any, spec: RequestSpec) -> SparseArrays:
         columns_of = columns(sparse)
         missing = [f for f in features if f not in columns_of]
         if missing:
+            extra = sorted(map(str, set(columns_of) - set(features)))  # a misspelled key, often
             raise RequestError(
                 "missing_feature",
                 f"the request lacks features {missing}; the artifact reads {list(features)} "
-                "(give an empty list for a sample without ids)",
+                "(give an empty list for a sample without ids)"
+                + (f"; it has {extra}, which the artifact does not read" if extra else ""),
             )
         cols = [columns_of[f] for f in features]
     batch = cols[0].lengths.shape[0]

@@ -440,7 +440,11 @@ def _parser() -> argparse.ArgumentParser:
         "load (logits within 1e-4 of the graph's), 'graph' by the exported graph's ops (the "
         "in-memory model's logits bit for bit)",
     )
-    p.add_argument("--log-level", default="info", help="uvicorn's log level")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        help="the server's and uvicorn's log level (other libraries log from warning up)",
+    )
     return p
 
 
@@ -450,6 +454,18 @@ def _loader(args) -> Callable[[str], Predictor]:
     return functools.partial(
         _load_warm, warm_ids=args.warm_ids, torch_threads=threads, interaction=args.interaction
     )
+
+
+def _configure_logging(level: str) -> None:
+    """The server's own log (and the predictor's) at `level`; other libraries' only from
+    WARNING up (jax logs its probe for a TPU at INFO on every start), unless DEBUG."""
+    level = level.upper()
+    logging.basicConfig(
+        level=level if level == "DEBUG" else "WARNING",
+        format="%(levelname)s:%(name)s: %(message)s",
+    )
+    for name in (log.name, "hybridrec.serving"):
+        logging.getLogger(name).setLevel(level)
 
 
 def main(
@@ -464,7 +480,7 @@ def main(
             flush=True,
         )
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:%(name)s: %(message)s")
+    _configure_logging(args.log_level)
     app, state = create_app(
         args.artifact,
         max_batch_size=args.max_batch_size,

@@ -31,8 +31,14 @@ def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
             try:
                 value = int(size)
             except ValueError:
+                hint = next((c for c in ";: " if c in size), None)
                 raise ValueError(
                     f"mesh {spec!r}: axis {name!r} has size {size!r}, not an integer"
+                    + (
+                        f"; separate axes with ',', not {hint!r} (e.g. 'data=2,model=4')"
+                        if hint
+                        else ""
+                    )
                 ) from None
             if name in axes:
                 raise ValueError(f"mesh {spec!r}: axis {name!r} is named twice")
