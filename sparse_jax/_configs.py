@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -55,15 +56,27 @@ class DataType(enum.Enum):
 
 
 def _as_enum(enum_cls, value, field: str, table: str):
+    """`enum_cls` from itself, its name in any case, or an enum of another library with the
+    same name (TorchRec's `PoolingType.MEAN`, `DataType.FP16`)."""
     if isinstance(value, enum_cls):
         return value
-    if isinstance(value, str):
+    name = value.name if isinstance(value, enum.Enum) else value
+    if isinstance(name, str):
         try:
-            return enum_cls[value.upper()]
+            return enum_cls[name.upper()]
         except KeyError:
             pass
     choices = ", ".join(m.name for m in enum_cls)
-    raise ValueError(f"table {table!r}: {field}={value!r} is not one of {choices}")
+    hint = ""
+    if field == "data_type" and isinstance(name, str) and name.upper() in _QUANTIZED:
+        hint = (
+            f"; {name.upper()} tables are for inference: train in FP32/FP16/BF16, then "
+            "hybrid.quantize(model, ...) or sparse_jax.QuantEmbeddingBagCollection"
+        )
+    raise ValueError(f"table {table!r}: {field}={value!r} is not one of {choices}{hint}")
+
+
+_QUANTIZED = frozenset({"INT8", "INT4", "INT2", "UINT8"})
 
 
 # TorchRec config fields that configure features hybridrec does not have: accepted at their
@@ -214,10 +227,68 @@ class EmbeddingConfig(BaseEmbeddingConfig):
     """An unpooled (sequence) table: every id gets its own row back."""
 
 
+def as_table_configs(tables) -> tuple:
+    """`tables` as a tuple of this package's configs. Also taken: TorchRec's
+    `EmbeddingBagConfig` / `EmbeddingConfig` (the same fields, copied; its enums by name), and
+    a collection, TorchRec's or ours (`embedding_bag_configs()` / `embedding_configs()`), as
+    TorchRec's planner takes the module it plans."""
+    for method in ("embedding_bag_configs", "embedding_configs"):
+        if callable(getattr(tables, method, None)):
+            tables = getattr(tables, method)()
+            break
+    if isinstance(tables, BaseEmbeddingConfig | str | bytes) or not isinstance(tables, Iterable):
+        raise TypeError(
+            f"tables must be a list of EmbeddingBagConfig/EmbeddingConfig or a collection, got a "
+            f"{type(tables).__name__}"
+        )
+    return tuple(_as_config(t) for t in tables)
+
+
+def _as_config(t):
+    if isinstance(t, BaseEmbeddingConfig):
+        return t
+    ours = {"EmbeddingBagConfig": EmbeddingBagConfig, "EmbeddingConfig": EmbeddingConfig}.get(
+        type(t).__name__
+    )
+    if ours is None or not dataclasses.is_dataclass(t):
+        return t  # refused by the caller, naming it
+    fields = {f.name for f in dataclasses.fields(ours)}
+    values = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name in fields}
+    if _torchrec_default_init(t):
+        values["init_fn"] = None  # the same uniform init, drawn here
+    if values.get("init_fn") is not None:
+        raise ValueError(
+            f"table {getattr(t, 'name', '?')!r}: a {type(t).__module__}.{type(t).__name__} with "
+            "init_fn (a torch initializer) cannot initialize a JAX table; give sparse_jax's "
+            "config an init_fn(key, shape, dtype), e.g. jax.nn.initializers.normal(0.01)"
+        )
+    return ours(**values)
+
+
+def _torchrec_default_init(t) -> bool:
+    """Whether `t.init_fn` is the one TorchRec's config sets when none is given:
+    `partial(torch.nn.init.uniform_, a=min, b=max)` over the config's own bounds."""
+    fn = getattr(t, "init_fn", None)
+    if not isinstance(fn, functools.partial) or fn.args:
+        return False
+    func = fn.func
+    if (
+        getattr(func, "__name__", "") != "uniform_"
+        or getattr(func, "__module__", "") != "torch.nn.init"
+    ):
+        return False
+    bounds = (
+        (t.get_weight_init_min(), t.get_weight_init_max())
+        if hasattr(t, "get_weight_init_min")
+        else None
+    )
+    return bounds is not None and fn.keywords == {"a": bounds[0], "b": bounds[1]}
+
+
 def check_table_configs(tables: Sequence[BaseEmbeddingConfig]) -> tuple[BaseEmbeddingConfig, ...]:
     """Validate a collection's tables together: unique table names. A feature listed by
     several tables looks up each (its outputs are named `feature@table`, as TorchRec)."""
-    tables = tuple(tables)
+    tables = as_table_configs(tables)
     if not tables:
         raise ValueError("an embedding collection needs at least one table config")
     seen_tables: set[str] = set()

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import _capacity, _guard, _lookup
-from sparse_jax._configs import EmbeddingConfig
+from sparse_jax._configs import EmbeddingConfig, as_table_configs
 from sparse_jax._jagged import JaggedTensor, KeyedJaggedTensor
 from sparse_jax._layout import TableLayout
 from sparse_jax._module import PreparedBatch
@@ -78,11 +78,12 @@ class EmbeddingCollection(TableCollection):
         bounds_check: str = "error",
         ladder=None,
     ):
+        tables = as_table_configs(tables)  # TorchRec's configs too
         for t in tables:
             if not isinstance(t, EmbeddingConfig):
                 raise ValueError(
                     f"EmbeddingCollection takes EmbeddingConfig tables; {getattr(t, 'name', t)!r} is a "
-                    f"{type(t).__name__} (use EmbeddingBagCollection for pooled tables)"
+                    f"{type(t).__module__}.{type(t).__name__} (use EmbeddingBagCollection for pooled tables)"
                 )
         self.layout = TableLayout.build(tables)
         self._need_indices = bool(need_indices)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax import _lookup
-from sparse_jax._configs import EmbeddingBagConfig
+from sparse_jax._configs import EmbeddingBagConfig, as_table_configs
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._keyed_tensor import KeyedTensor
 from sparse_jax._layout import TableLayout
@@ -66,11 +66,12 @@ class EmbeddingBagCollection(TableCollection):
         ladder: Sequence[int] | None = None,
         sort_ids: bool | None = None,
     ):
+        tables = as_table_configs(tables)  # TorchRec's configs too
         for t in tables:
             if not isinstance(t, EmbeddingBagConfig):
                 raise ValueError(
                     f"EmbeddingBagCollection takes EmbeddingBagConfig tables; {getattr(t, 'name', t)!r} is a "
-                    f"{type(t).__name__} (use EmbeddingCollection for unpooled tables)"
+                    f"{type(t).__module__}.{type(t).__name__} (use EmbeddingCollection for unpooled tables)"
                 )
         _lookup.check_kernel(kernel)
         self.layout = TableLayout.build(tables)
@@ -155,7 +156,14 @@ class EmbeddingBagCollection(TableCollection):
             batch = self.prepare(batch)
         if not isinstance(batch, PaddedBatch):
             raise TypeError(
-                f"EmbeddingBagCollection.apply takes a KJT or its prepare()d batch, got {type(batch).__name__}"
+                f"EmbeddingBagCollection.apply takes a sparse_jax.KeyedJaggedTensor or its prepare()d batch, "
+                f"got a {type(batch).__module__}.{type(batch).__qualname__}"
+                + (
+                    " (a torch KJT: convert it with hybrid.as_kjt(kjt), or feed hybrid.Model, "
+                    "which takes TorchRec's)"
+                    if callable(getattr(batch, "lengths", None))
+                    else ""
+                )
             )
         if is_concrete(*jax.tree_util.tree_leaves(params)):
             return self._apply_jit(params, batch.kjt, batch.positions)

@@ -102,6 +102,35 @@ def _padded_gather(flat, offsets, lengths, desired_length: int, padding_value):
     return jnp.where(valid, gathered, jnp.asarray(padding_value, flat.dtype))
 
 
+def _jax_device(device):
+    """`device` as JAX takes it: a `jax.Device` or `Sharding` as it is; a torch.device or a
+    string ("cpu", "cuda", "cuda:1", "gpu:0") as that JAX device."""
+    if isinstance(device, jax.Device | jax.sharding.Sharding):
+        return device
+    text = device if isinstance(device, str) else None
+    if text is None and isinstance(getattr(device, "type", None), str):  # a torch.device
+        index = getattr(device, "index", None)
+        text = device.type if index is None else f"{device.type}:{index}"
+    if text is None:
+        raise TypeError(
+            f"to(device): give a jax.Device, a Sharding, a torch.device or a string such as "
+            f"'cpu', got {type(device).__name__}"
+        )
+    kind, _, index = text.partition(":")
+    platform = {"cuda": "gpu"}.get(kind.strip().lower(), kind.strip().lower())
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        devices = []
+    at = int(index) if index.strip() else 0
+    if not 0 <= at < len(devices):
+        raise ValueError(
+            f"to({device!r}): JAX has {len(devices)} {platform} device(s) here; "
+            f"give one of {[str(d) for d in jax.devices()]}"
+        )
+    return devices[at]
+
+
 class _JaggedArrays:
     """The array accessors both jagged classes share (TorchRec's names)."""
 
@@ -154,9 +183,12 @@ class _JaggedArrays:
         return next(iter(devices))
 
     def to(self, device, non_blocking: bool = False):
-        """A copy with every array on `device` (a `jax.Device` or `Sharding`); `non_blocking`
-        is accepted for TorchRec's signature (JAX transfers are asynchronous anyway)."""
+        """A copy with every array on `device`: a `jax.Device` or `Sharding`, or as TorchRec
+        code names one, a `torch.device` or a string ("cpu", "cuda:1"; CUDA is JAX's GPU
+        platform). `non_blocking` is accepted for TorchRec's signature (JAX transfers are
+        asynchronous anyway)."""
         del non_blocking
+        device = _jax_device(device)
         return jax.tree_util.tree_map(lambda x: jax.device_put(x, device), self)
 
 
@@ -243,14 +275,15 @@ class JaggedTensor(_JaggedArrays):
         return jt if device is None else jt.to(device)
 
     @staticmethod
-    def empty_like(jt: JaggedTensor) -> JaggedTensor:
-        """No bags, with `jt`'s dtypes, trailing shape, weightedness and device."""
+    def empty_like(jt: JaggedTensor, device=None) -> JaggedTensor:
+        """No bags, with `jt`'s dtypes, trailing shape and weightedness, on `device`
+        (default: `jt`'s)."""
         w = jt.weights_or_none()
         return JaggedTensor(
             np.zeros((0, *jt.values().shape[1:]), jt.values().dtype),
             None if w is None else np.zeros(0, w.dtype),
             lengths=np.zeros(0, jt.lengths().dtype),
-        ).to(jt.device())
+        ).to(jt.device() if device is None else device)
 
     @classmethod
     def from_dense_lengths(cls, values, lengths, weights=None) -> JaggedTensor:
@@ -605,8 +638,9 @@ class KeyedJaggedTensor(_JaggedArrays):
         return kjt if device is None else kjt.to(device)
 
     @staticmethod
-    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """No keys and no bags, with `kjt`'s dtypes, trailing shape, weightedness and stride."""
+    def empty_like(kjt: KeyedJaggedTensor, device=None) -> KeyedJaggedTensor:
+        """No keys and no bags, with `kjt`'s dtypes, trailing shape, weightedness and stride,
+        on `device` (default: `kjt`'s)."""
         w = kjt.weights_or_none()
         return KeyedJaggedTensor(
             [],
@@ -614,7 +648,7 @@ class KeyedJaggedTensor(_JaggedArrays):
             weights=None if w is None else np.zeros(0, w.dtype),
             lengths=np.zeros(0, kjt.lengths().dtype),
             stride=kjt.stride(),
-        ).to(kjt.device())
+        ).to(kjt.device() if device is None else device)
 
     @classmethod
     def from_jt_dict(cls, jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
@@ -641,9 +675,10 @@ class KeyedJaggedTensor(_JaggedArrays):
         )
 
     @staticmethod
-    def concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """The keys of every KJT side by side, in order (TorchRec's `KeyedJaggedTensor.concat`):
         same stride (or all variable-stride), distinct keys, all weighted or none (eager)."""
+        kjts = kjt_list
         if not kjts:
             raise ValueError("KeyedJaggedTensor.concat: give at least one KeyedJaggedTensor")
         variable = [k.variable_stride_per_key() for k in kjts]
@@ -849,7 +884,10 @@ class KeyedJaggedTensor(_JaggedArrays):
         w = None if self._weights is None else self._weights[a:b]
         return JaggedTensor(self._values[a:b], w, lengths=self._lengths[first:last])
 
-    def to_dict(self) -> dict[str, JaggedTensor]:
+    def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
+        """{key: JaggedTensor}; `compute_offsets` is TorchRec's (a JaggedTensor here computes
+        its offsets when asked)."""
+        del compute_offsets
         return {k: self[k] for k in self._keys}
 
     def permute(self, indices: Sequence[int], indices_tensor=None) -> KeyedJaggedTensor:

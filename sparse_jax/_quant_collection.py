@@ -366,7 +366,14 @@ class QuantEmbeddingBagCollection(LayoutFacts):
             batch = self.prepare(batch)
         if not isinstance(batch, PaddedBatch):
             raise TypeError(
-                f"QuantEmbeddingBagCollection.apply takes a KJT or its prepare()d batch, got {type(batch).__name__}"
+                f"QuantEmbeddingBagCollection.apply takes a sparse_jax.KeyedJaggedTensor or its prepare()d batch, "
+                f"got a {type(batch).__module__}.{type(batch).__qualname__}"
+                + (
+                    " (a torch KJT: convert it with hybrid.as_kjt(kjt), or feed hybrid.Model, "
+                    "which takes TorchRec's)"
+                    if callable(getattr(batch, "lengths", None))
+                    else ""
+                )
             )
         # the length caps are unused here: dropping them keeps one program per capacity
         return self._apply_jit(self.packed_tables, batch.kjt.without_length_caps())

@@ -35,6 +35,32 @@ def test_to_moves_every_array_and_device_names_it():
         assert x.device() == jax.devices()[0]
 
 
+def test_torchrec_spellings_of_devices_and_arguments():
+    """What TorchRec code writes: `to("cpu")` / a torch.device / "cuda:N", `empty_like(x,
+    device)`, `concat(kjt_list=...)`, `to_dict(compute_offsets=...)`."""
+    torch = pytest.importorskip("torch")
+    kjt = _kjt(True).to(jax.devices()[1])
+    for device in ("cpu", "cpu:1", torch.device("cpu", 1)):
+        want = jax.devices()[1] if str(device).endswith("1") else jax.devices()[0]
+        assert kjt.to(device).device() == want
+    with pytest.raises(ValueError, match=r"JAX has 0 gpu device\(s\) here"):
+        kjt.to("cuda:0")
+    with pytest.raises(TypeError, match="give a jax.Device, a Sharding, a torch.device"):
+        kjt.to(3)
+    assert KeyedJaggedTensor.empty_like(kjt, "cpu").device() == jax.devices()[0]
+    assert KeyedJaggedTensor.empty_like(kjt).device() == jax.devices()[1]
+    jt = kjt["a"]
+    assert JaggedTensor.empty_like(jt, jax.devices()[0]).device() == jax.devices()[0]
+    other = KeyedJaggedTensor(
+        ["c"],
+        np.array([7], np.int32),
+        np.array([1.0], np.float32),
+        lengths=np.array([1, 0], np.int32),
+    )
+    assert list(KeyedJaggedTensor.concat(kjt_list=[kjt, other]).keys()) == ["a", "b", "c"]
+    assert list(kjt.to_dict(compute_offsets=False)) == ["a", "b"]
+
+
 def test_device_refuses_values_spread_over_devices():
     spread = jax.sharding.NamedSharding(
         jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",)), jax.sharding.PartitionSpec("x")

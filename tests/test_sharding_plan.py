@@ -95,6 +95,22 @@ def test_from_types_rejects_unknown_tables_and_two_level_on_one_axis():
         ShardingPlan.from_types([table()], MESH, {"t": "bogus"})
 
 
+def test_from_types_says_when_a_column_split_has_fewer_blocks_than_devices(caplog):
+    """TorchRec refuses a column split that does not divide the dim; here the split takes
+    fewer blocks, and says so."""
+    with caplog.at_level("WARNING", logger="hybridrec.plan"):
+        plan = ShardingPlan.from_types([table("even", dim=8)], MESH, {"even": "column_wise"})
+    assert [s.col_size for s in plan["even"].shards] == [2, 2, 2, 2] and not caplog.records
+    with caplog.at_level("WARNING", logger="hybridrec.plan"):
+        plan = ShardingPlan.from_types([table("odd", dim=10)], MESH, {"odd": "column_wise"})
+    assert [s.col_size for s in plan["odd"].shards] == [5, 5]
+    (record,) = caplog.records
+    assert (
+        "table 'odd': column_wise splits its embedding_dim 10 into 2 block(s), not 4"
+        in record.getMessage()
+    )
+
+
 def _one(ps, t=None):
     t = t or table()
     return ShardingPlan({t.name: ps}, mesh_axes=MESH), [t]

@@ -111,6 +111,28 @@ def _torch_parts(batch):
     _unreadable(batch)
 
 
+def _variable_batch(batch):
+    """A TorchRec KJT with per-key batch sizes (variable batch, TorchRec's VBE) as a
+    `sparse_jax.KeyedJaggedTensor` of numpy arrays with its strides and inverse indices;
+    any other batch as it is."""
+    if not _is_torch_kjt(batch) or not callable(getattr(batch, "variable_stride_per_key", None)):
+        return batch
+    if not batch.variable_stride_per_key():
+        return batch
+    weights = batch.weights_or_none()
+    inverse = batch.inverse_indices_or_none()
+    return KeyedJaggedTensor(
+        list(batch.keys()),
+        batch.values().detach().cpu().numpy(),
+        weights=None if weights is None else weights.detach().cpu().numpy(),
+        lengths=batch.lengths().detach().cpu().numpy(),
+        stride_per_key_per_rank=batch.stride_per_key_per_rank(),
+        inverse_indices=None
+        if inverse is None
+        else (list(inverse[0]), inverse[1].detach().cpu().numpy()),
+    )
+
+
 def as_kjt(
     batch, *, ladder: Sequence[int] | None = None, length_caps: Mapping[str, int] | None = None
 ) -> KeyedJaggedTensor:
@@ -118,6 +140,7 @@ def as_kjt(
 
     `length_caps`: per-feature floors for the bag-length caps (features not named: 1).
     """
+    batch = _variable_batch(batch)
     parts = _torch_parts(batch)
     if parts is None:
         return pad_kjt(batch, ladder=ladder, length_caps=_floors(batch.keys(), length_caps))
@@ -129,6 +152,7 @@ def as_host_kjt(batch) -> KeyedJaggedTensor:
     """Any accepted sparse batch form as an unpadded KJT of numpy arrays on the host (the
     form `SparseModule.prepare` checks and pads once). Torch CPU tensors are read without a
     copy; a `sparse_jax.KeyedJaggedTensor` of device arrays is read back once."""
+    batch = _variable_batch(batch)
     parts = _torch_parts(batch)
     if parts is None:
         return batch  # prepare reads its leaves (no copy for numpy leaves)

@@ -57,7 +57,8 @@ class Model(nn.Module):
     """A recommender model: sparse tables in JAX, `dense` in torch.
 
     Args:
-      tables: `sparse_jax.EmbeddingBagConfig`s (TorchRec's names and arguments).
+      tables: `sparse_jax.EmbeddingBagConfig`s (TorchRec's names and arguments; TorchRec's
+        own `EmbeddingBagConfig`s are taken too, field by field).
       dense: a torch module keeping the dense contract,
         `dense(dense_features [B, n_dense], embeddings: dense_torch.KeyedTensor) -> logits`
         (e.g. `dense_torch.DLRM`); its parameters are the model's torch parameters.
@@ -80,6 +81,8 @@ class Model(nn.Module):
         maps, right before its lookup; eval only reads them. On a mesh, a row-wise table
         keeps one id map per shard (ids hashed to shards, as TorchRec), any other placement
         one replicated map (`sparse_jax.sharding.ShardedManagedCollisionModule`).
+      bounds_check: ids outside their table: "error" (default; refused in `prepare`, naming
+        the feature, sample and id), "clamp" into the table, or "skip" (they add nothing).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Model(nn.Module):
         capacity_ladder: Sequence[int] | None = None,
         input_dist: str = "all_gather",
         managed_collision_modules=None,
+        bounds_check: str = "error",
     ):
         super().__init__()
         if not isinstance(dense, nn.Module):
@@ -110,6 +114,7 @@ class Model(nn.Module):
             ladder=self.capacity_ladder,
             input_dist=input_dist,
             managed_collision_modules=managed_collision_modules,
+            bounds_check=bounds_check,
         )
         rule = DEFAULT_SPARSE_OPTIMIZER if sparse_optimizer is None else sparse_optimizer
         self._tables = SparseTables(module, rule, jax.random.key(seed), device=mesh_device(mesh))

@@ -8,10 +8,13 @@ immutable; every constructor checks axes and device coordinates against the mesh
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 
 from . import _json, _layout, _report
 from ._types import TWO_LEVEL_TYPES, ParameterSharding, ShardingType
+
+log = logging.getLogger("hybridrec.plan")
 
 __all__ = ["ShardingPlan"]
 
@@ -131,7 +134,7 @@ class ShardingPlan(Mapping[str, ParameterSharding]):
         if that leaves none). table_wise, row_wise and column_wise shard over the model
         axes; the two-level types use (first mesh axis, last mesh axis) as (inter, intra).
         column_wise splits into the largest column count <= the devices it spans that
-        divides the dim (table_column_wise: <= the intra size; grid_shard: <= the
+        divides the dim (logged when that is fewer: TorchRec refuses the uneven split) (table_column_wise: <= the intra size; grid_shard: <= the
         hosts). Whole tables and column blocks go, in table order, to the coordinate
         holding the fewest bytes so far (ties: the lowest). A value may also be a
         ready `ParameterSharding`. Tables missing from `types` are data_parallel (use
@@ -189,8 +192,25 @@ class ShardingPlan(Mapping[str, ParameterSharding]):
         return _report.explain(self, table_name)
 
 
-def _largest_divisor(dim: int, at_most: int) -> int:
-    return max(k for k in range(1, max(1, at_most) + 1) if dim % k == 0)
+def _largest_divisor(dim: int, at_most: int, *, table: str = "", kind: str = "") -> int:
+    """The most column blocks (<= `at_most`) that split `dim` evenly. Fewer than `at_most` is
+    logged: TorchRec refuses such a column split, here the blocks are fewer (one block is
+    the whole table on one device)."""
+    k = max(k for k in range(1, max(1, at_most) + 1) if dim % k == 0)
+    if k < at_most:
+        log.warning(
+            "table %r: %s splits its embedding_dim %d into %d block(s), not %d (the devices it "
+            "spans): %d does not divide evenly. Give the table a dim divisible by %d, or a "
+            "ParameterSharding with the blocks you want.",
+            table,
+            kind,
+            dim,
+            k,
+            at_most,
+            dim,
+            at_most,
+        )
+    return k
 
 
 def _least_loaded(candidates, axes, mesh, load) -> tuple[int, ...]:
@@ -218,7 +238,7 @@ def _default_layout(t, kind: ShardingType, model, two_level, mesh, load) -> Para
     elif kind is ST.ROW_WISE:
         ps = _layout.row_wise(rows, dim, model, mesh)
     elif kind is ST.GRID_SHARD:
-        k = _largest_divisor(dim, mesh[two_level[0]])
+        k = _largest_divisor(dim, mesh[two_level[0]], table=t.name, kind=kind.value)
         ps = _layout.grid_shard(rows, [dim // k] * k, two_level, mesh)
     elif kind is ST.TABLE_ROW_WISE:
         ps = _layout.table_row_wise(
@@ -230,7 +250,11 @@ def _default_layout(t, kind: ShardingType, model, two_level, mesh, load) -> Para
         if kind is ST.TABLE_COLUMN_WISE:
             host = _least_loaded_host(two_level, mesh, load)
             coords = [c for c in coords if c[0] == host]
-        k = 1 if kind is ST.TABLE_WISE else _largest_divisor(dim, len(coords))
+        k = (
+            1
+            if kind is ST.TABLE_WISE
+            else _largest_divisor(dim, len(coords), table=t.name, kind=kind.value)
+        )
         devices = []
         for _ in range(k):
             dev = _least_loaded([c for c in coords if c not in devices], axes, mesh, load)

@@ -50,13 +50,26 @@ class ShardingType(enum.StrEnum):
         """`ShardingType` from itself, its value ("row_wise") or its name ("ROW_WISE")."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
+        # another library's enum of the same name (TorchRec's ShardingType.ROW_WISE) by its name
+        text = value.name if isinstance(value, enum.Enum) else value
+        if isinstance(text, str):
             for member in cls:
-                if value in (member.value, member.name):
+                if text in (member.value, member.name):
                     return member
         where = f"table {table!r}: " if table is not None else ""
         choices = ", ".join(m.value for m in cls)
-        raise ValueError(f"{where}sharding type {value!r} is not one of {choices}")
+        if isinstance(getattr(value, "sharding_type", None), str):  # TorchRec's ParameterSharding
+            raise ValueError(
+                f"{where}a {type(value).__qualname__} (TorchRec's ranks and shard sizes) is not "
+                f"read; give its sharding type, e.g. {{table: {value.sharding_type!r}}}, and the "
+                "plan places the shards on the mesh"
+            )
+        shown = (
+            repr(value)
+            if len(repr(value)) <= 80
+            else f"a {type(value).__module__}.{type(value).__qualname__}"
+        )
+        raise ValueError(f"{where}sharding type {shown} is not one of {choices}")
 
 
 # Types whose axes are (inter-host axis, intra-host axis).

@@ -77,7 +77,13 @@ def _resolve_plan(plan, tables, mesh_axes) -> ShardingPlan:
     if isinstance(plan, Mapping):
         return ShardingPlan.from_types(tables, mesh_axes, plan)
     raise ValueError(
-        f"plan must be a ShardingPlan, a {{table: sharding type}} dict or None, got {type(plan).__name__}"
+        "plan must be a sparse_jax ShardingPlan, a {table: sharding type} dict or None, got a "
+        f"{type(plan).__module__}.{type(plan).__qualname__}"
+        + (
+            " (TorchRec's plans are not read: give {table: 'row_wise', ...} or let the planner plan)"
+            if type(plan).__module__.startswith("torchrec")
+            else ""
+        )
     )
 
 
