@@ -28,7 +28,7 @@ from sparse_jax._prepare import LengthCaps, pad_host
 from sparse_jax._sorted_ids import BucketCaps, sort_host
 from sparse_jax._tables import TableCollection
 from sparse_jax._update import fused_update
-from sparse_jax._validate import is_concrete
+from sparse_jax._validate import is_concrete, not_a_batch
 from sparse_jax.optim._base import RowRule
 
 __all__ = ["EmbeddingBagCollection", "KERNELS"]
@@ -155,16 +155,7 @@ class EmbeddingBagCollection(TableCollection):
                 return self._apply(params, batch)
             batch = self.prepare(batch)
         if not isinstance(batch, PaddedBatch):
-            raise TypeError(
-                f"EmbeddingBagCollection.apply takes a sparse_jax.KeyedJaggedTensor or its prepare()d batch, "
-                f"got a {type(batch).__module__}.{type(batch).__qualname__}"
-                + (
-                    " (a torch KJT: convert it with hybrid.as_kjt(kjt), or feed hybrid.Model, "
-                    "which takes TorchRec's)"
-                    if callable(getattr(batch, "lengths", None))
-                    else ""
-                )
-            )
+            raise not_a_batch("EmbeddingBagCollection", batch)
         if is_concrete(*jax.tree_util.tree_leaves(params)):
             return self._apply_jit(params, batch.kjt, batch.positions)
         return self._apply(params, batch.kjt, batch.positions)

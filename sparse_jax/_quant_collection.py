@@ -46,7 +46,7 @@ from sparse_jax._quant import (
     quantized_pooled_lookup,
     row_bytes,
 )
-from sparse_jax._validate import is_concrete
+from sparse_jax._validate import is_concrete, not_a_batch
 
 __all__ = ["KERNELS", "QuantEmbeddingBagCollection"]
 
@@ -365,16 +365,7 @@ class QuantEmbeddingBagCollection(LayoutFacts):
                 return self._apply(self.packed_tables, batch)
             batch = self.prepare(batch)
         if not isinstance(batch, PaddedBatch):
-            raise TypeError(
-                f"QuantEmbeddingBagCollection.apply takes a sparse_jax.KeyedJaggedTensor or its prepare()d batch, "
-                f"got a {type(batch).__module__}.{type(batch).__qualname__}"
-                + (
-                    " (a torch KJT: convert it with hybrid.as_kjt(kjt), or feed hybrid.Model, "
-                    "which takes TorchRec's)"
-                    if callable(getattr(batch, "lengths", None))
-                    else ""
-                )
-            )
+            raise not_a_batch("QuantEmbeddingBagCollection", batch)
         # the length caps are unused here: dropping them keeps one program per capacity
         return self._apply_jit(self.packed_tables, batch.kjt.without_length_caps())
 

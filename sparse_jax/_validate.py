@@ -23,6 +23,7 @@ __all__ = [
     "check_weights",
     "is_concrete",
     "locate",
+    "not_a_batch",
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -32,6 +33,22 @@ _INT32_MIN = np.iinfo(np.int32).min
 def is_concrete(*arrays) -> bool:
     """True when no array is a tracer (so values can be read on the host)."""
     return not any(isinstance(a, jax.core.Tracer) for a in arrays if a is not None)
+
+
+def not_a_batch(owner: str, batch) -> TypeError:
+    """The error for `owner.apply` given something other than a KJT or a prepared batch,
+    naming its class (a torch KJT: how to convert it)."""
+    torch_like = callable(getattr(batch, "lengths", None))
+    return TypeError(
+        f"{owner}.apply takes a sparse_jax.KeyedJaggedTensor or its prepare()d batch, got a "
+        f"{type(batch).__module__}.{type(batch).__qualname__}"
+        + (
+            " (a torch KJT: convert it with hybrid.as_kjt(kjt), or feed hybrid.Model, which "
+            "takes TorchRec's)"
+            if torch_like
+            else ""
+        )
+    )
 
 
 def bag_position(bag: int, keys: Sequence[str], stride) -> str:

@@ -20,9 +20,8 @@ TABLES = [("t0", 11, ["a", "b"], "SUM"), ("t1", 7, ["c"], "MEAN")]
 DIM, N_DENSE = 4, 3
 
 
-def test_torchrec_dlrm_checkpoint_and_kjt_give_the_same_logits():
-    torch.manual_seed(0)
-    tr_tables = [
+def _tr_tables():
+    return [
         tr_configs.EmbeddingBagConfig(
             name=n,
             num_embeddings=e,
@@ -32,6 +31,11 @@ def test_torchrec_dlrm_checkpoint_and_kjt_give_the_same_logits():
         )
         for n, e, f, p in TABLES
     ]
+
+
+def test_torchrec_dlrm_checkpoint_and_kjt_give_the_same_logits():
+    torch.manual_seed(0)
+    tr_tables = _tr_tables()
     tr_model = TorchRecDLRM(
         embedding_bag_collection=TorchRecEBC(tables=tr_tables),
         dense_in_features=N_DENSE,
@@ -57,19 +61,6 @@ def test_torchrec_dlrm_checkpoint_and_kjt_give_the_same_logits():
         want = tr_model(dense, kjt)
         got = model(dense, kjt)  # the TorchRec KJT itself is an accepted batch form
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def _tr_tables():
-    return [
-        tr_configs.EmbeddingBagConfig(
-            name=n,
-            num_embeddings=e,
-            embedding_dim=DIM,
-            feature_names=f,
-            pooling=tr_configs.PoolingType[p],
-        )
-        for n, e, f, p in TABLES
-    ]
 
 
 def test_torchrec_configs_and_enums_are_taken_as_they_are():
