@@ -4,8 +4,9 @@
 One uninterrupted single-process run is the reference. A 2-process run resumes from its
 step-2 checkpoint (1 -> 2 processes), saves step 4, and one rank is killed with SIGKILL
 during the asynchronous save of step 6; the run then resumes from step 4 (the last committed)
-on 2 processes (the same layout: read shard by shard) and on 1 process with another mesh
-(data=2 x model=4: another plan, read whole and resharded), and every following step equals the reference: tables,
+on 2 processes (the same layout: read shard by shard), on 1 process with another mesh
+(data=2 x model=4: another plan, read whole and resharded) and on 2 processes with
+model=4 x data=2 (resharded into global arrays, a table on one process), and every following step equals the reference: tables,
 optimizer state and step count, a managed-collision table's id maps, dense weights, dense optimizer, losses (the data position is
 the step here: each process reads its share of batch `step`). A damaged or missing shard
 file is detected and the previous checkpoint used.
@@ -61,7 +62,7 @@ def _config(directory, *extra):
     )
 
 
-def _two_processes(directory, *, kill_step=None):
+def _two_processes(directory, *extra, kill_step=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT)  # this checkout, not an installed copy
@@ -79,6 +80,7 @@ def _two_processes(directory, *, kill_step=None):
             "--resume",
             *(f"--set={s}" for s in SETTINGS),
             f"--set=checkpoint.dir='{directory}'",
+            *(f"--set={s}" for s in extra),
         ],
         cwd=ROOT,
         env=env,
@@ -137,8 +139,9 @@ def test_killed_during_async_save_resumes_on_two_and_on_one_process(tmp_path, ca
     }  # each process wrote its own shards
     _assert_same(killed / "step_00000004", ref / "step_00000004")
 
-    one = tmp_path / "one"
+    one, other = tmp_path / "one", tmp_path / "other"
     shutil.copytree(killed, one)
+    shutil.copytree(killed, other)
     resumed = _two_processes(killed)  # 2 processes from step 4
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_00000004 at step 4" in resumed.stdout
@@ -150,6 +153,14 @@ def test_killed_during_async_save_resumes_on_two_and_on_one_process(tmp_path, ca
     assert sorted(result["losses"]) == [5, 6, 7, 8]
     for step in (6, 8):
         _assert_same(one / f"step_{step:08d}", ref / f"step_{step:08d}")
+
+    # 2 processes from the 2-process step 4, onto another mesh and plan whose table-wise
+    # table lives on one process's devices: the checkpoint is resharded into global arrays
+    # that neither process can read whole (this crashed before)
+    moved = _two_processes(other, "train.mesh='model=4,data=2'")
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    for step in (6, 8):
+        _assert_same(other / f"step_{step:08d}", ref / f"step_{step:08d}")
 
     # a damaged or missing shard file: found, and the previous checkpoint used
     newest = one / "step_00000008"

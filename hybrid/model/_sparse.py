@@ -260,6 +260,10 @@ class SparseTables:
                 )
 
         def place(new, old):
+            if isinstance(new, jax.Array) and not new.is_fully_addressable:
+                # a global array of a multi-process job (e.g. a checkpoint resharded on load):
+                # no process can read it whole, so it is resharded on the devices
+                return jax.jit(lambda x: x.astype(old.dtype), out_shardings=old.sharding)(new)
             host = np.asarray(new, old.dtype)
             return jax.make_array_from_callback(old.shape, old.sharding, lambda index: host[index])
 
