@@ -330,3 +330,64 @@ def test_a_lost_peer_after_this_rank_ended_exits_with_the_error_status():
             break
     ((msg, code),) = exits
     assert code == EXIT_ERROR and "rank 1" in msg
+
+
+def test_the_rank_whose_error_ended_the_job_is_not_told_of_itself():
+    """Rank 1's main thread ends in an error; rank 0 reports it and exits. Rank 1 then reads
+    the abort naming itself: it exits with the error status and says so, instead of
+    'rank 1: rank 1 stopped after an error'; the first abort stays published."""
+    store, _, exits, _, (a, b) = _dogs()
+    b.main_thread_alive = lambda: False
+    a.step(), b.step()
+    assert not a.step()
+    assert exits == [("rank 0: rank 1 stopped after an error", EXIT_PEER_LOST)]
+    assert not b.step()
+    assert exits[1] == (
+        "rank 1: stopped after an error (its traceback is above); the other ranks were told to exit",
+        EXIT_ERROR,
+    )
+    assert store.get("hybridrec/watchdog/abort") == b"rank 1 stopped after an error"
+
+
+_SENTINEL_PROBE = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from hybrid.training._watchdog import Watchdog
+from tests.test_dead_peer import FakeStore
+dead = os.fork()
+if dead == 0:
+    os._exit(0)
+os.waitpid(dead, 0)  # a peer on this host that is gone
+store = FakeStore()
+store.set("hybridrec/watchdog/pid/1", f"{dead} host host:1 1")  # its start time: not alive
+if sys.argv[2] == "left":
+    store.set("hybridrec/watchdog/exited/1", "1")  # it left through Python, saying why
+dog = Watchdog(store, rank=0, world_size=2, identity="host:1", exit=lambda m, c: None)
+dog.step = lambda: True  # the loop stays out of it: only the exit is judged
+dog.start()  # with its sentinel, told of the peer
+print(os.getpgid(dog._sentinel.pid) != os.getpgid(0), flush=True)
+sys.exit(2)  # e.g. a refused resume
+"""
+
+
+@pytest.mark.parametrize("peer", ["left", "killed"])
+def test_an_exit_through_python_names_only_a_peer_that_died(peer):
+    """A process ending through Python's shutdown (here sys.exit(2), as a refused resume)
+    says why itself: a peer that also left on purpose is not reported (both ranks refusing
+    printed two false 'died' lines before), a killed one is named once, by the process itself
+    (the sentinel is then told all is said). The sentinel runs in its own session (torchrun
+    kills each worker's process group)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SENTINEL_PROBE, str(ROOT), peer],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # (the sentinel shares stderr: run() returns once it has exited too)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stdout.strip() == "True"
+    said = [line for line in done.stderr.splitlines() if "died" in line]
+    if peer == "left":
+        assert said == [], done.stderr
+    else:
+        assert len(said) == 1 and said[0].startswith("hybridrec: rank 0: rank 1 (pid "), said

@@ -30,8 +30,10 @@ Some deaths are faster than the thread: when rank 0 dies, JAX's coordination cli
 every other process aborts at once (SIGABRT, its log names no rank). So `start()` also
 starts a sentinel, a tiny child Python process sharing stderr and reading a pipe from this
 one: the watchdog tells it the peers' pids (those on this host) and "ok" when it exits on
-purpose; at end of file without "ok" (this process died), the sentinel writes which peer
-is dead, if one is.
+purpose or through Python's own shutdown (a finished run, an error whose traceback says
+why); at end of file without "ok" (this process died: SIGKILL, JAX's abort), the sentinel
+writes which peer is dead, if one is. It runs in its own session, so torchrun's stop of a
+failed job (a signal to each worker's process group) does not take it along.
 
 Environment: HYBRIDREC_WATCHDOG=0 turns it off; HYBRIDREC_WATCHDOG_TIMEOUT (seconds,
 default 5) sets how long a silent heartbeat is tolerated.
@@ -39,6 +41,7 @@ default 5) sets how long a silent heartbeat is tolerated.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -176,7 +179,12 @@ class Watchdog:
         """Read the peers; the reason to exit, or None. Sets `_all_done` once every rank is."""
         store = self.store
         if store.check([self._key("abort")]):
-            return store.get(self._key("abort")).decode()
+            reason = store.get(self._key("abort")).decode()
+            mine = f"rank {self.rank}"
+            if self._ended and (reason == mine or reason.startswith(mine + " ")):
+                # a peer reported this rank's own error: it is not news to this rank
+                return "stopped after an error (its traceback is above); the other ranks were told to exit"
+            return reason
         now = self.clock()
         done = self._finishing or self._ended
         for r in self.peers:
@@ -275,9 +283,41 @@ class Watchdog:
             except (OSError, ValueError):
                 pass
 
-    def _abort(self, reason: str) -> None:
+    def _at_exit(self) -> None:
+        """This process leaves through Python's shutdown: mark it (peers then know it left on
+        purpose), name a peer on this host that died without leaving so (its error may be
+        why this one ends, and JAX may abort this process next), then quiet the sentinel."""
         try:
-            self.store.set(self._key("abort"), reason)
+            self.store.set(self._key("exited", self.rank), "1")
+        except Exception:  # noqa: BLE001 - a store gone with its host (a dead rank 0)
+            pass
+        for r in self.peers:
+            if not self._dead_here(r):
+                continue
+            try:
+                left = self._left(r)
+            except Exception:  # noqa: BLE001 - the store died with it: it did not leave so
+                left = False
+            if not left:
+                os.write(2, f"hybridrec: rank {self.rank}: {self.describe(r)} died\n".encode())
+                break
+        self._tell("ok")
+
+    def _left(self, rank: int) -> bool:
+        """Whether `rank` left on purpose: finished, or exited through Python or this watchdog."""
+        return bool(
+            self.store.check([self._key("exited", rank)])
+            or self.store.add(self._key("done", rank), 0)
+        )
+
+    def _abort(self, reason: str) -> None:
+        """Publish `reason` for the other survivors, unless one was published first (the
+        first is the root cause; a later one may only be this rank's echo of it), and mark
+        this rank as leaving on purpose."""
+        try:
+            self.store.set(self._key("exited", self.rank), "1")
+            if not self.store.check([self._key("abort")]):
+                self.store.set(self._key("abort"), reason)
         except Exception:  # noqa: BLE001 - best effort; the exit is what matters
             pass
 
@@ -289,7 +329,14 @@ class Watchdog:
                 [sys.executable, "-c", _SENTINEL, str(self.rank)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
+                # its own session: torchrun stops a failed job by killing each worker's
+                # process group, and the sentinel must outlive this process to name the peer
+                start_new_session=True,
             )
+            # a process that exits through Python's own shutdown (a finished run, an error
+            # with its traceback, sys.exit) says why itself: the sentinel is for the deaths
+            # Python does not see (SIGKILL, JAX's abort). Run before JAX's shutdown.
+            atexit.register(self._at_exit)
             real_exit = self.exit
 
             def exit(message: str, code: int) -> None:
