@@ -104,7 +104,7 @@ def _padded_gather(flat, offsets, lengths, desired_length: int, padding_value):
 
 def _jax_device(device):
     """`device` as JAX takes it: a `jax.Device` or `Sharding` as it is; a torch.device or a
-    string ("cpu", "cuda", "cuda:1", "gpu:0") as that JAX device."""
+    string ("cpu", "cuda", "cuda:1", "gpu:0") as that device among this process's own."""
     if isinstance(device, jax.Device | jax.sharding.Sharding):
         return device
     text = device if isinstance(device, str) else None
@@ -118,15 +118,15 @@ def _jax_device(device):
         )
     kind, _, index = text.partition(":")
     platform = {"cuda": "gpu"}.get(kind.strip().lower(), kind.strip().lower())
-    try:
-        devices = jax.devices(platform)
+    try:  # this process's own devices, as torch's "cuda:N" is this process's GPU N
+        devices = jax.local_devices(backend=platform)
     except RuntimeError:
         devices = []
     at = int(index) if index.strip() else 0
     if not 0 <= at < len(devices):
         raise ValueError(
             f"to({device!r}): JAX has {len(devices)} {platform} device(s) here; "
-            f"give one of {[str(d) for d in jax.devices()]}"
+            f"give one of {[str(d) for d in jax.local_devices()]}"
         )
     return devices[at]
 

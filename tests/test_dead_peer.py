@@ -365,7 +365,6 @@ if sys.argv[2] == "left":
 dog = Watchdog(store, rank=0, world_size=2, identity="host:1", exit=lambda m, c: None)
 dog.step = lambda: True  # the loop stays out of it: only the exit is judged
 dog.start()  # with its sentinel, told of the peer
-print(os.getpgid(dog._sentinel.pid) != os.getpgid(0), flush=True)
 sys.exit(2)  # e.g. a refused resume
 """
 
@@ -375,8 +374,7 @@ def test_an_exit_through_python_names_only_a_peer_that_died(peer):
     """A process ending through Python's shutdown (here sys.exit(2), as a refused resume)
     says why itself: a peer that also left on purpose is not reported (both ranks refusing
     printed two false 'died' lines before), a killed one is named once, by the process itself
-    (the sentinel is then told all is said). The sentinel runs in its own session (torchrun
-    kills each worker's process group)."""
+    (the sentinel is then told all is said)."""
     done = subprocess.run(
         [sys.executable, "-c", _SENTINEL_PROBE, str(ROOT), peer],
         cwd=ROOT,
@@ -385,7 +383,6 @@ def test_an_exit_through_python_names_only_a_peer_that_died(peer):
         timeout=120,
     )  # (the sentinel shares stderr: run() returns once it has exited too)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stdout.strip() == "True"
     said = [line for line in done.stderr.splitlines() if "died" in line]
     if peer == "left":
         assert said == [], done.stderr

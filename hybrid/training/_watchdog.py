@@ -32,8 +32,8 @@ starts a sentinel, a tiny child Python process sharing stderr and reading a pipe
 one: the watchdog tells it the peers' pids (those on this host) and "ok" when it exits on
 purpose or through Python's own shutdown (a finished run, an error whose traceback says
 why); at end of file without "ok" (this process died: SIGKILL, JAX's abort), the sentinel
-writes which peer is dead, if one is. It runs in its own session, so torchrun's stop of a
-failed job (a signal to each worker's process group) does not take it along.
+writes which peer is dead, if one is. (torchrun's stop of a failed job, a signal to each
+worker's process group, takes the sentinel along: torchrun's own summary names the rank.)
 
 Environment: HYBRIDREC_WATCHDOG=0 turns it off; HYBRIDREC_WATCHDOG_TIMEOUT (seconds,
 default 5) sets how long a silent heartbeat is tolerated.
@@ -104,7 +104,7 @@ for line in sys.stdin:
     elif word and word[0] == "peer":
         peers[word[1]] = (int(word[2]), word[3], word[4])
 if not ok:
-    for r, (pid, host, start) in sorted(peers.items()):
+    for r, (pid, host, start) in sorted(peers.items(), key=lambda kv: int(kv[0])):
         if not alive(pid, start):
             os.write(2, f"hybridrec: rank {rank} ended: rank {r} (pid {pid} on {host}) died\n".encode())
 """
@@ -329,9 +329,6 @@ class Watchdog:
                 [sys.executable, "-c", _SENTINEL, str(self.rank)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
-                # its own session: torchrun stops a failed job by killing each worker's
-                # process group, and the sentinel must outlive this process to name the peer
-                start_new_session=True,
             )
             # a process that exits through Python's own shutdown (a finished run, an error
             # with its traceback, sys.exit) says why itself: the sentinel is for the deaths
