@@ -283,25 +283,41 @@ class Watchdog:
             except (OSError, ValueError):
                 pass
 
-    def _at_exit(self) -> None:
+    def _at_exit(self, wait: float = 1.0) -> None:
         """This process leaves through Python's shutdown: mark it (peers then know it left on
-        purpose), name a peer on this host that died without leaving so (its error may be
-        why this one ends, and JAX may abort this process next), then quiet the sentinel."""
+        purpose), name a peer on this host that died without leaving so (its death may be
+        why this one ends, and JAX may abort this process next), then quiet the sentinel.
+
+        A peer killed a moment ago may still be exiting (its sockets already closed, its
+        /proc entry not yet a zombie), so each local peer neither gone nor marked is watched
+        for up to `wait` seconds; one still running then is no news."""
         try:
             self.store.set(self._key("exited", self.rank), "1")
         except Exception:  # noqa: BLE001 - a store gone with its host (a dead rank 0)
             pass
-        for r in self.peers:
-            if not self._dead_here(r):
-                continue
-            try:
-                left = self._left(r)
-            except Exception:  # noqa: BLE001 - the store died with it: it did not leave so
-                left = False
-            if not left:
-                os.write(2, f"hybridrec: rank {self.rank}: {self.describe(r)} died\n".encode())
+        watched = [r for r in self.peers if self._here(r)]
+        deadline = time.monotonic() + wait
+        while watched:
+            for r in list(watched):
+                try:
+                    left = self._left(r)
+                except Exception:  # noqa: BLE001 - the store died with its host
+                    left = False
+                if left:
+                    watched.remove(r)
+                elif self._dead_here(r):
+                    os.write(2, f"hybridrec: rank {self.rank}: {self.describe(r)} died\n".encode())
+                    watched = []
+                    break
+            if not watched or time.monotonic() >= deadline:
                 break
+            time.sleep(0.02)
         self._tell("ok")
+
+    def _here(self, rank: int) -> bool:
+        """Whether `rank` is known to run on this host (its /proc entry can be read)."""
+        info = self._info.get(rank)
+        return info is not None and info[2].split(" ")[0] == self.identity
 
     def _left(self, rank: int) -> bool:
         """Whether `rank` left on purpose: finished, or exited through Python or this watchdog."""
