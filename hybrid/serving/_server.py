@@ -457,11 +457,13 @@ def _loader(args) -> Callable[[str], Predictor]:
 
 
 def _configure_logging(level: str) -> None:
-    """The server's own log (and the predictor's) at `level`; other libraries' only from
-    WARNING up (jax logs its probe for a TPU at INFO on every start), unless DEBUG."""
+    """The server's own log (and the predictor's) at `level`; other libraries' from WARNING
+    up, or from `level` when it is quieter (jax logs its probe for a TPU at INFO on every
+    start), everything at DEBUG."""
     level = level.upper()
+    quietest = max(logging.getLevelName(level), logging.WARNING)  # error: only errors at all
     logging.basicConfig(
-        level=level if level == "DEBUG" else "WARNING",
+        level=level if level == "DEBUG" else logging.getLevelName(quietest),
         format="%(levelname)s:%(name)s: %(message)s",
     )
     for name in (log.name, "hybridrec.serving"):
