@@ -196,11 +196,8 @@ class Watchdog:
                 return f"{self.describe(r)} stopped after an error"
             done = False
             self._learn(r)
-            info = self._info.get(r)
-            if info is not None:
-                ident, start = info[2].split(" ")
-                if ident == self.identity and start and not self.alive(info[0], start):
-                    return f"{self.describe(r)} died"
+            if self._dead_here(r):
+                return f"{self.describe(r)} died"
             count = store.add(self._key("heartbeat", r), 0)
             last = self._last.get(r)
             if last is None or count != last[0]:
@@ -269,11 +266,11 @@ class Watchdog:
         return not self._all_done.is_set()
 
     def _dead_here(self, rank: int) -> bool:
-        info = self._info.get(rank)
-        if info is None:
+        if not self._here(rank):
             return False
-        ident, start = info[2].split(" ")
-        return ident == self.identity and bool(start) and not self.alive(info[0], start)
+        pid, _, ident_start = self._info[rank]
+        start = ident_start.split(" ")[1]
+        return bool(start) and not self.alive(pid, start)
 
     def _tell(self, line: str) -> None:
         if self._sentinel is not None:
