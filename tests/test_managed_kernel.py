@@ -194,6 +194,32 @@ def _large_map_steps(xla_form, policy, settings, zipf, zch, batch, steps):
     assert zipf or int(k_out[1][1]) == zch - 1  # uniform ids: the map filled and turned over
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl", "distance_lfu"])
+def test_each_policy_keeps_only_its_own_metadata_in_both_forms(xla_form, policy):
+    """As TorchRec's policies (`metadata_info`): LFU keeps counts, LRU and TTL the last
+    access, DistanceLFU both; the state's other column stays zero through evictions, in the
+    kernel (it moves one column less) and in the XLA form alike."""
+    settings = {"single_ttl": 2} if policy == "ttl" else {}
+    mc = MCHManagedCollisionModule(64, history_capacity=48, eviction_policy=policy, **settings)
+    assert (
+        set(mc.metadata_fields)
+        == {
+            "lru": {"last_access"},
+            "lfu": {"counts"},
+            "ttl": {"last_access"},
+            "distance_lfu": {"counts", "last_access"},
+        }[policy]
+    )
+    for profile in (jax.jit(mc.profile_remap), xla_form(mc.profile_remap, integer_only=False)):
+        state = mc.init()
+        for raw, valid in _stream(5, 12, 48, 200, True):
+            state, *_ = profile(state, RawIds.from_int64(raw), valid)
+        assert int(mc.remap(state, RawIds.from_int64(raw)).min()) < 63  # ids are resident
+        for field in ("counts", "last_access"):
+            column = np.asarray(getattr(state, field))
+            assert column.any() == (field in mc.metadata_fields), (field, column)
+
+
 def test_the_kernel_gives_the_xla_forms_state_when_its_sampled_bound_is_too_low(xla_form):
     """LFU, 65,599 resident entries: the entries the kernel samples for its guess of the m-th
     weakest score (4096, evenly spaced) hold count 1 and every other entry count 2, and 5,000

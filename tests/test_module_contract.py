@@ -155,11 +155,20 @@ def test_managed_says_which_modules_manage_ids_and_the_managed_ones_keep_the_man
     frozen = managed.frozen_maps()[table]
     assert frozen.ids.tolist() == sorted(raw)
     states, counts, key = managed.host_state()
-    managed.load_mc_state(states, counts, jax.random.wrap_key_data(key))
+    # LRU keeps the last access, not the counts: a map whose counts were kept (saved under
+    # LFU, or before each policy kept only its own) loads with them zeroed
+    assert (
+        not np.asarray(states[table].counts).any() and np.asarray(states[table].last_access).any()
+    )
+    stale = states[table]._replace(counts=np.full_like(np.asarray(states[table].counts), 7))
+    managed.load_mc_state({table: stale}, counts, jax.random.wrap_key_data(key))
+    loaded = managed.host_state()[0][table]
     np.testing.assert_array_equal(
         RawIds(*(np.asarray(x) for x in states[table][:2])).to_int64(),
-        RawIds(*(np.asarray(x) for x in managed.host_state()[0][table][:2])).to_int64(),
+        RawIds(*(np.asarray(x) for x in loaded[:2])).to_int64(),
     )
+    assert not np.asarray(loaded.counts).any()
+    np.testing.assert_array_equal(np.asarray(loaded.last_access), np.asarray(stale.last_access))
 
 
 @pytest.mark.parametrize("kind", TYPES)

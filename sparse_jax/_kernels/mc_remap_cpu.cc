@@ -4,7 +4,9 @@
 //
 // The state is the checkpointed layout: resident ids ascending as (hi int32, lo uint32)
 // words (INT64_MAX marks an empty entry; the last entry is the default slot's), the slot,
-// LFU count and LRU last access of each entry, and the eviction window. A raw id is the
+// LFU count and LRU last access of each entry (each policy keeps one of the two, as
+// TorchRec's policies keep only their own metadata: LFU the count, LRU and TTL the last
+// access; the other column is left as it is), and the eviction window. A raw id is the
 // int64 `hi << 32 | lo`, so the words' order is the int64 order.
 //
 // MchProfile: append the batch's valid ids to the window; when an eviction is due, coalesce
@@ -16,8 +18,9 @@
 //   scores collecting those below a bound guessed from a sample; a radix selection over all
 //   of them when the guess fails; never a sort of the table), give the losing entries'
 //   slots to the winning ids and move the entries in place to keep the order (only entries
-//   between changes move, each once, all five columns per run, the runs split over two
-//   threads where no move crosses the split). State buffers are aliased to the outputs
+//   between changes move, each once, in the four columns the policy keeps, the runs split
+//   over two threads at their middle, the few entries where the halves meet written again
+//   afterwards). State buffers are aliased to the outputs
 //   (updated in place). Also returns how many entries an id held before the call and after
 //   it, and how many slots it gave to new ids (int32[3]).
 // MchProfileRemap: MchProfile, then the slot of each of the batch's ids on the new state (what
@@ -570,56 +573,78 @@ void MoveRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, size_t
       for (int c = 0; c < k; ++c) MoveWords(cols[c], runs[i]);
 }
 
-// Every run moved in the `k` columns, on up to two threads: split between runs A and B (at
-// the split nearest half the entries moved) where neither crosses the gap between them
-// (A's shift <= gap and -B's shift <= gap: every destination left of B's first entry stays
-// left of it, every one right of it stays right, so the halves touch disjoint entries);
-// where no such split exists, the columns are split instead. Long runs (64 entries or
-// more on average: few insertions, as with Zipf ids) are then moved one column at a time,
-// the columns dealt to the threads in turn; short ones a run's columns together, two
-// columns on one thread and the rest on the other. (In one process on the same batches at
-// 2^20 entries: the column at a time took 0.5-0.6x the moves' time for runs of ~170
-// entries and 1.2-1.3x for runs of ~17.)
+// Runs [first, last) moved in the `k` columns: when they are long (64 entries or more on
+// average: few insertions, as with Zipf ids), one column at a time; else a run's columns
+// together. (In one process on the same batches at 2^20 entries: the column at a time took
+// 0.5-0.6x the moves' time for runs of ~170 entries and 1.2-1.3x for runs of ~17.)
+void MoveSomeRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, size_t first, size_t last) {
+  int64_t moved = 0;
+  for (size_t i = first; i < last; ++i) moved += runs[i].end - runs[i].begin;
+  if (moved >= 64 * static_cast<int64_t>(last - first)) {
+    for (int c = 0; c < k; ++c) MoveRuns(cols + c, 1, runs, first, last);
+  } else {
+    MoveRuns(cols, k, runs, first, last);
+  }
+}
+
+// Every run moved in the `k` columns, on up to two threads, each moving every column of
+// the runs on one side of the run nearest half the entries moved: left runs L, right runs
+// R (so the threads' work is even, and each thread's entries are its own cache's). Their
+// destinations are disjoint and keep the order, but the sides can touch each other's
+// sources: L's last entries, moving right, can land on R's first sources ([B, L's last
+// destination], B: R's first entry), and R's first entries, moving left, on L's last
+// sources ([R's first destination, E), E: the end of L's last run). At most one of the two
+// windows is non-empty, no longer than its run's shift. Its values are saved first; after
+// both sides moved, each saved entry is written again to its destination (whatever its
+// side read there, racing the other side, is overwritten). (Before, the columns were dealt
+// to the threads whenever no split left both windows empty, which is most often so; with
+// Zipf ids at 2^20 entries inside a `hybrid.Model` step on an Intel Xeon, the halves took
+// 0.85-0.9x the moves' time of five columns dealt three and two, and the winners' writes
+// after them 0.65x, their entries still in the thread's cache.)
 void MoveAllRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, bool parallel) {
   const size_t nr = runs.size();
   if (!parallel || nr < 2 || omp_get_max_threads() < 2) {
-    MoveRuns(cols, k, runs, 0, nr);
+    MoveSomeRuns(cols, k, runs, 0, nr);
     return;
   }
   int64_t total = 0;
   for (const Run& r : runs) total += r.end - r.begin;
-  size_t best = 0;
-  int64_t best_miss = INT64_MAX, done = 0;
-  for (size_t i = 1; i < nr; ++i) {
-    done += runs[i - 1].end - runs[i - 1].begin;
-    const int64_t gap = runs[i].begin - runs[i - 1].end;
-    if (runs[i - 1].shift <= gap && -runs[i].shift <= gap) {
-      const int64_t miss = std::abs(2 * done - total);
-      if (miss < best_miss) best_miss = miss, best = i;
-    }
-  }
-  if (best != 0 && best_miss < total) {  // (a split leaving most work on one side: columns)
-#pragma omp parallel sections
-    {
-#pragma omp section
-      MoveRuns(cols, k, runs, 0, best);
-#pragma omp section
-      MoveRuns(cols, k, runs, best, nr);
-    }
-    return;
-  }
-  if (total >= 64 * static_cast<int64_t>(nr)) {
-#pragma omp parallel for num_threads(2) schedule(static, 1)
-    for (int c = 0; c < k; ++c) MoveRuns(cols + c, 1, runs, 0, nr);
-    return;
-  }
-  const int half = k / 2;
-#pragma omp parallel sections
+  size_t split = 1;
+  for (int64_t done = runs[0].end - runs[0].begin; split + 1 < nr && 2 * done < total; ++split)
+    done += runs[split].end - runs[split].begin;
+  const Run& a = runs[split - 1];
+  const Run& b = runs[split];
+  // the window: [from, to), whose entries are sources of R (`right`) or of L
+  const bool right = a.end + a.shift > b.begin;
+  const int64_t from = right ? b.begin : std::min(a.end, b.begin + b.shift);
+  const int64_t to = right ? a.end + a.shift : a.end;
+  const int64_t span = std::max<int64_t>(0, to - from);
+  std::vector<uint32_t> saved(static_cast<size_t>(span) * k);
+  for (int c = 0; c < k; ++c)
+    if (span > 0) std::memcpy(saved.data() + c * span, cols[c] + from, sizeof(uint32_t) * span);
+#pragma omp parallel sections num_threads(2)
   {
 #pragma omp section
-    MoveRuns(cols, half, runs, 0, nr);
+    MoveSomeRuns(cols, k, runs, 0, split);
 #pragma omp section
-    MoveRuns(cols + half, k - half, runs, 0, nr);
+    MoveSomeRuns(cols, k, runs, split, nr);
+  }
+  // each saved entry that is a source of the side the window belongs to, to its destination
+  // (R's runs walked up from `split` as the window is walked up, L's down from `split - 1`
+  // as it is walked down)
+  const auto put = [&](int64_t p, const Run& r) {
+    for (int c = 0; c < k; ++c) cols[c][p + r.shift] = saved[c * span + (p - from)];
+  };
+  if (right) {
+    for (int64_t p = from, r = split; p < to; ++p) {
+      while (r < static_cast<int64_t>(nr) && runs[r].end <= p) ++r;
+      if (r < static_cast<int64_t>(nr) && p >= runs[r].begin) put(p, runs[r]);
+    }
+  } else {
+    for (int64_t p = to - 1, r = split - 1; p >= from; --p) {
+      while (r >= 0 && runs[r].begin > p) --r;
+      if (r >= 0 && p < runs[r].end) put(p, runs[r]);
+    }
   }
 }
 
@@ -680,9 +705,12 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
         slot_out[w] = s.slots[pos];
       }
       if (wcount[w] < threshold) return;
-      const int32_t c = s.counts[pos];
-      s.counts[pos] = c > INT32_MAX - wcount[w] ? INT32_MAX : c + wcount[w];
-      s.last[pos] = wlast[w];
+      if (lfu) {
+        const int32_t c = s.counts[pos];
+        s.counts[pos] = c > INT32_MAX - wcount[w] ? INT32_MAX : c + wcount[w];
+      } else {
+        s.last[pos] = wlast[w];
+      }
     };
     int64_t from = 0;
     for (int64_t i = u * id / threads; i < u * (id + 1) / threads; ++i) {
@@ -695,8 +723,7 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
       if (res.at(pos) == k) {
         if (slot_out) __builtin_prefetch(&s.slots[pos]);
         if (admitted) {
-          __builtin_prefetch(&s.counts[pos], 1);
-          __builtin_prefetch(&s.last[pos], 1);
+          __builtin_prefetch(lfu ? &s.counts[pos] : &s.last[pos], 1);
         }
         const int slot = static_cast<int>(pending % kLag);
         if (pending >= kLag) handle(ring_w[slot], ring_pos[slot]);
@@ -717,8 +744,10 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
     fresh.insert(fresh.end(), fresh_of[id].begin(), fresh_of[id].end());
     fresh_below.insert(fresh_below.end(), below_of[id].begin(), below_of[id].end());
   }
-  s.counts[z - 1] = INT32_MAX;
-  s.last[z - 1] = step;
+  if (lfu)
+    s.counts[z - 1] = INT32_MAX;
+  else
+    s.last[z - 1] = step;
   // the new ids best first: LFU count descending, LRU last access descending then count
   // descending; ties keep the id order (the sort is stable)
   const int64_t f = static_cast<int64_t>(fresh.size());
@@ -787,13 +816,22 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
       winner.push_back(i);
     }
   const std::vector<Run> runs = Runs(lost, below, z);
-  uint32_t* const cols[5] = {reinterpret_cast<uint32_t*>(s.hi), s.lo, reinterpret_cast<uint32_t*>(s.slots),
-                             reinterpret_cast<uint32_t*>(s.counts), reinterpret_cast<uint32_t*>(s.last)};
-  MoveAllRuns(cols, 5, runs, z >= (1 << 15));
+  // the policy's own metadata column moves with the ids and slots; the other stays as it is
+  uint32_t* const cols[4] = {reinterpret_cast<uint32_t*>(s.hi), s.lo, reinterpret_cast<uint32_t*>(s.slots),
+                             reinterpret_cast<uint32_t*>(lfu ? s.counts : s.last)};
+  MoveAllRuns(cols, 4, runs, z >= (1 << 15));
   // winner j (in id order) lands after the survivors below it and the winners before it
+  // (the places are cache misses at unpredictable places: each winner's four are prefetched
+  // `kAhead` winners before, at the place it would have if no entry below it but those
+  // already passed had lost: at most a few entries off, mostly the same cache line)
+  constexpr int64_t kAhead = 8;
   size_t li = 0;
   for (int64_t j = 0; j < won; ++j) {
     while (li < lost.size() && lost[li] < below[j]) ++li;
+    if (j + kAhead < won) {
+      const int64_t guess = j + kAhead + below[j + kAhead] - static_cast<int64_t>(li);
+      for (uint32_t* col : cols) __builtin_prefetch(col + std::min(guess, z - 1), 1);
+    }
     const int64_t at = j + below[j] - static_cast<int64_t>(li);
     const int64_t i = winner[j];
     const uint32_t w = fresh[i];
@@ -801,8 +839,10 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
     s.hi[at] = static_cast<int32_t>(static_cast<uint64_t>(k) >> 32);
     s.lo[at] = static_cast<uint32_t>(static_cast<uint64_t>(k));
     s.slots[at] = won_slot[i];
-    s.counts[at] = win.count[w];
-    s.last[at] = win.last[w];
+    if (lfu)
+      s.counts[at] = win.count[w];
+    else
+      s.last[at] = win.last[w];
   }
   return won;
 }

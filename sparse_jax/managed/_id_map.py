@@ -6,9 +6,10 @@ state so that it runs inside a jitted step:
 - A raw id is two 32-bit words (`RawIds`: `hi` int32, `lo` uint32), so 64-bit ids pass
   with jax x64 off and are never truncated; `RawIds.from_int64` splits numpy int64 ids.
 - The state holds the resident ids sorted (`(hi, lo)` ascending, empty slots at the end
-  as `INT64_MAX`), the slot each one owns, and per-slot metadata (window counts for LFU,
-  last-access step for LRU). Slot `zch_size - 1` is reserved: ids not resident map to it
-  (the shared default row), so `zch_size - 1` ids fit.
+  as `INT64_MAX`), the slot each one owns, and per-entry metadata: counts for LFU, the
+  last-access step for LRU and TTL, both for DistanceLFU (`metadata_fields`; as TorchRec's
+  policies, each keeps only its own: the other column stays zero). Slot `zch_size - 1` is
+  reserved: ids not resident map to it (the shared default row), so `zch_size - 1` ids fit.
 - `profile` appends a training batch to the eviction window; every `eviction_interval`
   calls the window is coalesced (unique ids with counts and last access), ids seen fewer
   than `threshold` times in it are dropped (TorchRec's threshold filters act on the same
@@ -68,6 +69,14 @@ _HI_MAX = np.int32(np.iinfo(np.int32).max)
 _LO_MAX = np.uint32(np.iinfo(np.uint32).max)  # (_HI_MAX, _LO_MAX) is INT64_MAX: an empty slot
 _POLICIES = ("lru", "lfu", "distance_lfu", "ttl")
 _KERNEL_POLICIES = {"lru": 0, "lfu": 1, "ttl": 2}  # the fused CPU kernel's policy codes
+# the per-entry metadata each policy keeps (TorchRec's `metadata_info`); the state's other
+# metadata column is left as it is (zeros from `init`)
+_METADATA = {
+    "lru": ("last_access",),
+    "lfu": ("counts",),
+    "distance_lfu": ("counts", "last_access"),
+    "ttl": ("last_access",),
+}
 
 
 class RawIds(NamedTuple):
@@ -121,8 +130,8 @@ class MCHState(NamedTuple):
     sorted_hi: jax.Array  # int32[Z]: resident ids, ascending; empty slots (INT64_MAX) last
     sorted_lo: jax.Array  # uint32[Z]
     slots: jax.Array  # int32[Z]: the slot each sorted entry owns (a permutation of 0..Z-1)
-    counts: jax.Array  # int32[Z]: LFU count per sorted entry
-    last_access: jax.Array  # int32[Z]: LRU step of last access per sorted entry
+    counts: jax.Array  # int32[Z]: LFU count per sorted entry ("lfu", "distance_lfu")
+    last_access: jax.Array  # int32[Z]: step of last access per sorted entry (all but "lfu")
     window_hi: jax.Array  # int32[H]: ids seen since the last eviction
     window_lo: jax.Array  # uint32[H]
     window_step: jax.Array  # int32[H]: the step each was seen at (0: empty)
@@ -347,6 +356,14 @@ class MCHManagedCollisionModule:
             )
 
     @property
+    def metadata_fields(self) -> tuple[str, ...]:
+        """The per-entry metadata the policy keeps (TorchRec's `metadata_info`): "lfu" the
+        counts, "lru" and "ttl" the last access, "distance_lfu" both. The state's other
+        metadata column is never written (it stays zero from `init`; a loaded map has it
+        zeroed), so an eviction moves one column less."""
+        return _METADATA[self.eviction_policy]
+
+    @property
     def default_slot(self) -> int:
         """The slot ids that are not resident map to."""
         return self.zch_size - 1
@@ -563,12 +580,13 @@ class MCHManagedCollisionModule:
                 .set(winners, mode="drop")
             )
 
+        kept = self.metadata_fields
         state = state._replace(
             sorted_hi=place(state.sorted_hi, uhi),
             sorted_lo=place(state.sorted_lo, ulo),
             slots=place(state.slots, won_slot),
-            counts=place(counts, count),
-            last_access=place(lasts, last),
+            counts=place(counts, count) if "counts" in kept else state.counts,
+            last_access=place(lasts, last) if "last_access" in kept else state.last_access,
             window_used=jnp.zeros((), jnp.int32),
             window_step=jnp.zeros(h, jnp.int32),
             last_eviction=state.step,
