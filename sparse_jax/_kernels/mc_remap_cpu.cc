@@ -190,7 +190,15 @@ void SortKeys(uint64_t* key, uint32_t* val, uint64_t* tmp_key, uint32_t* tmp_val
   for (int64_t i = 0; i < n; ++i) ++start[((key[i] >> shift) & mask) + 1];
   for (int64_t b = 1; b <= bins; ++b) start[b] += start[b - 1];
   std::vector<int32_t> at(start.begin(), start.end() - 1);
+  // each key's place is prefetched `kAhead` keys before it is written (its bucket's next
+  // place then, a few entries off at most when keys between fill the same bucket): the
+  // scratch is cold, the eviction's moves having passed through the cache since last call
+  constexpr int64_t kAhead = 16;
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const int32_t ahead = at[(key[i + kAhead] >> shift) & mask];
+      __builtin_prefetch(tmp_key + ahead, 1), __builtin_prefetch(tmp_val + ahead, 1);
+    }
     const int32_t j = at[(key[i] >> shift) & mask]++;
     tmp_key[j] = key[i];
     tmp_val[j] = val[i];
@@ -257,7 +265,9 @@ void Coalesce(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int
   int32_t* const last = out.last.data();
   int32_t* const of = out.of.data();
   int32_t u = -1;
+  constexpr int64_t kAhead = 16;  // each position's `of` prefetched this many keys ahead
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(of + at[i + kAhead], 1);
     const uint32_t j = at[i];
     if (i == 0 || key[i] != key[i - 1]) {
       ++u;
