@@ -435,3 +435,33 @@ def test_lfu_counts_saturate_instead_of_wrapping():
         top,
     ]  # 13 unseen; 11, 12 saturated
     assert sorted(np.asarray(mc.remap(state, ids)).tolist()) == [0, 1, 2]  # nobody evicted
+
+
+def test_a_map_switched_to_another_policy_on_load_keeps_its_residents():
+    """`adopt_metadata`: a map saved under LRU loaded for LFU has counts 1 at its resident
+    entries (not 0, below every new id), and one saved under LFU loaded for TTL has last
+    access at its step (not 0, expired); the unkept column is zeroed. So the next eviction
+    admits no new id over the loaded residents, as it would after one more sighting."""
+    ids = RawIds.from_int64(np.array([11, 12, 13, 14, 15]))
+    new = RawIds.from_int64(np.array([21, 22, 23]))
+    for saved_as, loaded_as, settings in (("lru", "lfu", {}), ("lfu", "ttl", {"single_ttl": 1})):
+        saved = MCHManagedCollisionModule(8, history_capacity=8, eviction_policy=saved_as)
+        state, _ = saved.profile(saved.init(), ids)
+        state, _ = saved.profile(state, RawIds(ids.hi[:2], ids.lo[:2]))
+        loaded = MCHManagedCollisionModule(
+            8, history_capacity=8, eviction_policy=loaded_as, **settings
+        )
+        adopted = loaded.adopt_metadata(state)
+        resident = np.asarray(state.sorted_hi) != np.iinfo(np.int32).max
+        assert resident.sum() == 5
+        if loaded_as == "lfu":
+            kept, dropped = adopted.counts, adopted.last_access
+            np.testing.assert_array_equal(kept[resident], 1)
+        else:
+            kept, dropped = adopted.last_access, adopted.counts
+            np.testing.assert_array_equal(kept[resident], int(state.step))
+        assert not kept[~resident].any() and not dropped.any()
+        # 7 entries, 5 held: the two free ones go to new ids, no resident loses its slot
+        after, evicted = loaded.profile(jax.tree.map(jnp.asarray, adopted), new)
+        assert np.asarray(evicted).sum() == 2, (saved_as, loaded_as)
+        assert int(loaded.remap(after, ids).max()) < 7  # every loaded id still resident

@@ -82,7 +82,8 @@ def reshard_mc_arrays(model, arrays, where: str):
             saved = [leaf[None] for leaf in saved]
         try:
             moved = reshard_id_maps(
-                MCHState(*saved[:-1]),
+                # (ranked by the loading policy's metadata when a shard overflows)
+                module.mc.modules[table].adopt_metadata(MCHState(*saved[:-1])),
                 saved[-1],
                 module.mc.modules[table],
                 live.shape[0] if stacked else 1,

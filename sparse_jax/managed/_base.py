@@ -173,9 +173,9 @@ class ManagedModuleBase(LayoutFacts):
         key: jax.Array | None = None,
     ) -> None:
         """Replace the id maps (e.g. from a checkpoint): same tables, shapes and dtypes,
-        placed as the current ones. The metadata a table's policy does not keep is zeroed
-        (`MCHManagedCollisionModule.metadata_fields`: a map saved under another policy, or
-        before each policy kept only its own)."""
+        placed as the current ones. The metadata each table's policy keeps and does not keep
+        is settled by `MCHManagedCollisionModule.adopt_metadata` (a map saved under another
+        policy, or before each policy kept only its own)."""
         if set(state) != set(self.mc.modules):
             raise ValueError(
                 f"managed-collision state names tables {sorted(state)}; this model manages "
@@ -194,16 +194,16 @@ class ManagedModuleBase(LayoutFacts):
                 leaf.shape, old.sharding, lambda index: leaf[index]
             )  # any process
 
-        def kept(name, field, leaf):
-            unkept = field in ("counts", "last_access")
-            unkept = unkept and field not in self.mc.modules[name].metadata_fields
-            return np.zeros_like(np.asarray(leaf)) if unkept else leaf
-
         new = {
             name: MCHState(
                 *(
-                    placed(name, f, kept(name, f, leaf), old)
-                    for f, leaf, old in zip(MCHState._fields, s, self.mc_state[name], strict=True)
+                    placed(name, f, leaf, old)
+                    for f, leaf, old in zip(
+                        MCHState._fields,
+                        self.mc.modules[name].adopt_metadata(s),
+                        self.mc_state[name],
+                        strict=True,
+                    )
                 )
             )
             for name, s in state.items()

@@ -359,9 +359,32 @@ class MCHManagedCollisionModule:
     def metadata_fields(self) -> tuple[str, ...]:
         """The per-entry metadata the policy keeps (TorchRec's `metadata_info`): "lfu" the
         counts, "lru" and "ttl" the last access, "distance_lfu" both. The state's other
-        metadata column is never written (it stays zero from `init`; a loaded map has it
-        zeroed), so an eviction moves one column less."""
+        metadata column is never written (it stays zero from `init`, and `adopt_metadata`
+        zeroes it in a loaded map), so an eviction moves one column less."""
         return _METADATA[self.eviction_policy]
+
+    def adopt_metadata(self, state) -> MCHState:
+        """A saved map (`MCHState` of host arrays, `[Z]` or `[shards, Z]` leaves) made this
+        policy's: the metadata it does not keep zeroed, and a kept column that the map did
+        not keep (zero at every resident entry: saved under another policy) filled as if
+        each resident id had just been seen once: count 1, last access the map's step. So
+        a policy switched on resume does not find every resident at the lowest score (TTL:
+        expired; LFU: below any new id) and lose them all at the next eviction."""
+        state = MCHState(*(np.asarray(leaf) for leaf in state))
+        resident = (state.sorted_hi != _HI_MAX) | (state.sorted_lo != _LO_MAX)
+        # a row's own step (`[shards]` steps on a mesh, one per map)
+        step = np.asarray(state.step)[..., None]
+        fills = {"counts": 1, "last_access": step}
+        out = {}
+        for field in ("counts", "last_access"):
+            column = getattr(state, field)
+            if field not in self.metadata_fields:
+                out[field] = np.zeros_like(column)
+                continue
+            never_kept = resident.any(axis=-1) & ~(column * resident).any(axis=-1)
+            filled = np.where(resident, fills[field], column).astype(column.dtype)
+            out[field] = np.where(never_kept[..., None], filled, column)
+        return state._replace(**out)
 
     @property
     def default_slot(self) -> int:
