@@ -597,6 +597,11 @@ void MoveSomeRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, si
   }
 }
 
+#ifdef HYBRIDREC_SELFTEST
+int g_selftest_order = 0;  // `MoveAllRuns`' halves: 0 on two threads, 1 left first, 2 right first
+bool g_selftest_skip_fixup = false;  // the meeting window left as the halves left it
+#endif
+
 // Every run moved in the `k` columns, on up to two threads, each moving every column of
 // the runs on one side of the run nearest half the entries moved: left runs L, right runs
 // R (so the threads' work is even, and each thread's entries are its own cache's). Their
@@ -642,6 +647,12 @@ void MoveAllRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, boo
   std::vector<uint32_t> saved(static_cast<size_t>(span) * k);
   for (int c = 0; c < k; ++c)
     if (span > 0) std::memcpy(saved.data() + c * span, cols[c] + from, sizeof(uint32_t) * span);
+#ifdef HYBRIDREC_SELFTEST
+  if (g_selftest_order != 0) {  // the race's two extremes: one half wholly before the other
+    MoveSomeRuns(cols, k, runs, g_selftest_order == 1 ? 0 : split, g_selftest_order == 1 ? split : nr);
+    MoveSomeRuns(cols, k, runs, g_selftest_order == 1 ? split : 0, g_selftest_order == 1 ? nr : split);
+  } else
+#endif
 #pragma omp parallel sections num_threads(2)
   {
 #pragma omp section
@@ -649,6 +660,9 @@ void MoveAllRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, boo
 #pragma omp section
     MoveSomeRuns(cols, k, runs, split, nr);
   }
+#ifdef HYBRIDREC_SELFTEST
+  if (g_selftest_skip_fixup) return;
+#endif
   // each saved entry that is a source of the side the window belongs to, to its destination
   // (R's runs walked up from `split` as the window is walked up, L's down from `split - 1`
   // as it is walked down)
@@ -1081,6 +1095,67 @@ ffi::Error MaskPositionsImpl(ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffe
 }
 
 }  // namespace
+
+#ifdef HYBRIDREC_SELFTEST
+// A test build only (`tests/test_managed_moves.py` compiles this file with
+// -DHYBRIDREC_SELFTEST): `cases` random evictions (maps of 2-`max_z` entries, up to half of
+// them lost, as many winners joining at random places) moved by `MoveAllRuns` with its halves
+// in `order` (0: two threads, 1: left first, 2: right first), checked entry by entry against
+// where each survivor belongs. Returns the cases with a misplaced entry.
+extern "C" int64_t HybridrecMovesSelftest(uint64_t seed, int64_t cases, int64_t max_z, int order,
+                                          int skip_fixup) {
+  g_selftest_order = order;
+  g_selftest_skip_fixup = skip_fixup != 0;
+  omp_set_num_threads(2);
+  uint64_t state = seed;
+  const auto next = [&state]() {  // splitmix64
+    uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  };
+  int64_t bad = 0;
+  for (int64_t c = 0; c < cases; ++c) {
+    const int64_t z = 2 + static_cast<int64_t>(next() % static_cast<uint64_t>(max_z - 1));
+    // lost: distinct positions below the default entry, bunched at one end a third of the time
+    const int64_t want = static_cast<int64_t>(next() % static_cast<uint64_t>(z / 2 + 1));
+    const int bunch = static_cast<int>(next() % 3);
+    std::vector<char> gone(z, 0);
+    for (int64_t i = 0; i < want; ++i) {
+      uint64_t r = next() % static_cast<uint64_t>(z - 1);
+      if (bunch == 1) r = r * r / (z - 1);  // toward the start
+      if (bunch == 2) r = z - 2 - (r * r / (z - 1));  // toward the end
+      gone[r] = 1;
+    }
+    std::vector<int64_t> lost, below;
+    for (int64_t i = 0; i < z; ++i)
+      if (gone[i]) lost.push_back(i);
+    for (size_t i = 0; i < lost.size(); ++i) below.push_back(static_cast<int64_t>(next() % static_cast<uint64_t>(z)));
+    std::sort(below.begin(), below.end());
+    const std::vector<Run> runs = Runs(lost, below, z);
+    std::vector<uint32_t> a(z), b(z);
+    for (int64_t i = 0; i < z; ++i) a[i] = static_cast<uint32_t>(i), b[i] = static_cast<uint32_t>(i) ^ 0xA5A5A5A5u;
+    uint32_t* cols[2] = {a.data(), b.data()};
+    MoveAllRuns(cols, 2, runs, true);
+    // survivor i lands after the survivors before it and the winners at or below it
+    size_t li = 0, wi = 0;
+    bool wrong = false;
+    for (int64_t i = 0; i < z && !wrong; ++i) {
+      while (wi < below.size() && below[wi] <= i) ++wi;
+      if (li < lost.size() && lost[li] == i) {
+        ++li;
+        continue;
+      }
+      const int64_t at = i - static_cast<int64_t>(li) + static_cast<int64_t>(wi);
+      wrong = a[at] != static_cast<uint32_t>(i) || b[at] != (static_cast<uint32_t>(i) ^ 0xA5A5A5A5u);
+    }
+    bad += wrong;
+  }
+  g_selftest_order = 0;
+  g_selftest_skip_fixup = false;
+  return bad;
+}
+#endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMaskPositions, MaskPositionsImpl,
                               ffi::Ffi::Bind()
