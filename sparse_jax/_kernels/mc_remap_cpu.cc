@@ -698,6 +698,9 @@ const Coalesced& EvictWindow() {
 int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_t ttl,
               std::vector<int32_t>* slot_of) {
   const bool lfu = policy == kLfu;
+  // the one metadata column the policy keeps (LFU the counts, LRU and TTL the last access):
+  // updated, moved and written for winners; the other is left as it is
+  int32_t* const meta = lfu ? s.counts : s.last;
   const int64_t z = s.z;
   const int32_t step = *s.step;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(*s.used, 0), s.h);
@@ -739,12 +742,8 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
         slot_out[w] = s.slots[pos];
       }
       if (wcount[w] < threshold) return;
-      if (lfu) {
-        const int32_t c = s.counts[pos];
-        s.counts[pos] = c > INT32_MAX - wcount[w] ? INT32_MAX : c + wcount[w];
-      } else {
-        s.last[pos] = wlast[w];
-      }
+      const int32_t c = meta[pos];
+      meta[pos] = !lfu ? wlast[w] : c > INT32_MAX - wcount[w] ? INT32_MAX : c + wcount[w];
     };
     int64_t from = 0;
     for (int64_t i = u * id / threads; i < u * (id + 1) / threads; ++i) {
@@ -757,7 +756,7 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
       if (res.at(pos) == k) {
         if (slot_out) __builtin_prefetch(&s.slots[pos]);
         if (admitted) {
-          __builtin_prefetch(lfu ? &s.counts[pos] : &s.last[pos], 1);
+          __builtin_prefetch(&meta[pos], 1);
         }
         const int slot = static_cast<int>(pending % kLag);
         if (pending >= kLag) handle(ring_w[slot], ring_pos[slot]);
@@ -778,10 +777,7 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
     fresh.insert(fresh.end(), fresh_of[id].begin(), fresh_of[id].end());
     fresh_below.insert(fresh_below.end(), below_of[id].begin(), below_of[id].end());
   }
-  if (lfu)
-    s.counts[z - 1] = INT32_MAX;
-  else
-    s.last[z - 1] = step;
+  meta[z - 1] = lfu ? INT32_MAX : step;
   // the new ids best first: LFU count descending, LRU last access descending then count
   // descending; ties keep the id order (the sort is stable)
   const int64_t f = static_cast<int64_t>(fresh.size());
@@ -850,9 +846,8 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
       winner.push_back(i);
     }
   const std::vector<Run> runs = Runs(lost, below, z);
-  // the policy's own metadata column moves with the ids and slots; the other stays as it is
   uint32_t* const cols[4] = {reinterpret_cast<uint32_t*>(s.hi), s.lo, reinterpret_cast<uint32_t*>(s.slots),
-                             reinterpret_cast<uint32_t*>(lfu ? s.counts : s.last)};
+                             reinterpret_cast<uint32_t*>(meta)};
   MoveAllRuns(cols, 4, runs, z >= (1 << 15));
   // winner j (in id order) lands after the survivors below it and the winners before it
   // (the places are cache misses at unpredictable places: each winner's four are prefetched
@@ -873,10 +868,7 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
     s.hi[at] = static_cast<int32_t>(static_cast<uint64_t>(k) >> 32);
     s.lo[at] = static_cast<uint32_t>(static_cast<uint64_t>(k));
     s.slots[at] = won_slot[i];
-    if (lfu)
-      s.counts[at] = win.count[w];
-    else
-      s.last[at] = win.last[w];
+    meta[at] = lfu ? win.count[w] : win.last[w];
   }
   return won;
 }

@@ -135,11 +135,11 @@ class ShardingPlan(Mapping[str, ParameterSharding]):
         axes; the two-level types use (first mesh axis, last mesh axis) as (inter, intra).
         column_wise splits into the largest column count <= the devices it spans that
         divides the dim (table_column_wise: <= the intra size; grid_shard: <= the
-        hosts), logged when that is fewer (TorchRec refuses such a split). Whole tables and column blocks go, in table order, to the coordinate
-        holding the fewest bytes so far (ties: the lowest). A value may also be a
-        ready `ParameterSharding`. Tables missing from `types` are data_parallel (use
-        `Planner` with `ParameterConstraints(sharding_types=[...])` to let the planner
-        place the rest). The result is validated against `tables`.
+        hosts), logged when that is fewer (TorchRec refuses such a split). Whole tables and
+        column blocks go, in table order, to the coordinate holding the fewest bytes so far
+        (ties: the lowest). A value may also be a ready `ParameterSharding`. Tables missing
+        from `types` are data_parallel (use `Planner` with
+        `ParameterConstraints(sharding_types=[...])` to let the planner place the rest). The result is validated against `tables`.
         """
         mesh = _layout.check_mesh_axes(mesh_axes)
         names = {t.name for t in tables}
