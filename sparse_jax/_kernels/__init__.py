@@ -17,7 +17,15 @@ from sparse_jax._kernels._ffi import (
     quant_pooled,
     when_built,
 )
-from sparse_jax._kernels._mch import mask_positions, mch_profile, mch_remap
+from sparse_jax._kernels._mch import (
+    mask_positions,
+    mch_from_hash,
+    mch_hash_profile_remap,
+    mch_hash_remap,
+    mch_profile,
+    mch_remap,
+    mch_to_hash,
+)
 from sparse_jax._kernels._random import reset_rows, row_bits, table_bits, zero_rows
 
 __all__ = [
@@ -29,8 +37,12 @@ __all__ = [
     "jagged_pooled_sum",
     "last_update_phases",
     "mask_positions",
+    "mch_from_hash",
+    "mch_hash_profile_remap",
+    "mch_hash_remap",
     "mch_profile",
     "mch_remap",
+    "mch_to_hash",
     "pooled_sum",
     "quant_pooled",
     "reset_rows",

@@ -2,7 +2,12 @@
 remap of one id map (`mch_profile`, its state updated in place, the batch's slots too on
 request), the eval lookup (`mch_remap`) and the positions of a mask's set entries
 (`mask_positions`, the rows a reset draws; their random bits are `_random.row_bits`).
-`sparse_jax.managed` chooses them at CPU lowering (`when_built`)."""
+`sparse_jax.managed` chooses them at CPU lowering (`when_built`).
+
+The hashed form of a map (`sparse_jax.managed._hashed`): its training remap
+(`mch_hash_profile_remap`), its eval lookup (`mch_hash_remap`), and the conversions from and
+to the sorted form (`mch_to_hash`, `mch_from_hash`). CPU only, with no XLA form: the module
+that holds a hashed map has chosen it for a CPU device with the kernels built."""
 
 from __future__ import annotations
 
@@ -12,9 +17,18 @@ import numpy as np
 
 from sparse_jax._kernels._ffi import _register
 
-__all__ = ["mask_positions", "mch_profile", "mch_remap"]
+__all__ = [
+    "mask_positions",
+    "mch_from_hash",
+    "mch_hash_profile_remap",
+    "mch_hash_remap",
+    "mch_profile",
+    "mch_remap",
+    "mch_to_hash",
+]
 
 _STATE_LEAVES = 11  # MCHState's fields, in order
+_HASHED_LEAVES = 12  # MCHHashState's fields, in order
 
 
 def mch_profile(
@@ -69,3 +83,79 @@ def mask_positions(mask, size: int, fill: int) -> jax.Array:
     return jax.ffi.ffi_call("HybridrecMaskPositions", out)(
         mask.astype(jnp.bool_), fill=np.int32(fill)
     )
+
+
+def mch_hash_profile_remap(
+    *leaves, policy: int, interval: int, threshold: int, ttl: int = 0
+) -> list:
+    """`mch_profile(..., remap=True)` on the hashed form: `leaves` are `MCHHashState`'s 12
+    fields then the batch's `hi`, `lo` and `valid`; returns the new state's 12 fields (the
+    buffers aliased), the bool[zch_size] evicted mask, int32[3] counts and the batch's slots:
+    the sorted form's mask, counts and slots, bit for bit."""
+    _register()
+    state, (hi, lo, valid) = leaves[:_HASHED_LEAVES], leaves[_HASHED_LEAVES:]
+    z = state[1].shape[0]
+    outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
+    outs += [
+        jax.ShapeDtypeStruct((z,), jnp.bool_),
+        jax.ShapeDtypeStruct((3,), jnp.int32),
+        jax.ShapeDtypeStruct(hi.shape, jnp.int32),
+    ]
+    call = jax.ffi.ffi_call(
+        "HybridrecMchHashProfileRemap",
+        outs,
+        input_output_aliases={i: i for i in range(_HASHED_LEAVES)},
+    )
+    return call(
+        *state,
+        hi.astype(jnp.int32),
+        lo.astype(jnp.uint32),
+        valid.astype(jnp.bool_),
+        policy=np.int32(policy),
+        interval=np.int32(interval),
+        threshold=np.int32(threshold),
+        ttl=np.int32(ttl),
+    )
+
+
+def mch_hash_remap(table, hi, lo, *, default_slot: int) -> jax.Array:
+    """int32 slot per id on a hashed map's `table`: its slot if resident, else `default_slot`."""
+    _register()
+    out = jax.ShapeDtypeStruct(hi.shape, jnp.int32)
+    return jax.ffi.ffi_call("HybridrecMchHashRemap", out)(
+        table, hi.astype(jnp.int32), lo.astype(jnp.uint32), default_slot=np.int32(default_slot)
+    )
+
+
+def mch_to_hash(*leaves, policy: int, buckets: int) -> list:
+    """The hashed form's 12 fields of a sorted map (`MCHState`'s 11 `leaves`), its table of
+    `buckets` (a power of two) buckets."""
+    _register()
+    z, h = leaves[0].shape[0], leaves[5].shape[0]
+    i32, u32 = jnp.int32, jnp.uint32
+    outs = [
+        jax.ShapeDtypeStruct((buckets * 4,), i32),
+        jax.ShapeDtypeStruct((z,), i32),
+        jax.ShapeDtypeStruct((z,), u32),
+        jax.ShapeDtypeStruct((z,), i32),
+        jax.ShapeDtypeStruct((z,), i32),
+        jax.ShapeDtypeStruct((), i32),
+        jax.ShapeDtypeStruct((h,), i32),
+        jax.ShapeDtypeStruct((h,), u32),
+        jax.ShapeDtypeStruct((h,), i32),
+        jax.ShapeDtypeStruct((), i32),
+        jax.ShapeDtypeStruct((), i32),
+        jax.ShapeDtypeStruct((), i32),
+    ]
+    return jax.ffi.ffi_call("HybridrecMchToHash", outs)(*leaves, policy=np.int32(policy))
+
+
+def mch_from_hash(*leaves, policy: int) -> list:
+    """The sorted form's 11 fields (`MCHState`) of a hashed map's 12 `leaves`."""
+    _register()
+    z, h = leaves[1].shape[0], leaves[6].shape[0]
+    i32, u32 = jnp.int32, jnp.uint32
+    shapes = [(z, i32), (z, u32), (z, i32), (z, i32), (z, i32), (h, i32), (h, u32), (h, i32)]
+    outs = [jax.ShapeDtypeStruct((n,), t) for n, t in shapes]
+    outs += [jax.ShapeDtypeStruct((), i32)] * 3
+    return jax.ffi.ffi_call("HybridrecMchFromHash", outs)(*leaves, policy=np.int32(policy))

@@ -328,16 +328,17 @@ void OrderWeakest(std::vector<int64_t>& out, size_t ties, V v, uint32_t t) {
   for (size_t i = 0; i < m; ++i) out[i] = val[i];
 }
 
-// Positions of the `m` weakest of the resident entries [0, n) by `score` (lowest first;
-// among equal scores the later position first), by radix selection over the scores' range
-// (most often one histogram pass; wider ranges a second one within the bucket holding the
-// m-th), then one pass collecting the entries below the m-th score, and the latest ones at
-// it scanning back from the end; only those m are sorted. The passes over every entry are
-// split over the threads.
-std::vector<int64_t> WeakestOfAll(const int32_t* score, int64_t n, int64_t m) {
-  std::vector<int64_t> out;
-  if (m <= 0) return out;
-  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 10)));
+// The m-th lowest (m >= 1) of the `n` scores, `low + t`, and how many are below it
+// (`below`), by radix selection over the scores' range (most often one histogram pass; wider
+// ranges a second one within the bucket holding the m-th), the passes over every entry split
+// over `threads`.
+struct MthScore {
+  int32_t low;
+  uint32_t t;
+  int64_t below;
+};
+
+MthScore MthLowest(const int32_t* score, int64_t n, int64_t m, int threads) {
   int32_t low = INT32_MAX, high = INT32_MIN;
 #pragma omp parallel for num_threads(threads) reduction(min : low) reduction(max : high) schedule(static)
   for (int64_t j = 0; j < n; ++j) {
@@ -383,6 +384,24 @@ std::vector<int64_t> WeakestOfAll(const int32_t* score, int64_t n, int64_t m) {
       below += fine[b];
     }
   }
+  return {low, t, below};
+}
+
+// Positions of the `m` weakest of the resident entries [0, n) by `score` (lowest first;
+// among equal scores the later position first): the m-th lowest score (`MthLowest`), then
+// one pass collecting the entries below it, and the latest ones at it scanning back from
+// the end; only those m are sorted. The passes over every entry are split over the threads.
+std::vector<int64_t> WeakestOfAll(const int32_t* score, int64_t n, int64_t m) {
+  std::vector<int64_t> out;
+  if (m <= 0) return out;
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 10)));
+  const MthScore mth = MthLowest(score, n, m, threads);
+  const int32_t low = mth.low;
+  const uint32_t t = mth.t;
+  const int64_t below = mth.below;
+  auto v = [score, low](int64_t j) {
+    return static_cast<uint32_t>(static_cast<int64_t>(score[j]) - low);
+  };
   // the entries below t (all of them, per thread chunk), then the latest m - below at t
   // (scanning back from the end: often the first entries seen, e.g. the empty ones)
   std::vector<std::vector<int64_t>> under(threads);
@@ -450,30 +469,17 @@ std::vector<int64_t> WeakestAmong(const int32_t* score, const std::vector<int64_
   return out;
 }
 
-// `WeakestOfAll` in one pass over the scores when few of many entries lose: a bound near
-// the m-th lowest score is guessed from an evenly spaced sample (with a margin), and the
-// entries below it are collected while those at it are counted. At least m below: the m
-// weakest are among them. Fewer, but m with those at the bound: all of them lose, then the
-// latest at the bound (scanning back from the end). Else (a guess too low): over all.
-std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
-  constexpr int64_t kSample = 4096;
-  if (m <= 0) return {};
-  if (n < 16 * kSample || m * 8 > n) return WeakestOfAll(score, n, m);
-  std::vector<int32_t> sample(kSample);
-  for (int64_t i = 0; i < kSample; ++i) sample[i] = score[(2 * i + 1) * n / (2 * kSample)];
-  const double expect = static_cast<double>(m) * kSample / n;  // sampled entries below the m-th
-  const int64_t k = static_cast<int64_t>(expect * 1.25 + 4.0 * std::sqrt(expect) + 8.0);
-  if (k >= kSample) return WeakestOfAll(score, n, m);
-  std::nth_element(sample.begin(), sample.begin() + k, sample.end());
-  const int32_t bound = sample[k];
+// The entries of [0, n) whose score is below `bound`, ascending (room for about `expect`
+// of them), and how many are at it (`at_bound`): one pass, split over the threads.
+std::vector<int64_t> Below(const int32_t* score, int64_t n, int32_t bound, int64_t expect, int64_t* at_bound) {
   const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 18)));
   std::vector<std::vector<int64_t>> part(threads);
-  std::vector<int64_t> at_bound(threads, 0);
+  std::vector<int64_t> at_count(threads, 0);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int id = 0; id < threads; ++id) {
     const int64_t begin = n * id / threads, end = n * (id + 1) / threads;
     std::vector<int64_t>& mine = part[id];
-    mine.reserve(static_cast<size_t>(2 * m / threads + 1024));
+    mine.reserve(static_cast<size_t>(expect / threads + 1024));
     int64_t equal = 0, j = begin;
 #ifdef __AVX512F__
     // 16 scores a step: one compare each way, the few below the bound collected by their
@@ -491,14 +497,44 @@ std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
       if (x < bound) mine.push_back(j);
       equal += x == bound;
     }
-    at_bound[id] = equal;
+    at_count[id] = equal;
   }
   std::vector<int64_t> under;
   int64_t equal = 0;
   for (int id = 0; id < threads; ++id) {
     under.insert(under.end(), part[id].begin(), part[id].end());
-    equal += at_bound[id];
+    equal += at_count[id];
   }
+  *at_bound = equal;
+  return under;
+}
+
+// A score a little above the m-th lowest of the `n` scores, guessed from an evenly spaced
+// sample (with a margin); false when there are too few entries or too many lose for a guess.
+bool GuessBound(const int32_t* score, int64_t n, int64_t m, int32_t* bound) {
+  constexpr int64_t kSample = 4096;
+  if (n < 16 * kSample || m * 8 > n) return false;
+  std::vector<int32_t> sample(kSample);
+  for (int64_t i = 0; i < kSample; ++i) sample[i] = score[(2 * i + 1) * n / (2 * kSample)];
+  const double expect = static_cast<double>(m) * kSample / n;  // sampled entries below the m-th
+  const int64_t k = static_cast<int64_t>(expect * 1.25 + 4.0 * std::sqrt(expect) + 8.0);
+  if (k >= kSample) return false;
+  std::nth_element(sample.begin(), sample.begin() + k, sample.end());
+  *bound = sample[k];
+  return true;
+}
+
+// `WeakestOfAll` in one pass over the scores when few of many entries lose: a bound near
+// the m-th lowest score is guessed from an evenly spaced sample (with a margin), and the
+// entries below it are collected while those at it are counted. At least m below: the m
+// weakest are among them. Fewer, but m with those at the bound: all of them lose, then the
+// latest at the bound (scanning back from the end). Else (a guess too low): over all.
+std::vector<int64_t> Weakest(const int32_t* score, int64_t n, int64_t m) {
+  if (m <= 0) return {};
+  int32_t bound;
+  if (!GuessBound(score, n, m, &bound)) return WeakestOfAll(score, n, m);
+  int64_t equal = 0;
+  const std::vector<int64_t> under = Below(score, n, bound, 2 * m, &equal);
   const int64_t below = static_cast<int64_t>(under.size());
   if (below >= m) return WeakestAmong(score, under, m);
   if (below + equal < m) return WeakestOfAll(score, n, m);
@@ -686,6 +722,23 @@ void MoveAllRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, boo
 // "distance_lfu" (float scores) is not here: its CPU lowering is the XLA form.
 enum Policy : int32_t { kLru = 0, kLfu = 1, kTtl = 2 };
 
+// The new ids (`fresh`: window indices, ascending by id) best first, as indices into
+// `fresh`: LFU count descending, LRU last access descending then count descending; ties keep
+// the id order (the sort is stable).
+std::vector<uint32_t> BestFirst(const std::vector<uint32_t>& fresh, const Coalesced& win, bool lfu, int32_t step) {
+  const int64_t f = static_cast<int64_t>(fresh.size());
+  std::vector<uint64_t> rank_key(f), rank_tmp(f);
+  std::vector<uint32_t> best(f), best_tmp(f);
+  for (int64_t i = 0; i < f; ++i) {
+    const uint32_t w = fresh[i];
+    const uint64_t by_count = 0xFFFFFFFFu - static_cast<uint32_t>(win.count[w]);
+    rank_key[i] = lfu ? by_count : (static_cast<uint64_t>(static_cast<uint32_t>(step - win.last[w])) << 32) | by_count;
+    best[i] = static_cast<uint32_t>(i);
+  }
+  RadixSort(rank_key.data(), best.data(), rank_tmp.data(), best_tmp.data(), f);
+  return best;
+}
+
 // The eviction; with `slot_of`, also the slot each of the window's distinct ids (by their
 // index in `Evict`'s coalesced window, `EvictWindow()`) maps to after it, as `MchRemap`
 // would answer on the new state: a resident's slot unless it lost it, a winner's new slot,
@@ -778,18 +831,8 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
     fresh_below.insert(fresh_below.end(), below_of[id].begin(), below_of[id].end());
   }
   meta[z - 1] = lfu ? INT32_MAX : step;
-  // the new ids best first: LFU count descending, LRU last access descending then count
-  // descending; ties keep the id order (the sort is stable)
   const int64_t f = static_cast<int64_t>(fresh.size());
-  std::vector<uint64_t> rank_key(f), rank_tmp(f);
-  std::vector<uint32_t> best(f), best_tmp(f);
-  for (int64_t i = 0; i < f; ++i) {
-    const uint32_t w = fresh[i];
-    const uint64_t by_count = 0xFFFFFFFFu - static_cast<uint32_t>(win.count[w]);
-    rank_key[i] = lfu ? by_count : (static_cast<uint64_t>(static_cast<uint32_t>(step - win.last[w])) << 32) | by_count;
-    best[i] = static_cast<uint32_t>(i);
-  }
-  RadixSort(rank_key.data(), best.data(), rank_tmp.data(), best_tmp.data(), f);
+  const std::vector<uint32_t> best = BestFirst(fresh, win, lfu, step);
   // the i-th best new id wins iff it beats the i-th weakest resident (a resident wins ties);
   // TTL: an expired (step - last > ttl) or empty entry scores its last access (empty: 0), a
   // live one INT32_MAX, a new id the step
@@ -915,6 +958,56 @@ void Lookup(const Residents& res, const int32_t* slot, int64_t z, const int32_t*
   }
 }
 
+// A training call's first work: the step advanced, and the batch's valid ids appended to
+// the window (`h` positions) at that step. Returns the new step.
+int32_t Append(int32_t* whi, uint32_t* wlo, int32_t* wstep, int32_t* used, int32_t* step, int64_t h,
+               const int32_t* ih, const uint32_t* il, const bool* ok, int64_t n) {
+  const int32_t now = *step + 1;
+  *step = now;
+  int64_t at = *used;
+  int32_t taken = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) continue;
+    if (at >= 0 && at < h) {  // (a window that would overflow is refused at trace time)
+      whi[at] = ih[i];
+      wlo[at] = il[i];
+      wstep[at] = now;
+    }
+    ++at;
+    ++taken;
+  }
+  *used += taken;
+  return now;
+}
+
+// After an eviction, the slot of each of the batch's `n` ids: a valid id's is its distinct
+// window id's (`slot_at`, by `EvictWindow()`'s index; the batch's first valid id is at window
+// position `first`), the padding's `find(id)` (often one id: asked once per run of it).
+template <class Find>
+void ReadOff(const int32_t* ih, const uint32_t* il, const bool* ok, int64_t n, int64_t first,
+             const int32_t* slot_at, int32_t* out, Find find) {
+  // (plain pointers: thread_local vectors read in the loop cost a call per access)
+  const int32_t* const of = EvictWindow().of.data();
+  const int64_t window = static_cast<int64_t>(EvictWindow().of.size());
+  int64_t prev = 0;
+  int32_t answer = 0;
+  bool have = false;
+  for (int64_t i = 0, w = first; i < n; ++i) {
+    if (ok[i] && w >= 0 && w < window) {
+      out[i] = slot_at[of[w++]];
+      continue;
+    }
+    w += ok[i];
+    const int64_t k = Key(ih[i], il[i]);
+    if (!have || k != prev) {
+      answer = find(k);
+      prev = k;
+      have = true;
+    }
+    out[i] = answer;
+  }
+}
+
 // MchProfile's work; with `out` (one int32 per id), also the slot of each id on the new
 // state (`MchRemap`'s answer): when the call evicts, read off the eviction (each valid id
 // is in the window: its distinct id's slot), the padding's by a search; else a `Lookup`.
@@ -950,54 +1043,21 @@ ffi::Error Profile(ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::U32> lo, ffi::Buff
   occ[1] = occ[0];
   occ[2] = 0;
   const int64_t n = ids_hi.element_count();
-  const int32_t now = *s.step + 1;
-  *s.step = now;
   const int32_t* ih = ids_hi.typed_data();
   const uint32_t* il = ids_lo.typed_data();
   const bool* ok = valid.typed_data();
   const int64_t first = *s.used;  // the window position of the batch's first valid id
-  int64_t at = first;
-  int32_t taken = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!ok[i]) continue;
-    if (at >= 0 && at < s.h) {  // (a window that would overflow is refused at trace time)
-      s.whi[at] = ih[i];
-      s.wlo[at] = il[i];
-      s.wstep[at] = now;
-    }
-    ++at;
-    ++taken;
-  }
-  *s.used += taken;
+  const int32_t now = Append(s.whi, s.wlo, s.wstep, s.used, s.step, s.h, ih, il, ok, n);
   if (now - *s.last_eviction == interval) {
     static thread_local std::vector<int32_t> slot_of;
     const int64_t admitted = Evict(s, ev, policy, threshold, ttl, out ? &slot_of : nullptr);
     occ[1] = static_cast<int32_t>(Gallop(res, 0, s.z - 1, kEmpty));
     occ[2] = static_cast<int32_t>(admitted);
-    if (out) {
-      // (plain pointers: thread_local vectors read in the loop cost a call per access)
-      const int32_t* const of = EvictWindow().of.data();
-      const int32_t* const slot_at = slot_of.data();
-      const int64_t window = static_cast<int64_t>(EvictWindow().of.size());
-      int64_t prev = 0;
-      int32_t answer = 0;
-      bool have = false;
-      for (int64_t i = 0, w = first; i < n; ++i) {
-        if (ok[i] && w >= 0 && w < window) {
-          out[i] = slot_at[of[w++]];
-          continue;
-        }
-        w += ok[i];
-        const int64_t k = Key(ih[i], il[i]);  // padding (often one id): searched
-        if (!have || k != prev) {
-          const int64_t pos = Gallop(res, 0, s.z - 1, k);
-          answer = res.at(pos) == k ? s.slots[pos] : static_cast<int32_t>(s.z - 1);
-          prev = k;
-          have = true;
-        }
-        out[i] = answer;
-      }
-    }
+    if (out)
+      ReadOff(ih, il, ok, n, first, slot_of.data(), out, [&](int64_t k) {
+        const int64_t pos = Gallop(res, 0, s.z - 1, k);
+        return res.at(pos) == k ? s.slots[pos] : static_cast<int32_t>(s.z - 1);
+      });
   } else {
     std::memset(ev, 0, sizeof(bool) * s.z);
     if (out) Lookup(res, s.slots, s.z, ih, il, n, out);
@@ -1083,6 +1143,529 @@ ffi::Error MaskPositionsImpl(ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffe
   for (; i < n && k < size; ++i)
     if (m[i]) o[k++] = static_cast<int32_t>(i);
   for (; k < size; ++k) o[k] = fill;
+  return ffi::Error::Success();
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// The hashed form: the same map for training on CPU, kept without sorting.
+//
+// At each eviction the sorted form moves every entry between the first change and the last
+// (the whole map when new ids land all over the id range, as they do) and scans the residents
+// for the window's ids. The hashed form keeps each slot's id and policy metadata at the slot
+// (`ids_hi`, `ids_lo`, `meta`: [Z], the default slot `Z - 1` holding the default entry's), an
+// open-addressing table from id to slot (linear probing over 2^k buckets of four words: id hi,
+// id lo, slot, unused; slot -1 marks a free bucket; at most half full), and the empty entries'
+// slots in their sorted-form order (`free`, its first `free_count`). An eviction looks the
+// window's ids up (a cache miss or two each, prefetched), selects the losers among the slots'
+// scores (ties: the larger id loses first, as the later sorted entry does; empty entries come
+// after every id, in their order), and writes only the losers' and winners' slots and buckets.
+// Every decision is the sorted form's, on the same numbers: the same slots, evicted mask and
+// counts, bit for bit, and `MchFromHash` gives back the sorted form's state exactly (the
+// metadata column the policy does not keep is zero, as it always is: `adopt_metadata`).
+
+// murmur3's 64-bit finalizer: ids are often small or sequential, and a bucket is the top bits.
+inline uint64_t Mix(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  k *= 0xc4ceb9fe1a85ec53ULL;
+  k ^= k >> 33;
+  return k;
+}
+
+inline int32_t HiOf(int64_t k) { return static_cast<int32_t>(static_cast<uint64_t>(k) >> 32); }
+inline uint32_t LoOf(int64_t k) { return static_cast<uint32_t>(static_cast<uint64_t>(k)); }
+
+struct Hashed {
+  int32_t* table;  // [buckets][4]
+  int64_t mask;    // buckets - 1
+  int shift;       // 64 - log2(buckets)
+  int32_t* hi;     // by slot (kEmpty: an empty entry's, and the default slot's)
+  uint32_t* lo;
+  int32_t* meta;  // by slot: the policy's column (LFU the count, LRU and TTL the last access)
+  int32_t* free;  // the empty entries' slots, in their sorted-form order
+  int32_t* free_count;
+  int32_t* whi;
+  uint32_t* wlo;
+  int32_t* wstep;
+  int32_t* used;
+  int32_t* step;
+  int32_t* last_eviction;
+  int64_t z, h;
+  inline int64_t id(int64_t slot) const { return Key(hi[slot], lo[slot]); }
+  inline int32_t* bucket(int64_t k) const { return table + 4 * static_cast<int64_t>(Mix(k) >> shift); }
+};
+
+// log2 of the buckets for `z` entries: a power of two at least 2z.
+inline int BucketBits(int64_t buckets) {
+  int bits = 0;
+  while ((int64_t(1) << bits) < buckets) ++bits;
+  return bits;
+}
+
+// The slot of id `k`, -1 when it is not resident.
+inline int32_t FindSlot(const Hashed& t, int64_t k) {
+  const int32_t khi = HiOf(k);
+  const int32_t klo = static_cast<int32_t>(LoOf(k));
+  const int32_t* const end = t.table + 4 * (t.mask + 1);
+  for (const int32_t* e = t.bucket(k);;) {
+    if (e[2] < 0) return -1;
+    if (e[0] == khi && e[1] == klo) return e[2];
+    e += 4;
+    if (e == end) e = t.table;
+  }
+}
+
+void Insert(const Hashed& t, int64_t k, int32_t slot) {
+  const int32_t* const end = t.table + 4 * (t.mask + 1);
+  int32_t* e = t.bucket(k);
+  while (e[2] >= 0) {
+    e += 4;
+    if (e == end) e = t.table;
+  }
+  e[0] = HiOf(k);
+  e[1] = static_cast<int32_t>(LoOf(k));
+  e[2] = slot;
+}
+
+// Removes id `k` (resident): its bucket freed, and the buckets after it in its probe run
+// shifted back where their own runs allow (no tombstones).
+void Erase(const Hashed& t, int64_t k) {
+  const int32_t khi = HiOf(k);
+  const int32_t klo = static_cast<int32_t>(LoOf(k));
+  int64_t i = (t.bucket(k) - t.table) / 4;
+  while (t.table[4 * i + 2] >= 0 && !(t.table[4 * i] == khi && t.table[4 * i + 1] == klo))
+    i = (i + 1) & t.mask;
+  if (t.table[4 * i + 2] < 0) return;  // (not resident: nothing to remove)
+  for (int64_t j = i;;) {
+    j = (j + 1) & t.mask;
+    int32_t* e = t.table + 4 * j;
+    if (e[2] < 0) break;
+    const int64_t home = (t.bucket(Key(e[0], static_cast<uint32_t>(e[1]))) - t.table) / 4;
+    // the entry at j stays when its home lies cyclically in (i, j]
+    const bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+    if (stays) continue;
+    std::memcpy(t.table + 4 * i, e, 4 * sizeof(int32_t));
+    i = j;
+  }
+  t.table[4 * i + 2] = -1;
+}
+
+// `FindSlot` of keys [begin, end) (`key(i)`), each handed to `put(i, slot)`; the bucket of the
+// key `kAhead` on prefetched (the lookups' misses overlap).
+template <class K, class P>
+void FindAll(const Hashed& t, int64_t begin, int64_t end, K key, P put) {
+  constexpr int64_t kAhead = 16;
+  for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) __builtin_prefetch(t.bucket(key(i)));
+  for (int64_t i = begin; i < end; ++i) {
+    if (i + kAhead < end) __builtin_prefetch(t.bucket(key(i + kAhead)));
+    put(i, FindSlot(t, key(i)));
+  }
+}
+
+// `slots` in the sorted form's order of loss: lowest `score` first, then the later entry
+// first (the larger id; empty entries after every id, the later of them first: their order in
+// `free`). Two stable radix sorts: by that order descending, then by score.
+void InLossOrder(std::vector<int64_t>& slots, const int32_t* score, const Hashed& s) {
+  const int64_t c = static_cast<int64_t>(slots.size());
+  if (c < 2) return;
+  std::vector<uint64_t> key(c), tmp_key(c);
+  std::vector<uint32_t> val(c), tmp_val(c);
+  // empty entries first (key 0), the later first (`free` read from its end); then ids
+  // descending (key >= 1: no id is kEmpty)
+  std::vector<int64_t> empties;
+  for (int64_t i = 0; i < c; ++i)
+    if (s.id(slots[i]) == kEmpty) empties.push_back(slots[i]);
+  int64_t at = 0;
+  if (!empties.empty()) {
+    std::sort(empties.begin(), empties.end());
+    for (int32_t k = *s.free_count - 1; k >= 0 && at < static_cast<int64_t>(empties.size()); --k)
+      if (std::binary_search(empties.begin(), empties.end(), static_cast<int64_t>(s.free[k])))
+        key[at] = 0, val[at++] = static_cast<uint32_t>(s.free[k]);
+  }
+  for (int64_t i = 0; i < c; ++i) {
+    const int64_t k = s.id(slots[i]);
+    if (k == kEmpty) continue;
+    key[at] = ~(static_cast<uint64_t>(k) ^ kSign);
+    val[at++] = static_cast<uint32_t>(slots[i]);
+  }
+  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), c);
+  for (int64_t i = 0; i < c; ++i) key[i] = static_cast<uint32_t>(score[val[i]]) ^ 0x80000000u;
+  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), c);
+  for (int64_t i = 0; i < c; ++i) slots[i] = val[i];
+}
+
+// The `need` latest of the slots [0, n) whose score is `bound`, latest first: the empty
+// entries at it from the last one down (`free` read from its end), then the largest ids at it.
+std::vector<int64_t> LatestAt(const int32_t* score, int64_t n, int32_t bound, int64_t need, const Hashed& s) {
+  std::vector<int64_t> out;
+  out.reserve(need);
+  for (int32_t k = *s.free_count - 1; k >= 0 && static_cast<int64_t>(out.size()) < need; --k)
+    if (score[s.free[k]] == bound) out.push_back(s.free[k]);
+  const int64_t rest = need - static_cast<int64_t>(out.size());
+  if (rest == 0) return out;
+  std::vector<int64_t> at;
+  for (int64_t j = 0; j < n; ++j)
+    if (score[j] == bound && s.id(j) != kEmpty) at.push_back(j);
+  const auto later = [&s](int64_t a, int64_t b) { return s.id(a) > s.id(b); };
+  std::partial_sort(at.begin(), at.begin() + rest, at.end(), later);
+  out.insert(out.end(), at.begin(), at.begin() + rest);
+  return out;
+}
+
+// The `m` weakest of the slots [0, n) by `score`, in the sorted form's order of loss
+// (`InLossOrder`): a bound guessed from a sample (`GuessBound`) or the exact m-th lowest score
+// (`MthLowest`), the slots below it collected in one pass (`Below`), and when those are too few
+// the latest of the slots at it (`LatestAt`).
+std::vector<int64_t> WeakestHashed(const int32_t* score, int64_t n, int64_t m, const Hashed& s) {
+  if (m <= 0) return {};
+  int32_t bound;
+  int64_t equal = 0;
+  std::vector<int64_t> under;
+  bool exact = false;
+  if (GuessBound(score, n, m, &bound)) {
+    under = Below(score, n, bound, 2 * m, &equal);
+    if (static_cast<int64_t>(under.size()) >= m) {  // the m weakest are among them
+      InLossOrder(under, score, s);
+      under.resize(m);
+      return under;
+    }
+    exact = static_cast<int64_t>(under.size()) + equal >= m;  // the bound is the m-th lowest
+  }
+  if (!exact) {
+    const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 10)));
+    const MthScore mth = MthLowest(score, n, m, threads);
+    bound = static_cast<int32_t>(static_cast<int64_t>(mth.low) + mth.t);
+    under = Below(score, n, bound, mth.below, &equal);
+  }
+  // every slot below the bound loses, then the latest of those at it
+  InLossOrder(under, score, s);
+  const std::vector<int64_t> at = LatestAt(score, n, bound, m - static_cast<int64_t>(under.size()), s);
+  under.insert(under.end(), at.begin(), at.end());
+  return under;
+}
+
+// `Evict` on the hashed form: the same decisions (see there), the same returns.
+int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t threshold, int32_t ttl,
+                    std::vector<int32_t>* slot_of) {
+  const bool lfu = policy == kLfu;
+  int32_t* const meta = s.meta;
+  const int64_t z = s.z;
+  const int32_t step = *s.step;
+  const int64_t n = std::min<int64_t>(std::max<int32_t>(*s.used, 0), s.h);
+  Coalesced& win = const_cast<Coalesced&>(EvictWindow());
+  Coalesce(s.whi, s.wlo, s.wstep, n, win);
+  const int64_t u = static_cast<int64_t>(win.ids.size());  // ascending
+  const int64_t* const wids = win.ids.data();
+  const int32_t* const wcount = win.count.data();
+  const int32_t* const wlast = win.last.data();
+  // each distinct id's slot (-1: not resident), the lookups split over the threads
+  static thread_local std::vector<int32_t> hit_buf;
+  hit_buf.resize(u);
+  int32_t* const hit = hit_buf.data();
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(u >> 12)));
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int id = 0; id < threads; ++id)
+    FindAll(
+        s, u * id / threads, u * (id + 1) / threads, [wids](int64_t w) { return wids[w]; },
+        [hit](int64_t w, int32_t slot) { hit[w] = slot; });
+  // residents' metadata (a resident below the threshold keeps its slot, unchanged); the
+  // admitted ids that are not resident, ascending
+  if (slot_of) slot_of->assign(u, static_cast<int32_t>(z - 1));
+  int32_t* const slot_out = slot_of ? slot_of->data() : nullptr;
+  std::vector<uint32_t> fresh;
+  constexpr int64_t kAhead = 16;
+  for (int64_t w = 0; w < u; ++w) {
+    if (w + kAhead < u && hit[w + kAhead] >= 0) __builtin_prefetch(meta + hit[w + kAhead], 1);
+    const int32_t slot = hit[w];
+    const bool admitted = wcount[w] >= threshold;
+    if (slot < 0) {
+      if (admitted) fresh.push_back(static_cast<uint32_t>(w));
+      continue;
+    }
+    if (slot_out) slot_out[w] = slot;
+    if (!admitted) continue;
+    const int32_t c = meta[slot];
+    meta[slot] = !lfu ? wlast[w] : c > INT32_MAX - wcount[w] ? INT32_MAX : c + wcount[w];
+  }
+  meta[z - 1] = lfu ? INT32_MAX : step;
+  const int64_t f = static_cast<int64_t>(fresh.size());
+  const std::vector<uint32_t> best = BestFirst(fresh, win, lfu, step);
+  std::vector<int32_t> ttl_score;
+  if (policy == kTtl) {
+    ttl_score.resize(z);
+    for (int64_t j = 0; j < z; ++j) {
+      const bool empty = s.id(j) == kEmpty;
+      ttl_score[j] = empty ? 0 : step - meta[j] > ttl ? meta[j] : INT32_MAX;
+    }
+  }
+  const int32_t* score = policy == kTtl ? ttl_score.data() : meta;
+  const int64_t m = std::min<int64_t>(f, z - 1);
+  const std::vector<int64_t> weak = WeakestHashed(score, z - 1, m, s);
+  int64_t won = 0;
+  while (won < m) {
+    const uint32_t w = fresh[best[won]];
+    const int32_t mine = policy == kTtl ? step : lfu ? win.count[w] : win.last[w];
+    if (!(mine > score[weak[won]])) break;
+    ++won;
+  }
+  std::memset(evicted, 0, sizeof(bool) * z);
+  *s.used = 0;
+  std::memset(s.wstep, 0, sizeof(int32_t) * s.h);
+  *s.last_eviction = step;
+  if (won == 0) return 0;
+  // the best winner takes the best loser's (the won-th weakest) slot, and so on down
+  std::vector<int32_t> won_slot(f, -1);
+  for (int64_t i = 0; i < won; ++i) {
+    const int32_t loser = static_cast<int32_t>(weak[won - 1 - i]);
+    won_slot[best[i]] = loser;
+    evicted[loser] = true;
+  }
+  if (slot_out) {
+    for (int64_t w = 0; w < u; ++w)
+      if (hit[w] >= 0 && evicted[hit[w]]) slot_out[w] = static_cast<int32_t>(z - 1);
+    for (int64_t i = 0; i < won; ++i) slot_out[fresh[best[i]]] = won_slot[best[i]];
+  }
+  // the losers leave: an id's bucket freed, an empty entry's place in `free` closed
+  int64_t empties_lost = 0;
+  for (int64_t i = 0; i < won; ++i) {
+    if (i + kAhead < won) {
+      const int64_t ahead = s.id(weak[i + kAhead]);
+      if (ahead != kEmpty) __builtin_prefetch(s.bucket(ahead));
+    }
+    const int64_t k = s.id(weak[i]);
+    if (k == kEmpty)
+      ++empties_lost;
+    else
+      Erase(s, k);
+  }
+  if (empties_lost > 0) {  // most often the latest ones: the later empty entries lose first
+    int32_t e = *s.free_count;
+    int64_t top = 0;
+    while (top < e && evicted[s.free[e - 1 - top]]) ++top;
+    int32_t kept = e - static_cast<int32_t>(top);
+    if (top != empties_lost) {
+      kept = 0;
+      for (int32_t j = 0; j < e; ++j)
+        if (!evicted[s.free[j]]) s.free[kept++] = s.free[j];
+    }
+    for (int32_t j = kept; j < e; ++j) s.free[j] = -1;
+    *s.free_count = kept;
+  }
+  // the winners join: each at its slot, and in the table
+  for (int64_t i = 0; i < won; ++i) {
+    if (i + kAhead < won) __builtin_prefetch(s.bucket(win.ids[fresh[best[i + kAhead]]]));
+    const uint32_t w = fresh[best[i]];
+    const int32_t slot = won_slot[best[i]];
+    const int64_t k = win.ids[w];
+    s.hi[slot] = HiOf(k);
+    s.lo[slot] = LoOf(k);
+    meta[slot] = lfu ? win.count[w] : win.last[w];
+    Insert(s, k, slot);
+  }
+  return won;
+}
+
+// A buffer's data as T*: the input's (the output when aliased to it, else a copy of it).
+template <class T>
+T* Took(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, size_t i) {
+  ffi::AnyBuffer in = args.get<ffi::AnyBuffer>(i).value();
+  void* dst = rets.get<ffi::AnyBuffer>(i).value()->untyped_data();
+  if (dst != in.untyped_data()) std::memcpy(dst, in.untyped_data(), in.size_bytes());
+  return static_cast<T*>(dst);
+}
+
+template <class T>
+T* ArgData(const ffi::RemainingArgs& args, size_t i) {
+  return static_cast<T*>(args.get<ffi::AnyBuffer>(i).value().untyped_data());
+}
+
+template <class T>
+T* RetData(const ffi::RemainingRets& rets, size_t i) {
+  return static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data());
+}
+
+constexpr size_t kHashedLeaves = 12;  // sparse_jax.managed._hashed.MCHHashState's fields
+
+// The hashed state's 12 buffers (in MCHHashState's order), taken into the outputs.
+Hashed TakeHashed(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
+  Hashed s{};
+  s.table = Took<int32_t>(args, rets, 0);
+  const int64_t buckets = static_cast<int64_t>(args.get<ffi::AnyBuffer>(0).value().element_count()) / 4;
+  s.mask = buckets - 1;
+  s.shift = 64 - BucketBits(buckets);
+  s.hi = Took<int32_t>(args, rets, 1);
+  s.lo = Took<uint32_t>(args, rets, 2);
+  s.meta = Took<int32_t>(args, rets, 3);
+  s.free = Took<int32_t>(args, rets, 4);
+  s.free_count = Took<int32_t>(args, rets, 5);
+  s.whi = Took<int32_t>(args, rets, 6);
+  s.wlo = Took<uint32_t>(args, rets, 7);
+  s.wstep = Took<int32_t>(args, rets, 8);
+  s.used = Took<int32_t>(args, rets, 9);
+  s.step = Took<int32_t>(args, rets, 10);
+  s.last_eviction = Took<int32_t>(args, rets, 11);
+  s.z = static_cast<int64_t>(args.get<ffi::AnyBuffer>(1).value().element_count());
+  s.h = static_cast<int64_t>(args.get<ffi::AnyBuffer>(6).value().element_count());
+  return s;
+}
+
+// MchProfileRemap on the hashed form: operands the hashed state's 12 buffers then the batch's
+// hi, lo and valid; results the new state's 12 (aliased), the evicted mask, the counts
+// (entries held before, after, slots given to new ids) and the batch's slots.
+ffi::Error MchHashProfileRemapImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t policy,
+                                   int32_t interval, int32_t threshold, int32_t ttl) {
+  if (args.size() != kHashedLeaves + 3 || rets.size() != kHashedLeaves + 3)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchHashProfileRemap: expected 15 operands and 15 results");
+  const Hashed s = TakeHashed(args, rets);
+  const int32_t* ih = ArgData<int32_t>(args, kHashedLeaves);
+  const uint32_t* il = ArgData<uint32_t>(args, kHashedLeaves + 1);
+  const bool* ok = ArgData<bool>(args, kHashedLeaves + 2);
+  const int64_t n = static_cast<int64_t>(args.get<ffi::AnyBuffer>(kHashedLeaves).value().element_count());
+  bool* ev = RetData<bool>(rets, kHashedLeaves);
+  int32_t* occ = RetData<int32_t>(rets, kHashedLeaves + 1);
+  int32_t* out = RetData<int32_t>(rets, kHashedLeaves + 2);
+  const int32_t z1 = static_cast<int32_t>(s.z - 1);
+  occ[0] = z1 - *s.free_count;  // the ids held: every entry but the empty ones and the default
+  occ[1] = occ[0];
+  occ[2] = 0;
+  const int64_t first = *s.used;
+  const int32_t now = Append(s.whi, s.wlo, s.wstep, s.used, s.step, s.h, ih, il, ok, n);
+  const auto find = [&s, z1](int64_t k) {
+    const int32_t slot = FindSlot(s, k);
+    return slot < 0 ? z1 : slot;
+  };
+  if (now - *s.last_eviction == interval) {
+    static thread_local std::vector<int32_t> slot_of;
+    const int64_t admitted = EvictHashed(s, ev, policy, threshold, ttl, &slot_of);
+    occ[1] = z1 - *s.free_count;
+    occ[2] = static_cast<int32_t>(admitted);
+    ReadOff(ih, il, ok, n, first, slot_of.data(), out, find);
+  } else {
+    std::memset(ev, 0, sizeof(bool) * s.z);
+    const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 12)));
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int id = 0; id < threads; ++id)
+      FindAll(
+          s, n * id / threads, n * (id + 1) / threads, [ih, il](int64_t i) { return Key(ih[i], il[i]); },
+          [out, z1](int64_t i, int32_t slot) { out[i] = slot < 0 ? z1 : slot; });
+  }
+  return ffi::Error::Success();
+}
+
+// The eval lookup on the hashed form: the slot of each id (`default_slot` when not resident).
+ffi::Error MchHashRemapImpl(ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
+                            ffi::Result<ffi::Buffer<ffi::S32>> out, int32_t default_slot) {
+  Hashed t{};
+  t.table = const_cast<int32_t*>(table.typed_data());
+  const int64_t buckets = static_cast<int64_t>(table.element_count()) / 4;
+  t.mask = buckets - 1;
+  t.shift = 64 - BucketBits(buckets);
+  const int32_t* ih = ids_hi.typed_data();
+  const uint32_t* il = ids_lo.typed_data();
+  int32_t* o = out->typed_data();
+  const int64_t n = static_cast<int64_t>(ids_hi.element_count());
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 12)));
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int id = 0; id < threads; ++id)
+    FindAll(
+        t, n * id / threads, n * (id + 1) / threads, [ih, il](int64_t i) { return Key(ih[i], il[i]); },
+        [o, default_slot](int64_t i, int32_t slot) { o[i] = slot < 0 ? default_slot : slot; });
+  return ffi::Error::Success();
+}
+
+// The sorted form's 11 buffers -> the hashed form's 12 (`MchToHash`; the table's size is the
+// result's). Refuses a map whose last entry is not the default slot's.
+ffi::Error MchToHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t policy) {
+  if (args.size() != 11 || rets.size() != kHashedLeaves)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchToHash: expected 11 operands and 12 results");
+  const int32_t* hi = ArgData<int32_t>(args, 0);
+  const uint32_t* lo = ArgData<uint32_t>(args, 1);
+  const int32_t* slots = ArgData<int32_t>(args, 2);
+  const int32_t* kept = ArgData<int32_t>(args, policy == kLfu ? 3 : 4);
+  const int64_t z = static_cast<int64_t>(args.get<ffi::AnyBuffer>(0).value().element_count());
+  if (slots[z - 1] != z - 1 || Key(hi[z - 1], lo[z - 1]) != kEmpty)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "MchToHash: the map's last entry is not the default slot's (zch_size - 1)");
+  Hashed s{};
+  s.table = RetData<int32_t>(rets, 0);
+  const int64_t buckets = static_cast<int64_t>(rets.get<ffi::AnyBuffer>(0).value()->element_count()) / 4;
+  s.mask = buckets - 1;
+  s.shift = 64 - BucketBits(buckets);
+  s.hi = RetData<int32_t>(rets, 1);
+  s.lo = RetData<uint32_t>(rets, 2);
+  s.meta = RetData<int32_t>(rets, 3);
+  s.free = RetData<int32_t>(rets, 4);
+  std::memset(s.table, 0xFF, sizeof(int32_t) * 4 * buckets);  // every bucket free (slot -1)
+  int32_t e = 0;
+  for (int64_t j = 0; j < z; ++j) {
+    const int32_t slot = slots[j];
+    s.hi[slot] = hi[j];
+    s.lo[slot] = lo[j];
+    s.meta[slot] = kept[j];
+    if (j == z - 1) break;
+    const int64_t k = Key(hi[j], lo[j]);
+    if (k == kEmpty)
+      s.free[e++] = slot;
+    else
+      Insert(s, k, slot);
+  }
+  for (int64_t j = e; j < z; ++j) s.free[j] = -1;
+  *RetData<int32_t>(rets, 5) = e;
+  for (size_t i = 5; i < 11; ++i) {  // the window and the counters as they are
+    ffi::AnyBuffer in = args.get<ffi::AnyBuffer>(i).value();
+    std::memcpy(rets.get<ffi::AnyBuffer>(i + 1).value()->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
+// The hashed form's 12 buffers -> the sorted form's 11: the ids ascending with their slots
+// and metadata, then the empty entries in their order, then the default entry.
+ffi::Error MchFromHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t policy) {
+  if (args.size() != kHashedLeaves || rets.size() != 11)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchFromHash: expected 12 operands and 11 results");
+  const int32_t* shi = ArgData<int32_t>(args, 1);
+  const uint32_t* slo = ArgData<uint32_t>(args, 2);
+  const int32_t* meta = ArgData<int32_t>(args, 3);
+  const int32_t* free = ArgData<int32_t>(args, 4);
+  const int32_t e = *ArgData<int32_t>(args, 5);
+  const int64_t z = static_cast<int64_t>(args.get<ffi::AnyBuffer>(1).value().element_count());
+  int32_t* hi = RetData<int32_t>(rets, 0);
+  uint32_t* lo = RetData<uint32_t>(rets, 1);
+  int32_t* slots = RetData<int32_t>(rets, 2);
+  int32_t* kept = RetData<int32_t>(rets, policy == kLfu ? 3 : 4);
+  int32_t* other = RetData<int32_t>(rets, policy == kLfu ? 4 : 3);
+  std::vector<uint64_t> key, tmp_key;
+  std::vector<uint32_t> val, tmp_val;
+  key.reserve(z);
+  val.reserve(z);
+  for (int64_t slot = 0; slot < z - 1; ++slot) {
+    const int64_t k = Key(shi[slot], slo[slot]);
+    if (k == kEmpty) continue;
+    key.push_back(static_cast<uint64_t>(k) ^ kSign);
+    val.push_back(static_cast<uint32_t>(slot));
+  }
+  const int64_t r = static_cast<int64_t>(key.size());
+  if (r + e != z - 1)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchFromHash: the ids held and the empty entries do not add up");
+  tmp_key.resize(r);
+  tmp_val.resize(r);
+  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), r);
+  const auto put = [&](int64_t j, int32_t slot) {
+    hi[j] = shi[slot];
+    lo[j] = slo[slot];
+    slots[j] = slot;
+    kept[j] = meta[slot];
+    other[j] = 0;
+  };
+  for (int64_t j = 0; j < r; ++j) put(j, static_cast<int32_t>(val[j]));
+  for (int32_t k = 0; k < e; ++k) put(r + k, free[k]);
+  put(z - 1, static_cast<int32_t>(z - 1));
+  for (size_t i = 6; i < kHashedLeaves; ++i) {  // the window and the counters as they are
+    ffi::AnyBuffer in = args.get<ffi::AnyBuffer>(i).value();
+    std::memcpy(rets.get<ffi::AnyBuffer>(i - 1).value()->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
   return ffi::Error::Success();
 }
 
@@ -1212,3 +1795,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchRemap, MchRemapImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchHashProfileRemap, MchHashProfileRemapImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("policy")
+                                  .Attr<int32_t>("interval")
+                                  .Attr<int32_t>("threshold")
+                                  .Attr<int32_t>("ttl"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchHashRemap, MchHashRemapImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("default_slot"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchToHash, MchToHashImpl,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int32_t>("policy"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HybridrecMchFromHash, MchFromHashImpl,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int32_t>("policy"));

@@ -12,6 +12,7 @@ import numpy as np
 
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._module import LayoutFacts
+from sparse_jax.managed import _hashed
 from sparse_jax.managed._batch import ManagedBatch, managed_id_capacity
 from sparse_jax.managed._collection import ManagedCollisionCollection
 from sparse_jax.managed._frozen import FrozenIdMap, frozen_map
@@ -37,8 +38,12 @@ def profile_counted_remap(
     module, state: MCHState, counters: jax.Array, ids: RawIds, valid: jax.Array
 ):
     """`profile_counted`, then the slot of each id on the new state (`module.remap`), in one
-    call (`MCHManagedCollisionModule.profile_remap`): (state, counters, evicted, slots)."""
-    state, evicted, counts, slots = module.profile_remap(state, ids, valid=valid)
+    call (`MCHManagedCollisionModule.profile_remap`, or `_hashed.profile_remap` for a map in
+    the hashed form): (state, counters, evicted, slots)."""
+    if isinstance(state, _hashed.MCHHashState):
+        state, evicted, counts, slots = _hashed.profile_remap(module, state, ids, valid)
+    else:
+        state, evicted, counts, slots = module.profile_remap(state, ids, valid=valid)
     return state, _advanced(counters, counts), evicted, slots
 
 

@@ -451,8 +451,8 @@ class MCHManagedCollisionModule:
         again; elsewhere this is the two calls. The same state, mask and slots, bit for bit."""
         return self._profile_call(state, ids, valid, remap=True)
 
-    def _profile_call(self, state, ids, valid, *, remap: bool):
-        n = ids.hi.shape[0]
+    def check_window(self, n: int) -> None:
+        """Refuse batches of `n` id positions that the window could not hold."""
         if n * self.eviction_interval > self.history_capacity:
             raise ValueError(
                 f"MCHManagedCollisionModule: {self.eviction_interval} batches of {n} id positions (padding "
@@ -460,6 +460,10 @@ class MCHManagedCollisionModule:
                 "give history_capacity >= positions per batch * eviction_interval (nothing a window "
                 "holds is ever dropped)"
             )
+
+    def _profile_call(self, state, ids, valid, *, remap: bool):
+        n = ids.hi.shape[0]
+        self.check_window(n)
         valid = jnp.ones(n, bool) if valid is None else valid
         leaves, tree = jax.tree_util.tree_flatten((state, ids, valid))
         # the new state has the state's shapes, plus the bool[zch_size] evicted mask (no

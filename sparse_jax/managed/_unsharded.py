@@ -32,6 +32,7 @@ import numpy as np
 
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._module import PaddedBatch
+from sparse_jax.managed import _hashed
 from sparse_jax.managed._base import ManagedModuleBase, profile_counted_remap
 from sparse_jax.managed._batch import ManagedBatch, raw_words_into, split_managed
 from sparse_jax.managed._collection import (
@@ -40,7 +41,7 @@ from sparse_jax.managed._collection import (
     ResetTable,
     reset_by_plan,
 )
-from sparse_jax.managed._id_map import MCHManagedCollisionModule, RawIds
+from sparse_jax.managed._id_map import MCHManagedCollisionModule, MCHState, RawIds
 from sparse_jax.managed._programs import Program, ProgramCache, committed
 
 __all__ = ["ManagedCollisionSparseModule"]
@@ -57,9 +58,15 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
     `[N]` integers (int64, as a TorchRec KJT carries them) or `[N, 2]` int32 words
     (`RawIds.words()`, for a JAX KJT with x64 off); an unmanaged feature's ids are checked
     against its table as usual, a managed feature's may be any int64 but `2**63 - 1`.
+
+    On CPU with the kernels built, the maps of the kernel's policies train in the hashed
+    form (`_hashed`: no moves of sorted entries at an eviction; the same slots bit for bit);
+    `mc_state` is always the sorted form, read back from it once per training step that
+    changed it. `hashed=False` keeps every map sorted (`None`: the hashed form where it
+    runs).
     """
 
-    def __init__(self, mc: ManagedCollisionCollection):
+    def __init__(self, mc: ManagedCollisionCollection, *, hashed: bool | None = None):
         if not isinstance(mc, ManagedCollisionCollection):
             raise TypeError(
                 f"ManagedCollisionSparseModule wraps a ManagedCollisionEmbeddingBagCollection or a "
@@ -81,6 +88,33 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
             self.mc.reset_plan(self.managed_tables),
         )
         self._program = _PROGRAMS.get(spec)
+        # the tables whose maps train in the hashed form
+        self.hashed_tables = frozenset(
+            name
+            for name in self.managed_tables
+            if hashed is not False and _hashed.hashes(self.mc.modules[name])
+        )
+
+    # -- the id maps: each table's map in its training form (`_maps`: sorted, or hashed once a
+    # training step ran), and the sorted form read back from it (`mc_state`) ----------------
+    @property
+    def mc_state(self) -> dict[str, MCHState]:
+        """{managed table: its id map (`MCHState`, the sorted form)}: what checkpoints,
+        resharding, export and eval read. A map trained in the hashed form is converted back
+        once after each training step that changed it."""
+        if self._sorted is None:
+            self._sorted = self._program.unhash(self._maps)
+        return self._sorted
+
+    @mc_state.setter
+    def mc_state(self, maps) -> None:
+        self._maps = self._sorted = dict(maps)
+
+    def _training_maps(self):
+        """The maps in their training form: the hashed tables' converted once, on first use."""
+        if any(isinstance(self._maps[name], MCHState) for name in self.hashed_tables):
+            self._maps = self._program.hash(self._maps, self.hashed_tables)
+        return self._maps
 
     def _fresh_maps(self):
         return self.mc.init_state(), {name: jnp.zeros(3, jnp.int32) for name in self.mc.modules}
@@ -156,11 +190,12 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         arrays = self._targets(batch.inner)
         limits = {name: np.int32(arrays[at].shape[0]) for name, (at, _) in self._target.items()}
         params, opt_state = self._committed_beside(params, opt_state)
-        (params, opt_state, self.mc_state, self.mc_counters, self._key, slots) = (
+        maps = self._training_maps()
+        (params, opt_state, self._maps, self.mc_counters, self._key, slots) = (
             self._program.train(
                 params,
                 opt_state,
-                self.mc_state,
+                maps,
                 self.mc_counters,
                 self._key,
                 batch.words,
@@ -168,6 +203,7 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
                 limits,
             )
         )
+        self._sorted = None if self.hashed_tables else self._maps
         return (
             params,
             opt_state,
@@ -177,7 +213,7 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
     def remap_eval(self, batch: ManagedBatch):
         """An eval batch's slot ids (ids not resident read the default row); nothing changes."""
         self._check_batch(batch)
-        slots = self._program.eval(self.mc_state, batch.words)
+        slots = self._program.eval(self._maps, batch.words)
         arrays = self._program.scatter(self._targets(batch.inner), batch.positions, slots)
         return self._with_targets(batch.inner, arrays)
 
@@ -187,11 +223,11 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         keys its cache on commitment, so fresh (uncommitted) inputs on the first step would
         compile the same program again on the second."""
         params, opt_state = committed((params, opt_state))
-        maps = (self.mc_state, self.mc_counters, self._key)
+        maps = (self._maps, self.mc_counters, self._key)
         if not all(leaf.committed for leaf in jax.tree.leaves(maps)):
             where = jax.tree.leaves(params)[0].sharding
             self.mc_state, self.mc_counters, self._key = jax.tree.map(
-                lambda x: x if x.committed else jax.device_put(x, where), maps
+                lambda x: x if x.committed else jax.device_put(x, where), (self.mc_state, *maps[1:])
             )
         return params, opt_state
 
@@ -218,16 +254,23 @@ class RemapSpec(NamedTuple):
 
 
 def _build(spec: RemapSpec) -> Program:
-    """The remap's three programs for `spec`: `train` (profile, map and reset: the heavy
-    one, whose shapes depend on the tables and each table's id capacity only), `eval` (map
-    only), and `scatter` (the rows into the prepared batch's arrays, whose length follows the
-    collection's capacity ladder: a new length compiles only this small program)."""
+    """The remap's programs for `spec`: `train` (profile, map and reset: the heavy one, whose
+    shapes depend on the tables and each table's id capacity only), `eval` (map only), and
+    `scatter` (the rows into the prepared batch's arrays, whose length follows the
+    collection's capacity ladder: a new length compiles only this small program); `hash` and
+    `unhash` convert maps between the sorted and the hashed form (`_hashed`). `train` and
+    `eval` take each table's map in either form."""
+    modules = {name: module for name, module, _, _ in spec.tables}
 
     def remap_eval(state, words):
-        return {
-            name: module.remap(state[name], RawIds.from_words(words[name])) + offset
-            for name, module, _, offset in spec.tables
-        }
+        out = {}
+        for name, module, _, offset in spec.tables:
+            ids = RawIds.from_words(words[name])
+            if isinstance(state[name], _hashed.MCHHashState):
+                out[name] = _hashed.remap(module, state[name], ids) + offset
+            else:
+                out[name] = module.remap(state[name], ids) + offset
+        return out
 
     def remap_train(params, opt_state, state, counters, key, words, positions, limits):
         state, counters, evicted, slots = dict(state), dict(counters), {}, {}
@@ -247,10 +290,26 @@ def _build(spec: RemapSpec) -> Program:
             arrays[at] = arrays[at].at[positions[name]].set(slots[name], mode="drop")
         return arrays
 
+    def remap_to_hashed(state, names):
+        return {
+            name: _hashed.to_hashed(modules[name], m) if name in names else m
+            for name, m in state.items()
+        }
+
+    def remap_to_sorted(state):
+        return {
+            name: _hashed.to_sorted(modules[name], m)
+            if isinstance(m, _hashed.MCHHashState)
+            else m
+            for name, m in state.items()
+        }
+
     return Program(
         train=jax.jit(remap_train, donate_argnums=(0, 1, 2, 3, 4)),
         eval=jax.jit(remap_eval),
         scatter=jax.jit(scatter),
+        hash=jax.jit(remap_to_hashed, static_argnums=1),
+        unhash=jax.jit(remap_to_sorted),
     )
 
 

@@ -1,0 +1,110 @@
+"""The hashed form of a managed-collision id map: how a map trains on CPU.
+
+The sorted form (`MCHState`) keeps the resident ids ascending: it is what checkpoints hold,
+what the XLA form (a GPU's) computes on, what resharding, export and serving read. Kept
+sorted by the CPU kernel, every eviction moves each entry between the first change and the
+last, and with new ids landing all over the id range that is the whole map: at 2^20 slots
+inside a `hybrid.Model` step the moves and the scan for the window's ids were about half the
+remap. The hashed form (`MCHHashState`) holds the same map without an order: each slot's id
+and policy metadata at the slot, an open-addressing table from id to slot, and the empty
+entries' slots in their sorted order. Its training call (`profile_remap`) makes the sorted
+form's every decision on the same numbers (ties between equal scores broken by the id, as the
+sorted position breaks them), so the batch's slots, the evicted mask and the counts are the
+sorted kernel's bit for bit, and `to_sorted` gives back the sorted form's state exactly.
+
+`ManagedCollisionSparseModule` trains its maps in this form on CPU when the kernels are built,
+for the policies the kernel has ("lru", "lfu", "ttl"; "distance_lfu" stays sorted); `mc_state`
+reads the sorted form back (converted once, until the next training step), so everything
+outside the training call sees the one state it always saw. The form has no XLA version: a
+program that holds it was built for CPU (`hashes`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sparse_jax._kernels import (
+    cpu_kernels_problem,
+    mch_from_hash,
+    mch_hash_profile_remap,
+    mch_hash_remap,
+    mch_to_hash,
+)
+from sparse_jax.managed._id_map import _KERNEL_POLICIES, MCHManagedCollisionModule, MCHState, RawIds
+
+__all__ = ["MCHHashState", "hashes", "profile_remap", "remap", "to_hashed", "to_sorted"]
+
+
+class MCHHashState(NamedTuple):
+    """One table's id map in the hashed form (a pytree, carried through the training step)."""
+
+    table: jax.Array  # int32[buckets * 4]: (id hi, id lo, slot, unused); slot -1: free bucket
+    ids_hi: jax.Array  # int32[Z]: the id at each slot (INT64_MAX: empty, and the default slot)
+    ids_lo: jax.Array  # uint32[Z]
+    meta: jax.Array  # int32[Z]: the policy's metadata at each slot (LFU count, else last access)
+    free: jax.Array  # int32[Z]: the empty entries' slots in their sorted order, then -1
+    free_count: jax.Array  # int32: how many entries are empty
+    window_hi: jax.Array  # the sorted form's window and counters, as they are
+    window_lo: jax.Array
+    window_step: jax.Array
+    window_used: jax.Array
+    step: jax.Array
+    last_eviction: jax.Array
+
+
+def buckets(zch_size: int) -> int:
+    """The table's buckets for `zch_size` slots: a power of two at least twice as many (a
+    linear-probing table at most half full)."""
+    return 1 << max(1, (2 * zch_size - 1).bit_length())
+
+
+def hashes(module: MCHManagedCollisionModule) -> bool:
+    """Whether a map of `module` trains in the hashed form here: its policy has the kernel
+    and the CPU kernels (with the hashed calls) are registered on a CPU backend."""
+    return (
+        module.eviction_policy in _KERNEL_POLICIES
+        and cpu_kernels_problem("HybridrecMchHashProfileRemap") is None
+    )
+
+
+def _policy(module: MCHManagedCollisionModule) -> int:
+    return _KERNEL_POLICIES[module.eviction_policy]
+
+
+def to_hashed(module: MCHManagedCollisionModule, state: MCHState) -> MCHHashState:
+    """The hashed form of the sorted map `state` (traceable; a CPU kernel call)."""
+    leaves = mch_to_hash(*state, policy=_policy(module), buckets=buckets(module.zch_size))
+    return MCHHashState(*leaves)
+
+
+def to_sorted(module: MCHManagedCollisionModule, state: MCHHashState) -> MCHState:
+    """The sorted form of the hashed map `state`: exactly the state the sorted kernel holds
+    after the same calls."""
+    return MCHState(*mch_from_hash(*state, policy=_policy(module)))
+
+
+def profile_remap(
+    module: MCHManagedCollisionModule, state: MCHHashState, ids: RawIds, valid: jax.Array
+) -> tuple[MCHHashState, jax.Array, jax.Array, jax.Array]:
+    """`module.profile_remap` on the hashed form: (new state, evicted mask, int32[3] counts,
+    the batch's slots), the sorted form's mask, counts and slots bit for bit."""
+    module.check_window(ids.hi.shape[0])
+    *leaves, evicted, counts, slots = mch_hash_profile_remap(
+        *state,
+        ids.hi,
+        ids.lo,
+        jnp.asarray(valid, bool),
+        policy=_policy(module),
+        interval=module.eviction_interval,
+        threshold=module.threshold,
+        ttl=module.single_ttl or 0,
+    )
+    return MCHHashState(*leaves), evicted, counts, slots
+
+
+def remap(module: MCHManagedCollisionModule, state: MCHHashState, ids: RawIds) -> jax.Array:
+    """`module.remap` on the hashed form: each id's slot, `default_slot` when not resident."""
+    return mch_hash_remap(state.table, ids.hi, ids.lo, default_slot=module.default_slot)
