@@ -9,6 +9,9 @@
 A training call is `profile_remap` (window, eviction every `--interval` calls, then the
 batch's slots on the new state; the state donated, as a training step donates it; one
 kernel call on CPU, as in the library's training program); an eval call is `remap` only.
+"ours" is the form `hybrid.Model` trains with on CPU: the hashed form of the map
+(`sparse_jax.managed._hashed`, when the kernels are built); `--with-sorted` adds the sorted
+form's kernel (the CPU training form before it, the form checkpoints hold).
 Ids are raw int64 drawn from a pool of `--pool` 64-bit values, uniformly or Zipf-like
 (p ~ 1 / rank^1.05), drawn before timing (drawing inside the timed calls added ~10-40 ms
 to both sides before this version); more ids than slots, so the table keeps turning over. Per case both
@@ -88,9 +91,11 @@ def _module(case):
     )
 
 
-def ours(case, kernels: bool = True):
-    """(train, eval) callables on the next batch; each returns the slots. `kernels=False`:
-    the XLA form (lowered with the CPU kernels switched off)."""
+def ours(case, form: str = "hashed"):
+    """(train, eval) callables on the next batch; each returns the slots. `form`: "hashed"
+    (what `hybrid.Model` trains with on CPU: `sparse_jax.managed._hashed`, when the kernels
+    are built), "sorted" (the sorted form's kernel: what it trained with before) or "xla"
+    (the sorted form a GPU runs, lowered with the CPU kernels switched off)."""
     import contextlib
     from unittest import mock
 
@@ -98,22 +103,34 @@ def ours(case, kernels: bool = True):
 
     from sparse_jax import RawIds
     from sparse_jax._kernels import _ffi
+    from sparse_jax.managed import _hashed
 
     mc = _module(case)
+    hashed = form == "hashed" and _hashed.hashes(mc)
 
     def train(state, ids):  # as the library's training program calls it (`_unsharded`)
-        state, evicted, _, slots = mc.profile_remap(state, ids)
+        if hashed:
+            state, evicted, _, slots = _hashed.profile_remap(mc, state, ids)
+        else:
+            state, evicted, _, slots = mc.profile_remap(state, ids)
         return state, slots, evicted
 
+    def evaluate(state, ids):
+        return _hashed.remap(mc, state, ids) if hashed else mc.remap(state, ids)
+
     off = (
-        contextlib.nullcontext() if kernels else mock.patch.object(_ffi, "_register", lambda: "off")
+        mock.patch.object(_ffi, "_register", lambda: "off")
+        if form == "xla"
+        else contextlib.nullcontext()
     )
     with off:  # lowered here, once: the choice of kernels is made at lowering
         jax.clear_caches()  # (jax reuses cached lowerings: the other form's, if lowered before)
         state = mc.init()
+        if hashed:
+            state = jax.jit(lambda s: _hashed.to_hashed(mc, s))(state)
         ids = RawIds.from_int64(np.arange(case.ids, dtype=np.int64))
         train_exe = jax.jit(train, donate_argnums=0).lower(state, ids).compile()
-        eval_exe = jax.jit(mc.remap).lower(state, ids).compile()
+        eval_exe = jax.jit(evaluate).lower(state, ids).compile()
         jax.clear_caches()
     box = {"state": state}
 
@@ -235,8 +252,10 @@ def _timed(case, sides, repeats):
 def _checked_sides(case, args):
     """Our side(s) and TorchRec's, after the first `--check` batches gave the same slots."""
     sides = {"ours": ours(case)}
+    if args.with_sorted:
+        sides["sorted"] = ours(case, "sorted")
     if args.with_xla:
-        sides["xla"] = ours(case, kernels=False)
+        sides["xla"] = ours(case, "xla")
     sides["torchrec"] = theirs(case)
     check = stream(case.ids, case.pool, seed=0, kind=case.stream, batches=args.check + 1)
     for step in range(args.check):
@@ -276,6 +295,11 @@ def parse(argv):
         default=15,
         help="rounds of the TorchRec-alone run (as many as paired: with eviction every few calls a "
         "short run's median can land on the calls around an eviction)",
+    )
+    ap.add_argument(
+        "--with-sorted",
+        action="store_true",
+        help="time the sorted form's kernel too (the CPU training form before the hashed one)",
     )
     ap.add_argument("--with-xla", action="store_true", help="time the XLA form too (slow)")
     ap.add_argument("--no-share", action="store_true", help="skip the hybrid.Model step share")
@@ -345,13 +369,20 @@ def main(argv=None) -> int:
         f"call(s); first {args.check} batches equal slot for slot; {args.repeats} interleaved "
         f"rounds, medians; speedup = our ids/s / TorchRec's (median of per-round ratios){void}"
     )
-    xla = args.with_xla
+    extra = [
+        (name, title)
+        for name, title, on in (
+            ("sorted", "sorted form ms", args.with_sorted),
+            ("xla", "XLA form ms", args.with_xla),
+        )
+        if on
+    ]
     print(
         "| slots | stream | policy | call | ours ms | ours Mids/s | "
-        + ("XLA form ms | " if xla else "")
+        + "".join(f"{title} | " for _, title in extra)
         + "TorchRec ms (here) | TorchRec ms (alone) | speedup | vs TorchRec alone |"
     )
-    print("|---" * (10 + xla) + "|")
+    print("|---" * (10 + len(extra)) + "|")
     for row in rows:
         zch, kind, policy = row["case"].split()
         ms = row["ours_ms"]
@@ -361,7 +392,7 @@ def main(argv=None) -> int:
         row["speedup_vs_alone"] = alone / ms
         print(
             f"| {zch} | {kind} | {policy} | {row['call']} | {ms:.2f} | {args.ids / ms / 1e3:.2f} | "
-            + (f"{row['xla_ms']:.2f} | " if xla else "")
+            + "".join(f"{row[name + '_ms']:.2f} | " for name, _ in extra)
             + f"{row['torchrec_ms']:.2f} | {alone:.2f} | {row['ours_speedup']:.2f}x{void} | "
             + f"{row['speedup_vs_alone']:.2f}x |"
         )

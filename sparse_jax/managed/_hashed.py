@@ -87,16 +87,20 @@ def to_sorted(module: MCHManagedCollisionModule, state: MCHHashState) -> MCHStat
 
 
 def profile_remap(
-    module: MCHManagedCollisionModule, state: MCHHashState, ids: RawIds, valid: jax.Array
+    module: MCHManagedCollisionModule,
+    state: MCHHashState,
+    ids: RawIds,
+    valid: jax.Array | bool = True,
 ) -> tuple[MCHHashState, jax.Array, jax.Array, jax.Array]:
     """`module.profile_remap` on the hashed form: (new state, evicted mask, int32[3] counts,
-    the batch's slots), the sorted form's mask, counts and slots bit for bit."""
+    the batch's slots), the sorted form's mask, counts and slots bit for bit. `valid` masks
+    padding (one bool per id, or one for all)."""
     module.check_window(ids.hi.shape[0])
     *leaves, evicted, counts, slots = mch_hash_profile_remap(
         *state,
         ids.hi,
         ids.lo,
-        jnp.asarray(valid, bool),
+        jnp.broadcast_to(jnp.asarray(valid, bool), ids.hi.shape),
         policy=_policy(module),
         interval=module.eviction_interval,
         threshold=module.threshold,
