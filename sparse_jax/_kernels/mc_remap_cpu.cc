@@ -1177,6 +1177,53 @@ inline uint64_t Mix(uint64_t k) {
 inline int32_t HiOf(int64_t k) { return static_cast<int32_t>(static_cast<uint64_t>(k) >> 32); }
 inline uint32_t LoOf(int64_t k) { return static_cast<uint32_t>(static_cast<uint64_t>(k)); }
 
+// The window's distinct ids with their counts and last access, as `Coalesce` gives them but
+// in the order first seen, not sorted: each position's id found in a small open-addressing
+// table of the distinct ids' indices (a power of two at least twice the window; -1: free),
+// which with the distinct ids stays in the core's cache. (The sorted form needs the ids
+// ascending for its scan; the hashed form only the new ids', sorted after.)
+void CoalesceByHash(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int64_t n,
+                    Coalesced& out) {
+  static thread_local std::vector<int32_t> index_buf;
+  int bits = 4;
+  while ((int64_t(1) << bits) < 2 * n) ++bits;
+  const int shift = 64 - bits;
+  const int64_t mask = (int64_t(1) << bits) - 1;
+  index_buf.assign(size_t(1) << bits, -1);
+  int32_t* const index = index_buf.data();
+  out.ids.resize(n);
+  out.count.resize(n);
+  out.last.resize(n);
+  out.of.resize(n);
+  int64_t* const ids = out.ids.data();
+  int32_t* const count = out.count.data();
+  int32_t* const last = out.last.data();
+  int32_t* const of = out.of.data();
+  const auto home = [shift](int64_t k) { return static_cast<int64_t>(Mix(static_cast<uint64_t>(k)) >> shift); };
+  constexpr int64_t kAhead = 16;
+  int32_t u = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(index + home(Key(whi[i + kAhead], wlo[i + kAhead])));
+    const int64_t k = Key(whi[i], wlo[i]);
+    int64_t b = home(k);
+    int32_t d;
+    while ((d = index[b]) >= 0 && ids[d] != k) b = (b + 1) & mask;
+    if (d < 0) {
+      d = u++;
+      index[b] = d;
+      ids[d] = k;
+      count[d] = 0;
+      last[d] = wstep[i];
+    }
+    ++count[d];
+    last[d] = std::max(last[d], wstep[i]);
+    of[i] = d;
+  }
+  out.ids.resize(u);
+  out.count.resize(u);
+  out.last.resize(u);
+}
+
 struct Hashed {
   int32_t* table;  // [buckets][4]
   int64_t mask;    // buckets - 1
@@ -1256,12 +1303,25 @@ void Erase(const Hashed& t, int64_t k) {
 // key `kAhead` on prefetched (the lookups' misses overlap).
 template <class K, class P>
 void FindAll(const Hashed& t, int64_t begin, int64_t end, K key, P put) {
-  constexpr int64_t kAhead = 16;
+  constexpr int64_t kAhead = 40;
   for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) __builtin_prefetch(t.bucket(key(i)));
   for (int64_t i = begin; i < end; ++i) {
     if (i + kAhead < end) __builtin_prefetch(t.bucket(key(i + kAhead)));
     put(i, FindSlot(t, key(i)));
   }
+}
+
+// The ids at the `c` slots `slots` (random places: each prefetched 16 slots ahead).
+std::vector<int64_t> IdsAt(const Hashed& s, const int64_t* slots, int64_t c) {
+  std::vector<int64_t> ids(c);
+  for (int64_t i = 0; i < c; ++i) {
+    if (i + 16 < c) {
+      __builtin_prefetch(s.hi + slots[i + 16]);
+      __builtin_prefetch(s.lo + slots[i + 16]);
+    }
+    ids[i] = s.id(slots[i]);
+  }
+  return ids;
 }
 
 // `slots` in the sorted form's order of loss: lowest `score` first, then the later entry
@@ -1272,11 +1332,12 @@ void InLossOrder(std::vector<int64_t>& slots, const int32_t* score, const Hashed
   if (c < 2) return;
   std::vector<uint64_t> key(c), tmp_key(c);
   std::vector<uint32_t> val(c), tmp_val(c);
+  const std::vector<int64_t> ids = IdsAt(s, slots.data(), c);
   // empty entries first (key 0), the later first (`free` read from its end); then ids
   // descending (key >= 1: no id is kEmpty)
   std::vector<int64_t> empties;
   for (int64_t i = 0; i < c; ++i)
-    if (s.id(slots[i]) == kEmpty) empties.push_back(slots[i]);
+    if (ids[i] == kEmpty) empties.push_back(slots[i]);
   int64_t at = 0;
   if (!empties.empty()) {
     std::sort(empties.begin(), empties.end());
@@ -1285,7 +1346,7 @@ void InLossOrder(std::vector<int64_t>& slots, const int32_t* score, const Hashed
         key[at] = 0, val[at++] = static_cast<uint32_t>(s.free[k]);
   }
   for (int64_t i = 0; i < c; ++i) {
-    const int64_t k = s.id(slots[i]);
+    const int64_t k = ids[i];
     if (k == kEmpty) continue;
     key[at] = ~(static_cast<uint64_t>(k) ^ kSign);
     val[at++] = static_cast<uint32_t>(slots[i]);
@@ -1355,8 +1416,8 @@ int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t thre
   const int32_t step = *s.step;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(*s.used, 0), s.h);
   Coalesced& win = const_cast<Coalesced&>(EvictWindow());
-  Coalesce(s.whi, s.wlo, s.wstep, n, win);
-  const int64_t u = static_cast<int64_t>(win.ids.size());  // ascending
+  CoalesceByHash(s.whi, s.wlo, s.wstep, n, win);
+  const int64_t u = static_cast<int64_t>(win.ids.size());  // in the order first seen
   const int64_t* const wids = win.ids.data();
   const int32_t* const wcount = win.count.data();
   const int32_t* const wlast = win.last.data();
@@ -1371,7 +1432,7 @@ int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t thre
         s, u * id / threads, u * (id + 1) / threads, [wids](int64_t w) { return wids[w]; },
         [hit](int64_t w, int32_t slot) { hit[w] = slot; });
   // residents' metadata (a resident below the threshold keeps its slot, unchanged); the
-  // admitted ids that are not resident, ascending
+  // admitted ids that are not resident (then sorted ascending)
   if (slot_of) slot_of->assign(u, static_cast<int32_t>(z - 1));
   int32_t* const slot_out = slot_of ? slot_of->data() : nullptr;
   std::vector<uint32_t> fresh;
@@ -1391,6 +1452,12 @@ int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t thre
   }
   meta[z - 1] = lfu ? INT32_MAX : step;
   const int64_t f = static_cast<int64_t>(fresh.size());
+  {
+    std::vector<uint64_t> key(f), tmp_key(f);
+    std::vector<uint32_t> tmp_val(f);
+    for (int64_t i = 0; i < f; ++i) key[i] = static_cast<uint64_t>(wids[fresh[i]]) ^ kSign;
+    RadixSort(key.data(), fresh.data(), tmp_key.data(), tmp_val.data(), f);
+  }
   const std::vector<uint32_t> best = BestFirst(fresh, win, lfu, step);
   std::vector<int32_t> ttl_score;
   if (policy == kTtl) {
@@ -1428,17 +1495,15 @@ int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t thre
     for (int64_t i = 0; i < won; ++i) slot_out[fresh[best[i]]] = won_slot[best[i]];
   }
   // the losers leave: an id's bucket freed, an empty entry's place in `free` closed
+  // (in two passes, each prefetching ahead: the losers' ids, then their buckets)
+  const std::vector<int64_t> lost_ids = IdsAt(s, weak.data(), won);
   int64_t empties_lost = 0;
   for (int64_t i = 0; i < won; ++i) {
-    if (i + kAhead < won) {
-      const int64_t ahead = s.id(weak[i + kAhead]);
-      if (ahead != kEmpty) __builtin_prefetch(s.bucket(ahead));
-    }
-    const int64_t k = s.id(weak[i]);
-    if (k == kEmpty)
+    if (i + kAhead < won && lost_ids[i + kAhead] != kEmpty) __builtin_prefetch(s.bucket(lost_ids[i + kAhead]));
+    if (lost_ids[i] == kEmpty)
       ++empties_lost;
     else
-      Erase(s, k);
+      Erase(s, lost_ids[i]);
   }
   if (empties_lost > 0) {  // most often the latest ones: the later empty entries lose first
     int32_t e = *s.free_count;
