@@ -90,14 +90,15 @@ def mch_hash_profile_remap(
 ) -> list:
     """`mch_profile(..., remap=True)` on the hashed form: `leaves` are `MCHHashState`'s 12
     fields then the batch's `hi`, `lo` and `valid`; returns the new state's 12 fields (the
-    buffers aliased), the bool[zch_size] evicted mask, int32[3] counts and the batch's slots:
-    the sorted form's mask, counts and slots, bit for bit."""
+    buffers aliased), the slots given to new ids (int32[min(zch_size, history_capacity)]:
+    ascending, then `zch_size`; the sorted form's evicted mask's set entries), int32[3]
+    counts and the batch's slots: the sorted form's counts and slots, bit for bit."""
     _register()
     state, (hi, lo, valid) = leaves[:_HASHED_LEAVES], leaves[_HASHED_LEAVES:]
-    z = state[1].shape[0]
+    z, h = state[1].shape[0], state[6].shape[0]
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outs += [
-        jax.ShapeDtypeStruct((z,), jnp.bool_),
+        jax.ShapeDtypeStruct((min(z, h),), jnp.int32),
         jax.ShapeDtypeStruct((3,), jnp.int32),
         jax.ShapeDtypeStruct(hi.shape, jnp.int32),
     ]

@@ -1407,9 +1407,11 @@ std::vector<int64_t> WeakestHashed(const int32_t* score, int64_t n, int64_t m, c
   return under;
 }
 
-// `Evict` on the hashed form: the same decisions (see there), the same returns.
-int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t threshold, int32_t ttl,
-                    std::vector<int32_t>* slot_of) {
+// `Evict` on the hashed form: the same decisions (see there), the same returns; instead of
+// the evicted mask, the slots given to new ids ascending, then `z` up to `limit` (`rows`:
+// what the rows' reset reads, without a pass over a mask of every slot).
+int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t policy, int32_t threshold,
+                    int32_t ttl, std::vector<int32_t>* slot_of) {
   const bool lfu = policy == kLfu;
   int32_t* const meta = s.meta;
   const int64_t z = s.z;
@@ -1477,21 +1479,26 @@ int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t thre
     if (!(mine > score[weak[won]])) break;
     ++won;
   }
-  std::memset(evicted, 0, sizeof(bool) * z);
   *s.used = 0;
   std::memset(s.wstep, 0, sizeof(int32_t) * s.h);
   *s.last_eviction = step;
+  for (int64_t i = won; i < limit; ++i) rows[i] = static_cast<int32_t>(z);
   if (won == 0) return 0;
-  // the best winner takes the best loser's (the won-th weakest) slot, and so on down
+  // the best winner takes the best loser's (the won-th weakest) slot, and so on down; the
+  // losers marked in a bitmap of the slots (cleared again below)
+  static thread_local std::vector<uint64_t> lost_bits;
+  lost_bits.resize((z + 63) / 64);
+  uint64_t* const lost = lost_bits.data();
+  const auto is_lost = [lost](int64_t slot) { return (lost[slot >> 6] >> (slot & 63)) & 1; };
   std::vector<int32_t> won_slot(f, -1);
   for (int64_t i = 0; i < won; ++i) {
     const int32_t loser = static_cast<int32_t>(weak[won - 1 - i]);
     won_slot[best[i]] = loser;
-    evicted[loser] = true;
+    lost[loser >> 6] |= uint64_t(1) << (loser & 63);
   }
   if (slot_out) {
     for (int64_t w = 0; w < u; ++w)
-      if (hit[w] >= 0 && evicted[hit[w]]) slot_out[w] = static_cast<int32_t>(z - 1);
+      if (hit[w] >= 0 && is_lost(hit[w])) slot_out[w] = static_cast<int32_t>(z - 1);
     for (int64_t i = 0; i < won; ++i) slot_out[fresh[best[i]]] = won_slot[best[i]];
   }
   // the losers leave: an id's bucket freed, an empty entry's place in `free` closed
@@ -1508,12 +1515,12 @@ int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t thre
   if (empties_lost > 0) {  // most often the latest ones: the later empty entries lose first
     int32_t e = *s.free_count;
     int64_t top = 0;
-    while (top < e && evicted[s.free[e - 1 - top]]) ++top;
+    while (top < e && is_lost(s.free[e - 1 - top])) ++top;
     int32_t kept = e - static_cast<int32_t>(top);
     if (top != empties_lost) {
       kept = 0;
       for (int32_t j = 0; j < e; ++j)
-        if (!evicted[s.free[j]]) s.free[kept++] = s.free[j];
+        if (!is_lost(s.free[j])) s.free[kept++] = s.free[j];
     }
     for (int32_t j = kept; j < e; ++j) s.free[j] = -1;
     *s.free_count = kept;
@@ -1529,6 +1536,11 @@ int64_t EvictHashed(const Hashed& s, bool* evicted, int32_t policy, int32_t thre
     meta[slot] = lfu ? win.count[w] : win.last[w];
     Insert(s, k, slot);
   }
+  // the losers' slots ascending, read off the bitmap (which is cleared as it is read)
+  int64_t r = 0;
+  for (int64_t b = 0; b < static_cast<int64_t>(lost_bits.size()) && r < won; ++b)
+    for (uint64_t bits = lost[b]; bits; bits &= bits - 1) rows[r++] = static_cast<int32_t>(b * 64 + __builtin_ctzll(bits));
+  for (int64_t i = 0; i < won; ++i) lost[weak[i] >> 6] = 0;
   return won;
 }
 
@@ -1577,8 +1589,10 @@ Hashed TakeHashed(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets
 }
 
 // MchProfileRemap on the hashed form: operands the hashed state's 12 buffers then the batch's
-// hi, lo and valid; results the new state's 12 (aliased), the evicted mask, the counts
-// (entries held before, after, slots given to new ids) and the batch's slots.
+// hi, lo and valid; results the new state's 12 (aliased), the slots given to new ids
+// (ascending, then `zch_size`, `min(zch_size, history_capacity)` of them: the evicted mask's
+// set entries), the counts (entries held before, after, slots given to new ids) and the
+// batch's slots.
 ffi::Error MchHashProfileRemapImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t policy,
                                    int32_t interval, int32_t threshold, int32_t ttl) {
   if (args.size() != kHashedLeaves + 3 || rets.size() != kHashedLeaves + 3)
@@ -1588,7 +1602,8 @@ ffi::Error MchHashProfileRemapImpl(ffi::RemainingArgs args, ffi::RemainingRets r
   const uint32_t* il = ArgData<uint32_t>(args, kHashedLeaves + 1);
   const bool* ok = ArgData<bool>(args, kHashedLeaves + 2);
   const int64_t n = static_cast<int64_t>(args.get<ffi::AnyBuffer>(kHashedLeaves).value().element_count());
-  bool* ev = RetData<bool>(rets, kHashedLeaves);
+  int32_t* rows = RetData<int32_t>(rets, kHashedLeaves);
+  const int64_t limit = static_cast<int64_t>(rets.get<ffi::AnyBuffer>(kHashedLeaves).value()->element_count());
   int32_t* occ = RetData<int32_t>(rets, kHashedLeaves + 1);
   int32_t* out = RetData<int32_t>(rets, kHashedLeaves + 2);
   const int32_t z1 = static_cast<int32_t>(s.z - 1);
@@ -1603,12 +1618,12 @@ ffi::Error MchHashProfileRemapImpl(ffi::RemainingArgs args, ffi::RemainingRets r
   };
   if (now - *s.last_eviction == interval) {
     static thread_local std::vector<int32_t> slot_of;
-    const int64_t admitted = EvictHashed(s, ev, policy, threshold, ttl, &slot_of);
+    const int64_t admitted = EvictHashed(s, rows, limit, policy, threshold, ttl, &slot_of);
     occ[1] = z1 - *s.free_count;
     occ[2] = static_cast<int32_t>(admitted);
     ReadOff(ih, il, ok, n, first, slot_of.data(), out, find);
   } else {
-    std::memset(ev, 0, sizeof(bool) * s.z);
+    for (int64_t i = 0; i < limit; ++i) rows[i] = static_cast<int32_t>(s.z);
     const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 12)));
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int id = 0; id < threads; ++id)

@@ -92,11 +92,14 @@ def profile_remap(
     ids: RawIds,
     valid: jax.Array | bool = True,
 ) -> tuple[MCHHashState, jax.Array, jax.Array, jax.Array]:
-    """`module.profile_remap` on the hashed form: (new state, evicted mask, int32[3] counts,
-    the batch's slots), the sorted form's mask, counts and slots bit for bit. `valid` masks
-    padding (one bool per id, or one for all)."""
+    """`module.profile_remap` on the hashed form: (new state, evicted rows, int32[3] counts,
+    the batch's slots). The evicted rows are the slots given to new ids ascending, then
+    `zch_size`, `min(zch_size, history_capacity)` of them: `jnp.nonzero(mask, size=...,
+    fill_value=zch_size)` of the sorted form's evicted mask, what a reset reads (no pass over
+    a mask of every slot). Those, the counts and the slots are the sorted form's bit for bit.
+    `valid` masks padding (one bool per id, or one for all)."""
     module.check_window(ids.hi.shape[0])
-    *leaves, evicted, counts, slots = mch_hash_profile_remap(
+    *leaves, rows, counts, slots = mch_hash_profile_remap(
         *state,
         ids.hi,
         ids.lo,
@@ -106,7 +109,7 @@ def profile_remap(
         threshold=module.threshold,
         ttl=module.single_ttl or 0,
     )
-    return MCHHashState(*leaves), evicted, counts, slots
+    return MCHHashState(*leaves), rows, counts, slots
 
 
 def remap(module: MCHManagedCollisionModule, state: MCHHashState, ids: RawIds) -> jax.Array:

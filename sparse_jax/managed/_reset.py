@@ -191,11 +191,22 @@ def reset_rows(
     """(params, opt_tables) with every table row `evicted[table]` (bool over the table's
     rows) marks drawn afresh in each of `blocks[table]`, and its per-row optimizer state
     zeroed. `limits[table]`: at most that many rows are marked, and that many rows are drawn
-    (from `fold_in(key, i)` for the i-th table by name, the same draw on every device)."""
+    (from `fold_in(key, i)` for the i-th table by name, the same draw on every device).
+    `evicted[table]` may also be the marked rows themselves: int32[limit], ascending, then
+    the table's `num_embeddings` (what `jnp.nonzero` of the mask gives)."""
     params, opt_tables = dict(params), dict(opt_tables)
     for i, name in enumerate(sorted(evicted)):
         config, k = configs[name], limits[name]
-        rows = _marked_rows(evicted[name], k, config.num_embeddings)  # fill: dropped
+        marked = evicted[name]
+        if marked.dtype == jnp.bool_:
+            rows = _marked_rows(marked, k, config.num_embeddings)  # fill: dropped
+        elif marked.shape == (k,):  # the rows already (the hashed form's profile gives them)
+            rows = marked
+        else:
+            raise ValueError(
+                f"reset_rows: table {name!r}'s evicted rows have shape {marked.shape}, expected "
+                f"({k},) (or a bool mask over the table's rows)"
+            )
         table_key = jax.random.fold_in(key, i)
         key_data, fresh = _key_data(config, table_key), None
         for block in blocks[name]:
