@@ -191,17 +191,15 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         limits = {name: np.int32(arrays[at].shape[0]) for name, (at, _) in self._target.items()}
         params, opt_state = self._committed_beside(params, opt_state)
         maps = self._training_maps()
-        (params, opt_state, self._maps, self.mc_counters, self._key, slots) = (
-            self._program.train(
-                params,
-                opt_state,
-                maps,
-                self.mc_counters,
-                self._key,
-                batch.words,
-                batch.positions,
-                limits,
-            )
+        (params, opt_state, self._maps, self.mc_counters, self._key, slots) = self._program.train(
+            params,
+            opt_state,
+            maps,
+            self.mc_counters,
+            self._key,
+            batch.words,
+            batch.positions,
+            limits,
         )
         self._sorted = None if self.hashed_tables else self._maps
         return (
@@ -298,9 +296,7 @@ def _build(spec: RemapSpec) -> Program:
 
     def remap_to_sorted(state):
         return {
-            name: _hashed.to_sorted(modules[name], m)
-            if isinstance(m, _hashed.MCHHashState)
-            else m
+            name: _hashed.to_sorted(modules[name], m) if isinstance(m, _hashed.MCHHashState) else m
             for name, m in state.items()
         }
 
