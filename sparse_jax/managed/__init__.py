@@ -4,6 +4,9 @@ TorchRec's managed-collision modules, functional. The concept in its files:
 
 - `_id_map`: one table's id map (`MCHManagedCollisionModule` and its state `MCHState`;
   raw ids as two words, `RawIds`; the plain hashed mode, `hashed_slots`).
+- `_hashed`: a map's hashed form (`MCHHashState`: an id-to-slot table, no sorted order),
+  how the unsharded module trains its maps on CPU; the same decisions as the sorted form,
+  converted back to it for everything else.
 - `_collection`: managed-collision tables in front of a table collection
   (`ManagedCollisionEmbeddingBagCollection`, `ManagedCollisionEmbeddingCollection`).
 - `_batch`: a managed module's prepared batch (`ManagedBatch`): raw ids checked on the

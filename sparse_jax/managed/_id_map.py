@@ -27,7 +27,9 @@ state so that it runs inside a jitted step:
   sort of the table) giving bit for bit the state and outputs of the XLA form below, for
   "lru", "lfu" and "ttl"; "distance_lfu" (float scores) lowers to the XLA form on CPU too.
   `profile_remap` (the training step's call) is `profile` then `remap` of the batch as one
-  kernel call there: the slots are read off the eviction, not searched again.
+  kernel call there: the slots are read off the eviction, not searched again. The unsharded
+  module trains its maps in a hashed form instead (`_hashed`: no entry moves at an
+  eviction), which makes these same decisions and converts back to this state.
 - On a GPU, `profile` has no data-dependent control flow (`by_platform`, `_static_loops`):
   the eviction is computed every call and kept only when due (a select, not a `lax.cond`,
   whose predicate a GPU copies to the host), the radix passes and the k-th score's
