@@ -18,7 +18,32 @@ import numpy as np
 from sparse_jax import _capacity, _validate
 from sparse_jax._jagged import KeyedJaggedTensor
 
-__all__ = ["LengthCaps", "host_kjt", "pad_host"]
+__all__ = ["LengthCaps", "aligned_zeros", "host_kjt", "pad_host"]
+
+
+ALIGN = 64  # bytes: XLA:CPU takes a host array this aligned without copying it
+
+
+def aligned_zeros(*sizes: tuple[int | tuple[int, ...], np.dtype]) -> list[np.ndarray]:
+    """`np.zeros(shape, dtype)` for each `(shape, dtype)`, carved from one allocation, each
+    starting on a 64-byte boundary: `jax.device_put` on CPU then takes them without a copy
+    (it copies a less aligned numpy array: ~0.15 ms for a 65,536-id batch's words and
+    positions). They are the device arrays' memory from then on: fill them before placing
+    them, never after. (The server's request packing has its own, `hybrid.serving._request
+    ._zeros`: the server never imports jax.)"""
+    shapes = [
+        ((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype))
+        for shape, dtype in sizes
+    ]
+    nbytes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in shapes]
+    spans = [-(-n // ALIGN) * ALIGN for n in nbytes]
+    buffer = np.zeros(sum(spans) + ALIGN, np.uint8)
+    start = -buffer.ctypes.data % ALIGN
+    out = []
+    for (shape, dtype), n, span in zip(shapes, nbytes, spans, strict=True):
+        out.append(buffer[start : start + n].view(dtype).reshape(shape))
+        start += span
+    return out
 
 
 def host_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:

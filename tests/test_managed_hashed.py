@@ -323,3 +323,17 @@ def test_a_ttl_map_trains_hashed_in_a_module():
         state, _, _, slots = call(state, RawIds.from_int64(raw), np.ones(16, bool))
         np.testing.assert_array_equal(np.asarray(mapped.kjt.values())[:16], np.asarray(slots))
     _same_state(module.mc_state["t"], state, "after 12 calls")
+
+
+def test_the_hashed_call_reads_a_prepared_batchs_words_as_raw_ids():
+    """The training program hands the kernel the prepared batch's `[n, 2]` words as they are
+    (no split by XLA): the same state, rows, counts and slots as the ids' two words."""
+    mc = MCHManagedCollisionModule(64, history_capacity=32, eviction_policy="lfu")
+    call = jax.jit(functools.partial(_hashed.profile_remap, mc))
+    by_ids = by_words = _hashed.to_hashed(mc, mc.init())
+    for raw, valid in _stream(2, 12, 32, 150, True):
+        ids = RawIds.from_int64(raw)
+        by_ids, *a = call(by_ids, ids, valid)
+        by_words, *b = call(by_words, jnp.asarray(ids.words()), valid)
+        for x, y in zip((*by_ids, *a), (*by_words, *b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

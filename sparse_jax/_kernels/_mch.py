@@ -89,18 +89,25 @@ def mch_hash_profile_remap(
     *leaves, policy: int, interval: int, threshold: int, ttl: int = 0
 ) -> list:
     """`mch_profile(..., remap=True)` on the hashed form: `leaves` are `MCHHashState`'s 12
-    fields then the batch's `hi`, `lo` and `valid`; returns the new state's 12 fields (the
+    fields then the batch's `hi`, `lo` and `valid` (or its `[n, 2]` words and `valid`: the
+    kernel splits them, not XLA); returns the new state's 12 fields (the
     buffers aliased), the slots given to new ids (int32[min(zch_size, history_capacity)]:
     ascending, then `zch_size`; the sorted form's evicted mask's set entries), int32[3]
     counts and the batch's slots: the sorted form's counts and slots, bit for bit."""
     _register()
-    state, (hi, lo, valid) = leaves[:_HASHED_LEAVES], leaves[_HASHED_LEAVES:]
+    state, batch = leaves[:_HASHED_LEAVES], leaves[_HASHED_LEAVES:]
+    if len(batch) == 2:  # ([n, 2] words, valid)
+        words, valid = batch
+        ids, n = (words.astype(jnp.int32),), words.shape[0]
+    else:
+        hi, lo, valid = batch
+        ids, n = (hi.astype(jnp.int32), lo.astype(jnp.uint32)), hi.shape[0]
     z, h = state[1].shape[0], state[6].shape[0]
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outs += [
         jax.ShapeDtypeStruct((min(z, h),), jnp.int32),
         jax.ShapeDtypeStruct((3,), jnp.int32),
-        jax.ShapeDtypeStruct(hi.shape, jnp.int32),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
     ]
     call = jax.ffi.ffi_call(
         "HybridrecMchHashProfileRemap",
@@ -109,8 +116,7 @@ def mch_hash_profile_remap(
     )
     return call(
         *state,
-        hi.astype(jnp.int32),
-        lo.astype(jnp.uint32),
+        *ids,
         valid.astype(jnp.bool_),
         policy=np.int32(policy),
         interval=np.int32(interval),

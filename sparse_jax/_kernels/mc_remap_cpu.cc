@@ -1589,19 +1589,33 @@ Hashed TakeHashed(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets
 }
 
 // MchProfileRemap on the hashed form: operands the hashed state's 12 buffers then the batch's
-// hi, lo and valid; results the new state's 12 (aliased), the slots given to new ids
+// hi, lo and valid (or its [n, 2] words, each id's hi then lo, and valid: as a prepared batch
+// holds them, read here instead of split by XLA); results the new state's 12 (aliased), the slots given to new ids
 // (ascending, then `zch_size`, `min(zch_size, history_capacity)` of them: the evicted mask's
 // set entries), the counts (entries held before, after, slots given to new ids) and the
 // batch's slots.
 ffi::Error MchHashProfileRemapImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t policy,
                                    int32_t interval, int32_t threshold, int32_t ttl) {
-  if (args.size() != kHashedLeaves + 3 || rets.size() != kHashedLeaves + 3)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchHashProfileRemap: expected 15 operands and 15 results");
+  const bool words = args.size() == kHashedLeaves + 2;
+  if ((!words && args.size() != kHashedLeaves + 3) || rets.size() != kHashedLeaves + 3)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "MchHashProfileRemap: expected 14 or 15 operands and 15 results");
   const Hashed s = TakeHashed(args, rets);
   const int32_t* ih = ArgData<int32_t>(args, kHashedLeaves);
   const uint32_t* il = ArgData<uint32_t>(args, kHashedLeaves + 1);
-  const bool* ok = ArgData<bool>(args, kHashedLeaves + 2);
-  const int64_t n = static_cast<int64_t>(args.get<ffi::AnyBuffer>(kHashedLeaves).value().element_count());
+  const bool* ok = ArgData<bool>(args, args.size() - 1);
+  int64_t n = static_cast<int64_t>(args.get<ffi::AnyBuffer>(kHashedLeaves).value().element_count());
+  if (words) {  // each id's (hi, lo) words side by side: split once
+    static thread_local std::vector<int32_t> hi_buf;
+    static thread_local std::vector<uint32_t> lo_buf;
+    const int32_t* w = ArgData<int32_t>(args, kHashedLeaves);
+    n /= 2;
+    hi_buf.resize(n);
+    lo_buf.resize(n);
+    for (int64_t i = 0; i < n; ++i) hi_buf[i] = w[2 * i], lo_buf[i] = static_cast<uint32_t>(w[2 * i + 1]);
+    ih = hi_buf.data();
+    il = lo_buf.data();
+  }
   int32_t* rows = RetData<int32_t>(rets, kHashedLeaves);
   const int64_t limit = static_cast<int64_t>(rets.get<ffi::AnyBuffer>(kHashedLeaves).value()->element_count());
   int32_t* occ = RetData<int32_t>(rets, kHashedLeaves + 1);

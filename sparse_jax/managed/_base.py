@@ -34,15 +34,15 @@ def profile_counted(module, state: MCHState, counters: jax.Array, ids: RawIds, v
     return state, _advanced(counters, counts), evicted
 
 
-def profile_counted_remap(
-    module, state: MCHState, counters: jax.Array, ids: RawIds, valid: jax.Array
-):
-    """`profile_counted`, then the slot of each id on the new state (`module.remap`), in one
-    call (`MCHManagedCollisionModule.profile_remap`, or `_hashed.profile_remap` for a map in
-    the hashed form): (state, counters, evicted, slots)."""
-    if isinstance(state, _hashed.MCHHashState):
-        state, evicted, counts, slots = _hashed.profile_remap(module, state, ids, valid)
+def profile_counted_remap(module, state: MCHState, counters: jax.Array, words, valid: jax.Array):
+    """`profile_counted`, then the slot of each id (`words`: `[n, 2]`, `RawIds.words()`) on
+    the new state (`module.remap`), in one call (`MCHManagedCollisionModule.profile_remap`,
+    or `_hashed.profile_remap` for a map in the hashed form): (state, counters, evicted,
+    slots)."""
+    if isinstance(state, _hashed.MCHHashState):  # (the kernel reads the words as they are)
+        state, evicted, counts, slots = _hashed.profile_remap(module, state, words, valid)
     else:
+        ids = RawIds.from_words(words)
         state, evicted, counts, slots = module.profile_remap(state, ids, valid=valid)
     return state, _advanced(counters, counts), evicted, slots
 

@@ -89,7 +89,7 @@ def to_sorted(module: MCHManagedCollisionModule, state: MCHHashState) -> MCHStat
 def profile_remap(
     module: MCHManagedCollisionModule,
     state: MCHHashState,
-    ids: RawIds,
+    ids: RawIds | jax.Array,
     valid: jax.Array | bool = True,
 ) -> tuple[MCHHashState, jax.Array, jax.Array, jax.Array]:
     """`module.profile_remap` on the hashed form: (new state, evicted rows, int32[3] counts,
@@ -97,13 +97,16 @@ def profile_remap(
     `zch_size`, `min(zch_size, history_capacity)` of them: `jnp.nonzero(mask, size=...,
     fill_value=zch_size)` of the sorted form's evicted mask, what a reset reads (no pass over
     a mask of every slot). Those, the counts and the slots are the sorted form's bit for bit.
-    `valid` masks padding (one bool per id, or one for all)."""
-    module.check_window(ids.hi.shape[0])
+    `ids`: `RawIds`, or their `[n, 2]` words (`RawIds.words()`, as a prepared batch holds
+    them: the kernel reads them as they are). `valid` masks padding (one bool per id, or
+    one for all)."""
+    words = not isinstance(ids, RawIds)
+    n = ids.shape[0] if words else ids.hi.shape[0]
+    module.check_window(n)
     *leaves, rows, counts, slots = mch_hash_profile_remap(
         *state,
-        ids.hi,
-        ids.lo,
-        jnp.broadcast_to(jnp.asarray(valid, bool), ids.hi.shape),
+        *((ids,) if words else (ids.hi, ids.lo)),
+        jnp.broadcast_to(jnp.asarray(valid, bool), (n,)),
         policy=_policy(module),
         interval=module.eviction_interval,
         threshold=module.threshold,

@@ -32,6 +32,7 @@ import numpy as np
 
 from sparse_jax._jagged import KeyedJaggedTensor
 from sparse_jax._module import PaddedBatch
+from sparse_jax._prepare import aligned_zeros
 from sparse_jax.managed import _hashed
 from sparse_jax.managed._base import ManagedModuleBase, profile_counted_remap
 from sparse_jax.managed._batch import ManagedBatch, raw_words_into, split_managed
@@ -147,11 +148,12 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         for name in self.managed_tables:
             mine = split.positions(name)
             cap = self._capacity(name, len(mine), devices=1)
-            positions[name] = np.full(
-                cap, arrays[self._target[name][0]].shape[0], np.int32
-            )  # padding: dropped
+            # (64-byte aligned: placed without a copy)
+            positions[name], words[name] = aligned_zeros((cap, np.int32), ((cap, 2), np.int32))
+            positions[name][len(mine) :] = arrays[self._target[name][0]].shape[
+                0
+            ]  # padding: dropped
             positions[name][: len(mine)] = mine if where is None else where[mine]
-            words[name] = np.zeros((cap, 2), np.int32)
             raw_words_into(words[name], split.raw_of(name))
         words, positions = jax.device_put((words, positions), device)
         self.prepare_count += 1
@@ -273,9 +275,9 @@ def _build(spec: RemapSpec) -> Program:
     def remap_train(params, opt_state, state, counters, key, words, positions, limits):
         state, counters, evicted, slots = dict(state), dict(counters), {}, {}
         for name, module, _, offset in spec.tables:
-            ids, valid = RawIds.from_words(words[name]), positions[name] < limits[name]
+            valid = positions[name] < limits[name]
             state[name], counters[name], evicted[name], mapped = profile_counted_remap(
-                module, state[name], counters[name], ids, valid
+                module, state[name], counters[name], words[name], valid
             )
             slots[name] = mapped + offset
         key, draw = jax.random.split(key)
