@@ -47,7 +47,7 @@ def _forms(mc):
     """(sorted training call, hashed training call, to_hashed, to_sorted, hashed eval), jitted."""
     return (
         jax.jit(mc.profile_remap),
-        jax.jit(functools.partial(_hashed.profile_remap, mc)),
+        jax.jit(functools.partial(_hashed.profile_remap, mc), donate_argnums=0),  # in place
         jax.jit(functools.partial(_hashed.to_hashed, mc)),
         jax.jit(functools.partial(_hashed.to_sorted, mc)),
         jax.jit(functools.partial(_hashed.remap, mc)),
@@ -237,14 +237,14 @@ def test_the_conversions_are_exact_both_ways_and_refuse_a_map_without_its_defaul
         jax.block_until_ready(to_hashed(state._replace(slots=jnp.asarray(swapped))))
 
 
-def _module(hashed, policy="lru"):
+def _module(hashed, policy="lru", items="distance_lfu"):
     tables = [
         EmbeddingBagConfig(name="users", num_embeddings=50, embedding_dim=4, feature_names=["u"]),
         EmbeddingBagConfig(name="items", num_embeddings=40, embedding_dim=4, feature_names=["i"]),
     ]
     modules = {
         "users": MCHManagedCollisionModule(50, history_capacity=64, eviction_policy=policy),
-        "items": MCHManagedCollisionModule(40, history_capacity=64, eviction_policy="distance_lfu"),
+        "items": MCHManagedCollisionModule(40, history_capacity=64, eviction_policy=items),
     }
     mc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables), modules)
     return ManagedCollisionSparseModule(mc, hashed=hashed)
@@ -260,14 +260,16 @@ def _batches(steps, seed=0):
         )
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_a_managed_module_trains_the_same_numbers_with_and_without_the_hashed_form(policy):
+@pytest.mark.parametrize(("policy", "items"), [("lru", "distance_lfu"), ("lfu", "lru")])
+def test_a_managed_module_trains_the_same_numbers_with_and_without_the_hashed_form(policy, items):
     """Two modules over the same batches, one keeping every map sorted (`hashed=False`): the
     same rows looked up, the same parameters after the resets, the same maps and counters,
-    with `mc_state` read between steps (a checkpoint's read), a map loaded midway, and eval
-    batches between training batches."""
-    modules = {flag: _module(flag, policy) for flag in (None, False)}
-    assert modules[None].hashed_tables == {"users"}  # distance_lfu has no kernel: sorted
+    with `mc_state` read between steps (a checkpoint's read), a map loaded midway, maps
+    replaced as a whole, and eval batches between training batches. One hashed table beside
+    a sorted one (distance_lfu has no kernel), then two hashed tables in one program."""
+    modules = {flag: _module(flag, policy, items) for flag in (None, False)}
+    hashed = {"users"} if items == "distance_lfu" else {"users", "items"}
+    assert modules[None].hashed_tables == hashed
     assert modules[False].hashed_tables == frozenset()
     rule = rowwise_adagrad(lr=0.1)
     runs = {}
@@ -286,9 +288,14 @@ def test_a_managed_module_trains_the_same_numbers_with_and_without_the_hashed_fo
                 module.load_mc_state(saved[0], saved[1])
             if step % 3 == 0:
                 jax.block_until_ready(module.mc_state)
+            if step == 8:  # the maps replaced as a whole (a read is a copy: edit, then assign)
+                maps = module.mc_state
+                maps["users"] = module.mc.modules["users"].init()
+                module.mc_state = maps
         runs[flag] = (seen, params, jax.tree.map(np.asarray, module.host_state()))
         if flag is None:
-            assert isinstance(module._maps["users"], _hashed.MCHHashState)  # trains hashed
+            for name in hashed:
+                assert isinstance(module._maps[name], _hashed.MCHHashState)  # trains hashed
     (seen_h, params_h, state_h), (seen_s, params_s, state_s) = runs[None], runs[False]
     for step, (a, b) in enumerate(zip(seen_h, seen_s, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"rows of call {step}")
@@ -337,3 +344,78 @@ def test_the_hashed_call_reads_a_prepared_batchs_words_as_raw_ids():
         by_words, *b = call(by_words, jnp.asarray(ids.words()), valid)
         for x, y in zip((*by_ids, *a), (*by_words, *b), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_conversion_in_the_middle_of_a_window_continues_as_the_sorted_form():
+    """Evictions every 3 calls: after every call the sorted map is converted afresh (its
+    window part filled), and the next call from that conversion matches the sorted form's."""
+    mc = MCHManagedCollisionModule(
+        48, history_capacity=3 * 20, eviction_policy="lru", eviction_interval=3, threshold=2
+    )
+    sorted_call, hashed_call, to_hashed, to_sorted, _ = _forms(mc)
+    state = mc.init()
+    for step, (raw, valid) in enumerate(_stream(4, 18, 20, 120, True)):
+        ids = RawIds.from_int64(raw)
+        converted = to_hashed(state)
+        _same_state(to_sorted(converted), state, f"converted before {step}")
+        state, mask, counts, slots = sorted_call(state, ids, valid)
+        converted, rows, h_counts, h_slots = hashed_call(converted, ids, valid)
+        np.testing.assert_array_equal(np.asarray(h_slots), np.asarray(slots), str(step))
+        np.testing.assert_array_equal(np.asarray(h_counts), np.asarray(counts), str(step))
+        np.testing.assert_array_equal(np.asarray(rows), _marked(mask, mc), str(step))
+        _same_state(to_sorted(converted), state, f"step {step}")
+
+
+def test_a_conversion_refuses_slots_that_are_not_a_permutation():
+    mc = MCHManagedCollisionModule(16, history_capacity=8)
+    state = mc.init()
+    twice = np.asarray(state.slots).copy()
+    twice[3] = twice[4]  # slot 4 owned twice
+    with pytest.raises(Exception, match="not a permutation"):
+        jax.block_until_ready(_hashed.to_hashed(mc, state._replace(slots=jnp.asarray(twice))))
+
+
+def test_the_hashed_training_program_updates_its_maps_in_place_without_copying_them(
+    monkeypatch,
+):
+    """The module's CPU training program on hashed maps: the kernel updates the donated
+    buffers in place (XLA would otherwise copy the table and the slot columns every step:
+    44 MB at 2^20 slots)."""
+    import re
+
+    from benchmarks.gpu_readiness import managed_remap_case
+    from sparse_jax.managed._unsharded import RemapSpec, _build
+
+    module, _, _, args = managed_remap_case(history_capacity=64)
+    assert module.hashed_tables == {"u"}
+    spec = RemapSpec(
+        (("u", module.mc.modules["u"], "", 0),), module.mc.reset_plan(module.managed_tables)
+    )
+    program = _build(spec)
+    maps = program.hash(args[2], module.hashed_tables)
+    assert isinstance(maps["u"], _hashed.MCHHashState)
+    lowered = program.train.trace(*args[:2], maps, *args[3:]).lower(lowering_platforms=("cpu",))
+    text = lowered.compile().as_text()
+    assert "HybridrecMchHashProfileRemap" in text
+    assert "HybridrecMaskPositions" not in text  # the kernel hands the reset its rows
+    buckets = 4 * _hashed.buckets(32)
+    assert not re.search(rf"[su]32\[(32|{buckets})\]\{{0\}} copy\(", text), re.findall(
+        r".*copy\(.*", text
+    )
+
+
+def test_a_reset_refuses_evicted_rows_of_another_length():
+    from sparse_jax.managed._reset import RowBlock, reset_rows
+
+    config = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=2, feature_names=["f"])
+    params = {"w": jnp.zeros((10, 2))}
+    with pytest.raises(ValueError, match=r"table 't'.*shape \(3,\), expected \(4,\)"):
+        reset_rows(
+            params,
+            {},
+            {"t": jnp.zeros(3, jnp.int32)},
+            jax.random.key(0),
+            configs={"t": config},
+            limits={"t": 4},
+            blocks={"t": [RowBlock("w", 0, 0, 10, 0, 2)]},
+        )

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -1682,6 +1683,17 @@ ffi::Error MchToHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32
   if (slots[z - 1] != z - 1 || Key(hi[z - 1], lo[z - 1]) != kEmpty)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "MchToHash: the map's last entry is not the default slot's (zch_size - 1)");
+  {  // the slots are written at: each in [0, z) and owned once
+    std::vector<uint64_t> seen((z + 63) / 64, 0);
+    for (int64_t j = 0; j < z; ++j) {
+      const int32_t slot = slots[j];
+      if (slot < 0 || slot >= z || (seen[slot >> 6] >> (slot & 63) & 1))
+        return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                          "MchToHash: the map's slots are not a permutation of 0..zch_size-1 "
+                          "(entry " + std::to_string(j) + " holds slot " + std::to_string(slot) + ")");
+      seen[slot >> 6] |= uint64_t(1) << (slot & 63);
+    }
+  }
   Hashed s{};
   s.table = RetData<int32_t>(rets, 0);
   const int64_t buckets = static_cast<int64_t>(rets.get<ffi::AnyBuffer>(0).value()->element_count()) / 4;

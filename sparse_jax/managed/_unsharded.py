@@ -24,6 +24,7 @@ the mesh form is `sparse_jax.sharding.ShardedManagedCollisionModule`.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import NamedTuple
 
 import jax
@@ -68,6 +69,7 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
     """
 
     def __init__(self, mc: ManagedCollisionCollection, *, hashed: bool | None = None):
+        self._maps_lock = threading.RLock()  # `_maps` and `_sorted` change together
         if not isinstance(mc, ManagedCollisionCollection):
             raise TypeError(
                 f"ManagedCollisionSparseModule wraps a ManagedCollisionEmbeddingBagCollection or a "
@@ -102,19 +104,29 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
     def mc_state(self) -> dict[str, MCHState]:
         """{managed table: its id map (`MCHState`, the sorted form)}: what checkpoints,
         resharding, export and eval read. A map trained in the hashed form is converted back
-        once after each training step that changed it."""
-        if self._sorted is None:
-            self._sorted = self._program.unhash(self._maps)
-        return self._sorted
+        once after each training step that changed it. A new dict each read: replace the maps
+        as a whole (`mc_state = maps`, or `load_mc_state`), not one entry of a read."""
+        with self._maps_lock:
+            if self._sorted is None:
+                self._sorted = self._program.unhash(self._maps)
+            return dict(self._sorted)
 
     @mc_state.setter
     def mc_state(self, maps) -> None:
-        self._maps = self._sorted = dict(maps)
+        with self._maps_lock:
+            self._maps = self._sorted = dict(maps)
 
-    def _training_maps(self):
-        """The maps in their training form: the hashed tables' converted once, on first use."""
+    def _training_maps(self, params):
+        """The maps in their training form: the hashed tables' converted once, on first use
+        (and every map kept sorted when the tables are not on a CPU device)."""
+        if self.hashed_tables and not all(
+            d.platform == "cpu" for leaf in jax.tree.leaves(params) for d in leaf.devices()
+        ):
+            self.mc_state = self.mc_state  # (back to the sorted form, if it had been hashed)
+            self.hashed_tables = frozenset()
         if any(isinstance(self._maps[name], MCHState) for name in self.hashed_tables):
-            self._maps = self._program.hash(self._maps, self.hashed_tables)
+            with self._maps_lock:
+                self._maps = self._program.hash(self._maps, self.hashed_tables)
         return self._maps
 
     def _fresh_maps(self):
@@ -192,18 +204,21 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         arrays = self._targets(batch.inner)
         limits = {name: np.int32(arrays[at].shape[0]) for name, (at, _) in self._target.items()}
         params, opt_state = self._committed_beside(params, opt_state)
-        maps = self._training_maps()
-        (params, opt_state, self._maps, self.mc_counters, self._key, slots) = self._program.train(
-            params,
-            opt_state,
-            maps,
-            self.mc_counters,
-            self._key,
-            batch.words,
-            batch.positions,
-            limits,
-        )
-        self._sorted = None if self.hashed_tables else self._maps
+        maps = self._training_maps(params)
+        with self._maps_lock:  # (a reader on another thread sees the maps before or after)
+            (params, opt_state, self._maps, self.mc_counters, self._key, slots) = (
+                self._program.train(
+                    params,
+                    opt_state,
+                    maps,
+                    self.mc_counters,
+                    self._key,
+                    batch.words,
+                    batch.positions,
+                    limits,
+                )
+            )
+            self._sorted = None if self.hashed_tables else self._maps
         return (
             params,
             opt_state,
