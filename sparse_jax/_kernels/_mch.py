@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 _STATE_LEAVES = 11  # MCHState's fields, in order
-_HASHED_LEAVES = 12  # MCHHashState's fields, in order
+_HASHED_LEAVES = 11  # MCHHashState's fields, in order
 
 
 def mch_profile(
@@ -88,9 +88,9 @@ def mask_positions(mask, size: int, fill: int) -> jax.Array:
 def mch_hash_profile_remap(
     *leaves, policy: int, interval: int, threshold: int, ttl: int = 0
 ) -> list:
-    """`mch_profile(..., remap=True)` on the hashed form: `leaves` are `MCHHashState`'s 12
+    """`mch_profile(..., remap=True)` on the hashed form: `leaves` are `MCHHashState`'s 11
     fields then the batch's `hi`, `lo` and `valid` (or its `[n, 2]` words and `valid`: the
-    kernel splits them, not XLA); returns the new state's 12 fields (the
+    kernel splits them, not XLA); returns the new state's 11 fields (the
     buffers aliased), the slots given to new ids (int32[min(zch_size, history_capacity)]:
     ascending, then `zch_size`; the sorted form's evicted mask's set entries), int32[3]
     counts and the batch's slots: the sorted form's counts and slots, bit for bit."""
@@ -102,7 +102,7 @@ def mch_hash_profile_remap(
     else:
         hi, lo, valid = batch
         ids, n = (hi.astype(jnp.int32), lo.astype(jnp.uint32)), hi.shape[0]
-    z, h = state[1].shape[0], state[6].shape[0]
+    z, h = state[2].shape[0], state[5].shape[0]
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outs += [
         jax.ShapeDtypeStruct((min(z, h),), jnp.int32),
@@ -135,15 +135,14 @@ def mch_hash_remap(table, hi, lo, *, default_slot: int) -> jax.Array:
 
 
 def mch_to_hash(*leaves, policy: int, buckets: int) -> list:
-    """The hashed form's 12 fields of a sorted map (`MCHState`'s 11 `leaves`), its table of
+    """The hashed form's 11 fields of a sorted map (`MCHState`'s 11 `leaves`), its table of
     `buckets` (a power of two) buckets."""
     _register()
     z, h = leaves[0].shape[0], leaves[5].shape[0]
     i32, u32 = jnp.int32, jnp.uint32
     outs = [
         jax.ShapeDtypeStruct((buckets * 4,), i32),
-        jax.ShapeDtypeStruct((z,), i32),
-        jax.ShapeDtypeStruct((z,), u32),
+        jax.ShapeDtypeStruct((2 * z,), i32),
         jax.ShapeDtypeStruct((z,), i32),
         jax.ShapeDtypeStruct((z,), i32),
         jax.ShapeDtypeStruct((), i32),
@@ -158,9 +157,9 @@ def mch_to_hash(*leaves, policy: int, buckets: int) -> list:
 
 
 def mch_from_hash(*leaves, policy: int) -> list:
-    """The sorted form's 11 fields (`MCHState`) of a hashed map's 12 `leaves`."""
+    """The sorted form's 11 fields (`MCHState`) of a hashed map's 11 `leaves`."""
     _register()
-    z, h = leaves[1].shape[0], leaves[6].shape[0]
+    z, h = leaves[2].shape[0], leaves[5].shape[0]
     i32, u32 = jnp.int32, jnp.uint32
     shapes = [(z, i32), (z, u32), (z, i32), (z, i32), (z, i32), (h, i32), (h, u32), (h, i32)]
     outs = [jax.ShapeDtypeStruct((n,), t) for n, t in shapes]

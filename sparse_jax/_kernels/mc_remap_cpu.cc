@@ -1154,7 +1154,7 @@ ffi::Error MaskPositionsImpl(ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffe
 // At each eviction the sorted form moves every entry between the first change and the last
 // (the whole map when new ids land all over the id range, as they do) and scans the residents
 // for the window's ids. The hashed form keeps each slot's id and policy metadata at the slot
-// (`ids_hi`, `ids_lo`, `meta`: [Z], the default slot `Z - 1` holding the default entry's), an
+// (`ids`: [Z] pairs of words; `meta`: [Z]; the default slot `Z - 1` holding the default entry's), an
 // open-addressing table from id to slot (linear probing over 2^k buckets of four words: id hi,
 // id lo, slot, unused; slot -1 marks a free bucket; at most half full), and the empty entries'
 // slots in their sorted-form order (`free`, its first `free_count`). An eviction looks the
@@ -1229,8 +1229,8 @@ struct Hashed {
   int32_t* table;  // [buckets][4]
   int64_t mask;    // buckets - 1
   int shift;       // 64 - log2(buckets)
-  int32_t* hi;     // by slot (kEmpty: an empty entry's, and the default slot's)
-  uint32_t* lo;
+  int32_t* ids;    // by slot, (hi, lo) side by side: one line (kEmpty: an empty entry's, and
+                   // the default slot's)
   int32_t* meta;  // by slot: the policy's column (LFU the count, LRU and TTL the last access)
   int32_t* free;  // the empty entries' slots, in their sorted-form order
   int32_t* free_count;
@@ -1241,7 +1241,7 @@ struct Hashed {
   int32_t* step;
   int32_t* last_eviction;
   int64_t z, h;
-  inline int64_t id(int64_t slot) const { return Key(hi[slot], lo[slot]); }
+  inline int64_t id(int64_t slot) const { return Key(ids[2 * slot], static_cast<uint32_t>(ids[2 * slot + 1])); }
   inline int32_t* bucket(int64_t k) const { return table + 4 * static_cast<int64_t>(Mix(k) >> shift); }
 };
 
@@ -1316,10 +1316,7 @@ void FindAll(const Hashed& t, int64_t begin, int64_t end, K key, P put) {
 std::vector<int64_t> IdsAt(const Hashed& s, const int64_t* slots, int64_t c) {
   std::vector<int64_t> ids(c);
   for (int64_t i = 0; i < c; ++i) {
-    if (i + 16 < c) {
-      __builtin_prefetch(s.hi + slots[i + 16]);
-      __builtin_prefetch(s.lo + slots[i + 16]);
-    }
+    if (i + 16 < c) __builtin_prefetch(s.ids + 2 * slots[i + 16]);
     ids[i] = s.id(slots[i]);
   }
   return ids;
@@ -1360,6 +1357,10 @@ void InLossOrder(std::vector<int64_t>& slots, const int32_t* score, const Hashed
 
 // The `need` latest of the slots [0, n) whose score is `bound`, latest first: the empty
 // entries at it from the last one down (`free` read from its end), then the largest ids at it.
+// The ids are kept in one pass that holds at most ~2 `need` candidates: when it holds more,
+// it keeps the largest `need` (a selection) and from then on skips ids below the smallest of
+// them (with many slots at the bound, as LFU's count 1 under uniform ids, most are skipped
+// by one compare).
 std::vector<int64_t> LatestAt(const int32_t* score, int64_t n, int32_t bound, int64_t need, const Hashed& s) {
   std::vector<int64_t> out;
   out.reserve(need);
@@ -1367,12 +1368,38 @@ std::vector<int64_t> LatestAt(const int32_t* score, int64_t n, int32_t bound, in
     if (score[s.free[k]] == bound) out.push_back(s.free[k]);
   const int64_t rest = need - static_cast<int64_t>(out.size());
   if (rest == 0) return out;
-  std::vector<int64_t> at;
-  for (int64_t j = 0; j < n; ++j)
-    if (score[j] == bound && s.id(j) != kEmpty) at.push_back(j);
-  const auto later = [&s](int64_t a, int64_t b) { return s.id(a) > s.id(b); };
-  std::partial_sort(at.begin(), at.begin() + rest, at.end(), later);
-  out.insert(out.end(), at.begin(), at.begin() + rest);
+  struct Candidate {
+    uint64_t key;  // the id in unsigned order (larger id, larger key)
+    int64_t slot;
+  };
+  const auto larger = [](const Candidate& a, const Candidate& b) { return a.key > b.key; };
+  std::vector<Candidate> kept;
+  const size_t most = static_cast<size_t>(2 * rest + 1024);
+  kept.reserve(most);
+  uint64_t floor = 0;  // ids below it cannot be among the largest `rest`
+  const auto consider = [&](int64_t j) {
+    const int64_t id = s.id(j);
+    if (id == kEmpty) return;
+    const uint64_t key = static_cast<uint64_t>(id) ^ kSign;
+    if (key < floor) return;
+    kept.push_back({key, j});
+    if (kept.size() < most) return;
+    std::nth_element(kept.begin(), kept.begin() + (rest - 1), kept.end(), larger);
+    kept.resize(rest);
+    floor = kept[rest - 1].key;
+  };
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const __m512i vbound = _mm512_set1_epi32(bound);
+  for (; j + 16 <= n; j += 16)
+    for (uint32_t eq = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(score + j), vbound); eq != 0; eq &= eq - 1)
+      consider(j + __builtin_ctz(eq));
+#endif
+  for (; j < n; ++j)
+    if (score[j] == bound) consider(j);
+  const int64_t take = std::min<int64_t>(rest, static_cast<int64_t>(kept.size()));
+  std::partial_sort(kept.begin(), kept.begin() + take, kept.end(), larger);
+  for (int64_t i = 0; i < take; ++i) out.push_back(kept[i].slot);
   return out;
 }
 
@@ -1507,7 +1534,12 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
   const std::vector<int64_t> lost_ids = IdsAt(s, weak.data(), won);
   int64_t empties_lost = 0;
   for (int64_t i = 0; i < won; ++i) {
-    if (i + kAhead < won && lost_ids[i + kAhead] != kEmpty) __builtin_prefetch(s.bucket(lost_ids[i + kAhead]));
+    if (i + kAhead < won && lost_ids[i + kAhead] != kEmpty) {
+      // (its bucket's line, and the next: the backward shift walks on to the run's end)
+      const int32_t* at = s.bucket(lost_ids[i + kAhead]);
+      __builtin_prefetch(at, 1);
+      __builtin_prefetch(at + 16, 1);
+    }
     if (lost_ids[i] == kEmpty)
       ++empties_lost;
     else
@@ -1532,8 +1564,8 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
     const uint32_t w = fresh[best[i]];
     const int32_t slot = won_slot[best[i]];
     const int64_t k = win.ids[w];
-    s.hi[slot] = HiOf(k);
-    s.lo[slot] = LoOf(k);
+    s.ids[2 * slot] = HiOf(k);
+    s.ids[2 * slot + 1] = static_cast<int32_t>(LoOf(k));
     meta[slot] = lfu ? win.count[w] : win.last[w];
     Insert(s, k, slot);
   }
@@ -1564,34 +1596,34 @@ T* RetData(const ffi::RemainingRets& rets, size_t i) {
   return static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data());
 }
 
-constexpr size_t kHashedLeaves = 12;  // sparse_jax.managed._hashed.MCHHashState's fields
+constexpr size_t kHashedLeaves = 11;  // sparse_jax.managed._hashed.MCHHashState's fields
 
-// The hashed state's 12 buffers (in MCHHashState's order), taken into the outputs.
+// The hashed state's 11 buffers (in MCHHashState's order), taken into the outputs.
 Hashed TakeHashed(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
   Hashed s{};
   s.table = Took<int32_t>(args, rets, 0);
   const int64_t buckets = static_cast<int64_t>(args.get<ffi::AnyBuffer>(0).value().element_count()) / 4;
   s.mask = buckets - 1;
   s.shift = 64 - BucketBits(buckets);
-  s.hi = Took<int32_t>(args, rets, 1);
-  s.lo = Took<uint32_t>(args, rets, 2);
-  s.meta = Took<int32_t>(args, rets, 3);
-  s.free = Took<int32_t>(args, rets, 4);
-  s.free_count = Took<int32_t>(args, rets, 5);
-  s.whi = Took<int32_t>(args, rets, 6);
-  s.wlo = Took<uint32_t>(args, rets, 7);
-  s.wstep = Took<int32_t>(args, rets, 8);
-  s.used = Took<int32_t>(args, rets, 9);
-  s.step = Took<int32_t>(args, rets, 10);
-  s.last_eviction = Took<int32_t>(args, rets, 11);
-  s.z = static_cast<int64_t>(args.get<ffi::AnyBuffer>(1).value().element_count());
-  s.h = static_cast<int64_t>(args.get<ffi::AnyBuffer>(6).value().element_count());
+  s.ids = Took<int32_t>(args, rets, 1);
+  s.meta = Took<int32_t>(args, rets, 2);
+  s.free = Took<int32_t>(args, rets, 3);
+  s.free_count = Took<int32_t>(args, rets, 4);
+  s.whi = Took<int32_t>(args, rets, 5);
+  s.wlo = Took<uint32_t>(args, rets, 6);
+  s.wstep = Took<int32_t>(args, rets, 7);
+  s.used = Took<int32_t>(args, rets, 8);
+  s.step = Took<int32_t>(args, rets, 9);
+  s.last_eviction = Took<int32_t>(args, rets, 10);
+  s.z = static_cast<int64_t>(args.get<ffi::AnyBuffer>(2).value().element_count());
+  s.h = static_cast<int64_t>(args.get<ffi::AnyBuffer>(5).value().element_count());
   return s;
 }
 
-// MchProfileRemap on the hashed form: operands the hashed state's 12 buffers then the batch's
+// MchProfileRemap on the hashed form: operands the hashed state's 11 buffers then the batch's
 // hi, lo and valid (or its [n, 2] words, each id's hi then lo, and valid: as a prepared batch
-// holds them, read here instead of split by XLA); results the new state's 12 (aliased), the slots given to new ids
+// holds them, read here instead of split by XLA); results the new state's 11 (aliased), the
+// slots given to new ids
 // (ascending, then `zch_size`, `min(zch_size, history_capacity)` of them: the evicted mask's
 // set entries), the counts (entries held before, after, slots given to new ids) and the
 // batch's slots.
@@ -1600,7 +1632,7 @@ ffi::Error MchHashProfileRemapImpl(ffi::RemainingArgs args, ffi::RemainingRets r
   const bool words = args.size() == kHashedLeaves + 2;
   if ((!words && args.size() != kHashedLeaves + 3) || rets.size() != kHashedLeaves + 3)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "MchHashProfileRemap: expected 14 or 15 operands and 15 results");
+                      "MchHashProfileRemap: expected 13 or 14 operands and 14 results");
   const Hashed s = TakeHashed(args, rets);
   const int32_t* ih = ArgData<int32_t>(args, kHashedLeaves);
   const uint32_t* il = ArgData<uint32_t>(args, kHashedLeaves + 1);
@@ -1670,11 +1702,11 @@ ffi::Error MchHashRemapImpl(ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> i
   return ffi::Error::Success();
 }
 
-// The sorted form's 11 buffers -> the hashed form's 12 (`MchToHash`; the table's size is the
+// The sorted form's 11 buffers -> the hashed form's 11 (`MchToHash`; the table's size is the
 // result's). Refuses a map whose last entry is not the default slot's.
 ffi::Error MchToHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t policy) {
   if (args.size() != 11 || rets.size() != kHashedLeaves)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchToHash: expected 11 operands and 12 results");
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchToHash: expected 11 operands and 11 results");
   const int32_t* hi = ArgData<int32_t>(args, 0);
   const uint32_t* lo = ArgData<uint32_t>(args, 1);
   const int32_t* slots = ArgData<int32_t>(args, 2);
@@ -1699,16 +1731,15 @@ ffi::Error MchToHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32
   const int64_t buckets = static_cast<int64_t>(rets.get<ffi::AnyBuffer>(0).value()->element_count()) / 4;
   s.mask = buckets - 1;
   s.shift = 64 - BucketBits(buckets);
-  s.hi = RetData<int32_t>(rets, 1);
-  s.lo = RetData<uint32_t>(rets, 2);
-  s.meta = RetData<int32_t>(rets, 3);
-  s.free = RetData<int32_t>(rets, 4);
+  s.ids = RetData<int32_t>(rets, 1);
+  s.meta = RetData<int32_t>(rets, 2);
+  s.free = RetData<int32_t>(rets, 3);
   std::memset(s.table, 0xFF, sizeof(int32_t) * 4 * buckets);  // every bucket free (slot -1)
   int32_t e = 0;
   for (int64_t j = 0; j < z; ++j) {
     const int32_t slot = slots[j];
-    s.hi[slot] = hi[j];
-    s.lo[slot] = lo[j];
+    s.ids[2 * slot] = hi[j];
+    s.ids[2 * slot + 1] = static_cast<int32_t>(lo[j]);
     s.meta[slot] = kept[j];
     if (j == z - 1) break;
     const int64_t k = Key(hi[j], lo[j]);
@@ -1718,25 +1749,24 @@ ffi::Error MchToHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32
       Insert(s, k, slot);
   }
   for (int64_t j = e; j < z; ++j) s.free[j] = -1;
-  *RetData<int32_t>(rets, 5) = e;
+  *RetData<int32_t>(rets, 4) = e;
   for (size_t i = 5; i < 11; ++i) {  // the window and the counters as they are
     ffi::AnyBuffer in = args.get<ffi::AnyBuffer>(i).value();
-    std::memcpy(rets.get<ffi::AnyBuffer>(i + 1).value()->untyped_data(), in.untyped_data(), in.size_bytes());
+    std::memcpy(rets.get<ffi::AnyBuffer>(i).value()->untyped_data(), in.untyped_data(), in.size_bytes());
   }
   return ffi::Error::Success();
 }
 
-// The hashed form's 12 buffers -> the sorted form's 11: the ids ascending with their slots
+// The hashed form's 11 buffers -> the sorted form's 11: the ids ascending with their slots
 // and metadata, then the empty entries in their order, then the default entry.
 ffi::Error MchFromHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t policy) {
   if (args.size() != kHashedLeaves || rets.size() != 11)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchFromHash: expected 12 operands and 11 results");
-  const int32_t* shi = ArgData<int32_t>(args, 1);
-  const uint32_t* slo = ArgData<uint32_t>(args, 2);
-  const int32_t* meta = ArgData<int32_t>(args, 3);
-  const int32_t* free = ArgData<int32_t>(args, 4);
-  const int32_t e = *ArgData<int32_t>(args, 5);
-  const int64_t z = static_cast<int64_t>(args.get<ffi::AnyBuffer>(1).value().element_count());
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "MchFromHash: expected 11 operands and 11 results");
+  const int32_t* sid = ArgData<int32_t>(args, 1);
+  const int32_t* meta = ArgData<int32_t>(args, 2);
+  const int32_t* free = ArgData<int32_t>(args, 3);
+  const int32_t e = *ArgData<int32_t>(args, 4);
+  const int64_t z = static_cast<int64_t>(args.get<ffi::AnyBuffer>(2).value().element_count());
   int32_t* hi = RetData<int32_t>(rets, 0);
   uint32_t* lo = RetData<uint32_t>(rets, 1);
   int32_t* slots = RetData<int32_t>(rets, 2);
@@ -1747,7 +1777,7 @@ ffi::Error MchFromHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int
   key.reserve(z);
   val.reserve(z);
   for (int64_t slot = 0; slot < z - 1; ++slot) {
-    const int64_t k = Key(shi[slot], slo[slot]);
+    const int64_t k = Key(sid[2 * slot], static_cast<uint32_t>(sid[2 * slot + 1]));
     if (k == kEmpty) continue;
     key.push_back(static_cast<uint64_t>(k) ^ kSign);
     val.push_back(static_cast<uint32_t>(slot));
@@ -1759,8 +1789,8 @@ ffi::Error MchFromHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int
   tmp_val.resize(r);
   RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), r);
   const auto put = [&](int64_t j, int32_t slot) {
-    hi[j] = shi[slot];
-    lo[j] = slo[slot];
+    hi[j] = sid[2 * slot];
+    lo[j] = static_cast<uint32_t>(sid[2 * slot + 1]);
     slots[j] = slot;
     kept[j] = meta[slot];
     other[j] = 0;
@@ -1768,9 +1798,9 @@ ffi::Error MchFromHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int
   for (int64_t j = 0; j < r; ++j) put(j, static_cast<int32_t>(val[j]));
   for (int32_t k = 0; k < e; ++k) put(r + k, free[k]);
   put(z - 1, static_cast<int32_t>(z - 1));
-  for (size_t i = 6; i < kHashedLeaves; ++i) {  // the window and the counters as they are
+  for (size_t i = 5; i < kHashedLeaves; ++i) {  // the window and the counters as they are
     ffi::AnyBuffer in = args.get<ffi::AnyBuffer>(i).value();
-    std::memcpy(rets.get<ffi::AnyBuffer>(i - 1).value()->untyped_data(), in.untyped_data(), in.size_bytes());
+    std::memcpy(rets.get<ffi::AnyBuffer>(i).value()->untyped_data(), in.untyped_data(), in.size_bytes());
   }
   return ffi::Error::Success();
 }

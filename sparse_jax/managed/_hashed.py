@@ -42,8 +42,8 @@ class MCHHashState(NamedTuple):
     """One table's id map in the hashed form (a pytree, carried through the training step)."""
 
     table: jax.Array  # int32[buckets * 4]: (id hi, id lo, slot, unused); slot -1: free bucket
-    ids_hi: jax.Array  # int32[Z]: the id at each slot (INT64_MAX: empty, and the default slot)
-    ids_lo: jax.Array  # uint32[Z]
+    ids: jax.Array  # int32[2Z]: the id at each slot, its (hi, lo) words side by side (INT64_MAX:
+    # empty, and the default slot): one cache line for both
     meta: jax.Array  # int32[Z]: the policy's metadata at each slot (LFU count, else last access)
     free: jax.Array  # int32[Z]: the empty entries' slots in their sorted order, then -1
     free_count: jax.Array  # int32: how many entries are empty
