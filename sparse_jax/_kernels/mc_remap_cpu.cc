@@ -1324,35 +1324,42 @@ std::vector<int64_t> IdsAt(const Hashed& s, const int64_t* slots, int64_t c) {
 
 // `slots` in the sorted form's order of loss: lowest `score` first, then the later entry
 // first (the larger id; empty entries after every id, the later of them first: their order in
-// `free`). Two stable radix sorts: by that order descending, then by score.
-void InLossOrder(std::vector<int64_t>& slots, const int32_t* score, const Hashed& s) {
+// `free`). Two stable radix sorts: by that order descending, then by score. `ids_out`, when
+// given, receives each slot's id in the same order (read once here: the caller's too).
+void InLossOrder(std::vector<int64_t>& slots, const int32_t* score, const Hashed& s,
+                 std::vector<int64_t>* ids_out = nullptr) {
   const int64_t c = static_cast<int64_t>(slots.size());
-  if (c < 2) return;
-  std::vector<uint64_t> key(c), tmp_key(c);
-  std::vector<uint32_t> val(c), tmp_val(c);
-  const std::vector<int64_t> ids = IdsAt(s, slots.data(), c);
-  // empty entries first (key 0), the later first (`free` read from its end); then ids
-  // descending (key >= 1: no id is kEmpty)
-  std::vector<int64_t> empties;
-  for (int64_t i = 0; i < c; ++i)
-    if (ids[i] == kEmpty) empties.push_back(slots[i]);
-  int64_t at = 0;
-  if (!empties.empty()) {
-    std::sort(empties.begin(), empties.end());
-    for (int32_t k = *s.free_count - 1; k >= 0 && at < static_cast<int64_t>(empties.size()); --k)
-      if (std::binary_search(empties.begin(), empties.end(), static_cast<int64_t>(s.free[k])))
-        key[at] = 0, val[at++] = static_cast<uint32_t>(s.free[k]);
+  std::vector<int64_t> ids = IdsAt(s, slots.data(), c);
+  if (c >= 2) {
+    std::vector<uint64_t> key(c), tmp_key(c);
+    std::vector<uint32_t> val(c), tmp_val(c);  // indices into `slots`
+    // empty entries first (key 0), the later first (`free` read from its end); then ids
+    // descending (key >= 1: no id is kEmpty)
+    std::vector<std::pair<int64_t, uint32_t>> empties;  // (slot, index)
+    for (int64_t i = 0; i < c; ++i)
+      if (ids[i] == kEmpty) empties.push_back({slots[i], static_cast<uint32_t>(i)});
+    int64_t at = 0;
+    if (!empties.empty()) {
+      std::sort(empties.begin(), empties.end());
+      for (int32_t k = *s.free_count - 1; k >= 0 && at < static_cast<int64_t>(empties.size()); --k) {
+        const auto it = std::lower_bound(empties.begin(), empties.end(), std::make_pair(int64_t(s.free[k]), 0u));
+        if (it != empties.end() && it->first == s.free[k]) key[at] = 0, val[at++] = it->second;
+      }
+    }
+    for (int64_t i = 0; i < c; ++i) {
+      if (ids[i] == kEmpty) continue;
+      key[at] = ~(static_cast<uint64_t>(ids[i]) ^ kSign);
+      val[at++] = static_cast<uint32_t>(i);
+    }
+    RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), c);
+    for (int64_t i = 0; i < c; ++i) key[i] = static_cast<uint32_t>(score[slots[val[i]]]) ^ 0x80000000u;
+    RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), c);
+    std::vector<int64_t> in_order(c), ids_in_order(c);
+    for (int64_t i = 0; i < c; ++i) in_order[i] = slots[val[i]], ids_in_order[i] = ids[val[i]];
+    slots.swap(in_order);
+    ids.swap(ids_in_order);
   }
-  for (int64_t i = 0; i < c; ++i) {
-    const int64_t k = ids[i];
-    if (k == kEmpty) continue;
-    key[at] = ~(static_cast<uint64_t>(k) ^ kSign);
-    val[at++] = static_cast<uint32_t>(slots[i]);
-  }
-  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), c);
-  for (int64_t i = 0; i < c; ++i) key[i] = static_cast<uint32_t>(score[val[i]]) ^ 0x80000000u;
-  RadixSort(key.data(), val.data(), tmp_key.data(), tmp_val.data(), c);
-  for (int64_t i = 0; i < c; ++i) slots[i] = val[i];
+  if (ids_out) *ids_out = std::move(ids);
 }
 
 // The `need` latest of the slots [0, n) whose score is `bound`, latest first: the empty
@@ -1361,11 +1368,13 @@ void InLossOrder(std::vector<int64_t>& slots, const int32_t* score, const Hashed
 // it keeps the largest `need` (a selection) and from then on skips ids below the smallest of
 // them (with many slots at the bound, as LFU's count 1 under uniform ids, most are skipped
 // by one compare).
-std::vector<int64_t> LatestAt(const int32_t* score, int64_t n, int32_t bound, int64_t need, const Hashed& s) {
+std::vector<int64_t> LatestAt(const int32_t* score, int64_t n, int32_t bound, int64_t need, const Hashed& s,
+                              std::vector<int64_t>* ids_out) {
   std::vector<int64_t> out;
   out.reserve(need);
   for (int32_t k = *s.free_count - 1; k >= 0 && static_cast<int64_t>(out.size()) < need; --k)
     if (score[s.free[k]] == bound) out.push_back(s.free[k]);
+  ids_out->assign(out.size(), kEmpty);
   const int64_t rest = need - static_cast<int64_t>(out.size());
   if (rest == 0) return out;
   struct Candidate {
@@ -1399,15 +1408,26 @@ std::vector<int64_t> LatestAt(const int32_t* score, int64_t n, int32_t bound, in
     if (score[j] == bound) consider(j);
   const int64_t take = std::min<int64_t>(rest, static_cast<int64_t>(kept.size()));
   std::partial_sort(kept.begin(), kept.begin() + take, kept.end(), larger);
-  for (int64_t i = 0; i < take; ++i) out.push_back(kept[i].slot);
+  for (int64_t i = 0; i < take; ++i) {
+    out.push_back(kept[i].slot);
+    ids_out->push_back(static_cast<int64_t>(kept[i].key ^ kSign));
+  }
   return out;
 }
 
-// The `m` weakest of the slots [0, n) by `score`, in the sorted form's order of loss
-// (`InLossOrder`): a bound guessed from a sample (`GuessBound`) or the exact m-th lowest score
-// (`MthLowest`), the slots below it collected in one pass (`Below`), and when those are too few
-// the latest of the slots at it (`LatestAt`).
-std::vector<int64_t> WeakestHashed(const int32_t* score, int64_t n, int64_t m, const Hashed& s) {
+// The slots that lose to new ids, in the sorted form's order of loss (`InLossOrder`): the
+// i-th best new id (`mine(i)`: its score) wins iff it beats the i-th weakest slot, for the
+// first `won` of the `m` candidates (`won` is set). The m lowest scores are found first, by
+// scores alone: a bound guessed from a sample (`GuessBound`) or the exact m-th lowest score
+// (`MthLowest`), the slots below it collected in one pass (`Below`). Only the `won` that lose
+// are then ordered (ids read): those below the won-th lowest score, then the latest at it
+// (from those collected, or `LatestAt` when it is the bound). With few winners (LFU under
+// uniform ids: a handful a call) that is a handful of ids, not m.
+template <class Mine>
+std::vector<int64_t> LosersHashed(const int32_t* score, int64_t n, int64_t m, const Hashed& s, Mine mine,
+                                  int64_t* won, std::vector<int64_t>* ids) {
+  *won = 0;
+  ids->clear();
   if (m <= 0) return {};
   int32_t bound;
   int64_t equal = 0;
@@ -1415,12 +1435,7 @@ std::vector<int64_t> WeakestHashed(const int32_t* score, int64_t n, int64_t m, c
   bool exact = false;
   if (GuessBound(score, n, m, &bound)) {
     under = Below(score, n, bound, 2 * m, &equal);
-    if (static_cast<int64_t>(under.size()) >= m) {  // the m weakest are among them
-      InLossOrder(under, score, s);
-      under.resize(m);
-      return under;
-    }
-    exact = static_cast<int64_t>(under.size()) + equal >= m;  // the bound is the m-th lowest
+    exact = static_cast<int64_t>(under.size()) + equal >= m;  // the m weakest are within reach
   }
   if (!exact) {
     const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 10)));
@@ -1428,11 +1443,39 @@ std::vector<int64_t> WeakestHashed(const int32_t* score, int64_t n, int64_t m, c
     bound = static_cast<int32_t>(static_cast<int64_t>(mth.low) + mth.t);
     under = Below(score, n, bound, mth.below, &equal);
   }
-  // every slot below the bound loses, then the latest of those at it
-  InLossOrder(under, score, s);
-  const std::vector<int64_t> at = LatestAt(score, n, bound, m - static_cast<int64_t>(under.size()), s);
-  under.insert(under.end(), at.begin(), at.end());
-  return under;
+  // the m lowest scores ascending: those collected (sorted by score alone), then the bound
+  const int64_t c = static_cast<int64_t>(under.size());
+  std::vector<uint64_t> key(c), tmp_key(c);
+  std::vector<uint32_t> order(c), tmp_order(c);
+  for (int64_t i = 0; i < c; ++i) {
+    key[i] = static_cast<uint32_t>(score[under[i]]) ^ 0x80000000u;
+    order[i] = static_cast<uint32_t>(i);
+  }
+  RadixSort(key.data(), order.data(), tmp_key.data(), tmp_order.data(), c);
+  const auto lowest = [&](int64_t i) { return i < c ? score[under[order[i]]] : bound; };
+  while (*won < m && mine(*won) > lowest(*won)) ++*won;
+  if (*won == 0) return {};
+  // the losers: every slot below the won-th lowest score `t`, then the latest at it
+  const int32_t t = lowest(*won - 1);
+  std::vector<int64_t> below, at;
+  for (int64_t i = 0; i < c; ++i) {
+    const int64_t slot = under[i];
+    if (score[slot] < t) below.push_back(slot);
+    else if (score[slot] == t) at.push_back(slot);
+  }
+  const int64_t need = *won - static_cast<int64_t>(below.size());
+  std::vector<int64_t> at_ids;
+  InLossOrder(below, score, s, ids);
+  if (t == bound && static_cast<int64_t>(at.size()) < need) {
+    at = LatestAt(score, n, bound, need, s, &at_ids);  // (those at the bound were not collected)
+  } else {
+    InLossOrder(at, score, s, &at_ids);
+    at.resize(need);
+    at_ids.resize(need);
+  }
+  below.insert(below.end(), at.begin(), at.end());
+  ids->insert(ids->end(), at_ids.begin(), at_ids.end());
+  return below;
 }
 
 // `Evict` on the hashed form: the same decisions (see there), the same returns; instead of
@@ -1486,7 +1529,7 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
     std::vector<uint64_t> key(f), tmp_key(f);
     std::vector<uint32_t> tmp_val(f);
     for (int64_t i = 0; i < f; ++i) key[i] = static_cast<uint64_t>(wids[fresh[i]]) ^ kSign;
-    RadixSort(key.data(), fresh.data(), tmp_key.data(), tmp_val.data(), f);
+    SortKeys(key.data(), fresh.data(), tmp_key.data(), tmp_val.data(), f);  // (distinct ids)
   }
   const std::vector<uint32_t> best = BestFirst(fresh, win, lfu, step);
   std::vector<int32_t> ttl_score;
@@ -1499,14 +1542,15 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
   }
   const int32_t* score = policy == kTtl ? ttl_score.data() : meta;
   const int64_t m = std::min<int64_t>(f, z - 1);
-  const std::vector<int64_t> weak = WeakestHashed(score, z - 1, m, s);
   int64_t won = 0;
-  while (won < m) {
-    const uint32_t w = fresh[best[won]];
-    const int32_t mine = policy == kTtl ? step : lfu ? win.count[w] : win.last[w];
-    if (!(mine > score[weak[won]])) break;
-    ++won;
-  }
+  std::vector<int64_t> lost_ids;  // (each loser's id, read once by the selection)
+  const std::vector<int64_t> weak = LosersHashed(
+      score, z - 1, m, s,
+      [&](int64_t i) {
+        const uint32_t w = fresh[best[i]];
+        return policy == kTtl ? step : lfu ? win.count[w] : win.last[w];
+      },
+      &won, &lost_ids);
   *s.used = 0;
   std::memset(s.wstep, 0, sizeof(int32_t) * s.h);
   *s.last_eviction = step;
@@ -1530,8 +1574,7 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
     for (int64_t i = 0; i < won; ++i) slot_out[fresh[best[i]]] = won_slot[best[i]];
   }
   // the losers leave: an id's bucket freed, an empty entry's place in `free` closed
-  // (in two passes, each prefetching ahead: the losers' ids, then their buckets)
-  const std::vector<int64_t> lost_ids = IdsAt(s, weak.data(), won);
+  // (their buckets prefetched ahead)
   int64_t empties_lost = 0;
   for (int64_t i = 0; i < won; ++i) {
     if (i + kAhead < won && lost_ids[i + kAhead] != kEmpty) {
