@@ -267,9 +267,10 @@ def test_a_managed_module_trains_the_same_numbers_with_and_without_the_hashed_fo
     with `mc_state` read between steps (a checkpoint's read), a map loaded midway, maps
     replaced as a whole, and eval batches between training batches. One hashed table beside
     a sorted one (distance_lfu has no kernel), then two hashed tables in one program."""
-    modules = {flag: _module(flag, policy, items) for flag in (None, False)}
+    modules = {flag: _module(flag, policy, items) for flag in (True, False)}
     hashed = {"users"} if items == "distance_lfu" else {"users", "items"}
-    assert modules[None].hashed_tables == hashed
+    assert modules[True].hashed_tables == hashed
+    assert _module(None, policy, items).hashed_tables == frozenset()  # small maps: sorted
     assert modules[False].hashed_tables == frozenset()
     rule = rowwise_adagrad(lr=0.1)
     runs = {}
@@ -293,10 +294,10 @@ def test_a_managed_module_trains_the_same_numbers_with_and_without_the_hashed_fo
                 maps["users"] = module.mc.modules["users"].init()
                 module.mc_state = maps
         runs[flag] = (seen, params, jax.tree.map(np.asarray, module.host_state()))
-        if flag is None:
+        if flag:
             for name in hashed:
                 assert isinstance(module._maps[name], _hashed.MCHHashState)  # trains hashed
-    (seen_h, params_h, state_h), (seen_s, params_s, state_s) = runs[None], runs[False]
+    (seen_h, params_h, state_h), (seen_s, params_s, state_s) = runs[True], runs[False]
     for step, (a, b) in enumerate(zip(seen_h, seen_s, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"rows of call {step}")
     for name in params_h:
@@ -314,7 +315,7 @@ def test_a_ttl_map_trains_hashed_in_a_module():
             )
         },
     )
-    module = ManagedCollisionSparseModule(mc)
+    module = ManagedCollisionSparseModule(mc, hashed=True)
     assert module.hashed_tables == {"t"}
     plain = MCHManagedCollisionModule(30, history_capacity=16, eviction_policy="ttl", single_ttl=2)
     state, call = plain.init(), jax.jit(plain.profile_remap)
@@ -387,12 +388,11 @@ def test_the_hashed_training_program_updates_its_maps_in_place_without_copying_t
     from sparse_jax.managed._unsharded import RemapSpec, _build
 
     module, _, _, args = managed_remap_case(history_capacity=64)
-    assert module.hashed_tables == {"u"}
     spec = RemapSpec(
         (("u", module.mc.modules["u"], "", 0),), module.mc.reset_plan(module.managed_tables)
     )
     program = _build(spec)
-    maps = program.hash(args[2], module.hashed_tables)
+    maps = program.hash(args[2], frozenset({"u"}))
     assert isinstance(maps["u"], _hashed.MCHHashState)
     lowered = program.train.trace(*args[:2], maps, *args[3:]).lower(lowering_platforms=("cpu",))
     text = lowered.compile().as_text()
@@ -419,3 +419,28 @@ def test_a_reset_refuses_evicted_rows_of_another_length():
             limits={"t": 4},
             blocks={"t": [RowBlock("w", 0, 0, 10, 0, 2)]},
         )
+
+
+def test_maps_of_2_20_slots_or_more_train_hashed_and_smaller_ones_sorted():
+    """The default choice (`hashed=None`): the hashed form from `HASHED_MIN_SLOTS` slots on,
+    for the kernel's policies; `hashed=True` any size, `False` none."""
+    assert _hashed.HASHED_MIN_SLOTS == 1 << 20
+    tables = [
+        EmbeddingBagConfig(name=n, num_embeddings=z, embedding_dim=2, feature_names=[n])
+        for n, z in (("big", 1 << 20), ("small", (1 << 20) - 1), ("dist", 1 << 20))
+    ]
+    policies = {"big": "lfu", "small": "lru", "dist": "distance_lfu"}
+
+    def build(hashed):
+        modules = {
+            t.name: MCHManagedCollisionModule(
+                t.num_embeddings, history_capacity=8, eviction_policy=policies[t.name]
+            )
+            for t in tables
+        }
+        mc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables), modules)
+        return ManagedCollisionSparseModule(mc, hashed=hashed).hashed_tables
+
+    assert build(None) == {"big"}
+    assert build(True) == {"big", "small"}  # distance_lfu has no kernel
+    assert build(False) == frozenset()

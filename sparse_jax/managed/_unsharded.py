@@ -61,11 +61,11 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
     (`RawIds.words()`, for a JAX KJT with x64 off); an unmanaged feature's ids are checked
     against its table as usual, a managed feature's may be any int64 but `2**63 - 1`.
 
-    On CPU with the kernels built, the maps of the kernel's policies train in the hashed
-    form (`_hashed`: no moves of sorted entries at an eviction; the same slots bit for bit);
-    `mc_state` is always the sorted form, read back from it once per training step that
-    changed it. `hashed=False` keeps every map sorted (`None`: the hashed form where it
-    runs).
+    On CPU with the kernels built, the maps of the kernel's policies with at least
+    `_hashed.HASHED_MIN_SLOTS` (2^20) slots train in the hashed form (`_hashed`: no moves of
+    sorted entries at an eviction; the same slots bit for bit); `mc_state` is always the
+    sorted form, read back from it once per training step that changed it. `hashed=True`
+    trains every map it can run for hashed (any size), `False` keeps every map sorted.
     """
 
     def __init__(self, mc: ManagedCollisionCollection, *, hashed: bool | None = None):
@@ -95,7 +95,7 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
         self.hashed_tables = frozenset(
             name
             for name in self.managed_tables
-            if hashed is not False and _hashed.hashes(self.mc.modules[name])
+            if hashed is not False and _hashed.hashes(self.mc.modules[name], forced=bool(hashed))
         )
 
     # -- the id maps: each table's map in its training form (`_maps`: sorted, or hashed once a
