@@ -26,7 +26,7 @@ from sparse_jax import (
 from sparse_jax.managed import _hashed
 from sparse_jax.optim import rowwise_adagrad
 from tests.reference import ManagedCollisionLoop
-from tests.test_managed_kernel import _stream
+from tests.test_managed_kernel import STREAM_CASES, _stream
 
 pytestmark = pytest.mark.skipif(
     not _kernels.available(), reason="the CPU kernels cannot be built here"
@@ -91,16 +91,7 @@ def _run_both(mc, batches, *, oracle=None):
 
 
 @pytest.mark.parametrize(
-    ("policy", "interval", "threshold", "zipf", "zch", "batch", "pool", "steps"),
-    [
-        ("ttl:2", 1, 1, True, 23, 20, 60, 40),
-        ("ttl:4", 2, 2, False, 23, 20, 60, 40),
-        ("lru", 1, 1, True, 23, 20, 60, 40),
-        ("lfu", 1, 1, False, 23, 20, 60, 40),
-        ("lru", 3, 2, False, 23, 20, 60, 40),
-        ("lfu", 2, 2, True, 23, 20, 60, 40),
-        ("lru", 1, 1, False, 4096, 1536, 6000, 8),
-    ],
+    ("policy", "interval", "threshold", "zipf", "zch", "batch", "pool", "steps"), STREAM_CASES
 )
 def test_the_hashed_form_makes_the_sorted_forms_every_decision(
     two_threads, policy, interval, threshold, zipf, zch, batch, pool, steps

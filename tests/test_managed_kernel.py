@@ -72,18 +72,22 @@ def _stream(seed, steps, batch, pool, zipf):
         yield np.where(valid, ids, 0), valid
 
 
+# (policy, interval, threshold, zipf, zch, batch, pool, steps) of the random-stream
+# comparisons (also the hashed form's, tests/test_managed_hashed.py)
+STREAM_CASES = [
+    ("ttl:2", 1, 1, True, 23, 20, 60, 40),
+    ("ttl:4", 2, 2, False, 23, 20, 60, 40),
+    ("lru", 1, 1, True, 23, 20, 60, 40),
+    ("lfu", 1, 1, False, 23, 20, 60, 40),
+    ("lru", 3, 2, False, 23, 20, 60, 40),
+    ("lfu", 2, 2, True, 23, 20, 60, 40),
+    # large enough for the kernels' threaded passes (selection, search, lookup)
+    ("lru", 1, 1, False, 4096, 1536, 6000, 8),
+]
+
+
 @pytest.mark.parametrize(
-    ("policy", "interval", "threshold", "zipf", "zch", "batch", "pool", "steps"),
-    [
-        ("ttl:2", 1, 1, True, 23, 20, 60, 40),
-        ("ttl:4", 2, 2, False, 23, 20, 60, 40),
-        ("lru", 1, 1, True, 23, 20, 60, 40),
-        ("lfu", 1, 1, False, 23, 20, 60, 40),
-        ("lru", 3, 2, False, 23, 20, 60, 40),
-        ("lfu", 2, 2, True, 23, 20, 60, 40),
-        # large enough for the kernels' threaded passes (selection, search, lookup)
-        ("lru", 1, 1, False, 4096, 1536, 6000, 8),
-    ],
+    ("policy", "interval", "threshold", "zipf", "zch", "batch", "pool", "steps"), STREAM_CASES
 )
 def test_the_kernel_gives_the_xla_forms_state_and_the_oracles_slots(
     xla_form, policy, interval, threshold, zipf, zch, batch, pool, steps
