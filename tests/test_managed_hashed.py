@@ -435,3 +435,40 @@ def test_maps_of_2_20_slots_or_more_train_hashed_and_smaller_ones_sorted():
     assert build(None) == {"big"}
     assert build(True) == {"big", "small"}  # distance_lfu has no kernel
     assert build(False) == frozenset()
+
+
+def _fmix64(k: np.ndarray) -> np.ndarray:
+    """murmur3's 64-bit finalizer (the kernel's `Mix`), on uint64."""
+    with np.errstate(over="ignore"):
+        k = k ^ (k >> np.uint64(33))
+        k = k * np.uint64(0xFF51AFD7ED558CCD)
+        k = k ^ (k >> np.uint64(33))
+        k = k * np.uint64(0xC4CEB9FE1A85EC53)
+        return k ^ (k >> np.uint64(33))
+
+
+def test_ids_that_collide_unseeded_spread_over_a_seeded_table_and_the_seed_changes_nothing():
+    """A map's hash is seeded when it is hashed: ids chosen so that the unseeded hash sends
+    every one of them to bucket 0 (a single probe run as long as they are many) land in short
+    runs; and two conversions of one map (two seeds) train the same slots and state."""
+    z = 4096
+    mc = MCHManagedCollisionModule(z, history_capacity=1024, eviction_policy="lru")
+    bits = (_hashed.buckets(z) - 1).bit_length()
+    rng = np.random.default_rng(0)
+    draws = rng.integers(1, 2**62, size=12_000_000, dtype=np.int64)
+    flood = draws[(_fmix64(draws.view(np.uint64)) >> np.uint64(64 - bits)) == 0][:1024]
+    assert len(flood) == 1024  # every one in bucket 0 without a seed
+    sorted_call, hashed_call, to_hashed, to_sorted, _ = _forms(mc)
+    a = to_hashed(mc.init())
+    b = to_hashed(mc.init())
+    assert not np.array_equal(np.asarray(a.table)[:8], np.asarray(b.table)[:8])  # two seeds
+    s_state = mc.init()
+    args = (RawIds.from_int64(flood), np.ones(1024, bool))
+    s_state, _, _, s_slots = sorted_call(s_state, *args)
+    for h_state in (a, b):
+        h_state, _, _, h_slots = hashed_call(h_state, *args)
+        np.testing.assert_array_equal(np.asarray(h_slots), np.asarray(s_slots))
+        _same_state(to_sorted(h_state), s_state, "flooded")
+        occupied = np.asarray(h_state.table).reshape(-1, 4)[:, 2] >= 0
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], occupied.astype(np.int8), [0]])))
+        assert int((edges[1::2] - edges[::2]).max()) < 64  # no run near the 1,024 ids

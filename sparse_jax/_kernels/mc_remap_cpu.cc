@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -1156,7 +1157,8 @@ ffi::Error MaskPositionsImpl(ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffe
 // for the window's ids. The hashed form keeps each slot's id and policy metadata at the slot
 // (`ids`: [Z] pairs of words; `meta`: [Z]; the default slot `Z - 1` holding the default entry's), an
 // open-addressing table from id to slot (linear probing over 2^k buckets of four words: id hi,
-// id lo, slot, unused; slot -1 marks a free bucket; at most half full), and the empty entries'
+// id lo, slot, unused (buckets 0 and 1: the seed, `SeedOf`); slot -1 marks a free bucket; at
+// most half full), and the empty entries'
 // slots in their sorted-form order (`free`, its first `free_count`). An eviction looks the
 // window's ids up (a cache miss or two each, prefetched), selects the losers among the slots'
 // scores (ties: the larger id loses first, as the later sorted entry does; empty entries come
@@ -1184,7 +1186,7 @@ inline uint32_t LoOf(int64_t k) { return static_cast<uint32_t>(static_cast<uint6
 // which with the distinct ids stays in the core's cache. (The sorted form needs the ids
 // ascending for its scan; the hashed form only the new ids', sorted after.)
 void CoalesceByHash(const int32_t* whi, const uint32_t* wlo, const int32_t* wstep, int64_t n,
-                    Coalesced& out) {
+                    uint64_t seed, Coalesced& out) {
   static thread_local std::vector<int32_t> index_buf;
   int bits = 4;
   while ((int64_t(1) << bits) < 2 * n) ++bits;
@@ -1200,7 +1202,9 @@ void CoalesceByHash(const int32_t* whi, const uint32_t* wlo, const int32_t* wste
   int32_t* const count = out.count.data();
   int32_t* const last = out.last.data();
   int32_t* const of = out.of.data();
-  const auto home = [shift](int64_t k) { return static_cast<int64_t>(Mix(static_cast<uint64_t>(k)) >> shift); };
+  const auto home = [shift, seed](int64_t k) {
+    return static_cast<int64_t>(Mix(static_cast<uint64_t>(k) ^ seed) >> shift);
+  };
   constexpr int64_t kAhead = 16;
   int32_t u = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -1225,6 +1229,21 @@ void CoalesceByHash(const int32_t* whi, const uint32_t* wlo, const int32_t* wste
   out.last.resize(u);
 }
 
+// A map's hash seed: drawn when the map is hashed (`MchToHash`) and kept in the unused word
+// of buckets 0 and 1, so ids chosen to collide under one map's seed do not under another's
+// (an unseeded hash lets a stream of such ids turn every lookup into a walk of one long run).
+// The buckets' layout decides nothing (every decision is by id and score): any seed gives the
+// same slots.
+inline uint64_t SeedOf(const int32_t* table) {
+  return static_cast<uint64_t>(static_cast<uint32_t>(table[3])) |
+         static_cast<uint64_t>(static_cast<uint32_t>(table[7])) << 32;
+}
+
+inline uint64_t FreshSeed() {
+  std::random_device device;
+  return static_cast<uint64_t>(device()) << 32 | device();
+}
+
 struct Hashed {
   int32_t* table;  // [buckets][4]
   int64_t mask;    // buckets - 1
@@ -1242,7 +1261,10 @@ struct Hashed {
   int32_t* last_eviction;
   int64_t z, h;
   inline int64_t id(int64_t slot) const { return Key(ids[2 * slot], static_cast<uint32_t>(ids[2 * slot + 1])); }
-  inline int32_t* bucket(int64_t k) const { return table + 4 * static_cast<int64_t>(Mix(k) >> shift); }
+  uint64_t seed;   // mixed into every id before it is hashed (`SeedOf`)
+  inline int32_t* bucket(int64_t k) const {
+    return table + 4 * static_cast<int64_t>(Mix(static_cast<uint64_t>(k) ^ seed) >> shift);
+  }
 };
 
 // log2 of the buckets for `z` entries: a power of two at least 2z.
@@ -1294,7 +1316,7 @@ void Erase(const Hashed& t, int64_t k) {
     // the entry at j stays when its home lies cyclically in (i, j]
     const bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
     if (stays) continue;
-    std::memcpy(t.table + 4 * i, e, 4 * sizeof(int32_t));
+    std::memcpy(t.table + 4 * i, e, 3 * sizeof(int32_t));  // (not the unused word: `SeedOf`)
     i = j;
   }
   t.table[4 * i + 2] = -1;
@@ -1489,7 +1511,7 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
   const int32_t step = *s.step;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(*s.used, 0), s.h);
   Coalesced& win = const_cast<Coalesced&>(EvictWindow());
-  CoalesceByHash(s.whi, s.wlo, s.wstep, n, win);
+  CoalesceByHash(s.whi, s.wlo, s.wstep, n, s.seed, win);
   const int64_t u = static_cast<int64_t>(win.ids.size());  // in the order first seen
   const int64_t* const wids = win.ids.data();
   const int32_t* const wcount = win.count.data();
@@ -1648,6 +1670,7 @@ Hashed TakeHashed(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets
   const int64_t buckets = static_cast<int64_t>(args.get<ffi::AnyBuffer>(0).value().element_count()) / 4;
   s.mask = buckets - 1;
   s.shift = 64 - BucketBits(buckets);
+  s.seed = SeedOf(s.table);
   s.ids = Took<int32_t>(args, rets, 1);
   s.meta = Took<int32_t>(args, rets, 2);
   s.free = Took<int32_t>(args, rets, 3);
@@ -1732,6 +1755,7 @@ ffi::Error MchHashRemapImpl(ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> i
   const int64_t buckets = static_cast<int64_t>(table.element_count()) / 4;
   t.mask = buckets - 1;
   t.shift = 64 - BucketBits(buckets);
+  t.seed = SeedOf(t.table);
   const int32_t* ih = ids_hi.typed_data();
   const uint32_t* il = ids_lo.typed_data();
   int32_t* o = out->typed_data();
@@ -1778,6 +1802,9 @@ ffi::Error MchToHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32
   s.meta = RetData<int32_t>(rets, 2);
   s.free = RetData<int32_t>(rets, 3);
   std::memset(s.table, 0xFF, sizeof(int32_t) * 4 * buckets);  // every bucket free (slot -1)
+  s.seed = FreshSeed();
+  s.table[3] = static_cast<int32_t>(static_cast<uint32_t>(s.seed));
+  s.table[7] = static_cast<int32_t>(static_cast<uint32_t>(s.seed >> 32));
   int32_t e = 0;
   for (int64_t j = 0; j < z; ++j) {
     const int32_t slot = slots[j];

@@ -50,7 +50,8 @@ __all__ = [
 class MCHHashState(NamedTuple):
     """One table's id map in the hashed form (a pytree, carried through the training step)."""
 
-    table: jax.Array  # int32[buckets * 4]: (id hi, id lo, slot, unused); slot -1: free bucket
+    table: jax.Array  # int32[buckets * 4]: (id hi, id lo, slot, unused; slot -1: free bucket;
+    # the unused word of buckets 0 and 1: the map's hash seed, drawn when it is hashed)
     ids: jax.Array  # int32[2Z]: the id at each slot, its (hi, lo) words side by side (INT64_MAX:
     # empty, and the default slot): one cache line for both
     meta: jax.Array  # int32[Z]: the policy's metadata at each slot (LFU count, else last access)
