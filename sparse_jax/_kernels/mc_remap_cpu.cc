@@ -724,6 +724,22 @@ void MoveAllRuns(uint32_t* const* cols, int k, const std::vector<Run>& runs, boo
 // "distance_lfu" (float scores) is not here: its CPU lowering is the XLA form.
 enum Policy : int32_t { kLru = 0, kLfu = 1, kTtl = 2 };
 
+// The policies' numbers, one definition for the sorted and the hashed form's evictions:
+// a resident id's kept metadata once the window saw it `count` times, last at `last` (LFU: the
+// count added, saturating; else the last access); a TTL entry's score (an empty entry 0, an
+// expired one, `step - last > ttl`, its last access, a live one INT32_MAX); a new id's score.
+inline int32_t SeenMeta(bool lfu, int32_t kept, int32_t count, int32_t last) {
+  return !lfu ? last : kept > INT32_MAX - count ? INT32_MAX : kept + count;
+}
+
+inline int32_t TtlScore(bool empty, int32_t last, int32_t step, int32_t ttl) {
+  return empty ? 0 : step - last > ttl ? last : INT32_MAX;
+}
+
+inline int32_t NewIdScore(int32_t policy, int32_t step, int32_t count, int32_t last) {
+  return policy == kTtl ? step : policy == kLfu ? count : last;
+}
+
 // The new ids (`fresh`: window indices, ascending by id) best first, as indices into
 // `fresh`: LFU count descending, LRU last access descending then count descending; ties keep
 // the id order (the sort is stable).
@@ -797,8 +813,7 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
         slot_out[w] = s.slots[pos];
       }
       if (wcount[w] < threshold) return;
-      const int32_t c = meta[pos];
-      meta[pos] = !lfu ? wlast[w] : c > INT32_MAX - wcount[w] ? INT32_MAX : c + wcount[w];
+      meta[pos] = SeenMeta(lfu, meta[pos], wcount[w], wlast[w]);
     };
     int64_t from = 0;
     for (int64_t i = u * id / threads; i < u * (id + 1) / threads; ++i) {
@@ -842,8 +857,7 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
   if (policy == kTtl) {
     ttl_score.resize(z);
     for (int64_t j = 0; j < z; ++j) {
-      const bool empty = res.at(j) == kEmpty;
-      ttl_score[j] = empty ? 0 : step - s.last[j] > ttl ? s.last[j] : INT32_MAX;
+      ttl_score[j] = TtlScore(res.at(j) == kEmpty, s.last[j], step, ttl);
     }
   }
   const int32_t* score = policy == kTtl ? ttl_score.data() : lfu ? s.counts : s.last;
@@ -852,8 +866,7 @@ int64_t Evict(State& s, bool* evicted, int32_t policy, int32_t threshold, int32_
   int64_t won = 0;
   while (won < m) {
     const uint32_t w = fresh[best[won]];
-    const int32_t mine = policy == kTtl ? step : lfu ? win.count[w] : win.last[w];
-    if (!(mine > score[weak[won]])) break;
+    if (!(NewIdScore(policy, step, win.count[w], win.last[w]) > score[weak[won]])) break;
     ++won;
   }
   std::memset(evicted, 0, sizeof(bool) * z);
@@ -1239,9 +1252,10 @@ inline uint64_t SeedOf(const int32_t* table) {
          static_cast<uint64_t>(static_cast<uint32_t>(table[7])) << 32;
 }
 
-inline uint64_t FreshSeed() {
+inline void PutFreshSeed(int32_t* table) {
   std::random_device device;
-  return static_cast<uint64_t>(device()) << 32 | device();
+  table[3] = static_cast<int32_t>(device());
+  table[7] = static_cast<int32_t>(device());
 }
 
 struct Hashed {
@@ -1272,6 +1286,14 @@ inline int BucketBits(int64_t buckets) {
   int bits = 0;
   while ((int64_t(1) << bits) < buckets) ++bits;
   return bits;
+}
+
+// `t` reading the table of `buckets` buckets (a power of two) at `table`, with its seed.
+inline void AttachTable(Hashed& t, int32_t* table, int64_t buckets) {
+  t.table = table;
+  t.mask = buckets - 1;
+  t.shift = 64 - BucketBits(buckets);
+  t.seed = SeedOf(table);
 }
 
 // The slot of id `k`, -1 when it is not resident.
@@ -1332,6 +1354,22 @@ void FindAll(const Hashed& t, int64_t begin, int64_t end, K key, P put) {
     if (i + kAhead < end) __builtin_prefetch(t.bucket(key(i + kAhead)));
     put(i, FindSlot(t, key(i)));
   }
+}
+
+// `FindAll` of keys [0, n), split over the threads (a part per thread when there are many).
+template <class K, class P>
+void FindAllSplit(const Hashed& t, int64_t n, K key, P put) {
+  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 12)));
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int id = 0; id < threads; ++id) FindAll(t, n * id / threads, n * (id + 1) / threads, key, put);
+}
+
+// The slot of each of the `n` ids (`ih`, `il`) into `out`, `default_slot` when not resident.
+void LookupHashed(const Hashed& t, const int32_t* ih, const uint32_t* il, int64_t n, int32_t default_slot,
+                  int32_t* out) {
+  FindAllSplit(
+      t, n, [ih, il](int64_t i) { return Key(ih[i], il[i]); },
+      [out, default_slot](int64_t i, int32_t slot) { out[i] = slot < 0 ? default_slot : slot; });
 }
 
 // The ids at the `c` slots `slots` (random places: each prefetched 16 slots ahead).
@@ -1520,12 +1558,8 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
   static thread_local std::vector<int32_t> hit_buf;
   hit_buf.resize(u);
   int32_t* const hit = hit_buf.data();
-  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(u >> 12)));
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int id = 0; id < threads; ++id)
-    FindAll(
-        s, u * id / threads, u * (id + 1) / threads, [wids](int64_t w) { return wids[w]; },
-        [hit](int64_t w, int32_t slot) { hit[w] = slot; });
+  FindAllSplit(
+      s, u, [wids](int64_t w) { return wids[w]; }, [hit](int64_t w, int32_t slot) { hit[w] = slot; });
   // residents' metadata (a resident below the threshold keeps its slot, unchanged); the
   // admitted ids that are not resident (then sorted ascending)
   if (slot_of) slot_of->assign(u, static_cast<int32_t>(z - 1));
@@ -1542,8 +1576,7 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
     }
     if (slot_out) slot_out[w] = slot;
     if (!admitted) continue;
-    const int32_t c = meta[slot];
-    meta[slot] = !lfu ? wlast[w] : c > INT32_MAX - wcount[w] ? INT32_MAX : c + wcount[w];
+    meta[slot] = SeenMeta(lfu, meta[slot], wcount[w], wlast[w]);
   }
   meta[z - 1] = lfu ? INT32_MAX : step;
   const int64_t f = static_cast<int64_t>(fresh.size());
@@ -1558,8 +1591,7 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
   if (policy == kTtl) {
     ttl_score.resize(z);
     for (int64_t j = 0; j < z; ++j) {
-      const bool empty = s.id(j) == kEmpty;
-      ttl_score[j] = empty ? 0 : step - meta[j] > ttl ? meta[j] : INT32_MAX;
+      ttl_score[j] = TtlScore(s.id(j) == kEmpty, meta[j], step, ttl);
     }
   }
   const int32_t* score = policy == kTtl ? ttl_score.data() : meta;
@@ -1570,7 +1602,7 @@ int64_t EvictHashed(const Hashed& s, int32_t* rows, int64_t limit, int32_t polic
       score, z - 1, m, s,
       [&](int64_t i) {
         const uint32_t w = fresh[best[i]];
-        return policy == kTtl ? step : lfu ? win.count[w] : win.last[w];
+        return NewIdScore(policy, step, win.count[w], win.last[w]);
       },
       &won, &lost_ids);
   *s.used = 0;
@@ -1666,11 +1698,8 @@ constexpr size_t kHashedLeaves = 11;  // sparse_jax.managed._hashed.MCHHashState
 // The hashed state's 11 buffers (in MCHHashState's order), taken into the outputs.
 Hashed TakeHashed(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
   Hashed s{};
-  s.table = Took<int32_t>(args, rets, 0);
-  const int64_t buckets = static_cast<int64_t>(args.get<ffi::AnyBuffer>(0).value().element_count()) / 4;
-  s.mask = buckets - 1;
-  s.shift = 64 - BucketBits(buckets);
-  s.seed = SeedOf(s.table);
+  AttachTable(s, Took<int32_t>(args, rets, 0),
+              static_cast<int64_t>(args.get<ffi::AnyBuffer>(0).value().element_count()) / 4);
   s.ids = Took<int32_t>(args, rets, 1);
   s.meta = Took<int32_t>(args, rets, 2);
   s.free = Took<int32_t>(args, rets, 3);
@@ -1737,12 +1766,7 @@ ffi::Error MchHashProfileRemapImpl(ffi::RemainingArgs args, ffi::RemainingRets r
     ReadOff(ih, il, ok, n, first, slot_of.data(), out, find);
   } else {
     for (int64_t i = 0; i < limit; ++i) rows[i] = static_cast<int32_t>(s.z);
-    const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 12)));
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int id = 0; id < threads; ++id)
-      FindAll(
-          s, n * id / threads, n * (id + 1) / threads, [ih, il](int64_t i) { return Key(ih[i], il[i]); },
-          [out, z1](int64_t i, int32_t slot) { out[i] = slot < 0 ? z1 : slot; });
+    LookupHashed(s, ih, il, n, z1, out);
   }
   return ffi::Error::Success();
 }
@@ -1751,21 +1775,9 @@ ffi::Error MchHashProfileRemapImpl(ffi::RemainingArgs args, ffi::RemainingRets r
 ffi::Error MchHashRemapImpl(ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> ids_hi, ffi::Buffer<ffi::U32> ids_lo,
                             ffi::Result<ffi::Buffer<ffi::S32>> out, int32_t default_slot) {
   Hashed t{};
-  t.table = const_cast<int32_t*>(table.typed_data());
-  const int64_t buckets = static_cast<int64_t>(table.element_count()) / 4;
-  t.mask = buckets - 1;
-  t.shift = 64 - BucketBits(buckets);
-  t.seed = SeedOf(t.table);
-  const int32_t* ih = ids_hi.typed_data();
-  const uint32_t* il = ids_lo.typed_data();
-  int32_t* o = out->typed_data();
-  const int64_t n = static_cast<int64_t>(ids_hi.element_count());
-  const int threads = std::max(1, std::min(omp_get_max_threads(), static_cast<int>(n >> 12)));
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int id = 0; id < threads; ++id)
-    FindAll(
-        t, n * id / threads, n * (id + 1) / threads, [ih, il](int64_t i) { return Key(ih[i], il[i]); },
-        [o, default_slot](int64_t i, int32_t slot) { o[i] = slot < 0 ? default_slot : slot; });
+  AttachTable(t, const_cast<int32_t*>(table.typed_data()), static_cast<int64_t>(table.element_count()) / 4);
+  LookupHashed(t, ids_hi.typed_data(), ids_lo.typed_data(), static_cast<int64_t>(ids_hi.element_count()),
+               default_slot, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -1794,17 +1806,14 @@ ffi::Error MchToHashImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int32
     }
   }
   Hashed s{};
-  s.table = RetData<int32_t>(rets, 0);
+  int32_t* const table = RetData<int32_t>(rets, 0);
   const int64_t buckets = static_cast<int64_t>(rets.get<ffi::AnyBuffer>(0).value()->element_count()) / 4;
-  s.mask = buckets - 1;
-  s.shift = 64 - BucketBits(buckets);
+  std::memset(table, 0xFF, sizeof(int32_t) * 4 * buckets);  // every bucket free (slot -1)
+  PutFreshSeed(table);
+  AttachTable(s, table, buckets);
   s.ids = RetData<int32_t>(rets, 1);
   s.meta = RetData<int32_t>(rets, 2);
   s.free = RetData<int32_t>(rets, 3);
-  std::memset(s.table, 0xFF, sizeof(int32_t) * 4 * buckets);  // every bucket free (slot -1)
-  s.seed = FreshSeed();
-  s.table[3] = static_cast<int32_t>(static_cast<uint32_t>(s.seed));
-  s.table[7] = static_cast<int32_t>(static_cast<uint32_t>(s.seed >> 32));
   int32_t e = 0;
   for (int64_t j = 0; j < z; ++j) {
     const int32_t slot = slots[j];

@@ -162,9 +162,8 @@ class ManagedCollisionSparseModule(ManagedModuleBase):
             cap = self._capacity(name, len(mine), devices=1)
             # (64-byte aligned: placed without a copy)
             positions[name], words[name] = aligned_zeros((cap, np.int32), ((cap, 2), np.int32))
-            positions[name][len(mine) :] = arrays[self._target[name][0]].shape[
-                0
-            ]  # padding: dropped
+            dropped = arrays[self._target[name][0]].shape[0]  # the padding's position
+            positions[name][len(mine) :] = dropped
             positions[name][: len(mine)] = mine if where is None else where[mine]
             raw_words_into(words[name], split.raw_of(name))
         words, positions = jax.device_put((words, positions), device)
